@@ -1,0 +1,262 @@
+"""The paged KV block pools: a device pool with a prefix cache, and a host pool for swap.
+
+Every change of state emits its protocol events, in order, through the event log. Each
+per-block operation is O(1): free blocks sit in a FIFO, cached blocks with no holder in an
+LRU (an OrderedDict), and prefix lookups go through a dict keyed by chained block hashes.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Iterable
+
+from engine import protocol as p
+from engine.events import EventLog
+from engine.sequence import Sequence
+from engine.state import PoolState, SeqState
+
+NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
+
+
+def hash_hex(h: int) -> str:
+    return f"{h & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, config: p.PoolConfig, log: EventLog, watermark: float = 0.01):
+        self.log = log
+        self.watermark = watermark
+        self._build(config)
+
+    def _build(self, config: p.PoolConfig) -> None:
+        n = config.num_device_blocks
+        self.config = config
+        self.block_size = config.block_size
+        self.ref_counts = [0] * n
+        self.hashes: list[int | None] = [None] * n
+        self.tokens: list[tuple[int, ...] | None] = [None] * n  # rules out hash collisions
+        self.hash_to_block: dict[int, int] = {}
+        self.free_ids: deque[int] = deque(range(n))          # never hashed: reused first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder, LRU first
+        self.host_free: deque[int] = deque(range(config.num_host_blocks))
+        self.watermark_blocks = int(self.watermark * n)
+
+    def reset(self, config: p.PoolConfig) -> None:
+        """Drop every block and sequence mapping and rebuild the pools with `config`."""
+        self._build(config)
+        self.log.emit(p.Reset(config=config))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones, and cached ones it would evict."""
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.num_blocks_for(num_tokens) <= self.config.num_device_blocks - self.watermark_blocks
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        revived = sum(1 for b in hits if not self.ref_counts[b])  # hits that leave the LRU
+        need = self.num_blocks_for(len(seq)) - len(hits) + revived
+        return self.num_free_blocks - need >= self.watermark_blocks
+
+    def _slot_needs_block(self, seq: Sequence) -> bool:
+        """Whether writing the next token needs a block: a new one, or a copy of a shared one."""
+        n, table = len(seq), seq.block_table
+        return n > len(table) * self.block_size or self.ref_counts[table[(n - 1) // self.block_size]] > 1
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= self._slot_needs_block(seq)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.host_free) >= len(seq.block_table)
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        return self.num_free_blocks - len(seq.host_table) >= self.watermark_blocks
+
+    # ------------------------------------------------------------------ prefix cache
+    def _block_hash(self, seq: Sequence, i: int) -> int:
+        """Chained hash of full block i of `seq` (memoised on the sequence)."""
+        hs, bs = seq.block_hashes, self.block_size
+        while len(hs) <= i:
+            j = len(hs)
+            hs.append(hash((hs[-1] if hs else NO_PARENT, *seq.token_ids[j * bs:(j + 1) * bs])))
+        return hs[i]
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the leading full blocks of `seq`, never its last token."""
+        if not self.config.enable_prefix_caching:
+            return []
+        bs, hits = self.block_size, []
+        for i in range((len(seq) - 1) // bs):
+            b = self.hash_to_block.get(self._block_hash(seq, i))
+            if b is None or self.tokens[b] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(b)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the full blocks among the first `num_tokens` of `seq` to the prefix cache.
+
+        Called when a step is scheduled to compute those tokens: the forward stores every
+        token's K/V before any attention reads the cache, so a hit in the same step is sound.
+        """
+        if not self.config.enable_prefix_caching:
+            return
+        bs, full = self.block_size, num_tokens // self.block_size
+        for i in range(seq.num_registered_blocks, full):
+            b = seq.block_table[i]
+            h = self._block_hash(seq, i)
+            if self.hashes[b] is None and h not in self.hash_to_block:
+                self.hashes[b], self.hash_to_block[h] = h, b
+                self.tokens[b] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                parent = hash_hex(seq.block_hashes[i - 1]) if i else None
+                self.log.emit(p.Cached(block_id=b, hash=hash_hex(h), parent_hash=parent))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached block that no sequence holds; returns how many."""
+        evicted = list(self.evictable)
+        for b in evicted:
+            self._drop_hash(b)
+            self.free_ids.append(b)
+        self.evictable.clear()
+        return len(evicted)
+
+    def _drop_hash(self, b: int) -> None:
+        h = self.hashes[b]
+        del self.hash_to_block[h]
+        self.hashes[b] = self.tokens[b] = None
+        self.log.emit(p.Evict(block_id=b, hash=hash_hex(h)))
+
+    # ------------------------------------------------------------------ block moves
+    def _take_free(self) -> int:
+        if self.free_ids:
+            b = self.free_ids.popleft()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            self._drop_hash(b)
+        else:
+            raise NoFreeBlocks("the device pool has no free or evictable block")
+        self.ref_counts[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        if not self.ref_counts[b]:
+            if self.hashes[b] is None:
+                self.free_ids.append(b)
+            else:
+                self.evictable[b] = None  # most recently used end
+
+    def _alloc(self, seq: Sequence, index: int) -> int:
+        b = self._take_free()
+        self.log.emit(p.Alloc(seq_id=seq.seq_id, block_id=b, logical_index=index))
+        return b
+
+    # ------------------------------------------------------------------ sequence operations
+    def allocate(self, seq: Sequence) -> int:
+        """Blocks for every token of a waiting `seq`, cached prefix first.
+
+        Returns how many leading tokens already have their K/V in the cache.
+        """
+        assert not seq.block_table, f"{seq.seq_id} already holds blocks"
+        hits = self._prefix_hits(seq)
+        for i, b in enumerate(hits):  # take hits before any eviction could reuse them
+            if not self.ref_counts[b]:
+                del self.evictable[b]
+            self.ref_counts[b] += 1
+            seq.block_table.append(b)
+            self.log.emit(p.PrefixHit(seq_id=seq.seq_id, block_id=b, logical_index=i,
+                                      hash=hash_hex(self.hashes[b])))
+        for i in range(len(hits), self.num_blocks_for(len(seq))):
+            seq.block_table.append(self._alloc(seq, i))
+        seq.num_registered_blocks = len(hits)
+        return len(hits) * self.block_size
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Room for the K/V of the last token of `seq`: a new block at a boundary, or a
+        copy of a shared last block. Returns (src, dst) when the data must be copied."""
+        n, table = len(seq), seq.block_table
+        if n > len(table) * self.block_size:
+            table.append(self._alloc(seq, len(table)))
+            return None
+        i = (n - 1) // self.block_size
+        src = table[i]
+        if self.ref_counts[src] == 1:
+            return None
+        dst = self._take_free()
+        self.ref_counts[src] -= 1
+        table[i] = dst
+        self.log.emit(p.Cow(seq_id=seq.seq_id, logical_index=i, src_block_id=src, dst_block_id=dst))
+        return src, dst
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (whose K/V is computed)."""
+        child.block_table = list(parent.block_table)
+        for b in child.block_table:
+            self.ref_counts[b] += 1
+        full = parent.num_computed_tokens // self.block_size  # blocks both sequences agree on
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        self.log.emit(p.Fork(request_id=child.request_id, parent_seq_id=parent.seq_id,
+                             seq_id=child.seq_id, block_ids=list(child.block_table)))
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq`, the tail first, so chain tails are evicted first."""
+        table = seq.block_table
+        while table:
+            b = table.pop()
+            self._release(b)
+            self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.ref_counts[b]))
+        self.host_free.extend(seq.host_table)
+        seq.host_table = []
+        seq.num_registered_blocks = 0
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq` to the host pool; returns (device, host) pairs to copy, in logical order."""
+        if not self.can_swap_out(seq):
+            raise NoFreeBlocks(f"the host pool cannot hold {seq.seq_id}'s {len(seq.block_table)} blocks")
+        mapping = [(b, self.host_free.popleft()) for b in seq.block_table]
+        for b in reversed(seq.block_table):
+            self._release(b)
+        seq.host_table = [h for _, h in mapping]
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+        self.log.emit(p.SwapOut(seq_id=seq.seq_id, mapping=mapping))
+        return mapping
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring `seq` back to fresh device blocks; returns (host, device) pairs to copy."""
+        mapping = [(h, self._take_free()) for h in seq.host_table]
+        self.host_free.extend(seq.host_table)
+        seq.block_table = [d for _, d in mapping]
+        seq.host_table = []
+        self.log.emit(p.SwapIn(seq_id=seq.seq_id, mapping=mapping))
+        return mapping
+
+    # ------------------------------------------------------------------ observation
+    def state(self, seqs: Iterable[Sequence]) -> PoolState:
+        """The pools as the reducer sees them, given every live sequence (in creation order)."""
+        st = PoolState.empty(self.config, self.log.seq)
+        st.ref_counts = list(self.ref_counts)
+        st.hashes = [None if h is None else hash_hex(h) for h in self.hashes]
+        for s in seqs:
+            st.seqs[s.seq_id] = SeqState(
+                s.seq_id, s.request_id, s.status.value, list(s.block_table), list(s.host_table),
+                s.num_computed_tokens, s.num_prompt_tokens, s.num_output_tokens,
+                s.params.max_tokens, s.text)
+            for h in s.host_table:
+                st.host_owner[h] = s.seq_id
+        return st

@@ -1,0 +1,361 @@
+"""KVScope wire protocol, version 1: every message, event and command as a typed struct.
+
+The contract is docs/protocol.md. Server messages are tagged by `type`, events by `kind`,
+client commands by `op`. Everything here is plain data (msgspec structs), importable without
+torch, so the dashboard and outside tools can use it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20
+
+Status = Literal["waiting", "running", "swapped"]
+PreemptionMode = Literal["swap", "recompute"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorCode = Literal["bad_json", "unknown_op", "invalid_argument", "too_long", "duplicate_id",
+                    "not_found", "busy", "unsupported"]
+
+# Bounds a client may ask for; the engine may refuse more (memory) with its own message.
+BlockSize = Annotated[int, Meta(ge=1, le=256)]
+NumDeviceBlocks = Annotated[int, Meta(ge=1, le=65536)]
+NumHostBlocks = Annotated[int, Meta(ge=0, le=65536)]
+MaxNumSeqs = Annotated[int, Meta(ge=1, le=256)]
+
+
+class PoolConfig(Struct, kw_only=True):
+    """The allocator's configuration, as sent in `hello`, `snapshot` and `reset`."""
+    block_size: int = 16
+    num_device_blocks: int = 256
+    num_host_blocks: int = 128
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = "swap"
+    max_num_seqs: int = 16
+    bytes_per_block: int = 0
+
+
+class EngineInfo(Struct, kw_only=True):
+    model: str
+    device: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+# ----------------------------------------------------------------------------------- events
+
+class Event(Struct, tag_field="kind", kw_only=True):
+    """Base of every event. `seq`, `t` and `step` are stamped by the engine's event log."""
+    seq: int = 0
+    t: float = 0.0
+    step: int = 0
+
+
+class RequestAdded(Event, tag="request_added"):
+    request_id: str
+    seq_id: str
+    prompt_tokens: int
+    n: int = 1
+    max_tokens: int = 64
+
+
+class Fork(Event, tag="fork"):
+    request_id: str
+    parent_seq_id: str
+    seq_id: str
+    block_ids: list[int]
+
+
+class Alloc(Event, tag="alloc"):
+    seq_id: str
+    block_id: int
+    logical_index: int
+
+
+class PrefixHit(Event, tag="prefix_hit"):
+    seq_id: str
+    block_id: int
+    logical_index: int
+    hash: str
+
+
+class Cached(Event, tag="cached"):
+    block_id: int
+    hash: str
+    parent_hash: str | None = None
+
+
+class Evict(Event, tag="evict"):
+    block_id: int
+    hash: str
+
+
+class Cow(Event, tag="cow"):
+    seq_id: str
+    logical_index: int
+    src_block_id: int
+    dst_block_id: int
+
+
+class Free(Event, tag="free"):
+    seq_id: str
+    block_id: int
+    ref_count: int
+
+
+class Preempt(Event, tag="preempt"):
+    seq_id: str
+    mode: PreemptionMode
+
+
+class SwapOut(Event, tag="swap_out"):
+    seq_id: str
+    mapping: list[tuple[int, int]]  # [device_block, host_block] in logical order
+
+
+class SwapIn(Event, tag="swap_in"):
+    seq_id: str
+    mapping: list[tuple[int, int]]  # [host_block, device_block] in logical order
+
+
+class Append(Event, tag="append"):
+    seq_id: str
+    num_tokens: int
+    token_ids: list[int] = []
+    text: str = ""
+
+
+class StatusChange(Event, tag="status"):
+    seq_id: str
+    status: Status
+
+
+class Finish(Event, tag="finish"):
+    seq_id: str
+    reason: FinishReason
+
+
+class StepDone(Event, tag="step"):
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    prefill_tokens: int
+    decode_tokens: int
+    duration_ms: float
+    free_blocks: int
+    cached_blocks: int
+
+
+class Reset(Event, tag="reset"):
+    config: PoolConfig
+
+
+AnyEvent = Union[RequestAdded, Fork, Alloc, PrefixHit, Cached, Evict, Cow, Free, Preempt,
+                 SwapOut, SwapIn, Append, StatusChange, Finish, StepDone, Reset]
+EVENT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)
+
+
+# ------------------------------------------------------------------------- server messages
+
+class DeviceBlock(Struct):
+    id: int
+    ref_count: int
+    hash: str | None
+    num_tokens: int
+
+
+class HostBlock(Struct):
+    id: int
+    seq_id: str | None
+    num_tokens: int
+
+
+class SeqInfo(Struct, kw_only=True):
+    seq_id: str
+    request_id: str
+    status: Status
+    block_table: list[int]
+    host_table: list[int]
+    num_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    # Additions to the contract, so a client that joins late can still draw a sequence whole.
+    max_tokens: int = 64
+    text: str = ""
+
+
+class Hello(Struct, tag_field="type", tag="hello", kw_only=True):
+    protocol: int = PROTOCOL_VERSION
+    engine: EngineInfo
+    config: PoolConfig
+    replay: bool = False  # addition: true when served from a recording
+
+
+class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True):
+    seq: int
+    config: PoolConfig
+    device_blocks: list[DeviceBlock]
+    host_blocks: list[HostBlock]
+    seqs: list[SeqInfo]
+
+
+class Events(Struct, tag_field="type", tag="events"):
+    events: list[AnyEvent]
+
+
+class Ack(Struct, tag_field="type", tag="ack", kw_only=True):
+    op: str
+    id: Any = None
+    request_id: str | UnsetType = UNSET
+    seq_ids: list[str] | UnsetType = UNSET
+
+
+class Error(Struct, tag_field="type", tag="error", kw_only=True):
+    code: ErrorCode
+    message: str
+    op: str | None = None
+    id: Any = None
+
+
+ServerMessage = Union[Hello, Snapshot, Events, Ack, Error]
+
+
+# ------------------------------------------------------------------------ client commands
+
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Meta(max_length=100_000)]
+
+
+class Command(Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
+    id: Any = None
+
+
+class Submit(Command, tag="submit"):
+    prompt: Annotated[str, Meta(min_length=1, max_length=100_000)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=256)] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 64
+    temperature: Annotated[float, Meta(ge=0, le=100)] = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` (a string) or `messages` (a chat list)")
+
+
+class Abort(Command, tag="abort"):
+    request_id: str
+
+
+class Pause(Command, tag="pause"):
+    pass
+
+
+class Resume(Command, tag="resume"):
+    pass
+
+
+class StepCmd(Command, tag="step"):
+    count: Annotated[int, Meta(ge=1, le=10_000)] = 1
+
+
+class ResetConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    block_size: BlockSize | UnsetType = UNSET
+    num_device_blocks: NumDeviceBlocks | UnsetType = UNSET
+    num_host_blocks: NumHostBlocks | UnsetType = UNSET
+    enable_prefix_caching: bool | UnsetType = UNSET
+    preemption_mode: PreemptionMode | UnsetType = UNSET
+    max_num_seqs: MaxNumSeqs | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if self.block_size is not UNSET and self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+    def apply_to(self, config: PoolConfig) -> PoolConfig:
+        changes = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
+        return msgspec.structs.replace(config, **changes)
+
+
+class ResetCmd(Command, tag="reset"):
+    config: ResetConfig = msgspec.field(default_factory=ResetConfig)
+
+
+class Pace(Command, tag="pace"):
+    step_delay_ms: Annotated[float, Meta(ge=0, le=10_000)]
+
+
+class SnapshotCmd(Command, tag="snapshot"):
+    pass
+
+
+class ClearPrefixCache(Command, tag="clear_prefix_cache"):
+    pass
+
+
+AnyCommand = Union[Submit, Abort, Pause, Resume, StepCmd, ResetCmd, Pace, SnapshotCmd,
+                   ClearPrefixCache]
+COMMANDS: dict[str, type[Command]] = {t.__struct_config__.tag: t for t in AnyCommand.__args__}
+
+
+class CommandError(Exception):
+    """A command that cannot be carried out; becomes an `error` message."""
+
+    def __init__(self, code: ErrorCode, message: str, op: str | None = None, id: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.op, self.id = code, message, op, id
+
+    def to_message(self) -> Error:
+        return Error(code=self.code, message=self.message, op=self.op, id=self.id)
+
+
+def parse_command(frame: str | bytes) -> AnyCommand:
+    """Decode and validate one client frame, or raise CommandError with the code to answer."""
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        raise CommandError("bad_json", "binary frames are not accepted; send JSON as a text frame")
+    try:
+        obj = json.loads(frame)  # stdlib: accepts any JSON number (1e400), unlike msgspec
+    except (ValueError, RecursionError) as e:
+        raise CommandError("bad_json", f"frame is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CommandError("invalid_argument",
+                           f"a command must be a JSON object with an `op`, got {type(obj).__name__}")
+    op, cid = obj.get("op"), obj.get("id")
+    if not isinstance(op, str):
+        raise CommandError("unknown_op", "missing `op`: say what to do, for example "
+                           "{\"op\": \"submit\", \"prompt\": \"Hi\"}", None, cid)
+    if op not in COMMANDS:
+        raise CommandError("unknown_op", f"unknown op {op!r}; known ops: {', '.join(COMMANDS)}",
+                           op, cid)
+    try:
+        return msgspec.convert(obj, COMMANDS[op], strict=True)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise CommandError("invalid_argument", f"{op}: {e}", op, cid) from None
+
+
+# ----------------------------------------------------------------------------- encoding
+
+_encoder = msgspec.json.Encoder()
+_server_decoder = msgspec.json.Decoder(ServerMessage)
+_event_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_server_message(data: str | bytes) -> Hello | Snapshot | Events | Ack | Error:
+    return _server_decoder.decode(data)
+
+
+def decode_event(data: str | bytes) -> AnyEvent:
+    return _event_decoder.decode(data)

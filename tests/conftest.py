@@ -1,0 +1,6 @@
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: needs the real model or takes more than ~10 s "
+                                       "(deselect with -m 'not slow')")

@@ -1,0 +1,114 @@
+"""Plays the scheduler's part around a BlockManager, so tests can drive the pools directly.
+
+It emits the request-level events (request_added, status, append, preempt, finish) the way
+the engine does, and stands in for the model: a "forward" just marks tokens computed and
+samples the next token from the caller.
+"""
+from __future__ import annotations
+
+from engine import protocol as p
+from engine.block_manager import BlockManager
+from engine.events import EventLog
+from engine.sequence import SamplingParams, Sequence, SeqStatus
+from engine.state import PoolState
+
+
+class PoolDriver:
+    def __init__(self, config: p.PoolConfig):
+        self.log = EventLog()
+        self.bm = BlockManager(config, self.log)
+        self.seqs: dict[str, Sequence] = {}
+        self.events: list[p.Event] = []
+        self.first = self.snapshot()
+        self._ids = 0
+
+    # ------------------------------------------------------------------ observation
+    def state(self) -> PoolState:
+        return self.bm.state(self.seqs.values())
+
+    def snapshot(self) -> p.Snapshot:
+        return self.state().snapshot()
+
+    def drain(self) -> list[p.Event]:
+        new = self.log.drain()
+        self.events.extend(new)
+        return new
+
+    def replay(self) -> PoolState:
+        state = PoolState.from_snapshot(self.first)
+        for ev in self.events + self.log.pending:
+            state.apply(ev)
+        return state
+
+    def with_status(self, status: SeqStatus) -> list[Sequence]:
+        return [s for s in self.seqs.values() if s.status is status]
+
+    # ------------------------------------------------------------------ requests
+    def add(self, tokens: list[int], max_tokens: int = 64) -> Sequence:
+        self._ids += 1
+        rid = f"r{self._ids}"
+        seq = Sequence(rid, rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+        self.seqs[rid] = seq
+        self.log.emit(p.RequestAdded(request_id=rid, seq_id=rid, prompt_tokens=len(tokens),
+                                     max_tokens=max_tokens))
+        return seq
+
+    def admit(self, seq: Sequence, next_token: int = 1) -> bool:
+        """Allocate a waiting sequence (prefix hits first) and run its prefill."""
+        if not self.bm.can_allocate(seq):
+            return False
+        self.bm.allocate(seq)
+        self._set_status(seq, SeqStatus.RUNNING)
+        self.bm.cache_full_blocks(seq, len(seq))
+        self._computed(seq, len(seq), next_token)
+        return True
+
+    def decode(self, seq: Sequence, next_token: int = 1) -> tuple[int, int] | None:
+        """One decode step: room for the pending token, compute it, sample the next."""
+        assert self.bm.can_append(seq)
+        cow = self.bm.append_slot(seq)
+        self.bm.cache_full_blocks(seq, len(seq))
+        self._computed(seq, len(seq), next_token)
+        return cow
+
+    def fork(self, parent: Sequence) -> Sequence:
+        self._ids += 1
+        child = Sequence(f"{parent.seq_id}.{self._ids}", parent.request_id, list(parent.token_ids),
+                         parent.params, parent.num_prompt_tokens, parent.status,
+                         num_computed_tokens=parent.num_computed_tokens, text=parent.text)
+        self.seqs[child.seq_id] = child
+        self.bm.fork(parent, child)
+        return child
+
+    def finish(self, seq: Sequence, reason: p.FinishReason = "stop") -> None:
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        del self.seqs[seq.seq_id]
+        self.log.emit(p.Finish(seq_id=seq.seq_id, reason=reason))
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
+        seq.status = SeqStatus.SWAPPED
+        return self.bm.swap_out(seq)
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        mapping = self.bm.swap_in(seq)
+        seq.status = SeqStatus.RUNNING
+        return mapping
+
+    def recompute(self, seq: Sequence) -> None:
+        self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="recompute"))
+        seq.status = SeqStatus.WAITING
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+
+    def _set_status(self, seq: Sequence, status: SeqStatus) -> None:
+        seq.status = status
+        self.log.emit(p.StatusChange(seq_id=seq.seq_id, status=status.value))
+
+    def _computed(self, seq: Sequence, num_tokens: int, next_token: int) -> None:
+        seq.num_computed_tokens = num_tokens
+        seq.token_ids.append(next_token)
+        self.log.emit(p.Append(seq_id=seq.seq_id, num_tokens=num_tokens, token_ids=[next_token],
+                               text=f"<{next_token}>"))
+        seq.text += f"<{next_token}>"
