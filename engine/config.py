@@ -1,0 +1,43 @@
+"""Engine configuration: the allocator's pool config (on the wire) plus engine-only knobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.protocol import PoolConfig
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"        # "smollm2" (bundled), "tiny" (random, for tests) or a local HF folder
+    device: str | None = None     # None: cuda if available, else cpu
+    dtype: str | None = None      # None: bfloat16 on cuda, float32 on cpu
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    max_num_batched_tokens: int = 1024  # tokens per forward; longer prompts are prefilled in chunks
+    watermark: float = 0.01       # fraction of device blocks kept free when admitting new work
+    memory_fraction: float = 0.5  # largest share of free memory the two pools may take
+
+
+def add_engine_args(ap) -> None:
+    """The command-line flags that build an EngineConfig (shared by every entry point)."""
+    d, pool = EngineConfig(), PoolConfig()
+    ap.add_argument("--model", default=d.model,
+                    help="'smollm2' (bundled), 'tiny' (random, for tests) or a local HF Llama-family folder")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 "
+                                                  "(default: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--block-size", type=int, default=pool.block_size)
+    ap.add_argument("--num-device-blocks", type=int, default=pool.num_device_blocks)
+    ap.add_argument("--num-host-blocks", type=int, default=pool.num_host_blocks)
+    ap.add_argument("--max-num-seqs", type=int, default=pool.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    ap.add_argument("--preemption-mode", choices=["swap", "recompute"], default=pool.preemption_mode)
+    ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+
+
+def config_from_args(args) -> EngineConfig:
+    pool = PoolConfig(block_size=args.block_size, num_device_blocks=args.num_device_blocks,
+                      num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
+                      preemption_mode=args.preemption_mode,
+                      enable_prefix_caching=not args.no_prefix_caching)
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, pool=pool,
+                        max_num_batched_tokens=args.max_num_batched_tokens)

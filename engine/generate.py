@@ -1,0 +1,52 @@
+"""Generate from the command line on the paged engine, and count the allocator's events.
+
+    python -m engine.generate "The capital of France is" --n 4 --max-tokens 32 --temperature 0.8 --seed 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from engine.config import add_engine_args, config_from_args
+from engine.engine import LLMEngine
+from engine.protocol import CommandError
+from engine.sequence import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("prompt")
+    ap.add_argument("--n", type=int, default=1, help="parallel samples sharing the prompt's blocks")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    add_engine_args(ap)
+    args = ap.parse_args(argv)
+    engine = LLMEngine(config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, n=args.n, seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        if args.chat:
+            engine.add_request(messages=[{"role": "user", "content": args.prompt}], params=params)
+        else:
+            engine.add_request(args.prompt, params)
+    except CommandError as e:
+        print(f"error ({e.code}): {e.message}", file=sys.stderr)
+        return 2
+    while engine.step():
+        pass
+    for out in sorted(engine.finished, key=lambda o: (len(o.seq_id), o.seq_id)):
+        header = f"[{out.seq_id}] " if args.n > 1 else ""
+        print(f"{header}{out.text}  ({len(out.token_ids)} tokens, {out.finish_reason})")
+    counts = Counter(ev.__struct_config__.tag for ev in engine.log.drain())
+    print("block events: " + ", ".join(f"{kind} {counts[kind]}" for kind in
+          ("alloc", "prefix_hit", "cached", "cow", "evict", "free", "swap_out", "swap_in", "preempt")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Fan-out of server messages to WebSocket clients, never waiting on any one of them.
+
+Both the live engine server and the replay of a recording serve through a Hub. Each client
+has its own bounded outbox: events go out once per step batch, encoded once; a client whose
+outbox overflows drops its queued events and is resynchronised with a fresh snapshot, while
+the producer and the other clients go on. Replies (ack, error) are never dropped.
+No torch here: a replay must start without it.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import http
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from engine import protocol as p
+
+log = logging.getLogger("kvscope")
+
+
+class Backend(Protocol):
+    """What produces the stream: the engine loop, or a recording being replayed."""
+
+    def hello(self) -> p.Hello: ...
+
+    def request_snapshot(self) -> None:
+        """Arrange for `Hub.deliver_snapshot` to be called on the loop, after every event
+        published so far and before any later one."""
+
+    def handle(self, cmd: p.AnyCommand, client: Client) -> None:
+        """Carry out a command; answer it with `Hub.reply` (possibly later)."""
+
+
+@dataclass(eq=False)
+class Client:
+    ws: ServerConnection
+    outbox: deque[tuple[bool, bytes]] = field(default_factory=deque)  # (is_events, frame)
+    queued_events: int = 0
+    synced: bool = False  # False while waiting for a snapshot: events are not queued meanwhile
+    resyncs: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, frame: bytes, is_events: bool = False) -> None:
+        self.outbox.append((is_events, frame))
+        self.queued_events += is_events
+        self.wake.set()
+
+
+class Hub:
+    def __init__(self, backend: Backend, *, token: str | None = None, max_queued_events: int = 256,
+                 record: Path | None = None):
+        self.backend = backend
+        self.token = token
+        self.max_queued_events = max_queued_events
+        self.clients: set[Client] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._recording = open(record, "ab") if record else None
+        self._record_snapshot = record is not None  # the recording starts with hello + snapshot
+
+    # ------------------------------------------------------------------ producer side (loop thread)
+    def call(self, fn, *args: Any) -> None:
+        """Run `fn(*args)` on the hub's loop; safe from any thread, never blocks."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def publish_events(self, events: list[p.Event]) -> None:
+        frame = p.encode(p.Events(events=events))
+        self._record(frame)
+        for c in self.clients:
+            if not c.synced:
+                continue
+            if c.queued_events >= self.max_queued_events:
+                self._resync(c)  # it fell behind: its queued events are stale, a snapshot replaces them
+            else:
+                c.push(frame, is_events=True)
+
+    def deliver_snapshot(self, snap: p.Snapshot, everyone: bool = False) -> None:
+        frame = p.encode(snap)
+        if everyone or self._record_snapshot:
+            self._record(frame)
+            self._record_snapshot = False
+        for c in self.clients:
+            if everyone or not c.synced:
+                c.push(frame)
+                c.synced = True
+
+    def reply(self, client: Client, msg: p.Ack | p.Error) -> None:
+        if client in self.clients:
+            client.push(p.encode(msg))
+
+    def _resync(self, c: Client) -> None:
+        c.outbox = deque(item for item in c.outbox if not item[0])
+        c.queued_events = 0
+        c.synced = False
+        c.resyncs += 1
+        self.backend.request_snapshot()
+
+    def _record(self, frame: bytes) -> None:
+        if self._recording:
+            self._recording.write(frame + b"\n")
+            self._recording.flush()
+
+    # ------------------------------------------------------------------ connections
+    def _check_token(self, conn: ServerConnection, request):
+        if self.token is None:
+            return None
+        given = parse_qs(urlsplit(request.path).query).get("token", [""])[0]
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            given = auth.removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            return conn.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        return None
+
+    async def _handler(self, ws: ServerConnection) -> None:
+        client = Client(ws)
+        client.push(p.encode(self.backend.hello()))
+        self.clients.add(client)
+        self.backend.request_snapshot()
+        writer = asyncio.create_task(self._write(client))
+        try:
+            async for frame in ws:
+                try:
+                    cmd = p.parse_command(frame)
+                except p.CommandError as e:
+                    self.reply(client, e.to_message())
+                    continue
+                if isinstance(cmd, p.SnapshotCmd):
+                    self.reply(client, p.Ack(op="snapshot", id=cmd.id))
+                    self._resync(client)
+                    continue
+                try:
+                    self.backend.handle(cmd, client)
+                except p.CommandError as e:
+                    e.op, e.id = cmd.__struct_config__.tag, cmd.id
+                    self.reply(client, e.to_message())
+        except ConnectionClosed:
+            pass
+        finally:
+            self.clients.discard(client)
+            writer.cancel()
+
+    async def _write(self, client: Client) -> None:
+        try:
+            while True:
+                await client.wake.wait()
+                client.wake.clear()
+                while client.outbox:
+                    is_events, frame = client.outbox.popleft()
+                    client.queued_events -= is_events
+                    await client.ws.send(frame, text=True)
+        except ConnectionClosed:
+            pass
+
+    async def serve(self, host: str, port: int, ready=None, stop: asyncio.Future | None = None) -> None:
+        """Serve until `stop` resolves; calls `ready(port)` once listening."""
+        self.loop = asyncio.get_running_loop()
+        if self._recording:
+            self._record(p.encode(self.backend.hello()))
+            self.backend.request_snapshot()
+        async with serve(self._handler, host, port, compression=None, max_size=p.MAX_FRAME_BYTES,
+                         close_timeout=1, process_request=self._check_token) as server:
+            bound = server.sockets[0].getsockname()[1]
+            if ready:
+                ready(bound)
+            await (stop if stop is not None else asyncio.Future())
+        if self._recording:
+            self._recording.close()

@@ -1,0 +1,135 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Each step: running sequences first (a decode token, or the next chunk of a prefill), preempting
+the latest arrival when blocks run out; then, if nothing was preempted, swapped sequences come
+back; then, if none is left swapped, waiting ones are admitted (prefix hits first), all under
+`max_num_seqs` sequences and `max_num_batched_tokens` tokens.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine import protocol as p
+from engine.block_manager import BlockManager
+from engine.events import EventLog
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tokens: int  # computed this step, from seq.num_computed_tokens on
+    completes: bool = field(init=False)  # the chunk reaches the end: a token is sampled after it
+
+    def __post_init__(self) -> None:
+        self.completes = self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+@dataclass
+class Batch:
+    rows: list[Scheduled] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) to copy first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src, dst)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.swap_out or self.swap_in)
+
+
+class Scheduler:
+    def __init__(self, bm: BlockManager, log: EventLog, max_num_batched_tokens: int):
+        self.bm, self.log = bm, log
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self._arrivals = 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.bm.config.max_num_seqs
+
+    def add(self, seq: Sequence) -> None:
+        self._arrivals += 1
+        seq.arrival = self._arrivals
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Running sequences stay in arrival order, so preemption always takes the newest."""
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of whichever queue holds it (it finished or was aborted)."""
+        queue = {SeqStatus.WAITING: self.waiting, SeqStatus.RUNNING: self.running,
+                 SeqStatus.SWAPPED: self.swapped}[seq.status]
+        queue.remove(seq)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget:
+            seq = self.running[i]
+            while not self.bm.can_append(seq):
+                victim = self.running.pop()  # the latest arrival gives way
+                self._preempt(victim, batch)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                budget -= self._run(seq, budget, batch)
+                i += 1
+        if not preempted:
+            while self.swapped and len(self.running) < self.max_num_seqs and budget:
+                seq = self.swapped[0]
+                if not self.bm.can_swap_in(seq):
+                    break
+                self.swapped.popleft()
+                batch.swap_in += self.bm.swap_in(seq)
+                self.add_running(seq)
+                if self.bm.can_append(seq):
+                    budget -= self._run(seq, budget, batch)
+        if not preempted and not self.swapped:
+            while self.waiting and budget:
+                seq = self.waiting[0]
+                width = seq.params.n if seq.num_output_tokens == 0 else 1  # its samples fork later
+                if self.running and len(self.running) + width > self.max_num_seqs:
+                    break
+                if not self.bm.can_allocate(seq):
+                    break
+                self.waiting.popleft()
+                seq.num_computed_tokens = self.bm.allocate(seq)
+                self.log.emit(p.StatusChange(seq_id=seq.seq_id, status="running"))
+                self.add_running(seq)
+                budget -= self._run(seq, budget, batch)
+        return batch
+
+    def _run(self, seq: Sequence, budget: int, batch: Batch) -> int:
+        """Schedule up to `budget` of the tokens `seq` still has to compute."""
+        n = min(len(seq) - seq.num_computed_tokens, budget)
+        cow = self.bm.append_slot(seq)
+        if cow:
+            batch.copies.append(cow)
+        self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        batch.rows.append(Scheduled(seq, n))
+        return n
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        if self.bm.config.preemption_mode == "swap" and self.bm.can_swap_out(seq):
+            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
+            batch.swap_out += self.bm.swap_out(seq)
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+        else:  # recompute, or the host pool is full
+            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="recompute"))
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
