@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import http
 import logging
+import socket
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,27 +40,38 @@ class Backend(Protocol):
         """Carry out a command; answer it with `Hub.reply` (possibly later)."""
 
 
+EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
+
+
 @dataclass(eq=False)
 class Client:
     ws: ServerConnection
-    outbox: deque[tuple[bool, bytes]] = field(default_factory=deque)  # (is_events, frame)
+    outbox: deque[tuple[str, bytes]] = field(default_factory=deque)  # (kind, frame)
     queued_events: int = 0
     synced: bool = False  # False while waiting for a snapshot: events are not queued meanwhile
+    wants_snapshot: bool = False  # asked for once the writer is idle: a stalled client costs nothing
+    sending: bool = False
     resyncs: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def push(self, frame: bytes, is_events: bool = False) -> None:
-        self.outbox.append((is_events, frame))
-        self.queued_events += is_events
+    def push(self, frame: bytes, kind: str = REPLY) -> None:
+        self.outbox.append((kind, frame))
+        self.queued_events += kind == EVENTS
         self.wake.set()
+
+    def drop_stale(self) -> None:
+        """Queued events and snapshots are superseded by the next snapshot; replies stay."""
+        self.outbox = deque(item for item in self.outbox if item[0] == REPLY)
+        self.queued_events = 0
 
 
 class Hub:
     def __init__(self, backend: Backend, *, token: str | None = None, max_queued_events: int = 256,
-                 record: Path | None = None):
+                 send_buffer: int = 64 * 1024, record: Path | None = None):
         self.backend = backend
         self.token = token
         self.max_queued_events = max_queued_events
+        self.send_buffer = send_buffer  # a small kernel buffer, so a client that stalls is noticed
         self.clients: set[Client] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._recording = open(record, "ab") if record else None
@@ -79,7 +91,7 @@ class Hub:
             if c.queued_events >= self.max_queued_events:
                 self._resync(c)  # it fell behind: its queued events are stale, a snapshot replaces them
             else:
-                c.push(frame, is_events=True)
+                c.push(frame, EVENTS)
 
     def deliver_snapshot(self, snap: p.Snapshot, everyone: bool = False) -> None:
         frame = p.encode(snap)
@@ -88,7 +100,7 @@ class Hub:
             self._record_snapshot = False
         for c in self.clients:
             if everyone or not c.synced:
-                c.push(frame)
+                c.push(frame, SNAPSHOT)
                 c.synced = True
 
     def reply(self, client: Client, msg: p.Ack | p.Error) -> None:
@@ -96,11 +108,13 @@ class Hub:
             client.push(p.encode(msg))
 
     def _resync(self, c: Client) -> None:
-        c.outbox = deque(item for item in c.outbox if not item[0])
-        c.queued_events = 0
+        c.drop_stale()
         c.synced = False
         c.resyncs += 1
-        self.backend.request_snapshot()
+        if c.sending or c.outbox:
+            c.wants_snapshot = True
+        else:
+            self.backend.request_snapshot()
 
     def _record(self, frame: bytes) -> None:
         if self._recording:
@@ -120,6 +134,8 @@ class Hub:
         return None
 
     async def _handler(self, ws: ServerConnection) -> None:
+        ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                          self.send_buffer)
         client = Client(ws)
         client.push(p.encode(self.backend.hello()))
         self.clients.add(client)
@@ -153,9 +169,14 @@ class Hub:
                 await client.wake.wait()
                 client.wake.clear()
                 while client.outbox:
-                    is_events, frame = client.outbox.popleft()
-                    client.queued_events -= is_events
+                    kind, frame = client.outbox.popleft()
+                    client.queued_events -= kind == EVENTS
+                    client.sending = True
                     await client.ws.send(frame, text=True)
+                    client.sending = False
+                if client.wants_snapshot:
+                    client.wants_snapshot = False
+                    self.backend.request_snapshot()
         except ConnectionClosed:
             pass
 

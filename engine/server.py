@@ -93,6 +93,9 @@ class EngineLoop(threading.Thread):
                     extra = self._execute(cmd) or {}
                     self.hub.call(self.hub.reply, client, p.Ack(op=cmd.__struct_config__.tag,
                                                                 id=cmd.id, **extra))
+                    if isinstance(cmd, p.ResetCmd):  # the ack, the `reset` event, then a snapshot to all
+                        self._publish()
+                        self.hub.call(self.hub.deliver_snapshot, self.engine.snapshot(), True)
                 except p.CommandError as e:
                     e.op, e.id = cmd.__struct_config__.tag, cmd.id
                     self.hub.call(self.hub.reply, client, e.to_message())
@@ -136,8 +139,6 @@ class EngineLoop(threading.Thread):
                 self.step_delay_ms = cmd.step_delay_ms
             case p.ResetCmd():
                 eng.reset(cmd.config.apply_to(eng.pool))
-                self._publish()
-                self.hub.call(self.hub.deliver_snapshot, eng.snapshot(), True)
             case p.ClearPrefixCache():
                 eng.clear_prefix_cache()
         return None
@@ -178,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     return serve(engine, args.host, args.port, args.token, args.step_delay_ms, args.record)
 
 
-async def _serve(engine, host: str, port: int, token: str | None, step_delay_ms: float,
-                 record: Path | None, on_ready) -> None:
-    hub = Hub(None, token=token, record=record)
+async def _serve(engine, host: str, port: int, on_ready, step_delay_ms: float = 0.0, **hub_kw) -> None:
+    hub = Hub(None, **hub_kw)
     engine_loop = hub.backend = EngineLoop(engine, hub, step_delay_ms)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
@@ -191,7 +191,7 @@ async def _serve(engine, host: str, port: int, token: str | None, step_delay_ms:
         log.info("ready: ws://%s:%d/ serving %s, %d device blocks of %d tokens, %d host blocks",
                  host, bound, engine.loaded.name, cfg.num_device_blocks, cfg.block_size,
                  cfg.num_host_blocks)
-        on_ready(RunningServer(f"ws://{host}:{bound}/", hub, engine_loop,
+        on_ready(RunningServer(f"ws://{host}:{bound}/", hub, engine_loop, threading.current_thread(),
                                lambda: loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))))
 
     await hub.serve(host, port, ready, stop)
@@ -204,7 +204,16 @@ class RunningServer:
     url: str
     hub: Hub
     engine_loop: EngineLoop
-    stop: Callable[[], None]  # safe from any thread
+    thread: threading.Thread
+    request_stop: Callable[[], None]  # safe from any thread
+
+    def stop(self) -> None:
+        """Stop serving; from another thread, also wait until the engine thread is done."""
+        if not self.thread.is_alive():
+            return
+        self.request_stop()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=30)
 
 
 def serve(engine, host: str, port: int, token: str | None = None, step_delay_ms: float = 0.0,
@@ -212,18 +221,20 @@ def serve(engine, host: str, port: int, token: str | None = None, step_delay_ms:
     """Serve in this thread until SIGINT or SIGTERM."""
     def on_ready(server: RunningServer) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, server.stop)
+            asyncio.get_running_loop().add_signal_handler(sig, server.request_stop)
 
-    asyncio.run(_serve(engine, host, port, token, step_delay_ms, record, on_ready))
+    asyncio.run(_serve(engine, host, port, on_ready, step_delay_ms, token=token, record=record))
     log.info("stopped")
     return 0
 
 
-def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, **kw) -> RunningServer:
-    """Serve from a background thread (tests, benchmarks); returns once it listens."""
+def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, step_delay_ms: float = 0.0,
+                    **hub_kw) -> RunningServer:
+    """Serve from a background thread (tests, benchmarks); returns once it listens.
+    `hub_kw`: token, record, max_queued_events."""
     box: queue.Queue = queue.Queue()
-    thread = threading.Thread(target=lambda: asyncio.run(_serve(engine, host, port, kw.get("token"),
-                              kw.get("step_delay_ms", 0.0), kw.get("record"), box.put)),
+    thread = threading.Thread(target=lambda: asyncio.run(_serve(engine, host, port, box.put, step_delay_ms,
+                                                                **hub_kw)),
                               name="kvscope-server", daemon=True)
     thread.start()
     return box.get(timeout=30)

@@ -1,0 +1,158 @@
+"""Serve a recording (from `engine.server --record`) with the same protocol, without torch.
+
+    python -m engine.replay assets/demo_recording.jsonl [--port 8765] [--speed 2] [--loop]
+
+Events go out in their recorded batches at their recorded pace (times `--speed`; idle gaps
+are cut to a second). pause / resume / step / pace drive the playback; commands that need an
+engine (submit, abort, reset, clear_prefix_cache) answer `unsupported`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+
+from engine import protocol as p
+from engine.hub import Client, Hub
+from engine.server import _is_loopback
+from engine.state import PoolState
+
+log = logging.getLogger("kvscope")
+MAX_GAP_S = 1.0
+
+
+class Recording:
+    def __init__(self, path: Path):
+        messages = [p.decode_server_message(line) for line in path.read_bytes().splitlines() if line.strip()]
+        hellos = [m for m in messages if isinstance(m, p.Hello)]
+        snaps = [i for i, m in enumerate(messages) if isinstance(m, p.Snapshot)]
+        if not hellos or not snaps:
+            raise ValueError(f"{path} is not a KVScope recording: it needs a hello and a snapshot")
+        self.hello = msgspec.structs.replace(hellos[0], replay=True)
+        self.start: p.Snapshot = messages[snaps[0]]
+        # later snapshots (after a reset) follow from the events: the reducer rebuilds them
+        self.batches = [m.events for m in messages[snaps[0]:] if isinstance(m, p.Events) and m.events]
+        self.num_events = sum(len(b) for b in self.batches)
+
+
+class Playback:
+    """The replay's backend: plays the recording's batches into the hub on its loop."""
+
+    def __init__(self, rec: Recording, hub: Hub, speed: float = 1.0, loop: bool = False):
+        self.rec, self.hub, self.speed, self.loop = rec, hub, speed, loop
+        self.state = PoolState.from_snapshot(rec.start)
+        self.paused = False
+        self.steps_allowed = 0
+        self.step_delay_ms = 0.0
+        self.batches_played = 0
+        self._wake = asyncio.Event()
+
+    def hello(self) -> p.Hello:
+        return self.rec.hello
+
+    def request_snapshot(self) -> None:
+        self.hub.deliver_snapshot(self.state.snapshot())  # same loop: after every event so far
+
+    def handle(self, cmd: p.AnyCommand, client: Client) -> None:
+        match cmd:
+            case p.Pause():
+                self.paused = True
+            case p.Resume():
+                self.paused, self.steps_allowed = False, 0
+            case p.StepCmd():
+                if not self.paused:
+                    raise p.CommandError("busy", "the replay is playing; pause it before stepping")
+                self.steps_allowed += cmd.count
+            case p.Pace():
+                self.step_delay_ms = cmd.step_delay_ms
+            case _:
+                raise p.CommandError("unsupported", f"{cmd.__struct_config__.tag} needs a live engine; "
+                                     "this server replays a recording")
+        self.hub.reply(client, p.Ack(op=cmd.__struct_config__.tag, id=cmd.id))
+        self._wake.set()
+
+    async def _wait_turn(self, gap_s: float) -> None:
+        """Wait the recorded gap (or the pace), then for a step when paused."""
+        delay = self.step_delay_ms / 1000 if self.step_delay_ms else min(gap_s / self.speed, MAX_GAP_S)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        while self.paused and not self.steps_allowed:
+            self._wake.clear()
+            await self._wake.wait()
+        self.steps_allowed = max(0, self.steps_allowed - 1)
+
+    async def run(self) -> None:
+        rel = [[ev.seq - self.rec.start.seq for ev in batch] for batch in self.rec.batches]
+        while True:
+            base = self.state.seq  # later passes are renumbered, so seq keeps rising by one
+            prev_t = self.rec.batches[0][0].t if self.rec.batches else 0.0
+            for batch, offsets in zip(self.rec.batches, rel):
+                await self._wait_turn(batch[0].t - prev_t)
+                prev_t = batch[0].t
+                for ev, off in zip(batch, offsets):
+                    ev.seq = base + off
+                    self.state.apply(ev)
+                self.hub.publish_events(batch)
+                if any(isinstance(ev, p.Reset) for ev in batch):
+                    self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
+                self.batches_played += 1
+            if not self.loop:
+                return
+            await self._wait_turn(MAX_GAP_S)
+            # back to the start: a `reset` event, then the first snapshot, numbered on from here
+            reset = p.Reset(config=self.rec.start.config, seq=self.state.seq + 1, t=prev_t)
+            self.hub.publish_events([reset])
+            self.state = PoolState.from_snapshot(self.rec.start)
+            self.state.seq = reset.seq
+            self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
+
+
+async def replay(path: Path, host: str, port: int, speed: float = 1.0, loop: bool = False,
+                 token: str | None = None, on_ready=None) -> None:
+    rec = Recording(path)
+    hub = Hub(None, token=token)
+    playback = hub.backend = Playback(rec, hub, speed, loop)
+    stop = asyncio.get_running_loop().create_future()
+
+    def ready(bound: int) -> None:
+        log.info("ready: ws://%s:%d/ replaying %s (%d events)", host, bound, path, rec.num_events)
+        asyncio.get_running_loop().create_task(playback.run())
+        if on_ready:
+            on_ready(bound, stop, playback)
+
+    await hub.serve(host, port, ready, stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Replay a KVScope recording over the WebSocket protocol")
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--token", default=None)
+    ap.add_argument("--speed", type=float, default=1.0, help="playback speed factor")
+    ap.add_argument("--loop", action="store_true", help="start over at the end")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
+    if not _is_loopback(args.host) and not args.token:
+        log.error("refusing to bind %s without --token", args.host)
+        return 2
+
+    def on_ready(_port, stop, _playback) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+
+    try:
+        asyncio.run(replay(args.file, args.host, args.port, args.speed, args.loop, args.token, on_ready))
+    except (OSError, ValueError, msgspec.DecodeError) as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""The engine server end to end: a real server on loopback, real websockets clients."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from engine import protocol as p
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model_loader import load_model
+from engine.replay import replay
+from engine.server import start_in_thread
+from engine.state import PoolState, check_invariants
+
+SYSTEM = "You are KVScope's demo assistant. Answer in one short sentence, politely. " * 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+@pytest.fixture
+def make_server(tiny):
+    servers = []
+
+    def make(pool: dict | None = None, memory_fraction: float = 0.5, **kw):
+        cfg = EngineConfig(model="tiny", pool=p.PoolConfig(**(pool or {})), memory_fraction=memory_fraction)
+        srv = start_in_thread(LLMEngine(cfg, tiny), **kw)
+        servers.append(srv)
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+class Client:
+    """A protocol client that mirrors the pool with the reducer, as the dashboard does."""
+
+    def __init__(self, url: str, **kw):
+        self.ws = connect(url, max_size=None, open_timeout=10, legacy=True, **kw)
+        self.hello = self.recv()
+        assert self.hello["type"] == "hello"
+        self.state = None
+        self.kinds: Counter = Counter()
+        self.replies: list[dict] = []
+        self.snapshots = 0
+        self.sync(lambda m: m["type"] == "snapshot")
+
+    def recv(self, timeout: float = 30) -> dict:
+        return json.loads(self.ws.recv(timeout=timeout))
+
+    def send(self, **cmd) -> None:
+        self.ws.send(json.dumps(cmd))
+
+    def take(self, msg: dict) -> None:
+        if msg["type"] == "snapshot":
+            self.state = PoolState.from_snapshot(p.decode_server_message(json.dumps(msg)))
+            self.snapshots += 1
+        elif msg["type"] == "events":
+            for ev in p.decode_server_message(json.dumps(msg)).events:
+                self.state.apply(ev)
+                self.kinds[ev.__struct_config__.tag] += 1
+                self.last_event = ev
+        else:
+            self.replies.append(msg)
+
+    def sync(self, until, timeout: float = 60) -> dict:
+        """Read and apply messages until `until(message)` holds; returns that message."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.recv(timeout=max(0.01, deadline - time.monotonic()))
+            self.take(msg)
+            if until(msg):
+                return msg
+
+    def until(self, cond, timeout: float = 60) -> None:
+        """Read and apply messages until `cond()` holds (it may hold already)."""
+        if not cond():
+            self.sync(lambda m: cond(), timeout)
+
+    def request(self, **cmd) -> dict:
+        """Send a command and wait for its ack or error (applying events meanwhile)."""
+        cmd.setdefault("id", f"c{time.monotonic_ns()}")
+        self.send(**cmd)
+        return self.sync(lambda m: m["type"] in ("ack", "error") and m.get("id") == cmd["id"])
+
+    def finished(self, seq_id: str):
+        return lambda m: m["type"] == "events" and any(
+            e["kind"] == "finish" and e["seq_id"] == seq_id for e in m["events"])
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+def test_hello_snapshot_then_submit_ack_and_events_through_finish(make_server):
+    srv = make_server()
+    c = Client(srv.url)
+    assert c.hello["protocol"] == 1 and c.hello["engine"]["num_kv_heads"] == 2
+    assert c.hello["config"]["bytes_per_block"] == 16 * 2 * 2 * 16 * 2 * 4
+    assert c.state.seq == 0 and len(c.state.ref_counts) == 256
+    ack = c.request(op="submit", prompt="Hello there", max_tokens=5, ignore_eos=True, id=42)
+    assert ack == {"type": "ack", "op": "submit", "id": 42, "request_id": "r1", "seq_ids": ["r1"]}
+    c.sync(c.finished("r1"))
+    assert c.kinds["request_added"] == 1 and c.kinds["append"] == 5 and c.kinds["finish"] == 1
+    assert not c.state.seqs and sum(c.state.ref_counts) == 0
+
+
+def test_two_clients_receive_identical_event_streams(make_server):
+    srv = make_server()
+    a, b = Client(srv.url), Client(srv.url)
+    a.request(op="submit", prompt=SYSTEM + "Hi", max_tokens=8, n=2, temperature=0.5, seed=3)
+    streams = []
+    for c in (a, b):
+        frames = []
+        c.sync(lambda m: m["type"] == "events" and frames.append(m["events"]) is None
+               and any(e["kind"] == "finish" and e["seq_id"] == "r1.1" for e in m["events"]))
+        streams.append([e for f in frames for e in f])
+    assert streams[0] == streams[1] and len(streams[0]) > 10
+
+
+def test_a_client_that_stops_reading_is_resynchronised_while_others_stream(make_server):
+    srv = make_server(pool={"num_device_blocks": 1024}, max_queued_events=8)
+    fast = Client(srv.url)
+    slow = Client(srv.url, max_queue=1)
+    for i in range(4):
+        fast.request(op="submit", prompt=f"story {i}", max_tokens=3000, ignore_eos=True)
+    start = srv.engine_loop.steps_run
+    # `slow` reads nothing while the engine runs on and `fast` keeps up
+    lagging = lambda: [c for c in srv.hub.clients if c.resyncs]  # noqa: E731
+    fast.until(lambda: lagging() or srv.engine_loop.steps_run > start + 2500, timeout=120)
+    assert lagging() and fast.snapshots == 1  # only the stalled client was resynchronised
+    fast.until(lambda: srv.engine_loop.steps_run > start + 1000, timeout=120)  # and all went on
+    slow.sync(lambda m: m["type"] == "snapshot" and slow.snapshots >= 2, timeout=60)
+    # after the resync its mirror continues from the snapshot's seq: it matches a fresh one
+    slow.request(op="pause")
+    fresh = slow.request(op="snapshot") and slow.sync(lambda m: m["type"] == "snapshot")
+    assert slow.state.snapshot() == p.decode_server_message(json.dumps(fresh))
+    assert srv.engine_loop.steps_run > start + 1000
+
+
+INVALID_COMMANDS = st.one_of(
+    st.text(max_size=50).filter(lambda s: not s.strip().startswith(("{", "[", '"')) or len(s) < 2),
+    st.binary(min_size=1, max_size=64),
+    st.one_of(st.integers(), st.lists(st.integers(), max_size=3), st.none(), st.booleans()).map(json.dumps),
+    st.fixed_dictionaries({"op": st.text(max_size=12).filter(lambda s: s not in p.COMMANDS)}).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("submit"), "prompt": st.just("x"),
+                           "max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=4097),
+                                                   st.text(max_size=3), st.floats(allow_nan=False),
+                                                   st.just(10**40))}).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("submit"), "prompt": st.just("x"),
+                           "n": st.one_of(st.integers(max_value=0), st.integers(min_value=17), st.booleans())
+                           }).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("submit"), "prompt": st.one_of(st.integers(), st.just(""), st.none())}
+                          ).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("step"), "count": st.one_of(st.integers(max_value=0),
+                                                                     st.integers(min_value=10_001))}).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("pace"), "step_delay_ms": st.one_of(
+        st.floats(max_value=-0.01), st.floats(min_value=10_000.01), st.text(max_size=4))}).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("reset"), "config": st.fixed_dictionaries({
+        "block_size": st.one_of(st.integers(max_value=0), st.integers(min_value=257),
+                                st.sampled_from([3, 12, 100]))})}).map(json.dumps),
+    st.fixed_dictionaries({"op": st.sampled_from(sorted(p.COMMANDS)),
+                           "bogus_field": st.integers()}).map(json.dumps),
+    st.fixed_dictionaries({"op": st.just("abort"), "request_id": st.one_of(st.integers(), st.none())}
+                          ).map(json.dumps),
+)
+
+
+def test_a_thousand_hostile_messages_each_get_an_error_and_the_server_still_serves(make_server):
+    srv = make_server()
+    c = Client(srv.url)
+    frames: list = []
+
+    @settings(max_examples=1000, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(INVALID_COMMANDS)
+    def collect(frame):
+        frames.append(frame)
+
+    collect()
+    assert len(frames) >= 1000
+    for frame in frames:
+        c.ws.send(frame)
+    codes = Counter()
+    for _ in frames:
+        msg = c.sync(lambda m: m["type"] in ("ack", "error"))
+        assert msg["type"] == "error" and msg["message"], msg
+        codes[msg["code"]] += 1
+    assert set(codes) <= {"bad_json", "unknown_op", "invalid_argument"} and len(codes) == 3
+    ack = c.request(op="submit", prompt="still there?", max_tokens=3, ignore_eos=True)
+    c.sync(c.finished(ack["request_id"]))
+
+
+def test_oversized_frames_are_refused_with_1009(make_server):
+    srv = make_server()
+    c = Client(srv.url)
+    c.ws.send(json.dumps({"op": "submit", "prompt": "x" * (1 << 20)}))
+    with pytest.raises(Exception):
+        c.recv(timeout=10)
+    assert c.ws.close_code == 1009
+    Client(srv.url).request(op="pause")  # the server lives on
+
+
+def test_the_token_is_enforced_at_the_handshake(make_server):
+    srv = make_server(token="s3cret")
+    for url in (srv.url, srv.url + "?token=wrong"):
+        with pytest.raises(InvalidStatus) as e:
+            Client(url)
+        assert e.value.response.status_code == 401
+    Client(srv.url + "?token=s3cret").request(op="pause")
+    Client(srv.url, additional_headers={"Authorization": "Bearer s3cret"}).request(op="pause")
+
+
+def test_binding_beyond_loopback_needs_a_token():
+    out = subprocess.run([sys.executable, "-m", "engine.server", "--host", "0.0.0.0", "--model", "tiny"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--token" in out.stderr
+
+
+def test_pause_step_resume_and_pace(make_server):
+    srv = make_server()
+    c = Client(srv.url)
+    assert c.request(op="step")["code"] == "busy"
+    assert c.request(op="pause")["type"] == "ack"
+    before = srv.engine_loop.steps_run
+    c.request(op="submit", prompt="one step at a time", max_tokens=20, ignore_eos=True)
+    assert c.request(op="step", count=3)["type"] == "ack"
+    c.until(lambda: c.kinds["step"] == 3)
+    c.request(op="pause")  # a barrier: the engine thread has run every command before it
+    assert srv.engine_loop.steps_run == before + 3 and c.kinds["step"] == 3
+    assert c.request(op="pace", step_delay_ms=5)["type"] == "ack" and srv.engine_loop.step_delay_ms == 5
+    c.request(op="resume")
+    c.sync(c.finished("r1"))
+    assert c.kinds["append"] == 20
+
+
+def test_reset_changes_the_config_and_every_client_gets_reset_and_a_snapshot(make_server):
+    srv = make_server(memory_fraction=0.01)
+    a, b = Client(srv.url), Client(srv.url)
+    a.request(op="submit", prompt="soon gone", max_tokens=500, ignore_eos=True)
+    ack = a.request(op="reset", config={"block_size": 8, "num_device_blocks": 64,
+                                        "preemption_mode": "recompute"})
+    assert ack["type"] == "ack"
+    for c in (a, b):
+        c.until(lambda: c.snapshots == 2 and c.state.config.block_size == 8)
+        assert c.kinds["reset"] == 1 and len(c.state.ref_counts) == 64 and not c.state.seqs
+    bad = a.request(op="reset", config={"num_device_blocks": 65536, "block_size": 256})
+    assert bad["code"] == "invalid_argument" and "GiB" in bad["message"]
+    assert a.request(op="snapshot") and a.sync(lambda m: m["type"] == "snapshot")["config"]["block_size"] == 8
+
+
+def test_clear_prefix_cache_emits_evicts(make_server):
+    srv = make_server()
+    c = Client(srv.url)
+    ack = c.request(op="submit", prompt=SYSTEM * 3, max_tokens=2)
+    c.sync(c.finished(ack["request_id"]))
+    cached = c.state.counts()[1]
+    assert cached >= 3
+    c.request(op="clear_prefix_cache")
+    c.until(lambda: c.kinds["evict"] >= cached)
+    assert c.state.counts()[1] == 0
+
+
+def test_errors_for_engine_commands_carry_their_codes(make_server):
+    srv = make_server(pool={"num_device_blocks": 16, "block_size": 4})
+    c = Client(srv.url)
+    assert c.request(op="submit", prompt="word " * 100)["code"] == "too_long"
+    assert c.request(op="abort", request_id="nobody")["code"] == "not_found"
+    c.request(op="submit", prompt="x", request_id="dup", max_tokens=30, ignore_eos=True)
+    assert c.request(op="submit", prompt="x", request_id="dup")["code"] == "duplicate_id"
+    assert c.request(op="abort", request_id="dup")["type"] == "ack"
+
+
+def workload(c: Client) -> None:
+    """Prefix hits, parallel sampling (fork + CoW: a 7-token prompt leaves a partial block),
+    and overload (preemption + swap)."""
+    for i in range(3):
+        c.request(op="submit", prompt=SYSTEM + f"Question {i}?", max_tokens=12, ignore_eos=True)
+    c.request(op="submit", prompt="Name three colours and a number:", n=4, temperature=0.9, seed=1, max_tokens=12,
+              ignore_eos=True)
+    for i in range(6):
+        c.request(op="submit", prompt=f"Tell a long story number {i}.", max_tokens=60, ignore_eos=True)
+
+
+def test_a_mirroring_client_holds_exactly_what_a_fresh_snapshot_says(make_server):
+    srv = make_server(pool={"block_size": 4, "num_device_blocks": 64, "num_host_blocks": 128,
+                            "max_num_seqs": 16})
+    c = Client(srv.url)
+    c.request(op="pause")
+    workload(c)
+    c.request(op="step", count=40)
+    c.until(lambda: c.kinds["step"] == 40)
+    assert c.state.seqs  # mid-run
+    fresh = c.request(op="snapshot") and c.sync(lambda m: m["type"] == "snapshot")
+    mid = c.state.snapshot()
+    c.request(op="resume")
+    c.until(lambda: not c.state.seqs and c.kinds["finish"] >= 13, timeout=120)
+    check_invariants(c.state)
+    assert {"prefix_hit", "cached", "fork", "cow", "preempt", "swap_out", "swap_in"} <= set(c.kinds)
+    assert mid == p.decode_server_message(json.dumps(fresh))
+    end = c.request(op="snapshot") and c.sync(lambda m: m["type"] == "snapshot")
+    assert c.state.snapshot() == p.decode_server_message(json.dumps(end))
+
+
+def run_replay(path, **kw):
+    box = []
+    ready = threading.Event()
+
+    def on_ready(port, stop, playback):
+        box.extend([port, stop, playback, asyncio.get_running_loop()])
+        ready.set()
+
+    threading.Thread(target=lambda: asyncio.run(replay(path, "127.0.0.1", 0, on_ready=on_ready, **kw)),
+                     daemon=True).start()
+    assert ready.wait(10)
+    return box
+
+
+def test_replaying_a_recording_reproduces_the_recorded_final_state(make_server, tmp_path):
+    path = tmp_path / "run.jsonl"
+    srv = make_server(pool={"block_size": 4, "num_device_blocks": 64, "num_host_blocks": 128},
+                      record=path)
+    c = Client(srv.url)
+    workload(c)
+    c.until(lambda: not c.state.seqs and c.kinds["finish"] >= 13, timeout=120)
+    final = c.state.snapshot()
+    srv.stop()
+    port, stop, playback, loop = run_replay(path, speed=1000.0)
+    viewer = Client(f"ws://127.0.0.1:{port}/")
+    assert viewer.hello["replay"] is True
+    viewer.until(lambda: viewer.state.seq == final.seq)
+    assert viewer.state.snapshot() == final
+    assert viewer.request(op="submit", prompt="x")["code"] == "unsupported"
+    assert viewer.request(op="reset")["code"] == "unsupported"
+    loop.call_soon_threadsafe(stop.set_result, None)
+
+
+def test_replay_pauses_steps_and_loops(tmp_path, make_server):
+    path = tmp_path / "run.jsonl"
+    srv = make_server(record=path)
+    c = Client(srv.url)
+    ack = c.request(op="submit", prompt="short", max_tokens=4, ignore_eos=True)
+    c.sync(c.finished(ack["request_id"]))
+    srv.stop()
+    port, stop, playback, loop = run_replay(path, loop=True)
+    v = Client(f"ws://127.0.0.1:{port}/")
+    v.request(op="pause")
+    played = playback.batches_played
+    v.request(op="step", count=2)
+    v.until(lambda: playback.batches_played >= played + 2)
+    assert v.request(op="resume")["type"] == "ack"
+    v.until(lambda: v.kinds["reset"] >= 1 and v.snapshots >= 2)
+    v.until(lambda: v.kinds["finish"] >= 2)  # the second pass
+    last = v.state.seq
+    v.request(op="pause")
+    fresh = v.request(op="snapshot") and v.sync(lambda m: m["type"] == "snapshot")
+    assert fresh["seq"] >= last and v.state.snapshot() == p.decode_server_message(json.dumps(fresh))
+    loop.call_soon_threadsafe(stop.set_result, None)
+
+
+def test_replay_never_imports_torch():
+    code = "import sys, engine.replay; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
