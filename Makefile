@@ -5,8 +5,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
+CHROMIUM := /usr/bin/chromium
+PORT ?= 8501
+ARGS ?=
+STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
+	--browser.gatherUsageStats false
 
-.PHONY: install test test-fast run bench clean
+.PHONY: install test test-fast run bench bench-dashboard clean
 
 $(STAMP): requirements.txt tests/requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,7 +23,12 @@ $(STAMP): requirements.txt tests/requirements.txt
 
 install: $(STAMP)
 
-test: install
+# the browser test drives Debian's chromium through the playwright package (never `playwright install`)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+test: install $(CHROMIUM)
 	$(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS) tests
 
 test-fast: install
@@ -26,6 +36,15 @@ test-fast: install
 
 bench: install
 	$(PY) -m bench.allocator
+
+# the dashboard: embedded engine with the bundled model; `make run ARGS="--engine ws://HOST:PORT"`
+# attaches to a running engine, ARGS="--replay FILE" replays a recording, other flags go to the engine
+run: install
+	@echo "KVScope: open http://localhost:$(PORT) in a browser (the model loads first, a few seconds)"
+	$(PY) -m streamlit run app/main.py $(STREAMLIT_FLAGS) -- $(ARGS)
+
+bench-dashboard: install $(CHROMIUM)
+	$(PY) -m bench.dashboard --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

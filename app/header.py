@@ -1,0 +1,110 @@
+"""The header: connection status, the metrics with warning thresholds, and the teaching
+number (what a contiguous max-length reservation would hold next to what paging holds)."""
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from app.client import EngineClient, View
+from app.source import Source
+
+STATE_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red", "closed": "gray"}
+
+
+def status_line(client: EngineClient, source: Source) -> None:
+    s, h = client.status, client.hello
+    what = source.label
+    if h:
+        e = h.engine
+        what += f" · {e.model} on {e.device} ({e.dtype})" + (" · replay" if h.replay else "")
+    state = s.state
+    text = f":{STATE_COLORS.get(state, 'gray')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+    if state != "connected":
+        text += f" · attempt {s.attempts}" + (f" · {s.last_error}" if s.last_error else "")
+    if client.paused:
+        text += " · :orange[:material/pause_circle: **paused**] (Step or Resume in the sidebar)"
+    elif client.pace_ms:
+        text += f" · pace {client.pace_ms:g} ms per step"
+    st.markdown(text)
+
+
+def usage(view: View) -> dict[str, float]:
+    """The view's usage numbers, computed once per view (every session shares them)."""
+    if "usage" not in view.memo:
+        view.memo["usage"] = view.mirror.usage()
+    return view.memo["usage"]
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
+
+
+def metrics(view: View, client: EngineClient) -> None:
+    """Two rows of four metrics, each with a colour that turns when a threshold is crossed."""
+    m, tl, cfg = view.mirror, view.mirror.tally, view.mirror.config
+    u = usage(view)
+    now = m.t + (time.time() - client.received_at if view.live and client.received_at else 0.0)
+    pool = u["used"] / u["total"] if u["total"] else 0.0
+    host = u["host_used"] / u["host_total"] if u["host_total"] else 0.0
+    util, last = u["slot_util"], tl.last_step
+    run, wait, swap = (sum(s.status == k for s in m.state.seqs.values()) for k in ("running", "waiting", "swapped"))
+    kw = dict(delta_arrow="off", border=True)
+    row = st.columns(4)
+    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']} / {u['total']} blocks",
+                  "red" if pool >= 0.95 else "orange" if pool >= 0.8 else "gray", **kw,
+                  help="Device blocks held by at least one sequence. Cached blocks (no holder, still "
+                       "hit-able) are not counted: an allocation may evict them. Orange from 80%, red from 95%.")
+    row[1].metric("Slot utilisation", f"{util:.0%}" if u["used"] else "–",
+                  f"{u['waste_per_seq']:.1f} empty / seq" if u["used"] else "no block in use",
+                  "orange" if util < 0.5 and u["used"] else "green", **kw,
+                  help="Tokens stored over the slots of used blocks: internal fragmentation. Only the last "
+                       f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. Orange under 50%.")
+    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}", f"{tl.hit_tokens:,} / {tl.prompt_tokens:,} tokens",
+                  "blue", **kw, help="Prompt tokens whose K/V came from the prefix cache instead of being computed.")
+    row[3].metric("Tokens/s", f"{tl.tokens_per_s(now):,.1f}",
+                  f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
+                  help=f"Generated tokens per second of engine time, over the last 3 s ({tl.generated:,} in all).")
+    row = st.columns(4)
+    row[0].metric("Copy-on-write", f"{tl.cows:,}", f"{tl.forks} forks", "violet" if tl.cows else "gray", **kw,
+                  help="Copies of a shared block made by the first write into it (parallel samples).")
+    row[1].metric("Swaps out / in", f"{tl.swap_outs} / {tl.swap_ins}", f"host {u['host_used']} / {u['host_total']}",
+                  "orange" if host >= 0.8 else "violet" if tl.swap_outs else "gray", **kw,
+                  help="Sequences moved to the host pool and back. Frequent swapping means the pool is too "
+                       "small. Orange when the host pool is 80% full.")
+    row[2].metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes} recomputed",
+                  "red" if tl.preemptions else "gray", **kw,
+                  help="Sequences stopped because the pool ran out of blocks (swapped out or recomputed).")
+    row[3].metric("Running", f"{run}", f"{wait} wait · {swap} swapped", "orange" if wait or swap else "gray",
+                  **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
+                             f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
+
+
+def reservation_card(view: View) -> None:
+    """Teaching point 1: a contiguous max-length reservation per sequence vs paging."""
+    u, cfg = usage(view), view.mirror.config
+    holding = sum(1 for s in view.mirror.state.seqs.values() if s.block_table)
+    res, pag = u["reserved_slots"], u["paged_slots"]
+    top = max(res, pag, 1)
+
+    def bar(label: str, slots: int, used: float, size: str, color: str) -> str:
+        return (f'<div style="margin:6px 0 2px">{label}: <b>{slots:,}</b> slots · {size} · '
+                f'<b>{used:.0%}</b> hold tokens</div>'
+                f'<div style="background:rgba(148,163,184,.18);border-radius:3px;height:14px">'
+                f'<div style="width:{100 * slots / top:.1f}%;height:14px;border-radius:3px;background:'
+                f'linear-gradient(to right,{color} {100 * used:.1f}%,color-mix(in srgb,{color} 25%,transparent) '
+                f'{100 * used:.1f}%)"></div></div>')
+
+    saved = res - pag
+    body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
+                _mib(u["reserved_bytes"]), "#e15759")
+            + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), "#4e79a7")
+            + (f'<div style="margin-top:6px">Paging holds <b>{saved:,}</b> fewer slots '
+               f'(<b>{_mib(saved * cfg.bytes_per_block / cfg.block_size)}</b>, {saved / res:.0%} less) for the same tokens.</div>'
+               if res and saved > 0 else "")
+            if holding else
+            '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
+            'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
+    st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
+            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {holding} sequences holding memory'
+            f' · {cfg.bytes_per_block:,} bytes per block of {cfg.block_size} tokens{body}</div>')

@@ -1,0 +1,151 @@
+"""Bounded event history with periodic checkpoints: the state at any retained event number.
+
+The state at event N is the nearest checkpoint at or before N with the events after it
+replayed (the reducer is a pure function of the events). A snapshot that does not continue
+the stream (a resync after a gap) becomes a checkpoint too, so travel never crosses a gap.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from engine import protocol as p
+from app.mirror import Mirror
+
+MARKER_KINDS = {"preempt", "swap_out", "swap_in", "reset"}
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One engine step, for the timeline chart."""
+    seq: int
+    step: int
+    t: float
+    used: int
+    cached: int
+    free: int
+    running: int
+    waiting: int
+    swapped: int
+    hit_rate: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Marker:
+    seq: int
+    step: int
+    kind: str
+    seq_id: str
+
+
+class History:
+    def __init__(self, snap: p.Snapshot, max_events: int = 100_000, checkpoint_every: int = 500):
+        self.max_events, self.checkpoint_every = max_events, checkpoint_every
+        self.live = Mirror.from_snapshot(snap)
+        self.events: list[p.AnyEvent] = []
+        self.checkpoints: list[Mirror] = [self.live.clone()]
+        self.points: deque[StepPoint] = deque(maxlen=20_000)
+        self.markers: deque[Marker] = deque(maxlen=5_000)
+
+    # ------------------------------------------------------------------ writing
+    def append(self, ev: p.AnyEvent) -> None:
+        """Apply a live event; raises engine.state.InvariantError when it cannot follow."""
+        self.live.apply(ev)
+        self.events.append(ev)
+        kind = ev.__struct_config__.tag
+        if kind in MARKER_KINDS:
+            self.markers.append(Marker(ev.seq, ev.step, kind, getattr(ev, "seq_id", "")))
+        elif kind == "step":
+            cfg, tl = self.live.config, self.live.tally
+            self.points.append(StepPoint(
+                ev.seq, ev.step, ev.t, cfg.num_device_blocks - ev.free_blocks - ev.cached_blocks,
+                ev.cached_blocks, ev.free_blocks, ev.num_running, ev.num_waiting, ev.num_swapped,
+                tl.hit_rate, tl.tokens_per_s(ev.t)))
+        if ev.seq - self.checkpoints[-1].seq >= self.checkpoint_every:
+            self.checkpoints.append(self.live.clone())
+        if len(self.events) > self.max_events * 1.1:  # trim in chunks: O(1) amortised
+            del self.events[:len(self.events) - self.max_events]
+            # checkpoints before the first retained event can no longer be replayed forward
+            stale = bisect.bisect_left(self.checkpoints, self.events[0].seq - 1, key=lambda m: m.seq)
+            del self.checkpoints[:min(stale, len(self.checkpoints) - 1)]
+
+    def resync(self, snap: p.Snapshot) -> None:
+        """A snapshot in mid-stream: it becomes the live state and a checkpoint, keeping the
+        counters and the history before it."""
+        old = self.live
+        self.live = Mirror.from_snapshot(snap)
+        self.live.tally, self.live.finished, self.live.t = old.tally, old.finished, old.t
+        self.live.origins = {k: v for k, v in old.origins.items() if k in self.live.state.seqs}
+        while self.checkpoints and self.checkpoints[-1].seq >= snap.seq:
+            self.checkpoints.pop()
+        self.checkpoints.append(self.live.clone())
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def first_seq(self) -> int:
+        """The earliest event number whose state can be rebuilt."""
+        return self.checkpoints[0].seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.live.seq
+
+    def _index(self, seq: int) -> int:
+        """Position of the first retained event numbered >= seq."""
+        return bisect.bisect_left(self.events, seq, key=lambda e: e.seq)
+
+    def at(self, n: int) -> Mirror:
+        """A copy of the state right after event n (clamped to what is retained)."""
+        n = max(self.first_seq, min(n, self.last_seq))
+        if n == self.last_seq:
+            return self.live.clone()
+        i = bisect.bisect_right(self.checkpoints, n, key=lambda m: m.seq) - 1
+        mirror = self.checkpoints[i].clone()
+        for ev in self.events[self._index(mirror.seq + 1):self._index(n + 1)]:
+            if ev.seq != mirror.seq + 1:
+                break  # a gap: the checkpoint after it is later than n
+            mirror.apply(ev)
+        return mirror
+
+    def event(self, n: int) -> p.AnyEvent | None:
+        i = self._index(n)
+        return self.events[i] if i < len(self.events) and self.events[i].seq == n else None
+
+    def last_step_events(self, n: int, limit: int = 20_000) -> list[p.AnyEvent]:
+        """The events of the engine step that event n belongs to, up to n."""
+        end = self._index(n + 1)
+        if not end:
+            return []
+        step, i = self.events[end - 1].step, end - 1
+        while i > 0 and end - i < limit and self.events[i - 1].step == step:
+            i -= 1
+        return self.events[i:end]
+
+    def step_edge(self, n: int, forward: bool) -> int:
+        """Forward: the last event of n's step, or of the next step if n already ends its own.
+        Backward: the last event of the step before n's."""
+        events, i = self.events, self._index(n)
+        if i >= len(events):
+            return self.last_seq if forward else n
+        step = events[i].step
+        if forward:
+            if i + 1 < len(events) and events[i + 1].step == step:
+                while i + 1 < len(events) and events[i + 1].step == step:
+                    i += 1
+                return events[i].seq
+            if i + 1 >= len(events):
+                return self.last_seq
+            i, step = i + 1, events[i + 1].step
+            while i + 1 < len(events) and events[i + 1].step == step:
+                i += 1
+            return events[i].seq
+        while i >= 0 and events[i].step == step:
+            i -= 1
+        return events[i].seq if i >= 0 else self.first_seq
+
+    def recent(self, n: int, count: int) -> list[p.AnyEvent]:
+        """Up to `count` events at or before n, oldest first."""
+        end = self._index(n + 1)
+        return self.events[max(0, end - count):end]

@@ -1,0 +1,310 @@
+"""The dashboard under AppTest against a real engine server (tiny model, its own process):
+every view and control, checked against what the engine did (seen by an independent client).
+
+AppTest runs fragments once per run (their timers never fire), so each test runs the script
+again once the engine has done what the test waits for.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit import dataframe_util
+from streamlit.testing.v1 import AppTest
+
+from engine import protocol as p
+from app.client import EngineClient
+from app.launcher import ServerProcess
+
+MAIN = str(Path(__file__).resolve().parent.parent / "app" / "main.py")
+DEFAULT_POOL = p.ResetConfig(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=16,
+                             enable_prefix_caching=True, preemption_mode="swap")
+
+
+def wait(cond, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if out := cond():
+            return out
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rec") / "session.jsonl"
+
+
+@pytest.fixture(scope="module")
+def engine(recording):
+    proc = ServerProcess("engine.server", ["--model", "tiny", "--port", "0", "--record", str(recording)]).start()
+    assert proc.wait_ready(90), "\n".join(proc.tail(30))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def observer(engine):
+    """An independent client: the engine's effects, as the protocol reports them."""
+    c = EngineClient(engine.url)
+    wait(lambda: c.view() is not None, what="the observer's first snapshot")
+    for cmd in (p.Resume(), p.Pace(step_delay_ms=0), p.ResetCmd(config=DEFAULT_POOL)):
+        assert isinstance(c.wait_reply(c.send(cmd)), p.Ack)
+    wait(lambda: c.view().mirror.config.num_device_blocks == 256 and not c.view().mirror.state.seqs)
+    yield c
+    c.close()
+
+
+def events(c: EngineClient, kind: str, since: int = 0) -> list:
+    with c.lock:
+        return [e for e in c.history.events if e.seq > since and e.__struct_config__.tag == kind]
+
+
+@pytest.fixture
+def at(engine, observer, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_ENGINE", engine.url)
+    st.cache_resource.clear()  # a fresh app client per test (the old one is released)
+    app = AppTest.from_file(MAIN, default_timeout=30)
+    app.run()
+    wait(lambda: grid_data(app.run()), what="the app's first grid")
+    yield app
+    st.cache_resource.clear()
+
+
+def grid_data(at: AppTest, name: str = "kvscope_grid") -> dict | None:
+    for el in at.get("bidi_component"):
+        if el.proto.component_name == name:
+            return json.loads(el.proto.json)
+    return None
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def html_with(at: AppTest, marker: str) -> str:
+    return next(h.value for h in at.html if marker in h.value)
+
+
+def rerun_until(at: AppTest, cond, timeout: float = 20.0, what: str = "the app to show it"):
+    return wait(lambda: cond(at.run()), timeout, what)
+
+
+def show_log(at: AppTest):
+    next(c for c in at.segmented_control if c.label == "History").set_value("Event log").run()
+    return at.dataframe[0].value
+
+
+def submit(at: AppTest, text: str, **fields) -> None:
+    at.text_area(key="prompt_text").set_value(text)
+    for key, value in fields.items():
+        (at.toggle if isinstance(value, bool) else at.number_input)(key=key).set_value(value)
+    next(b for b in at.sidebar.button if b.label == "Submit").click()
+    at.run()
+
+
+def test_prompt_pause_step_resume_and_every_view(at, observer):
+    at.button(key="pause_resume").click().run()
+    wait(lambda: observer.view() and at.run() and at.button(key="step").disabled is False, what="pause")
+    start = observer.history.last_seq
+    submit(at, "Hello, paged world. Tell me about blocks.", prompt_max=24)
+    added = wait(lambda: events(observer, "request_added", start), what="the request")[0]
+    assert not events(observer, "alloc", start)  # paused: admitted only by a step
+    at.button(key="step").click().run()
+    allocs = wait(lambda: events(observer, "alloc", start), what="a step's allocations")
+    rid = added.request_id
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["counts"]["used"] and d, what="used blocks")
+    truth = observer.view().mirror
+    assert data["live"] and data["counts"]["used"] == truth.state.counts()[2] == len(allocs)
+    assert data["touched"].get("alloc") == len(allocs)  # the step's allocations are highlighted
+    assert metric(at, "Pool usage") == f"{len(allocs) / 256:.0%}"
+    tables = html_with(at, 'class="bt"')
+    assert rid in tables and "running" in tables and f"{added.prompt_tokens} prompt" in tables
+    card = html_with(at, "What paging saves")
+    u = truth.usage()
+    assert f"{u['reserved_slots']:,}</b> slots" in card and f"{u['paged_slots']:,}</b> slots" in card
+    log = show_log(at)
+    assert set(log[log["kind"] == "alloc"]["sequence"]) == {rid}
+    assert "paused" in at.markdown[0].value
+    at.button(key="pause_resume").click().run()
+    wait(lambda: any(e.seq_id == rid for e in events(observer, "finish", start)), what="the request to finish")
+    rerun_until(at, lambda a: rid in html_with(a, "bt fin"), what="the finished request")
+    assert grid_data(at)["counts"]["used"] == 0
+    next(c for c in at.segmented_control if c.label == "History").set_value("Timeline").run()
+    charts = rerun_until(at, lambda a: a.get("vega_lite_chart"), what="charts")
+    blocks = next(d for d in charts[0].proto.datasets if d.name == "blocks")
+    rows = dataframe_util.convert_arrow_bytes_to_pandas_df(blocks.data.data)
+    assert set(rows["state"]) == {"used", "cached", "free"} and rows["step"].max() == observer.history.points[-1].step
+
+
+@pytest.mark.parametrize("key,kind,steps,metric_label", [
+    ("shared", "prefix_hit", 1, "Prefix hit rate"), ("parallel", "cow", 3, "Copy-on-write"),
+    ("overload", "swap_out", 400, "Swaps out / in"), ("mixed", "request_added", 1, "Running")])
+def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metric_label):
+    """Paused, so the mechanism stays on screen: the scenario's requests wait, Step runs them."""
+    at.button(key="pause_resume").click().run()
+    wait(lambda: at.run().button(key="step").disabled is False, what="pause")
+    start = observer.history.last_seq
+    at.button(key=f"scenario_{key}").click().run()
+    at.number_input(key="step_count").set_value(steps).run()
+    at.button(key="step").click().run()
+    need = 8 if key == "mixed" else 1
+    got = wait(lambda: len(evs := events(observer, kind, start)) >= need and evs, 30, f"{kind} events")
+    wait(lambda: events(observer, "step", start), what="the step")
+    rerun_until(at, lambda a: metric(a, metric_label) not in ("0%", "0", "0 / 0", "0 · 0 · 0", "–"), what=metric_label)
+    assert any("Watch:" in c.value for c in at.sidebar.caption)
+    data = grid_data(at)
+    if key == "shared":  # four requests, one system prompt: their first blocks are shared ×4
+        assert data["counts"]["shared"] >= 5 and len({e.block_id for e in got}) < len(got)
+    if key == "parallel":
+        assert events(observer, "fork", start) and data["counts"]["shared"] >= 1
+    if key == "overload":
+        assert events(observer, "preempt", start) and metric(at, "Preemptions") != "0"
+    if key == "mixed":
+        assert "fewer slots" in html_with(at, "What paging saves")
+
+
+def test_reset_to_another_block_size(at, observer):
+    at.select_slider(key="reset_bs").set_value(8)
+    at.number_input(key="reset_dev").set_value(96)
+    at.number_input(key="reset_host").set_value(32)
+    at.selectbox(key="reset_mode").set_value("recompute")
+    at.toggle(key="reset_caching").set_value(False)
+    next(b for b in at.sidebar.button if b.label == "Reset engine").click()
+    at.run()
+    cfg = wait(lambda: (c := observer.view().mirror.config).block_size == 8 and c, what="the reset")
+    assert (cfg.num_device_blocks, cfg.num_host_blocks, cfg.preemption_mode, cfg.enable_prefix_caching) == (
+        96, 32, "recompute", False)
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["bs"] == 8 and d)
+    assert (data["n"], data["m"]) == (96, 32)
+    assert any("96 × 8 tokens" in e.label for e in at.sidebar.expander)
+    start = observer.history.last_seq
+    submit(at, "A prompt on the new pool", prompt_max=12)
+    wait(lambda: events(observer, "finish", start), what="a request on the new pool")
+    blocks = {e.block_id for e in events(observer, "alloc", start)}
+    assert blocks and max(blocks) < 96
+
+
+def test_time_travel_buttons_scrub_every_view(at, observer):
+    start = observer.history.last_seq
+    submit(at, "Travel back in time with me", prompt_max=16)
+    wait(lambda: events(observer, "finish", start), what="a finished request")
+    at.run()
+    last = at.session_state["travel"] if "travel" in at.session_state else None
+    assert last is None and grid_data(at)["live"]
+    at.button(key="tt_prev_step").click().run()
+    n = at.session_state["travel"]
+    assert n is not None and n < observer.history.last_seq
+    data = grid_data(at)
+    truth = observer.history.at(n)
+    assert not data["live"] and data["seq"] == n
+    assert data["counts"]["used"] == truth.state.counts()[2]
+    assert any("Time travel" in c.value for c in at.caption)
+    # back through the allocation: the views show the request holding blocks again
+    alloc = events(observer, "alloc", start)[0]
+    at.session_state["travel"] = alloc.seq
+    at.run()
+    data = grid_data(at)
+    assert data["seq"] == alloc.seq and data["counts"]["used"] == observer.history.at(alloc.seq).state.counts()[2] >= 1
+    assert alloc.seq_id in html_with(at, 'class="bt"')
+    assert show_log(at)["event"].iloc[0] <= alloc.seq  # the log is frozen at that event too
+    at.button(key="tt_next").click().run()
+    assert at.session_state["travel"] == alloc.seq + 1
+    at.button(key="tt_live").click().run()
+    assert at.session_state["travel"] is None and grid_data(at)["live"]
+
+
+def test_event_log_filters(at, observer):
+    start = observer.history.last_seq
+    submit(at, "Filter me", prompt_max=8)
+    fin = wait(lambda: events(observer, "finish", start), what="a finished request")[0]
+    show_log(at)
+    at.multiselect(key="log_kinds").set_value(["alloc", "free"])
+    next(t for t in at.text_input if t.label == "Sequence or request").set_value(fin.seq_id)
+    at.run()
+    log = at.dataframe[0].value
+    assert set(log["kind"]) == {"alloc", "free"} and set(log["sequence"]) == {fin.seq_id}
+    block = int(log["blocks"].iloc[0])
+    next(n for n in at.number_input if n.label == "Block").set_value(block)
+    at.run()
+    assert all(str(block) in b.split() for b in at.dataframe[0].value["blocks"])
+
+
+def test_abort_clear_prefix_cache_and_pace(at, observer):
+    start = observer.history.last_seq
+    at.select_slider(key="pace").set_value(50)
+    at.run()
+    submit(at, "Count to a thousand, slowly.", prompt_max=2000, prompt_ignore_eos=True)
+    added = wait(lambda: events(observer, "alloc", start), what="the long request")[0]
+    rerun_until(at, lambda a: added.seq_id in (a.selectbox(key="abort_rid").options or []), what="abort choice")
+    at.selectbox(key="abort_rid").set_value(added.seq_id).run()
+    at.button(key="abort").click().run()
+    fin = wait(lambda: events(observer, "finish", start), what="the abort")[0]
+    assert fin.reason == "abort"
+    cached = wait(lambda: observer.view().mirror.state.counts()[1], what="cached blocks")
+    at.button(key="clear_cache").click().run()
+    wait(lambda: len(events(observer, "evict", fin.seq)) == cached, what="evictions")
+    rerun_until(at, lambda a: grid_data(a)["counts"]["cached"] == 0)
+
+
+def test_bad_input_is_explained_and_loses_nothing(at, observer):
+    at.radio(key="src_kind").set_value("attach")
+    at.run()
+    at.text_input(key="src_url").set_value("http://not-a-websocket").run()
+    next(b for b in at.sidebar.button if b.label == "Connect").click()
+    at.run()
+    assert any("ws://" in e.value for e in at.sidebar.error)
+    assert grid_data(at)  # still drawing the engine it had
+    at.number_input(key="prompt_max").set_value(4096)
+    submit(at, "x " * 3000)  # can never fit the pool: the engine's error reaches the user
+    rerun_until(at, lambda a: any("too_long" in c.value for c in a.sidebar.caption), what="the error")
+    assert not exceptions(at)
+
+
+def exceptions(at: AppTest) -> list:
+    return [e.value for e in at.exception]
+
+
+def test_unreachable_engine_shows_reconnecting(monkeypatch):
+    monkeypatch.setenv("KVSCOPE_ENGINE", "ws://127.0.0.1:9/")
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30)
+    rerun_until(at, lambda a: "Reconnecting" in a.markdown[0].value if a.markdown else False, 10)
+    assert any("first snapshot" in i.value for i in at.info) and not exceptions(at)
+    st.cache_resource.clear()
+
+
+def test_replay_of_a_recording(engine, recording, observer, monkeypatch):
+    observer.wait_reply(observer.send(p.Submit(prompt="Recorded for the replay", max_tokens=8)))
+    wait(lambda: events(observer, "finish"), what="something to record")
+    monkeypatch.delenv("KVSCOPE_ENGINE", raising=False)
+    monkeypatch.setenv("KVSCOPE_REPLAY", str(recording))
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30)
+    data = rerun_until(at, lambda a: grid_data(a), 60, "the replay's grid")
+    assert "replay" in at.markdown[0].value and data["n"] >= 1
+    assert next(b for b in at.sidebar.button if b.label == "Submit").disabled
+    from app.connection import hosted
+    proc = hosted("engine.replay", (str(recording), "--port", "0", "--loop", "--speed", "1")).process
+    st.cache_resource.clear()  # releasing the resource stops the child server
+    wait(lambda: proc.state == "exited", 15, "the replay to stop")
+
+
+def test_embedded_engine_shows_progress_then_the_pool(monkeypatch):
+    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30).run()
+    status = [s.label for s in at.status]
+    assert (status and "Starting the embedded engine (tiny)" in status[0]) or grid_data(at)
+    rerun_until(at, lambda a: grid_data(a), 90, "the embedded engine's grid")
+    assert "tiny-llama" in at.markdown[0].value
+    from app.connection import hosted
+    proc = hosted("engine.server", ("--model", "tiny", "--port", "0")).process
+    assert proc.state == "ready" and any("ready: ws://" in line for line in proc.lines)
+    st.cache_resource.clear()
+    wait(lambda: proc.state == "exited", 15, "the embedded engine to stop")

@@ -1,0 +1,230 @@
+"""The dashboard's state layer on a real engine's events (tiny model, in process): the
+mirror's derived numbers, time travel over a bounded history, the grid's packed arrays,
+the event log's filters, the scenario presets and the command line."""
+from __future__ import annotations
+
+import base64
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import protocol as p
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model_loader import load_model
+from engine.sequence import SamplingParams
+from engine.state import PoolState
+from app import eventlog, grid
+from app.client import View
+from app.history import History
+from app.mirror import Mirror
+from app.scenarios import SCENARIOS
+from app.source import Source, from_command_line
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """(first snapshot, events) of a real run that shares prefixes, forks, copies on write,
+    swaps, recomputes and finishes: a small pool under pressure."""
+    eng = LLMEngine(EngineConfig(model="tiny", pool=p.PoolConfig(
+        block_size=4, num_device_blocks=40, num_host_blocks=8)), load_model("tiny"))
+    first = eng.snapshot()
+    shared = "You are a helpful assistant who answers briefly. "
+    for i, q in enumerate(["Why is the sky blue?", "What is a cache?", "Name a prime."]):
+        eng.add_request(shared + q, SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.add_request([17, 42, 99, 7, 1000, 23], SamplingParams(max_tokens=25, n=3, temperature=0.9, seed=1))
+    while eng.step():
+        pass
+    return first, eng.log.drain(), eng.snapshot()
+
+
+def kinds(events) -> set[str]:
+    return {e.__struct_config__.tag for e in events}
+
+
+def test_the_recorded_run_shows_every_mechanism(recorded):
+    _, events, _ = recorded
+    assert {"prefix_hit", "fork", "cow", "preempt", "swap_out", "swap_in", "finish"} <= kinds(events)
+
+
+def test_mirror_ends_in_the_engines_state_and_counts_each_decision(recorded):
+    first, events, last = recorded
+    m = Mirror.from_snapshot(first)
+    for ev in events:
+        m.apply(ev)
+    assert m.state.snapshot() == PoolState.from_snapshot(last).snapshot()
+    tl, count = m.tally, lambda k: sum(e.__struct_config__.tag == k for e in events)
+    assert (tl.cows, tl.forks, tl.swap_outs, tl.swap_ins, tl.preemptions, tl.finished) == (
+        count("cow"), count("fork"), count("swap_out"), count("swap_in"), count("preempt"), count("finish"))
+    assert tl.hit_tokens == 4 * count("prefix_hit") > 0
+    assert tl.prompt_tokens == sum(e.prompt_tokens for e in events if isinstance(e, p.RequestAdded))
+    assert tl.generated == sum(len(e.token_ids) for e in events if isinstance(e, p.Append))
+    assert [f.seq_id for f in m.finished][-3:] == [e.seq_id for e in events if isinstance(e, p.Finish)][-3:]
+
+
+def test_usage_compares_contiguous_reservation_with_paging(recorded):
+    first, events, _ = recorded
+    m = Mirror.from_snapshot(first)
+    for ev in events:
+        m.apply(ev)
+        if isinstance(ev, p.StepDone) and ev.step == 6:
+            break
+    st, bs = m.state, m.config.block_size
+    holders = [s for s in st.seqs.values() if s.block_table]
+    assert holders
+    u = m.usage()
+    free, cached, used = st.counts()
+    assert (u["free"], u["cached"], u["used"]) == (free, cached, used)
+    assert u["reserved_slots"] == sum(s.prompt_tokens + s.max_tokens for s in holders)
+    assert u["paged_slots"] == used * bs
+    in_blocks = sum(t for t, r in zip(st.block_tokens()[0], st.ref_counts) if r)
+    assert u["slot_util"] == pytest.approx(in_blocks / (used * bs))
+    assert u["reserved_bytes"] == pytest.approx(u["reserved_slots"] * m.config.bytes_per_block / bs)
+
+
+@pytest.mark.parametrize("every,limit", [(500, 100_000), (7, 100_000), (5, 60)])
+def test_history_rebuilds_the_state_at_any_retained_event(recorded, every, limit):
+    first, events, _ = recorded
+    h = History(first, max_events=limit, checkpoint_every=every)
+    for ev in events:
+        h.append(ev)
+    assert len(h.events) <= limit * 1.1 and h.last_seq == events[-1].seq
+    truth = {first.seq: PoolState.from_snapshot(first).snapshot()}
+    s = PoolState.from_snapshot(first)
+    for ev in events:
+        s.apply(ev)
+        truth[ev.seq] = s.snapshot()
+    for n in random.Random(0).sample(range(h.first_seq, h.last_seq + 1), 40) + [h.first_seq, h.last_seq]:
+        assert h.at(n).state.snapshot() == truth[n], n
+    assert h.first_seq >= h.events[0].seq - 1
+    assert h.at(h.first_seq - 10).seq == h.first_seq  # before the retained window: clamped
+
+
+def test_history_steps_and_markers(recorded):
+    first, events, _ = recorded
+    h = History(first)
+    for ev in events:
+        h.append(ev)
+    steps = [e for e in events if isinstance(e, p.StepDone)]
+    assert [pt.step for pt in h.points] == [e.step for e in steps]
+    assert {m.kind for m in h.markers} >= {"preempt", "swap_out", "swap_in"}
+    mid = steps[5].seq
+    assert all(e.step == steps[5].step for e in h.last_step_events(mid))
+    nxt = h.step_edge(mid, forward=True)
+    assert h.event(nxt).step == steps[6].step and isinstance(h.event(nxt), p.StepDone)
+    assert h.event(h.step_edge(nxt, forward=False)).step == steps[5].step
+
+
+def test_resync_after_a_gap_keeps_counters_and_travel_stops_at_the_gap(recorded):
+    first, events, last = recorded
+    h = History(first, checkpoint_every=10)
+    half = len(events) // 2
+    for ev in events[:half]:
+        h.append(ev)
+    before = h.live.tally.requests
+    h.resync(last)  # events half.. never arrived
+    assert h.live.state.snapshot() == PoolState.from_snapshot(last).snapshot()
+    assert h.live.tally.requests == before
+    assert h.at(last.seq).state.snapshot() == PoolState.from_snapshot(last).snapshot()
+    assert h.at(events[half - 1].seq).seq == events[half - 1].seq
+
+
+def decode(data: dict) -> dict[str, np.ndarray]:
+    n, m = data["n"], data["m"]
+    dev, host = base64.b64decode(data["dev"]), base64.b64decode(data["host"])
+    return {"owner": np.frombuffer(dev, np.uint16, n, 0), "tokens": np.frombuffer(dev, np.uint16, n, 2 * n),
+            "hash": np.frombuffer(dev, np.uint32, n, 4 * n), "state": np.frombuffer(dev, np.uint8, n, 8 * n),
+            "ref": np.frombuffer(dev, np.uint8, n, 9 * n), "touch": np.frombuffer(dev, np.uint8, n, 10 * n),
+            "h_owner": np.frombuffer(host, np.uint16, m, 0), "h_tokens": np.frombuffer(host, np.uint16, m, 2 * m)}
+
+
+def test_grid_payload_packs_every_block(recorded):
+    first, events, _ = recorded
+    h = History(first)
+    for ev in events:
+        h.append(ev)
+    for ev in events:  # a moment with a swapped sequence and shared blocks
+        m = h.at(ev.seq)
+        if any(s.status == "swapped" for s in m.state.seqs.values()) and max(m.state.ref_counts) > 1:
+            break
+    view = View(m, False, 1, h.last_step_events(m.seq))
+    data = grid.payload(view, {})
+    a, st = decode(data), m.state
+    assert list(a["ref"]) == st.ref_counts
+    assert list(a["tokens"]) == st.block_tokens()[0]
+    names = [s[0] for s in data["seqs"]]
+    for b, r in enumerate(st.ref_counts):
+        holders = [s.seq_id for s in st.seqs.values() if b in s.block_table]
+        assert a["state"][b] == (3 if r > 1 else 2 if r else 1 if st.hashes[b] else 0)
+        assert (names[a["owner"][b] - 1] if a["owner"][b] else None) == (holders[0] if holders else None)
+        if r > 1:
+            assert sorted(names[i - 1] for i in data["shared"][str(b)]) == sorted(holders)
+        if st.hashes[b]:
+            assert a["hash"][b] == int(st.hashes[b][:8], 16)
+    assert [names[o - 1] if o else None for o in a["h_owner"]] == st.host_owner
+    assert list(a["h_tokens"]) == st.block_tokens()[1]
+    touched_dev, _ = grid.touched(view.step_events)
+    assert {b for b in range(data["n"]) if a["touch"][b]} == set(touched_dev)
+    assert data["counts"]["used"] == sum(1 for r in st.ref_counts if r)
+
+
+def test_touched_picks_the_most_telling_kind():
+    evs = [p.Alloc(seq_id="a", block_id=1, logical_index=0), p.Free(seq_id="a", block_id=1, ref_count=0),
+           p.Cow(seq_id="b", logical_index=0, src_block_id=2, dst_block_id=3),
+           p.SwapOut(seq_id="c", mapping=[(4, 0)])]
+    dev, host = grid.touched(evs)
+    code = {k: i + 1 for i, k in enumerate(grid.TOUCH_KINDS)}
+    assert dev == {1: code["alloc"], 2: code["cow"], 3: code["cow"], 4: code["swap_out"]}
+    assert host == {0: code["swap_out"]}
+
+
+def test_event_log_filters_and_words(recorded):
+    _, events, _ = recorded
+    df = eventlog.frame(events, {"alloc", "cow"}, limit=50)
+    assert set(df["kind"]) == {"alloc", "cow"} and list(df["event"]) == sorted(df["event"], reverse=True)
+    cow = next(e for e in events if isinstance(e, p.Cow))
+    only = eventlog.frame(events, set(p.EVENT_KINDS), seq=cow.seq_id, block=cow.dst_block_id)
+    assert cow.seq in set(only["event"]) and all(str(cow.dst_block_id) in b.split() for b in only["blocks"])
+    assert "copied to" in only[only["event"] == cow.seq]["what happened"].iloc[0]
+    assert all(eventlog.describe(e)[2] for e in events)  # every kind has words
+
+
+def test_scenarios_fit_the_pool_they_are_built_for():
+    for cfg in (p.PoolConfig(), p.PoolConfig(block_size=8, num_device_blocks=8192)):
+        for sc in SCENARIOS:
+            cmds = sc.build(cfg, 3)
+            subs = [c for c in cmds if isinstance(c, p.Submit)]
+            assert subs and len({c.request_id for c in subs}) == len(subs)
+            for c in cmds:  # what the server would accept, through its own parser
+                p.parse_command(p.encode(c).decode())
+    over = dict((sc.key, sc) for sc in SCENARIOS)["overload"]
+    big = over.build(p.PoolConfig(block_size=8, num_device_blocks=8192), 1)
+    assert isinstance(big[0], p.ResetCmd) and big[0].config.num_device_blocks * 8 <= 4096
+    small = over.build(p.PoolConfig(), 1)
+    assert not isinstance(small[0], p.ResetCmd) and all(c.ignore_eos for c in small)
+
+
+def test_command_line_and_environment():
+    assert from_command_line([], {}) == Source("embedded")
+    assert from_command_line(["--model", "tiny", "--num-device-blocks", "1024"], {}) == Source(
+        "embedded", model="tiny", engine_args=("--num-device-blocks", "1024"))
+    assert from_command_line(["--engine", "ws://h:1/", "--token", "t"], {}) == Source("attach", url="ws://h:1/", token="t")
+    assert from_command_line([], {"KVSCOPE_ENGINE": "ws://x:2/"}).url == "ws://x:2/"
+    rep = from_command_line(["--replay", "assets/x.jsonl", "--speed", "2"], {})
+    assert rep.kind == "replay" and rep.path.endswith("assets/x.jsonl") and rep.speed == 2
+    assert rep.server_args()[0] == "engine.replay" and "--loop" in rep.server_args()[1]
+    assert Source("embedded", model="tiny").server_args() == ("engine.server", ("--model", "tiny", "--port", "0"))
+
+
+def test_the_dashboard_never_imports_torch():
+    """It must start fast and attach to a remote engine on a machine without torch."""
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import app.client, app.connection, app.controls, app.eventlog, app.grid, app.header, app.history, "
+            "app.launcher, app.mirror, app.scenarios, app.source, app.tables, app.timeline, app.travel\n"
+            "bad = [m for m in ('torch', 'transformers', 'engine.engine') if m in sys.modules]\n"
+            "assert not bad, bad" % str(Path(__file__).resolve().parent.parent))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
