@@ -62,7 +62,7 @@ class EngineClient:
         self.history: History | None = None
         self.epoch = 0                          # bumps when the history starts over
         self.colors: dict[str, int] = {}        # seq_id -> colour index, in order of appearance
-        self.paused = False                     # as far as this client's own commands tell
+        self.paused = False                     # from hello, then this client's own commands
         self.pace_ms = 0.0
         self.notices: deque[tuple[float, str, str]] = deque(maxlen=50)  # (time, level, text)
         self.received_at = 0.0                  # wall time of the last event
@@ -132,6 +132,7 @@ class EngineClient:
             match msg:
                 case p.Hello():
                     self.hello = msg
+                    self.paused, self.pace_ms = msg.paused, msg.step_delay_ms
                 case p.Snapshot():
                     self._on_snapshot(msg)
                 case p.Events():

@@ -50,8 +50,9 @@ class EngineInfo(Struct, kw_only=True):
 
 # ----------------------------------------------------------------------------------- events
 
-class Event(Struct, tag_field="kind", kw_only=True):
-    """Base of every event. `seq`, `t` and `step` are stamped by the engine's event log."""
+class Event(Struct, tag_field="kind", kw_only=True, gc=False):
+    """Base of every event. `seq`, `t` and `step` are stamped by the engine's event log.
+    gc=False: events hold no cycles, and a client keeps a long history of them."""
     seq: int = 0
     t: float = 0.0
     step: int = 0
@@ -194,7 +195,10 @@ class Hello(Struct, tag_field="type", tag="hello", kw_only=True):
     protocol: int = PROTOCOL_VERSION
     engine: EngineInfo
     config: PoolConfig
-    replay: bool = False  # addition: true when served from a recording
+    # Additions: a replay of a recording; the engine loop's state when this client connected.
+    replay: bool = False
+    paused: bool = False
+    step_delay_ms: float = 0.0
 
 
 class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True):

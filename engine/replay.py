@@ -53,7 +53,7 @@ class Playback:
         self._wake = asyncio.Event()
 
     def hello(self) -> p.Hello:
-        return self.rec.hello
+        return msgspec.structs.replace(self.rec.hello, paused=self.paused, step_delay_ms=self.step_delay_ms)
 
     def request_snapshot(self) -> None:
         self.hub.deliver_snapshot(self.state.snapshot())  # same loop: after every event so far

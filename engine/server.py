@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import msgspec
+
 from engine import protocol as p
 from engine.config import EngineConfig, add_engine_args, config_from_args
 from engine.hub import Client, Hub
@@ -44,7 +46,8 @@ class EngineLoop(threading.Thread):
 
     # The hub calls these on its loop thread; they only enqueue.
     def hello(self) -> p.Hello:
-        return self.engine.hello()
+        return msgspec.structs.replace(self.engine.hello(), paused=self.paused,
+                                       step_delay_ms=self.step_delay_ms)
 
     def request_snapshot(self) -> None:
         self.commands.put(("snapshot", None, None))
