@@ -65,11 +65,12 @@ def run_hf(loaded, prompts, new_tokens: int) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16; both runs use it")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true", help="time the engine only")
     args = ap.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=args.dtype)
     prompts = make_prompts(loaded.tokenizer, args.requests)
     print(f"{loaded.name} on {loaded.device} ({loaded.dtype}), torch threads {torch.get_num_threads()}")
     run_engine(loaded, prompts[:2], 4, 2)  # warm up
