@@ -376,3 +376,23 @@ def test_replay_pauses_steps_and_loops(tmp_path, make_server):
 def test_replay_never_imports_torch():
     code = "import sys, engine.replay; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_shipped_demo_recording_replays_consistently_and_shows_every_mechanism():
+    from pathlib import Path
+
+    from engine.replay import Recording
+
+    path = Path(__file__).parent.parent / "assets" / "demo_recording.jsonl"
+    assert path.stat().st_size < 2_000_000
+    rec = Recording(path)
+    assert rec.hello.engine.model == "SmolLM2-135M-Instruct"
+    state = PoolState.from_snapshot(rec.start)
+    kinds = Counter()
+    for batch in rec.batches:
+        for ev in batch:
+            state.apply(ev)
+            kinds[ev.__struct_config__.tag] += 1
+    check_invariants(state)
+    assert {"prefix_hit", "cow", "fork", "swap_out", "swap_in", "preempt", "evict"} <= set(kinds)
+    assert kinds["request_added"] == kinds["finish"] - kinds["fork"] and not state.seqs
