@@ -130,7 +130,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> bool:
-        """Run one engine step; returns False when there was nothing to do."""
+        """Run one engine step; returns False when there was nothing it could do."""
         if not self.scheduler.has_work():
             return False
         t0 = time.perf_counter()
@@ -152,7 +152,7 @@ class LLMEngine:
             duration_ms=round((time.perf_counter() - t0) * 1000, 3),
             free_blocks=len(self.block_manager.free_ids),
             cached_blocks=self.block_manager.num_cached_blocks))
-        return True
+        return bool(batch)
 
     def _postprocess(self, batch: Batch, logits) -> None:
         completed = [r for r in batch.rows if r.completes]
@@ -207,8 +207,8 @@ class LLMEngine:
         """Run `prompts` to completion; returns, per prompt, its samples in seq-id order.
         The allocator's events stay in `self.log` for the caller to drain."""
         rids = [self.add_request(prompt, params)[0] for prompt in prompts]
-        while self.step():
-            pass
+        while self.has_unfinished():
+            self.step()
         done: dict[str, list[Output]] = {}
         for out in self.finished:
             done.setdefault(out.request_id, []).append(out)

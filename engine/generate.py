@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as e:
         print(f"error ({e.code}): {e.message}", file=sys.stderr)
         return 2
-    while engine.step():
-        pass
+    while engine.has_unfinished():
+        engine.step()
     for out in sorted(engine.finished, key=lambda o: (len(o.seq_id), o.seq_id)):
         header = f"[{out.seq_id}] " if args.n > 1 else ""
         print(f"{header}{out.text}  ({len(out.token_ids)} tokens, {out.finish_reason})")

@@ -64,7 +64,8 @@ class EngineLoop(threading.Thread):
                 self._run_commands(block=True, timeout=0.1)
                 continue
             try:
-                self.engine.step()
+                if not self.engine.step():  # nothing could be scheduled: do not spin
+                    self._run_commands(block=True, timeout=0.01)
             except Exception:
                 log.exception("engine step failed; its sequences were finished with reason 'error'")
             self.steps_run += 1
