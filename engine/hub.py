@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+import msgspec
+
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
@@ -41,6 +43,41 @@ class Backend(Protocol):
 
 
 EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
+
+
+@dataclass
+class Pacing:
+    """Pause, single steps and pace, for whatever produces the stream (engine or replay)."""
+    paused: bool = False
+    steps_allowed: int = 0  # steps granted while paused
+    step_delay_ms: float = 0.0
+
+    def handle(self, cmd: p.AnyCommand) -> bool:
+        """Carry out pause / resume / step / pace; False for any other command."""
+        match cmd:
+            case p.Pause():
+                self.paused = True
+            case p.Resume():
+                self.paused, self.steps_allowed = False, 0
+            case p.StepCmd():
+                if not self.paused:
+                    raise p.CommandError("busy", "the stream is running; pause it before stepping")
+                self.steps_allowed += cmd.count
+            case p.Pace():
+                self.step_delay_ms = cmd.step_delay_ms
+            case _:
+                return False
+        return True
+
+    @property
+    def may_step(self) -> bool:
+        return not self.paused or self.steps_allowed > 0
+
+    def stepped(self) -> None:
+        self.steps_allowed = max(0, self.steps_allowed - 1)
+
+    def stamp(self, hello: p.Hello) -> p.Hello:
+        return msgspec.structs.replace(hello, paused=self.paused, step_delay_ms=self.step_delay_ms)
 
 
 @dataclass(eq=False)

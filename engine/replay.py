@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from engine import protocol as p
-from engine.hub import Client, Hub
+from engine.hub import Client, Hub, Pacing
 from engine.server import _is_loopback
 from engine.state import PoolState
 
@@ -46,45 +46,33 @@ class Playback:
     def __init__(self, rec: Recording, hub: Hub, speed: float = 1.0, loop: bool = False):
         self.rec, self.hub, self.speed, self.loop = rec, hub, speed, loop
         self.state = PoolState.from_snapshot(rec.start)
-        self.paused = False
-        self.steps_allowed = 0
-        self.step_delay_ms = 0.0
+        self.pacing = Pacing()
         self.batches_played = 0
         self._wake = asyncio.Event()
 
     def hello(self) -> p.Hello:
-        return msgspec.structs.replace(self.rec.hello, paused=self.paused, step_delay_ms=self.step_delay_ms)
+        return self.pacing.stamp(self.rec.hello)
 
     def request_snapshot(self) -> None:
         self.hub.deliver_snapshot(self.state.snapshot())  # same loop: after every event so far
 
     def handle(self, cmd: p.AnyCommand, client: Client) -> None:
-        match cmd:
-            case p.Pause():
-                self.paused = True
-            case p.Resume():
-                self.paused, self.steps_allowed = False, 0
-            case p.StepCmd():
-                if not self.paused:
-                    raise p.CommandError("busy", "the replay is playing; pause it before stepping")
-                self.steps_allowed += cmd.count
-            case p.Pace():
-                self.step_delay_ms = cmd.step_delay_ms
-            case _:
-                raise p.CommandError("unsupported", f"{cmd.__struct_config__.tag} needs a live engine; "
-                                     "this server replays a recording")
+        if not self.pacing.handle(cmd):
+            raise p.CommandError("unsupported", f"{cmd.__struct_config__.tag} needs a live engine; "
+                                 "this server replays a recording")
         self.hub.reply(client, p.Ack(op=cmd.__struct_config__.tag, id=cmd.id))
         self._wake.set()
 
     async def _wait_turn(self, gap_s: float) -> None:
         """Wait the recorded gap (or the pace), then for a step when paused."""
-        delay = self.step_delay_ms / 1000 if self.step_delay_ms else min(gap_s / self.speed, MAX_GAP_S)
+        pace = self.pacing.step_delay_ms / 1000
+        delay = pace or min(gap_s / self.speed, MAX_GAP_S)
         if delay > 0:
             await asyncio.sleep(delay)
-        while self.paused and not self.steps_allowed:
+        while not self.pacing.may_step:
             self._wake.clear()
             await self._wake.wait()
-        self.steps_allowed = max(0, self.steps_allowed - 1)
+        self.pacing.stepped()
 
     async def run(self) -> None:
         rel = [[ev.seq - self.rec.start.seq for ev in batch] for batch in self.rec.batches]

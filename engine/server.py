@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import msgspec
-
 from engine import protocol as p
 from engine.config import EngineConfig, add_engine_args, config_from_args
-from engine.hub import Client, Hub
+from engine.hub import Client, Hub, Pacing
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvscope")
@@ -38,16 +36,13 @@ class EngineLoop(threading.Thread):
         super().__init__(name="kvscope-engine", daemon=True)
         self.engine, self.hub = engine, hub
         self.commands: queue.Queue = queue.Queue()
-        self.paused = False
-        self.steps_allowed = 0  # single steps granted while paused
-        self.step_delay_ms = step_delay_ms
+        self.pacing = Pacing(step_delay_ms=step_delay_ms)
         self.steps_run = 0
         self.stopping = threading.Event()
 
     # The hub calls these on its loop thread; they only enqueue.
     def hello(self) -> p.Hello:
-        return msgspec.structs.replace(self.engine.hello(), paused=self.paused,
-                                       step_delay_ms=self.step_delay_ms)
+        return self.pacing.stamp(self.engine.hello())
 
     def request_snapshot(self) -> None:
         self.commands.put(("snapshot", None, None))
@@ -59,7 +54,7 @@ class EngineLoop(threading.Thread):
     def run(self) -> None:
         while not self.stopping.is_set():
             self._run_commands(block=False)
-            runnable = self.engine.has_unfinished() and (not self.paused or self.steps_allowed)
+            runnable = self.engine.has_unfinished() and self.pacing.may_step
             if not runnable:
                 self._run_commands(block=True, timeout=0.1)
                 continue
@@ -69,17 +64,17 @@ class EngineLoop(threading.Thread):
             except Exception:
                 log.exception("engine step failed; its sequences were finished with reason 'error'")
             self.steps_run += 1
-            self.steps_allowed = max(0, self.steps_allowed - 1)
+            self.pacing.stepped()
             self._publish()
-            if self.step_delay_ms:
-                self._sleep(self.step_delay_ms / 1000)
+            if self.pacing.step_delay_ms:
+                self._sleep(self.pacing.step_delay_ms / 1000)
 
     def _sleep(self, seconds: float) -> None:
         """Pace between steps, still answering commands meanwhile."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0 and not self.stopping.is_set():
             self._run_commands(block=True, timeout=min(left, 0.05))
-            if not self.step_delay_ms:  # pace 0 cancels the wait
+            if not self.pacing.step_delay_ms:  # pace 0 cancels the wait
                 return
 
     def _run_commands(self, block: bool, timeout: float = 0.0) -> None:
@@ -116,6 +111,8 @@ class EngineLoop(threading.Thread):
 
     def _execute(self, cmd: p.AnyCommand) -> dict | None:
         eng = self.engine
+        if self.pacing.handle(cmd):
+            return None
         match cmd:
             case p.Submit():
                 if len(eng.scheduler.waiting) >= MAX_WAITING:
@@ -131,16 +128,6 @@ class EngineLoop(threading.Thread):
             case p.Abort():
                 if not eng.abort(cmd.request_id):
                     raise p.CommandError("not_found", f"no running request {cmd.request_id!r}")
-            case p.Pause():
-                self.paused = True
-            case p.Resume():
-                self.paused, self.steps_allowed = False, 0
-            case p.StepCmd():
-                if not self.paused:
-                    raise p.CommandError("busy", "the engine is running; pause it before stepping")
-                self.steps_allowed += cmd.count
-            case p.Pace():
-                self.step_delay_ms = cmd.step_delay_ms
             case p.ResetCmd():
                 eng.reset(cmd.config.apply_to(eng.pool))
             case p.ClearPrefixCache():

@@ -1,7 +1,6 @@
 """Write each new token's K and V into its cache slot (slot = block_id * block_size + offset)."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor

@@ -7,7 +7,6 @@ again once the engine has done what the test waits for.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,11 @@ from streamlit.testing.v1 import AppTest
 from engine import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
+from tests.waiting import wait
 
 MAIN = str(Path(__file__).resolve().parent.parent / "app" / "main.py")
 DEFAULT_POOL = p.ResetConfig(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=16,
                              enable_prefix_caching=True, preemption_mode="swap")
-
-
-def wait(cond, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if out := cond():
-            return out
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

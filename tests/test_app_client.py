@@ -2,29 +2,13 @@
 restarts, resynchronises after a gap, explains a refused token, and reads big snapshots."""
 from __future__ import annotations
 
-import socket
-import time
 
 import pytest
 
 from engine import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
-
-
-def wait(cond, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if out := cond():
-            return out
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.waiting import wait, free_port
 
 
 def server(*args: str) -> ServerProcess:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import hypothesis.strategies as st
-import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import protocol as p
 from engine.sequence import SeqStatus

@@ -241,7 +241,7 @@ def test_pause_step_resume_and_pace(make_server):
     c.until(lambda: c.kinds["step"] == 3)
     c.request(op="pause")  # a barrier: the engine thread has run every command before it
     assert srv.engine_loop.steps_run == before + 3 and c.kinds["step"] == 3
-    assert c.request(op="pace", step_delay_ms=5)["type"] == "ack" and srv.engine_loop.step_delay_ms == 5
+    assert c.request(op="pace", step_delay_ms=5)["type"] == "ack" and srv.engine_loop.pacing.step_delay_ms == 5
     late = Client(srv.url)  # a client that joins learns the loop's state from hello
     assert late.hello["paused"] is True and late.hello["step_delay_ms"] == 5
     c.request(op="resume")
