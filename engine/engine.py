@@ -48,8 +48,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.log, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}  # live sequences, in creation order
         self.finished: list[Output] = []      # drained by generate() and callers
-        self._detok: dict[str, Detokenizer] = {}
-        self._generators: dict[str, object] = {}
         self._ids = itertools.count(1)
 
     def _with_bytes(self, pool: p.PoolConfig) -> p.PoolConfig:
@@ -103,9 +101,10 @@ class LLMEngine:
         return [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
 
     def _track(self, seq: Sequence, index: int) -> None:
+        """Sample `index` of its request: its own detokenizer and seeded generator."""
         self.seqs[seq.seq_id] = seq
-        self._detok[seq.seq_id] = Detokenizer(max(0, seq.num_prompt_tokens - 6), seq.num_prompt_tokens)
-        self._generators[seq.seq_id] = make_generator(seq.params, index)
+        seq.detokenizer = Detokenizer(max(0, seq.num_prompt_tokens - 6), seq.num_prompt_tokens)
+        seq.generator = make_generator(seq.params, index)
 
     def abort(self, request_id: str) -> int:
         """Finish every sequence of a request with reason `abort`; returns how many."""
@@ -123,8 +122,6 @@ class LLMEngine:
         pool = self._with_bytes(pool)
         self.config.pool = pool
         self.seqs.clear()
-        self._detok.clear()
-        self._generators.clear()
         self.scheduler = Scheduler(self.block_manager, self.log, self.config.max_num_batched_tokens)
         self.block_manager.reset(pool)
 
@@ -166,7 +163,7 @@ class LLMEngine:
             if seq.params.n > 1 and seq.num_output_tokens == 0:
                 family += [self._fork(seq, i) for i in range(1, seq.params.n)]
             for member in family:
-                token = sample(seq_logits, member.params, self._generators[member.seq_id])
+                token = sample(seq_logits, member.params, member.generator)
                 self._append_token(member, token)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
@@ -181,7 +178,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
-        text = self._detok[seq.seq_id].step(self.tokenizer, seq.token_ids)
+        text = seq.detokenizer.step(self.tokenizer, seq.token_ids)
         seq.text += text
         self.log.emit(p.Append(seq_id=seq.seq_id, num_tokens=seq.num_computed_tokens,
                                token_ids=[token], text=text))
@@ -195,8 +192,6 @@ class LLMEngine:
         self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         del self.seqs[seq.seq_id]
-        self._detok.pop(seq.seq_id)
-        self._generators.pop(seq.seq_id)
         self.log.emit(p.Finish(seq_id=seq.seq_id, reason=reason))
         self.finished.append(Output(seq.seq_id, seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
                                     seq.output_ids, seq.text, reason))

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.detokenizer import Detokenizer
+
 
 class SeqStatus(str, Enum):
     WAITING = "waiting"
@@ -37,6 +39,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks (memo)
     arrival: int = 0  # admission order: the latest arrival is preempted first
     text: str = ""    # decoded output so far
+    detokenizer: Detokenizer | None = None
+    generator: object = None  # a seeded torch.Generator, or None for the global one
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

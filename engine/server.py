@@ -135,6 +135,7 @@ class EngineLoop(threading.Thread):
         return None
 
     def _publish(self) -> None:
+        self.engine.finished.clear()  # clients learn of finished requests from the events
         events = self.engine.log.drain()
         if events:
             self.hub.call(self.hub.publish_events, events)
