@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import torch
 from transformers import GenerationConfig
@@ -18,6 +19,7 @@ from engine import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model_loader import load_model
+from engine.model_runner import _linear
 from engine.sequence import SamplingParams
 
 TEXT = ("PagedAttention stores the keys and values of each sequence in fixed-size blocks that "
@@ -45,6 +47,18 @@ def run_engine(loaded, prompts, new_tokens: int, max_num_seqs: int) -> tuple[flo
     return elapsed, sum(len(o.token_ids) for group in outs for o in group)
 
 
+@contextmanager
+def onednn_linears():
+    """transformers with the engine's fp32 GEMM choice (oneDNN, not MKL): isolates what paging,
+    batching and the unpadded flat batch are worth from what the GEMM backend is worth."""
+    forward = torch.nn.Linear.forward
+    torch.nn.Linear.forward = lambda self, x: _linear(self, x)
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = forward
+
+
 @torch.inference_mode()
 def run_hf(loaded, prompts, new_tokens: int) -> tuple[float, int]:
     width = max(len(x) for x in prompts)
@@ -69,6 +83,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true", help="time the engine only")
+    ap.add_argument("--hf-onednn", action="store_true",
+                    help="also time transformers with the engine's fp32 GEMM backend (oneDNN)")
     args = ap.parse_args()
     loaded = load_model(args.model, dtype=args.dtype)
     prompts = make_prompts(loaded.tokenizer, args.requests)
@@ -81,6 +97,11 @@ def main() -> None:
             t_h, n_h = run_hf(loaded, batch, args.new_tokens)
             line += (f" | transformers generate {n_h / t_h:7.1f} tok/s ({t_h:.1f} s)"
                      f" | ratio {(n_e / t_e) / (n_h / t_h):.2f}x")
+            if args.hf_onednn:
+                with onednn_linears():
+                    t_o, n_o = run_hf(loaded, batch, args.new_tokens)
+                line += (f" | transformers with oneDNN linears {n_o / t_o:7.1f} tok/s"
+                         f" | ratio {(n_e / t_e) / (n_o / t_o):.2f}x")
         print(line, flush=True)
 
 

@@ -23,6 +23,14 @@ def _available_memory(device: torch.device) -> int:
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
+def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """fp32 matmuls on the CPU go through oneDNN: torch's default there, MKL's sgemm, ran at
+    half its speed on this project's AMD CPUs (bench/throughput.py; docs/benchmarks.md)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+    return layer(x)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -117,17 +125,18 @@ class ModelRunner:
         for layer, kv in zip(inner.layers, self.kv_cache):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, -1, d)
-            k = attn.k_proj(x).view(n, -1, d)
-            v = attn.v_proj(x).view(n, -1, d)
+            q = _linear(attn.q_proj, x).view(n, -1, d)
+            k = _linear(attn.k_proj, x).view(n, -1, d)
+            v = _linear(attn.v_proj, x).view(n, -1, d)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kernels.store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
             o = kernels.paged_attention(q, kv[0], kv[1], meta, attn.scaling)
-            h = h + attn.o_proj(o.reshape(n, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _linear(attn.o_proj, o.reshape(n, -1))
+            mlp, x = layer.mlp, layer.post_attention_layernorm(h)
+            h = h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
         if not len(logits_rows):
             return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        return self.model.lm_head(inner.norm(h[logits_rows])).float()
+        return _linear(self.model.lm_head, inner.norm(h[logits_rows])).float()
