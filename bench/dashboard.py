@@ -216,10 +216,11 @@ def report(server: list[dict], browser: list[dict]) -> str:
             lines.append(f"| {r['blocks']:,} | {pace} | {r['redraws_per_s']:.1f} | {r['new_state_redraws_per_s']:.1f} | "
                          f"{r['latency_p50_ms']:.0f} | {r['latency_p95_ms']:.0f} | {r['latency_max_ms']:.0f} | "
                          f"{r['draw_ms_p50']:.1f} | {r['streamlit_cpu_ms_per_redraw']:.1f} | {r['streamlit_cpu_share']:.0%} |")
-        lines += ["", "The grid fragment reruns every 100 ms, so about 50 ms of the latency is the expected wait; "
-                  "the rest is the rerun, the transfer and the draw. At full speed the tiny engine keeps one of the "
-                  "two cores busy, chromium and Streamlit share the other, and the redraw rate drops below the "
-                  "10/s the fragment asks for; with the engine paced, the machine has room and the grid keeps up."]
+        lines += ["", "The browser asks for the next grid rerun 60 ms after the last one's round trip ends (the "
+                  "\"10 per second\" setting), so about 50 ms of the latency is the expected wait; the rest is the "
+                  "rerun, the transfer and the draw. At full speed the tiny engine keeps one of the two cores busy "
+                  "and chromium and Streamlit share the other: the round trip grows and the grid holds about 10 "
+                  "redraws/s; with the engine paced, it redraws faster than asked."]
     return "\n".join(lines) + "\n"
 
 
