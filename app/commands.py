@@ -6,7 +6,7 @@ import time
 
 import streamlit as st
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from app.client import EngineClient, NotConnected
 
 REPLY_TIMEOUT_S = 15.0

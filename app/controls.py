@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from app.client import EngineClient, View
 from app.commands import send
 from app.connection import Hosted, restart

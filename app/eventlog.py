@@ -4,70 +4,65 @@ from __future__ import annotations
 
 import pandas as pd
 
-from engine import protocol as p
-from app.palette import MARKER_COLORS, TOUCH_COLORS
-
-KIND_COLORS = {"alloc": TOUCH_COLORS["alloc"], "prefix_hit": TOUCH_COLORS["hit"], "fork": TOUCH_COLORS["hit"],
-               "cow": TOUCH_COLORS["cow"], "evict": TOUCH_COLORS["evict"], "free": TOUCH_COLORS["free"],
-               **MARKER_COLORS}
-NOISY = ("append", "step", "status")  # hidden unless asked for: one per token or per step
-DEFAULT_KINDS = tuple(k for k in p.EVENT_KINDS if k not in NOISY)
+from engine.contract import protocol as p
+from engine.contract.kinds import KINDS, kind_of, touched_blocks
 
 
 def describe(ev: p.AnyEvent) -> tuple[str, list[int], str]:
     """(sequence, device blocks involved, what happened in words)."""
+    return getattr(ev, "seq_id", ""), touched_blocks(ev)[0], _words(ev)
+
+
+def _words(ev: p.AnyEvent) -> str:
     match ev:
         case p.RequestAdded():
-            return ev.seq_id, [], f"request {ev.request_id} added: {ev.prompt_tokens} prompt tokens, n={ev.n}, max {ev.max_tokens} new"
+            return f"request {ev.request_id} added: {ev.prompt_tokens} prompt tokens, n={ev.n}, max {ev.max_tokens} new"
         case p.Fork():
-            return ev.seq_id, ev.block_ids, f"forked from {ev.parent_seq_id}, sharing {len(ev.block_ids)} blocks"
+            return f"forked from {ev.parent_seq_id}, sharing {len(ev.block_ids)} blocks"
         case p.Alloc():
-            return ev.seq_id, [ev.block_id], f"logical {ev.logical_index} → new block {ev.block_id}"
+            return f"logical {ev.logical_index} → new block {ev.block_id}"
         case p.PrefixHit():
-            return ev.seq_id, [ev.block_id], f"logical {ev.logical_index} → cached block {ev.block_id} (hash {ev.hash[:8]})"
+            return f"logical {ev.logical_index} → cached block {ev.block_id} (hash {ev.hash[:8]})"
         case p.Cached():
-            return "", [ev.block_id], f"block {ev.block_id} registered in the prefix cache (hash {ev.hash[:8]})"
+            return f"block {ev.block_id} registered in the prefix cache (hash {ev.hash[:8]})"
         case p.Evict():
-            return "", [ev.block_id], f"block {ev.block_id} evicted from the prefix cache"
+            return f"block {ev.block_id} evicted from the prefix cache"
         case p.Cow():
-            return ev.seq_id, [ev.src_block_id, ev.dst_block_id], (
-                f"logical {ev.logical_index}: shared block {ev.src_block_id} copied to {ev.dst_block_id}")
+            return f"logical {ev.logical_index}: shared block {ev.src_block_id} copied to {ev.dst_block_id}"
         case p.Free():
-            return ev.seq_id, [ev.block_id], f"block {ev.block_id} released (ref count now {ev.ref_count})"
+            return f"block {ev.block_id} released (ref count now {ev.ref_count})"
         case p.Preempt():
-            return ev.seq_id, [], f"preempted ({ev.mode})"
+            return f"preempted ({ev.mode})"
         case p.SwapOut():
-            return ev.seq_id, [d for d, _ in ev.mapping], (
-                f"{len(ev.mapping)} blocks swapped out to host " + ", ".join(f"{d}→H{h}" for d, h in ev.mapping[:6])
-                + (" …" if len(ev.mapping) > 6 else ""))
+            return (f"{len(ev.mapping)} blocks swapped out to host " + ", ".join(f"{d}→H{h}" for d, h in ev.mapping[:6])
+                    + (" …" if len(ev.mapping) > 6 else ""))
         case p.SwapIn():
-            return ev.seq_id, [d for _, d in ev.mapping], (
-                f"{len(ev.mapping)} blocks swapped in " + ", ".join(f"H{h}→{d}" for h, d in ev.mapping[:6])
-                + (" …" if len(ev.mapping) > 6 else ""))
+            return (f"{len(ev.mapping)} blocks swapped in " + ", ".join(f"H{h}→{d}" for h, d in ev.mapping[:6])
+                    + (" …" if len(ev.mapping) > 6 else ""))
         case p.Append():
-            return ev.seq_id, [], f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids else " (prefill chunk)")
+            return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids else " (prefill chunk)")
         case p.StatusChange():
-            return ev.seq_id, [], f"now {ev.status}"
+            return f"now {ev.status}"
         case p.Finish():
-            return ev.seq_id, [], f"finished ({ev.reason})"
+            return f"finished ({ev.reason})"
         case p.StepDone():
-            return "", [], (f"step done in {ev.duration_ms:.1f} ms: {ev.prefill_tokens} prefill + {ev.decode_tokens} "
-                            f"decode tokens; {ev.num_running} running, {ev.num_waiting} waiting, "
-                            f"{ev.num_swapped} swapped; {ev.free_blocks} free, {ev.cached_blocks} cached")
+            return (f"step done in {ev.duration_ms:.1f} ms: {ev.prefill_tokens} prefill + {ev.decode_tokens} "
+                    f"decode tokens; {ev.num_running} running, {ev.num_waiting} waiting, "
+                    f"{ev.num_swapped} swapped; {ev.free_blocks} free, {ev.cached_blocks} cached")
         case p.Reset():
             c = ev.config
-            return "", [], (f"engine reset: {c.num_device_blocks} blocks of {c.block_size}, {c.num_host_blocks} host, "
-                            f"prefix cache {'on' if c.enable_prefix_caching else 'off'}, {c.preemption_mode}")
-    return "", [], ""
+            return (f"engine reset: {c.num_device_blocks} blocks of {c.block_size}, {c.num_host_blocks} host, "
+                    f"prefix cache {'on' if c.enable_prefix_caching else 'off'}, {c.preemption_mode}")
+    return ""
 
 
 def matches(ev: p.AnyEvent, kinds: set[str], seq: str, block: int | None) -> bool:
-    if ev.__struct_config__.tag not in kinds:
+    if kind_of(ev) not in kinds:
         return False
-    sid, blocks, _ = describe(ev) if (seq or block is not None) else ("", [], "")
+    sid = getattr(ev, "seq_id", "")
     if seq and not (sid == seq or sid.startswith(seq + ".") or getattr(ev, "parent_seq_id", None) == seq):
         return False
-    return block is None or block in blocks
+    return block is None or block in touched_blocks(ev)[0]
 
 
 def frame(events: list[p.AnyEvent], kinds: set[str], seq: str = "", block: int | None = None,
@@ -77,7 +72,7 @@ def frame(events: list[p.AnyEvent], kinds: set[str], seq: str = "", block: int |
     for ev in reversed(events):
         if matches(ev, kinds, seq, block):
             sid, blocks, what = describe(ev)
-            rows.append((ev.seq, ev.step, ev.t, ev.__struct_config__.tag, sid,
+            rows.append((ev.seq, ev.step, ev.t, kind_of(ev), sid,
                          " ".join(map(str, blocks[:8])) + (" …" if len(blocks) > 8 else ""), what))
             if len(rows) >= limit:
                 break
@@ -86,5 +81,4 @@ def frame(events: list[p.AnyEvent], kinds: set[str], seq: str = "", block: int |
 
 def styled(df: pd.DataFrame):
     """The kinds in the colours the grid outlines them with."""
-    return df.style.map(lambda k: f"color: {KIND_COLORS[k]}; font-weight: 600" if k in KIND_COLORS else "",
-                        subset=["kind"])
+    return df.style.map(lambda k: f"color: {KINDS[k].color}; font-weight: 600", subset=["kind"])

@@ -7,20 +7,20 @@ owner (index into `seqs`, 0 = none) and the first 32 bits of the prefix hash.
 from __future__ import annotations
 
 import base64
-import itertools
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import streamlit as st
 
-from engine import protocol as p
+from engine.contract import protocol as p
+from engine.contract.kinds import KINDS, TOUCH_KINDS, kind_of, touched_blocks
+from engine.contract.state import table_entries
 from app.client import View
-from app.palette import CACHED, FREE, SEQ_COLORS, TOUCH_COLORS, TOUCH_KINDS, TOUCH_LABELS
+from app.palette import CACHED, FREE, SEQ_COLORS
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-FREE_S, CACHED_S, USED_S, SHARED_S = 0, 1, 2, 3
-_RANK = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}
+_CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
 
 
 def touched(events: list[p.AnyEvent]) -> tuple[dict[int, int], dict[int, int]]:
@@ -28,47 +28,20 @@ def touched(events: list[p.AnyEvent]) -> tuple[dict[int, int], dict[int, int]]:
     the most telling kind winning when a block saw several."""
     dev: dict[int, int] = {}
     host: dict[int, int] = {}
-    r = _RANK
     for ev in events:
-        marks: list[tuple[dict, int, int]]
-        match ev:
-            case p.Alloc():
-                marks = [(dev, ev.block_id, r["alloc"])]
-            case p.PrefixHit():
-                marks = [(dev, ev.block_id, r["hit"])]
-            case p.Fork():
-                marks = [(dev, b, r["hit"]) for b in ev.block_ids]
-            case p.Cow():
-                marks = [(dev, ev.src_block_id, r["cow"]), (dev, ev.dst_block_id, r["cow"])]
-            case p.Evict():
-                marks = [(dev, ev.block_id, r["evict"])]
-            case p.Free():
-                marks = [(dev, ev.block_id, r["free"])]
-            case p.SwapOut():
-                marks = [(w, b, r["swap_out"]) for d, h in ev.mapping for w, b in ((dev, d), (host, h))]
-            case p.SwapIn():
-                marks = [(w, b, r["swap_in"]) for h, d in ev.mapping for w, b in ((dev, d), (host, h))]
-            case _:
-                continue
-        for where, b, code in marks:
-            if where.get(b, 0) < code:
-                where[b] = code
+        code = _CODE.get(kind_of(ev))
+        if code is None:
+            continue
+        for where, blocks in zip((dev, host), touched_blocks(ev)):
+            for b in blocks:
+                if where.get(b, 0) < code:
+                    where[b] = code
     return dev, host
 
 
 @lru_cache(maxsize=65536)
 def _hash32(h: str) -> int:
     return int(h[:8], 16)
-
-
-def _entries(tables: list[list[int]], num_tokens: list[int], bs: int) -> tuple[np.ndarray, ...]:
-    """All table entries flattened: (block, holder index from 1, tokens held there)."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int64, int(lens.sum()))
-    holder = np.repeat(np.arange(1, len(tables) + 1), lens)
-    pos = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
-    held = np.clip(np.repeat(np.asarray(num_tokens, np.int64), lens) - pos * bs, 0, bs)
-    return flat, holder, held
 
 
 def _b64(*arrays: np.ndarray) -> str:
@@ -82,14 +55,10 @@ def payload(view: View, colors: dict[str, int]) -> dict:
     seqs = list(st_.seqs.values())
     index = {s.seq_id: i + 1 for i, s in enumerate(seqs)}
     ref = np.asarray(st_.ref_counts, dtype=np.int64)
-    hashed = np.fromiter((h is not None for h in st_.hashes), bool, n)
-    state = np.where(ref >= 2, SHARED_S, np.where(ref == 1, USED_S, np.where(hashed, CACHED_S, FREE_S)))
+    state = st_.block_states()
     hash32 = np.fromiter((_hash32(h) if h else 0 for h in st_.hashes), np.uint32, n)
-    bs = cfg.block_size
-    # every (block, holder) pair at once; a hashed block is full (as PoolState.block_tokens says)
-    flat, holder, held = _entries([s.block_table for s in seqs], [s.num_tokens for s in seqs], bs)
-    dev_tokens = np.where(hashed, bs, 0)
-    np.maximum.at(dev_tokens, flat, held)
+    dev_tokens, host_tokens = st_.block_tokens()
+    flat, holder, _ = table_entries([s.block_table for s in seqs], [s.num_tokens for s in seqs], cfg.block_size)
     first = np.full(n, len(seqs) + 1)
     np.minimum.at(first, flat, holder)
     owner = np.where(first > len(seqs), 0, first).astype(np.uint16)
@@ -97,9 +66,6 @@ def payload(view: View, colors: dict[str, int]) -> dict:
     many = ref[flat] >= 2
     for b, i in zip(flat[many].tolist(), holder[many].tolist()):
         shared.setdefault(b, []).append(i)
-    hflat, _, hheld = _entries([s.host_table for s in seqs], [s.num_tokens for s in seqs], bs)
-    host_tokens = np.zeros(m, np.int64)
-    host_tokens[hflat] = hheld
     dev_touch, host_touch = touched(view.step_events)
     touch = np.zeros(n, np.uint8)
     if dev_touch:
@@ -113,10 +79,10 @@ def payload(view: View, colors: dict[str, int]) -> dict:
         kinds[TOUCH_KINDS[code - 1]] = kinds.get(TOUCH_KINDS[code - 1], 0) + 1
     last = view.step_events[-1] if view.step_events else None
     return {
-        "seq": view.seq, "live": view.live, "step": last.step if last else 0,
+        "seq": view.event, "live": view.live, "step": last.step if last else 0,
         "n": n, "m": m, "bs": cfg.block_size,
         # device: owner u16 | tokens u16 | hash u32 | state u8 | ref u8 | touch u8 (aligned)
-        "dev": _b64(owner, np.asarray(dev_tokens, np.uint16), hash32, state.astype(np.uint8),
+        "dev": _b64(owner, np.asarray(dev_tokens, np.uint16), hash32, state,
                     np.minimum(ref, 255).astype(np.uint8), touch),
         # host: owner u16 | tokens u16 | touch u8
         "host": _b64(host_owner, np.asarray(host_tokens, np.uint16), host_touch_arr),
@@ -124,15 +90,13 @@ def payload(view: View, colors: dict[str, int]) -> dict:
                  for i, s in enumerate(seqs)],
         "shared": {str(b): o for b, o in shared.items()},
         "touched": kinds,
-        "counts": {"free": int((state == FREE_S).sum()), "cached": int((state == CACHED_S).sum()),
-                   "used": int((state >= USED_S).sum()), "shared": int((state == SHARED_S).sum()),
-                   "host_used": int((host_owner > 0).sum())},
+        "counts": st_.counts()._asdict(),
     }
 
 
 STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED,
-         "touch": [TOUCH_COLORS[k] for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
-         "touchLabels": [TOUCH_LABELS[k] for k in TOUCH_KINDS]}
+         "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
+         "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
 
 
 @lru_cache(maxsize=1)

@@ -9,7 +9,7 @@ import streamlit as st
 from app.client import EngineClient, View
 from app.source import Source
 
-STATE_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red", "closed": "gray"}
+CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red", "closed": "gray"}
 
 
 def status_line(client: EngineClient, source: Source) -> None:
@@ -19,7 +19,7 @@ def status_line(client: EngineClient, source: Source) -> None:
         e = h.engine
         what += f" · {e.model} on {e.device} ({e.dtype})" + (" · replay" if h.replay else "")
     state = s.state
-    text = f":{STATE_COLORS.get(state, 'gray')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+    text = f":{CONNECTION_COLORS.get(state, 'gray')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
     if state != "connected":
         text += f" · attempt {s.attempts}" + (f" · {s.last_error}" if s.last_error else "")
     if client.paused:

@@ -6,23 +6,18 @@ block tables, and the timeline with the event log. The sidebar drives the engine
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-ROOT = str(Path(__file__).resolve().parent.parent)
-if ROOT not in sys.path:  # streamlit puts app/ on sys.path, not the repository root
-    sys.path.insert(0, ROOT)
+import streamlit as st
+from streamlit import config as st_config
 
-import streamlit as st  # noqa: E402
-from streamlit import config as st_config  # noqa: E402
-
-from engine import protocol as p  # noqa: E402
-from app import controls, eventlog, grid, header, tables, timeline, travel  # noqa: E402
-from app.client import EngineClient, View  # noqa: E402
-from app.commands import show_replies  # noqa: E402
-from app.connection import Hosted, resolve, restart  # noqa: E402
-from app.source import Source, from_command_line  # noqa: E402
+from engine.contract import protocol as p
+from engine.contract.kinds import DEFAULT_LOG_KINDS
+from app import controls, eventlog, grid, header, tables, timeline, travel
+from app.client import EngineClient, View
+from app.commands import show_replies
+from app.connection import Hosted, resolve, restart
+from app.source import Source, from_command_line
 
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
 # that costs ~60 ms, ten times a second. Python's own generational GC still runs.
@@ -64,9 +59,9 @@ def _filter_log_by_block() -> None:
     block = st.session_state["pool_grid"].get("block")
     if block is not None:
         st.session_state["log_filter"] = ("", int(block))
-        st.session_state["history_shown"] = "Event log"
+        st.session_state["panel_shown"] = "Event log"
         st.session_state["log_version"] = st.session_state.get("log_version", 0) + 1
-        st.rerun(["history"])
+        st.rerun(["panel"])
 
 
 def block_tables(client: EngineClient) -> None:
@@ -82,19 +77,19 @@ def block_tables(client: EngineClient) -> None:
         st.html(tables.render_finished(list(view.mirror.finished), client.colors))
 
 
-def history(client: EngineClient) -> None:
+def timeline_or_log(client: EngineClient) -> None:
     view = current_view(client)
     if view is None:
         return
     at_step = None if view.live else (view.step_events[-1].step if view.step_events else None)
     # one panel at a time: only the chosen one is computed and sent (a grid click remounts it on the log)
-    panel = st.segmented_control("History", ["Timeline", "Event log"], key=f"history_panel_{_log_version()}",
-                                 default=st.session_state.get("history_shown", "Timeline"),
+    panel = st.segmented_control("History", ["Timeline", "Event log"], key=f"panel_{_log_version()}",
+                                 default=st.session_state.get("panel_shown", "Timeline"),
                                  label_visibility="collapsed") or "Timeline"
-    st.session_state["history_shown"] = panel
+    st.session_state["panel_shown"] = panel
     if panel == "Event log":
         return event_log(client, view)
-    points, markers = client.timeline(view.seq)
+    points, markers = client.timeline(view.event)
     if len(points) < 2:
         st.caption("The timeline fills in as the engine runs steps.")
         return
@@ -109,12 +104,12 @@ def event_log(client: EngineClient, view: View) -> None:
     seq0, block0 = st.session_state.get("log_filter", ("", -1))
     v = _log_version()
     c = st.columns([4, 2, 1])
-    kinds = c[0].multiselect("Kinds", p.EVENT_KINDS, default=list(eventlog.DEFAULT_KINDS), key="log_kinds")
+    kinds = c[0].multiselect("Kinds", p.EVENT_KINDS, default=list(DEFAULT_LOG_KINDS), key="log_kinds")
     seq = c[1].text_input("Sequence or request", seq0, key=f"log_seq_{v}", placeholder="all, e.g. r1 or sys1-2")
     block = c[2].number_input("Block", -1, 65535, block0, key=f"log_block_{v}", help="-1: every block. "
                               "Clicking a block in the grid picks it.")
     st.session_state["log_filter"] = (seq, block)
-    events = client.events_before(None if view.live else view.seq, 50_000)
+    events = client.events_before(None if view.live else view.event, 50_000)
     df = eventlog.frame(events, set(kinds), seq.strip(), None if block < 0 else int(block))
     st.session_state["log_rows"] = df["event"].tolist()
     st.dataframe(eventlog.styled(df), key="event_log", on_select=_travel_to_selected, selection_mode="single-row",
@@ -212,7 +207,7 @@ def main() -> None:
                     key="grid")(client)
     with right:
         st.fragment(block_tables, run_every=0.5, key="tables")(client)
-    st.fragment(history, run_every=2.0, key="history")(client)
+    st.fragment(timeline_or_log, run_every=2.0, key="panel")(client)
 
 
 main()

@@ -6,11 +6,12 @@ the event history give the same answers live and in time travel.
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from engine import protocol as p
-from engine.state import PoolState, SeqState
+from engine.contract import protocol as p
+from engine.contract.state import USED, PoolState
 
 RATE_WINDOW_S = 3.0  # tokens/s is averaged over this much engine time
 
@@ -22,17 +23,13 @@ class Tally:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     generated: int = 0
-    allocs: int = 0
-    frees: int = 0
     cows: int = 0
     forks: int = 0
-    evictions: int = 0
     swap_outs: int = 0
     swap_ins: int = 0
     preemptions: int = 0
     recomputes: int = 0
     finished: int = 0
-    steps: int = 0
     last_step: p.StepDone | None = None
     recent: deque = field(default_factory=deque, repr=False)  # (t, tokens generated) within RATE_WINDOW_S
     recent_sum: int = 0
@@ -66,7 +63,7 @@ class Finished:
 class Mirror:
     state: PoolState
     tally: Tally = field(default_factory=Tally)
-    # seq_id -> {logical index: "hit" | "cow"}: how a table entry was obtained, for the tables view
+    # seq_id -> {logical index: "prefix_hit" | "cow"}: how a table entry was obtained, for the tables view
     origins: dict[str, dict[int, str]] = field(default_factory=dict)
     finished: deque = field(default_factory=lambda: deque(maxlen=12))  # Finished, newest last
     t: float = 0.0  # engine time of the last event applied
@@ -76,24 +73,22 @@ class Mirror:
         return cls(PoolState.from_snapshot(snap))
 
     @property
-    def seq(self) -> int:
-        return self.state.seq
+    def last_event(self) -> int:
+        return self.state.last_event
 
     @property
     def config(self) -> p.PoolConfig:
         return self.state.config
 
     def clone(self) -> Mirror:
-        """A deep copy, fast: PoolState.clone() (deepcopy) is ~20x slower at 8k blocks."""
-        s = self.state
-        state = PoolState(s.config, s.seq, s.ref_counts[:], s.hashes[:], s.host_owner[:],
-                          {k: replace(v, block_table=v.block_table[:], host_table=v.host_table[:])
-                           for k, v in s.seqs.items()})
-        return Mirror(state, self.tally.clone(), {k: dict(v) for k, v in self.origins.items()},
-                      deque(self.finished, maxlen=self.finished.maxlen), self.t)
+        c = copy.copy(self)
+        c.state, c.tally = self.state.clone(), self.tally.clone()
+        c.origins = {k: dict(v) for k, v in self.origins.items()}
+        c.finished = deque(self.finished, maxlen=self.finished.maxlen)
+        return c
 
     def apply(self, ev: p.AnyEvent) -> None:
-        """Apply one event; raises engine.state.InvariantError (and changes nothing of the
+        """Apply one event; raises engine.contract.state.InvariantError (and changes nothing of the
         derived data) when it cannot follow."""
         before = self.state.seqs.get(getattr(ev, "seq_id", ""))
         text = before.text if before else ""
@@ -105,21 +100,16 @@ class Mirror:
                 tl.requests += 1
                 tl.prompt_tokens += ev.prompt_tokens
             case p.Alloc():
-                tl.allocs += 1
                 self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
             case p.PrefixHit():
                 tl.hit_tokens += bs
-                self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "hit"
+                self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
             case p.Cow():
                 tl.cows += 1
                 self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "cow"
             case p.Fork():
                 tl.forks += 1
                 self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
-            case p.Free():
-                tl.frees += 1
-            case p.Evict():
-                tl.evictions += 1
             case p.Preempt():
                 tl.preemptions += 1
                 tl.recomputes += ev.mode == "recompute"
@@ -141,30 +131,26 @@ class Mirror:
                 out = before.output_tokens if before else 0
                 self.finished.append(Finished(ev.seq_id, ev.reason, text, out))
             case p.StepDone():
-                tl.steps += 1
                 tl.last_step = ev
             case p.Reset():
                 self.tally, self.origins = Tally(), {}
 
     # ------------------------------------------------------------------ derived numbers
-    def live_seqs(self) -> list[SeqState]:
-        return list(self.state.seqs.values())
-
     def usage(self) -> dict[str, float]:
-        """The numbers the header shows (see teaching.md, points 1, 4 and 7)."""
+        """The numbers the header shows: pool and host usage, slot utilisation (internal
+        fragmentation), and a contiguous prompt + max-tokens reservation next to paging."""
         st, cfg = self.state, self.state.config
-        free, cached, used = st.counts()
+        free, cached, used, shared, host_used = st.counts()
         bs, bpb = cfg.block_size, cfg.bytes_per_block
         holding = [s for s in st.seqs.values() if s.block_table]
         stored = sum(s.num_tokens for s in holding)
         # Paging holds each physical block once, however many sequences share it.
         paged_slots = used * bs
-        tokens_in_blocks = sum(t for t, r in zip(st.block_tokens()[0], st.ref_counts) if r)
+        tokens_in_blocks = int(st.block_tokens()[0][st.block_states() >= USED].sum())
         reserved = sum(s.prompt_tokens + s.max_tokens for s in holding)
         return dict(
-            free=free, cached=cached, used=used, total=cfg.num_device_blocks,
-            shared=sum(1 for r in st.ref_counts if r >= 2),
-            host_used=sum(o is not None for o in st.host_owner), host_total=cfg.num_host_blocks,
+            free=free, cached=cached, used=used, total=cfg.num_device_blocks, shared=shared,
+            host_used=host_used, host_total=cfg.num_host_blocks,
             slot_util=tokens_in_blocks / paged_slots if paged_slots else 1.0,
             stored_tokens=stored, paged_slots=paged_slots, paged_bytes=used * bpb,
             reserved_slots=reserved, reserved_bytes=reserved * bpb / bs,

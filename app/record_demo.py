@@ -19,7 +19,7 @@ from pathlib import Path
 from websockets.sync.client import connect
 
 from app.scenarios import SCENARIOS
-from engine import protocol as p
+from engine.contract import protocol as p
 
 
 def start_engine(model: str, record: Path) -> tuple[subprocess.Popen, str]:

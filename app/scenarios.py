@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from engine import protocol as p
+from engine.contract import protocol as p
 
 SYSTEM_PROMPT = (
     "You are KVScope's tutor, a patient assistant who explains how large language models are "

@@ -7,7 +7,9 @@ from html import escape
 
 from app.client import View
 from app.mirror import Finished
-from app.palette import TOUCH_COLORS, seq_color
+from engine.contract.kinds import KINDS
+from engine.contract.state import held_tokens
+from app.palette import seq_color
 
 CSS = """<style>
 .bt { font: 13px/1.4 var(--st-font, system-ui, sans-serif); }
@@ -39,8 +41,8 @@ CSS = """<style>
 </style>"""
 KEY = ('<div class="key">each chip: <b>physical block</b> (small: logical index) · fill = tokens held · '
        'dark underline = prompt part · <b>×n</b> shared (outlined) · '
-       f'<span class="dot" style="background:{TOUCH_COLORS["hit"]}"></span> from the prefix cache · '
-       f'<span class="dot" style="background:{TOUCH_COLORS["cow"]}"></span> copied on write · '
+       f'<span class="dot" style="background:{KINDS["prefix_hit"].color}"></span> from the prefix cache · '
+       f'<span class="dot" style="background:{KINDS["cow"].color}"></span> copied on write · '
        '<b>H</b> host block while swapped out</div>')
 ORDER = {"running": 0, "swapped": 1, "waiting": 2}
 
@@ -64,15 +66,15 @@ def render(view: View, colors: dict[str, int], max_seqs: int = 24, max_chips: in
         chips = []
         table, host = s.block_table, s.host_table
         for i, b in enumerate((table or host)[:max_chips]):
-            held = min(bs, max(0, s.num_tokens - i * bs))
+            held = held_tokens(s.num_tokens, i, bs)
             prompt = min(1.0, max(0.0, (s.prompt_tokens - i * bs) / bs))
             part = "prompt" if prompt >= 1 else "output" if prompt <= 0 else "prompt + output"
             if table:
                 ref, origin = st.ref_counts[b], origins.get(i, "")
-                mark = TOUCH_COLORS.get(origin, "")
+                mark = KINDS[origin].color if origin else ""
                 title = (f"logical {i} → physical block {b} · {held}/{bs} tokens · {part}"
                          + (f" · shared by {ref}" if ref > 1 else "")
-                         + {"hit": " · from the prefix cache", "cow": " · copied on write"}.get(origin, ""))
+                         + {"prefix_hit": " · from the prefix cache", "cow": " · copied on write"}.get(origin, ""))
                 label = f"{b}" + (f"<sup>×{ref}</sup>" if ref > 1 else "")
                 chips.append(_chip(color, label, i, held / bs, prompt, title, "shared" if ref > 1 else "", mark))
             else:

@@ -12,12 +12,13 @@ from functools import lru_cache
 
 import altair as alt
 
-from app.history import Marker, StepPoint
-from app.palette import MARKER_COLORS, STATE_COLORS
+from engine.contract.kinds import KINDS, MARKER_KINDS
+from app.event_history import Marker, StepPoint
+from app.palette import BLOCK_STATE_COLORS
 
 MAX_POINTS, MAX_MARKERS = 400, 150
 STATES = ("used", "cached", "free")
-MARKERS = ("preempt", "swap_out", "swap_in", "reset")
+MARKERS = tuple(k for k in KINDS if k in MARKER_KINDS)
 CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color="#d97706", strokeWidth=2, strokeDash=[4, 3]).encode(
     x="step:Q", tooltip=[alt.Tooltip("step:Q", title="viewing step")])
 
@@ -26,12 +27,12 @@ CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color="#d97706", strokeWid
 def _blocks_spec() -> dict:
     area = alt.Chart(alt.Data(name="blocks")).mark_area(interpolate="step-after", opacity=0.9).encode(
         x=alt.X("step:Q", title="engine step"), y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
-        color=alt.Color("state:N", scale=alt.Scale(domain=list(STATES), range=[STATE_COLORS[s] for s in STATES]),
+        color=alt.Color("state:N", scale=alt.Scale(domain=list(STATES), range=[BLOCK_STATE_COLORS[s] for s in STATES]),
                         legend=alt.Legend(orient="top", title=None)),
         order="order:Q", tooltip=["step:Q", "state:N", "blocks:Q"])
     marks = alt.Chart(alt.Data(name="markers")).mark_rule(strokeWidth=1.5, opacity=0.85).encode(
         x="step:Q", color=alt.Color("event:N", scale=alt.Scale(
-            domain=[m.replace("_", " ") for m in MARKERS], range=[MARKER_COLORS[m] for m in MARKERS]),
+            domain=[m.replace("_", " ") for m in MARKERS], range=[KINDS[m].color for m in MARKERS]),
             legend=alt.Legend(orient="top", title=None)),
         tooltip=["event:N", "sequence:N", "step:Q", alt.Tooltip("seq:Q", title="event #")])
     return alt.layer(area, marks, CURSOR).resolve_scale(color="independent").properties(height=230).to_dict()

@@ -15,9 +15,9 @@ import streamlit as st
 from app.client import EngineClient, View
 from app.eventlog import describe
 from app.grid import ASSETS
-from app.palette import MARKER_COLORS
+from engine.contract.kinds import KINDS
 
-FRAGMENTS = ["top", "grid", "tables", "history"]  # every view: a travel redraws them all at once
+FRAGMENTS = ["top", "grid", "tables", "panel"]  # every view: a travel redraws them all at once
 
 
 def target() -> int | None:
@@ -51,9 +51,9 @@ def bar(client: EngineClient, view: View) -> None:
         st.caption(":material/history: Time travel becomes available once events arrive.")
         return
     first, last = bounds
-    n = view.seq
+    n = view.event
     _, markers = client.timeline()
-    ticks = [[m.seq, MARKER_COLORS[m.kind], f"{m.kind.replace('_', ' ')} {m.seq_id} (event {m.seq})"]
+    ticks = [[m.seq, KINDS[m.kind].color, f"{m.kind.replace('_', ' ')} {m.seq_id} (event {m.seq})"]
              for m in markers[-150:] if m.seq >= first]
     c = st.columns([1, 1, 12, 1, 1, 2], vertical_alignment="top")
     c[0].button(":material/skip_previous:", key="tt_prev_step", help="End of the previous engine step",

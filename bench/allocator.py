@@ -13,7 +13,7 @@ import random
 import time
 from collections import Counter
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.events import EventLog
 from engine.sequence import SamplingParams, Sequence

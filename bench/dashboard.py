@@ -27,13 +27,13 @@ import threading
 import time
 from pathlib import Path
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.events import EventLog
 from engine.sequence import SamplingParams, Sequence
 from app import grid, tables
 from app.client import View
-from app.history import History
+from app.event_history import EventHistory
 from app.launcher import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def filled_history(num_blocks: int, seed: int = 0) -> History:
     first = bm.state([]).snapshot()
     prefixes = [[rng.randrange(50_000) for _ in range(128)] for _ in range(4)]
     seqs: list[Sequence] = []
-    while bm.num_free_blocks > num_blocks * 0.2:
+    while bm.num_allocatable_blocks > num_blocks * 0.2:
         i = len(seqs)
         log.step += 1  # one admission per engine step, as the scheduler would batch them
         prompt = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(rng.randint(8, 600))]
@@ -73,7 +73,7 @@ def filled_history(num_blocks: int, seed: int = 0) -> History:
             continue
         bm.free(seq)
         log.emit(p.Finish(seq_id=seq.seq_id, reason="stop"))
-    h = History(first)
+    h = EventHistory(first)
     for ev in log.drain():
         h.append(ev)
     return h
@@ -92,14 +92,14 @@ def server_side(sizes: list[int]) -> list[dict]:
     for n in sizes:
         h = filled_history(n)
         colors = {s: i for i, s in enumerate(h.live.state.seqs)}
-        view = View(h.at(h.last_seq), True, 1, h.last_step_events(h.last_seq))
+        view = View(h.at(h.last_event), True, 1, h.last_step_events(h.last_event))
         data = {**grid.payload(view, colors), "style": grid.STYLE}
         repeat = max(5, 20_000 // n)
         clone = timed(lambda: h.live.clone(), repeat)
         pack = timed(lambda: grid.payload(view, colors), repeat)
         dump = timed(lambda: json.dumps(data), repeat)
         html = timed(lambda: tables.render(view, colors), repeat)
-        used = view.mirror.state.counts()[2]
+        used = view.mirror.state.counts().used
         rows.append(dict(blocks=n, used=used, seqs=len(view.mirror.state.seqs), clone_ms=clone, payload_ms=pack,
                          json_ms=dump, per_redraw_ms=clone + pack + dump, tables_ms=html,
                          kib=len(json.dumps(data)) / 1024))

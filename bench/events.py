@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from engine import protocol as p
-from engine.state import PoolState
+from engine.contract import protocol as p
+from engine.contract.state import PoolState
 
 
 def reader(url: str, t0: float) -> None:
@@ -57,9 +57,9 @@ def run_once(engine, prompts, new_tokens: int, clients: int, nice: int = 0) -> t
         time.sleep(0.01)
     t_start = time.perf_counter()
     for prompt in prompts:
-        srv.engine_loop.commands.put(("command", p.Submit(prompt=prompt, max_tokens=new_tokens,
+        srv.backend.commands.put(("command", p.Submit(prompt=prompt, max_tokens=new_tokens,
                                                           ignore_eos=True), None))
-    while srv.engine_loop.commands.qsize() or engine.has_unfinished():
+    while srv.backend.commands.qsize() or engine.has_unfinished():
         time.sleep(0.002)
     elapsed = time.perf_counter() - t_start
     srv.stop()

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model_loader import load_model

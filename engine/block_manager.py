@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.events import EventLog
 from engine.sequence import Sequence
-from engine.state import PoolState, SeqState
+from engine.contract.state import PoolState, SeqState
 
 NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
 
@@ -51,8 +51,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ queries
     @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation can take: free ones, and cached ones it would evict."""
+    def num_allocatable_blocks(self) -> int:
+        """Blocks an allocation can take: free ones and cached ones it would evict (the wire's
+        `free_blocks` counts only the first)."""
         return len(self.free_ids) + len(self.evictable)
 
     @property
@@ -69,7 +70,7 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         revived = sum(1 for b in hits if not self.ref_counts[b])  # hits that leave the LRU
         need = self.num_blocks_for(len(seq)) - len(hits) + revived
-        return self.num_free_blocks - need >= self.watermark_blocks
+        return self.num_allocatable_blocks - need >= self.watermark_blocks
 
     def _slot_needs_block(self, seq: Sequence) -> bool:
         """Whether writing the next token needs a block: a new one, or a copy of a shared one."""
@@ -77,13 +78,13 @@ class BlockManager:
         return n > len(table) * self.block_size or self.ref_counts[table[(n - 1) // self.block_size]] > 1
 
     def can_append(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= self._slot_needs_block(seq)
+        return self.num_allocatable_blocks >= self._slot_needs_block(seq)
 
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(self.host_free) >= len(seq.block_table)
 
     def can_swap_in(self, seq: Sequence) -> bool:
-        return self.num_free_blocks - len(seq.host_table) >= self.watermark_blocks
+        return self.num_allocatable_blocks - len(seq.host_table) >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:

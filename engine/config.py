@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.protocol import PoolConfig
+from engine.contract.protocol import PoolConfig
 
 
 @dataclass

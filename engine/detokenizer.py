@@ -3,11 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LOOKBACK_TOKENS = 6  # prompt tokens decoded along with the first output, so merges across the boundary show
+
 
 @dataclass
 class Detokenizer:
     prefix_offset: int = 0  # decode from here, so merges with earlier tokens are seen
     read_offset: int = 0    # text up to here has been emitted
+
+    @classmethod
+    def after_prompt(cls, num_prompt_tokens: int) -> Detokenizer:
+        return cls(max(0, num_prompt_tokens - LOOKBACK_TOKENS), num_prompt_tokens)
 
     def step(self, tokenizer, ids: list[int]) -> str:
         """Text added by `ids[read_offset:]`; empty while it ends in an incomplete character."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
@@ -25,13 +25,19 @@ from engine.sequence import SamplingParams, Sequence, SeqStatus
 
 @dataclass
 class Output:
-    """A finished sequence, as `generate` returns it."""
+    """A finished sequence."""
     seq_id: str
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: p.FinishReason
+
+
+@dataclass
+class StepResult:
+    scheduled: bool        # False: nothing could run this step (a caller looping on it should not spin)
+    finished: list[Output]  # sequences that ended in this step
 
 
 class LLMEngine:
@@ -47,7 +53,6 @@ class LLMEngine:
         self.block_manager = BlockManager(config.pool, self.log, config.watermark)
         self.scheduler = Scheduler(self.block_manager, self.log, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}  # live sequences, in creation order
-        self.finished: list[Output] = []      # drained by generate() and callers
         self._ids = itertools.count(1)
 
     def _with_bytes(self, pool: p.PoolConfig) -> p.PoolConfig:
@@ -66,6 +71,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def drain_events(self) -> list[p.Event]:
+        """The allocator's events since the last call, in order."""
+        return self.log.drain()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
@@ -103,15 +116,12 @@ class LLMEngine:
     def _track(self, seq: Sequence, index: int) -> None:
         """Sample `index` of its request: its own detokenizer and seeded generator."""
         self.seqs[seq.seq_id] = seq
-        seq.detokenizer = Detokenizer(max(0, seq.num_prompt_tokens - 6), seq.num_prompt_tokens)
+        seq.detokenizer = Detokenizer.after_prompt(seq.num_prompt_tokens)
         seq.generator = make_generator(seq.params, index)
 
-    def abort(self, request_id: str) -> int:
-        """Finish every sequence of a request with reason `abort`; returns how many."""
-        victims = [s for s in self.seqs.values() if s.request_id == request_id]
-        for seq in victims:
-            self._finish(seq, "abort")
-        return len(victims)
+    def abort(self, request_id: str) -> list[Output]:
+        """Finish every sequence of a request with reason `abort`."""
+        return [self._finish(s, "abort") for s in list(self.seqs.values()) if s.request_id == request_id]
 
     def clear_prefix_cache(self) -> int:
         return self.block_manager.clear_prefix_cache()
@@ -126,10 +136,10 @@ class LLMEngine:
         self.block_manager.reset(pool)
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> bool:
-        """Run one engine step; returns False when there was nothing it could do."""
+    def step(self) -> StepResult:
+        """Run one engine step."""
         if not self.scheduler.has_work():
-            return False
+            return StepResult(False, [])
         t0 = time.perf_counter()
         self.log.step += 1
         batch = self.scheduler.schedule()
@@ -141,7 +151,7 @@ class LLMEngine:
             raise RuntimeError(f"step {self.log.step} failed: {e}") from e
         decode = sum(1 for r in batch.rows if r.num_tokens == 1 and r.seq.num_output_tokens)
         prefill = sum(r.num_tokens for r in batch.rows) - decode
-        self._postprocess(batch, logits)
+        finished = self._postprocess(batch, logits)
         sched = self.scheduler
         self.log.emit(p.StepDone(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
@@ -149,9 +159,10 @@ class LLMEngine:
             duration_ms=round((time.perf_counter() - t0) * 1000, 3),
             free_blocks=len(self.block_manager.free_ids),
             cached_blocks=self.block_manager.num_cached_blocks))
-        return bool(batch)
+        return StepResult(bool(batch), finished)
 
-    def _postprocess(self, batch: Batch, logits) -> None:
+    def _postprocess(self, batch: Batch, logits) -> list[Output]:
+        finished: list[Output] = []
         completed = [r for r in batch.rows if r.completes]
         for row in batch.rows:
             row.seq.num_computed_tokens += row.num_tokens
@@ -164,7 +175,9 @@ class LLMEngine:
                 family += [self._fork(seq, i) for i in range(1, seq.params.n)]
             for member in family:
                 token = sample(seq_logits, member.params, member.generator)
-                self._append_token(member, token)
+                if reason := self._append_token(member, token):
+                    finished.append(self._finish(member, reason))
+        return finished
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         child = Sequence(f"{parent.seq_id}.{index}", parent.request_id, list(parent.token_ids),
@@ -176,25 +189,27 @@ class LLMEngine:
         self.scheduler.add_running(child)
         return child
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int) -> p.FinishReason | None:
+        """Append a sampled token; returns why the sequence ends with it, if it does."""
         seq.token_ids.append(token)
         text = seq.detokenizer.step(self.tokenizer, seq.token_ids)
         seq.text += text
         self.log.emit(p.Append(seq_id=seq.seq_id, num_tokens=seq.num_computed_tokens,
                                token_ids=[token], text=text))
         if not seq.params.ignore_eos and token in self.loaded.eos_token_ids:
-            self._finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.params.max_tokens:
-            self._finish(seq, "length")
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            return "length"
+        return None
 
-    def _finish(self, seq: Sequence, reason: p.FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: p.FinishReason) -> Output:
         self.scheduler.remove(seq)
         self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         del self.seqs[seq.seq_id]
         self.log.emit(p.Finish(seq_id=seq.seq_id, reason=reason))
-        self.finished.append(Output(seq.seq_id, seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
-                                    seq.output_ids, seq.text, reason))
+        return Output(seq.seq_id, seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
+                      seq.text, reason)
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
@@ -202,10 +217,8 @@ class LLMEngine:
         """Run `prompts` to completion; returns, per prompt, its samples in seq-id order.
         The allocator's events stay in `self.log` for the caller to drain."""
         rids = [self.add_request(prompt, params)[0] for prompt in prompts]
-        while self.has_unfinished():
-            self.step()
         done: dict[str, list[Output]] = {}
-        for out in self.finished:
-            done.setdefault(out.request_id, []).append(out)
-        self.finished.clear()
+        while self.has_unfinished():
+            for out in self.step().finished:
+                done.setdefault(out.request_id, []).append(out)
         return [sorted(done.get(r, []), key=lambda o: (len(o.seq_id), o.seq_id)) for r in rids]

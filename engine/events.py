@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from engine.protocol import Event
+from engine.contract.protocol import Event
 
 
 class EventLog:

@@ -9,8 +9,9 @@ import sys
 from collections import Counter
 
 from engine.config import add_engine_args, config_from_args
+from engine.contract.kinds import BLOCK_KINDS, kind_of
 from engine.engine import LLMEngine
-from engine.protocol import CommandError
+from engine.contract.protocol import CommandError
 from engine.sequence import SamplingParams
 
 
@@ -37,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as e:
         print(f"error ({e.code}): {e.message}", file=sys.stderr)
         return 2
+    finished = []
     while engine.has_unfinished():
-        engine.step()
-    for out in sorted(engine.finished, key=lambda o: (len(o.seq_id), o.seq_id)):
+        finished += engine.step().finished
+    for out in sorted(finished, key=lambda o: (len(o.seq_id), o.seq_id)):
         header = f"[{out.seq_id}] " if args.n > 1 else ""
         print(f"{header}{out.text}  ({len(out.token_ids)} tokens, {out.finish_reason})")
-    counts = Counter(ev.__struct_config__.tag for ev in engine.log.drain())
-    print("block events: " + ", ".join(f"{kind} {counts[kind]}" for kind in
-          ("alloc", "prefix_hit", "cached", "cow", "evict", "free", "swap_out", "swap_in", "preempt")))
+    counts = Counter(kind_of(ev) for ev in engine.drain_events())
+    print("block events: " + ", ".join(f"{kind} {counts[kind]}" for kind in BLOCK_KINDS))
     return 0
 
 

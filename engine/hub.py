@@ -12,7 +12,9 @@ import asyncio
 import hmac
 import http
 import logging
+import queue
 import socket
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +26,19 @@ import msgspec
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from engine import protocol as p
+from engine.contract import protocol as p
 
 log = logging.getLogger("kvscope")
 
 
 class Backend(Protocol):
     """What produces the stream: the engine loop, or a recording being replayed."""
+
+    def start(self, hub: Hub) -> None:
+        """Begin producing into `hub`; called on the hub's loop once it listens."""
+
+    def stop(self) -> None:
+        """Stop producing; called on the hub's loop when serving ends."""
 
     def hello(self) -> p.Hello: ...
 
@@ -218,16 +226,64 @@ class Hub:
             pass
 
     async def serve(self, host: str, port: int, ready=None, stop: asyncio.Future | None = None) -> None:
-        """Serve until `stop` resolves; calls `ready(port)` once listening."""
+        """Serve until `stop` resolves: start the backend once listening, then call `ready(port)`."""
         self.loop = asyncio.get_running_loop()
         if self._recording:
             self._record(p.encode(self.backend.hello()))
-            self.backend.request_snapshot()
         async with serve(self._handler, host, port, compression=None, max_size=p.MAX_FRAME_BYTES,
                          close_timeout=1, process_request=self._check_token) as server:
             bound = server.sockets[0].getsockname()[1]
+            self.backend.start(self)
+            if self._recording:
+                self.backend.request_snapshot()
             if ready:
                 ready(bound)
-            await (stop if stop is not None else asyncio.Future())
+            try:
+                await (stop if stop is not None else asyncio.Future())
+            finally:
+                self.backend.stop()
         if self._recording:
             self._recording.close()
+
+
+@dataclass
+class Serving:
+    """A hub serving from a background thread (tests, benchmarks, the vLLM plugin)."""
+    url: str
+    hub: Hub
+    thread: threading.Thread
+    request_stop: Any  # () -> None, safe from any thread
+
+    @property
+    def backend(self) -> Backend:
+        return self.hub.backend
+
+    def stop(self) -> None:
+        """Stop serving (the backend too) and wait for the thread."""
+        if self.thread.is_alive():
+            self.request_stop()
+            self.thread.join(timeout=30)
+
+
+def serve_in_thread(hub: Hub, host: str = "127.0.0.1", port: int = 0) -> Serving:
+    """Serve `hub` from a new daemon thread; returns once it listens (port 0: a free one)."""
+    box: queue.Queue = queue.Queue()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        request_stop = lambda: loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))  # noqa: E731
+        await hub.serve(host, port, lambda bound: box.put(Serving(
+            f"ws://{host}:{bound}/", hub, threading.current_thread(), request_stop)), stop)
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # a port in use: say so to the caller, not to a dead thread
+            box.put(e)
+
+    threading.Thread(target=run, name="kvscope-hub", daemon=True).start()
+    out = box.get(timeout=30)
+    if isinstance(out, BaseException):
+        raise out
+    return out

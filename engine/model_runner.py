@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from engine.model_loader import LoadedModel
-from engine.protocol import CommandError, EngineInfo, PoolConfig
+from engine.contract.protocol import CommandError, EngineInfo, PoolConfig
 from engine.scheduler import Batch
 
 

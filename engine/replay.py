@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 
 import msgspec
 
-from engine import protocol as p
+from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
+from engine.contract import protocol as p
+from engine.contract.state import PoolState
 from engine.hub import Client, Hub, Pacing
-from engine.server import _is_loopback
-from engine.state import PoolState
 
 log = logging.getLogger("kvscope")
 MAX_GAP_S = 1.0
@@ -43,12 +42,22 @@ class Recording:
 class Playback:
     """The replay's backend: plays the recording's batches into the hub on its loop."""
 
-    def __init__(self, rec: Recording, hub: Hub, speed: float = 1.0, loop: bool = False):
-        self.rec, self.hub, self.speed, self.loop = rec, hub, speed, loop
+    def __init__(self, rec: Recording, speed: float = 1.0, loop: bool = False):
+        self.rec, self.speed, self.loop = rec, speed, loop
+        self.hub: Hub | None = None
         self.state = PoolState.from_snapshot(rec.start)
         self.pacing = Pacing()
         self.batches_played = 0
         self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self, hub: Hub) -> None:
+        self.hub = hub
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
 
     def hello(self) -> p.Hello:
         return self.pacing.stamp(self.rec.hello)
@@ -77,7 +86,7 @@ class Playback:
     async def run(self) -> None:
         rel = [[ev.seq - self.rec.start.seq for ev in batch] for batch in self.rec.batches]
         while True:
-            base = self.state.seq  # later passes are renumbered, so seq keeps rising by one
+            base = self.state.last_event  # later passes are renumbered, so seq keeps rising by one
             prev_t = self.rec.batches[0][0].t if self.rec.batches else 0.0
             for batch, offsets in zip(self.rec.batches, rel):
                 await self._wait_turn(batch[0].t - prev_t)
@@ -93,50 +102,33 @@ class Playback:
                 return
             await self._wait_turn(MAX_GAP_S)
             # back to the start: a `reset` event, then the first snapshot, numbered on from here
-            reset = p.Reset(config=self.rec.start.config, seq=self.state.seq + 1, t=prev_t)
+            reset = p.Reset(config=self.rec.start.config, seq=self.state.last_event + 1, t=prev_t)
             self.hub.publish_events([reset])
             self.state = PoolState.from_snapshot(self.rec.start)
-            self.state.seq = reset.seq
+            self.state.last_event = reset.seq
             self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
-
-
-async def replay(path: Path, host: str, port: int, speed: float = 1.0, loop: bool = False,
-                 token: str | None = None, on_ready=None) -> None:
-    rec = Recording(path)
-    hub = Hub(None, token=token)
-    playback = hub.backend = Playback(rec, hub, speed, loop)
-    stop = asyncio.get_running_loop().create_future()
-
-    def ready(bound: int) -> None:
-        log.info("ready: ws://%s:%d/ replaying %s (%d events)", host, bound, path, rec.num_events)
-        asyncio.get_running_loop().create_task(playback.run())
-        if on_ready:
-            on_ready(bound, stop, playback)
-
-    await hub.serve(host, port, ready, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Replay a KVScope recording over the WebSocket protocol")
     ap.add_argument("file", type=Path)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--token", default=None)
+    add_listen_args(ap)
     ap.add_argument("--speed", type=float, default=1.0, help="playback speed factor")
     ap.add_argument("--loop", action="store_true", help="start over at the end")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
-    if not _is_loopback(args.host) and not args.token:
-        log.error("refusing to bind %s without --token", args.host)
+    setup_logging()
+    if refuse_open_bind(args.host, args.token):
         return 2
-
-    def on_ready(_port, stop, _playback) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-
     try:
-        asyncio.run(replay(args.file, args.host, args.port, args.speed, args.loop, args.token, on_ready))
+        rec = Recording(args.file)
     except (OSError, ValueError, msgspec.DecodeError) as e:
+        log.error("%s", e)
+        return 2
+    hub = Hub(Playback(rec, args.speed, args.loop), token=args.token)
+    try:
+        serve_until_signal(hub, args.host, args.port, lambda port: log.info(
+            "ready: ws://%s:%d/ replaying %s (%d events)", args.host, port, args.file, rec.num_events))
+    except OSError as e:
         log.error("%s", e)
         return 2
     return 0

@@ -11,7 +11,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.events import EventLog
 from engine.sequence import Sequence, SeqStatus

@@ -8,39 +8,45 @@ through the Hub after every step. The engine never waits on a client.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import ipaddress
 import logging
 import queue
-import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from engine import protocol as p
-from engine.config import EngineConfig, add_engine_args, config_from_args
-from engine.hub import Client, Hub, Pacing
+from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
+from engine.config import add_engine_args, config_from_args
+from engine.contract import protocol as p
+from engine.hub import Client, Hub, Pacing, Serving, serve_in_thread
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvscope")
 MAX_WAITING = 1024  # requests queued beyond this are refused with `busy`
 
 
-class EngineLoop(threading.Thread):
-    """Steps the engine whenever it has work and is not paused; runs commands between steps."""
+class EngineLoop:
+    """Steps the engine in its own thread whenever it has work and is not paused; runs
+    commands between steps. The hub's backend: its methods called from the hub only enqueue."""
 
-    def __init__(self, engine, hub: Hub, step_delay_ms: float = 0.0):
-        super().__init__(name="kvscope-engine", daemon=True)
-        self.engine, self.hub = engine, hub
+    def __init__(self, engine, step_delay_ms: float = 0.0):
+        self.engine = engine
+        self.hub: Hub | None = None
         self.commands: queue.Queue = queue.Queue()
         self.pacing = Pacing(step_delay_ms=step_delay_ms)
         self.steps_run = 0
         self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="kvscope-engine", daemon=True)
 
-    # The hub calls these on its loop thread; they only enqueue.
+    def start(self, hub: Hub) -> None:
+        self.hub = hub
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)  # let the step in flight end
+
     def hello(self) -> p.Hello:
         return self.pacing.stamp(self.engine.hello())
 
@@ -59,7 +65,7 @@ class EngineLoop(threading.Thread):
                 self._run_commands(block=True, timeout=0.1)
                 continue
             try:
-                if not self.engine.step():  # nothing could be scheduled: do not spin
+                if not self.engine.step().scheduled:  # nothing could run: do not spin
                     self._run_commands(block=True, timeout=0.01)
             except Exception:
                 log.exception("engine step failed; its sequences were finished with reason 'error'")
@@ -115,7 +121,7 @@ class EngineLoop(threading.Thread):
             return None
         match cmd:
             case p.Submit():
-                if len(eng.scheduler.waiting) >= MAX_WAITING:
+                if eng.num_waiting >= MAX_WAITING:
                     raise p.CommandError("busy", f"{MAX_WAITING} requests are already waiting; "
                                          "try again when some have finished")
                 params = SamplingParams(max_tokens=cmd.max_tokens, temperature=cmd.temperature,
@@ -135,101 +141,40 @@ class EngineLoop(threading.Thread):
         return None
 
     def _publish(self) -> None:
-        self.engine.finished.clear()  # clients learn of finished requests from the events
-        events = self.engine.log.drain()
-        if events:
+        if events := self.engine.drain_events():
             self.hub.call(self.hub.publish_events, events)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="KVScope engine server (WebSocket protocol v1)")
     add_engine_args(ap)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8765, help="0 picks a free port")
-    ap.add_argument("--token", default=None, help="required of clients; needed to bind beyond loopback")
+    add_listen_args(ap)
     ap.add_argument("--step-delay-ms", type=float, default=0.0, help="pause between steps, for humans")
     ap.add_argument("--record", type=Path, default=None, help="append every server message to FILE (JSON lines)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
-    if not _is_loopback(args.host) and not args.token:
-        log.error("refusing to bind %s without --token: anyone on the network could drive the engine",
-                  args.host)
+    setup_logging()
+    if refuse_open_bind(args.host, args.token):
         return 2
     from engine.engine import LLMEngine  # torch is imported only once the arguments are sound
 
-    config: EngineConfig = config_from_args(args)
-    engine = LLMEngine(config, progress=lambda msg: log.info(msg))
-    return serve(engine, args.host, args.port, args.token, args.step_delay_ms, args.record)
-
-
-async def _serve(engine, host: str, port: int, on_ready, step_delay_ms: float = 0.0, **hub_kw) -> None:
-    hub = Hub(None, **hub_kw)
-    engine_loop = hub.backend = EngineLoop(engine, hub, step_delay_ms)
-    loop = asyncio.get_running_loop()
-    stop = loop.create_future()
-
-    def ready(bound: int) -> None:
-        engine_loop.start()
-        cfg = engine.pool
-        log.info("ready: ws://%s:%d/ serving %s, %d device blocks of %d tokens, %d host blocks",
-                 host, bound, engine.loaded.name, cfg.num_device_blocks, cfg.block_size,
-                 cfg.num_host_blocks)
-        on_ready(RunningServer(f"ws://{host}:{bound}/", hub, engine_loop, threading.current_thread(),
-                               lambda: loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))))
-
-    await hub.serve(host, port, ready, stop)
-    engine_loop.stopping.set()
-    engine_loop.join(timeout=10)
-
-
-@dataclass
-class RunningServer:
-    url: str
-    hub: Hub
-    engine_loop: EngineLoop
-    thread: threading.Thread
-    request_stop: Callable[[], None]  # safe from any thread
-
-    def stop(self) -> None:
-        """Stop serving; from another thread, also wait until the engine thread is done."""
-        if not self.thread.is_alive():
-            return
-        self.request_stop()
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout=30)
-
-
-def serve(engine, host: str, port: int, token: str | None = None, step_delay_ms: float = 0.0,
-          record: Path | None = None) -> int:
-    """Serve in this thread until SIGINT or SIGTERM."""
-    def on_ready(server: RunningServer) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, server.request_stop)
-
-    asyncio.run(_serve(engine, host, port, on_ready, step_delay_ms, token=token, record=record))
+    engine = LLMEngine(config_from_args(args), progress=lambda msg: log.info(msg))
+    hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, record=args.record)
+    serve_until_signal(hub, args.host, args.port, lambda port: _say_ready(engine, args.host, port))
     log.info("stopped")
     return 0
 
 
+def _say_ready(engine, host: str, port: int) -> None:
+    cfg = engine.pool
+    log.info("ready: ws://%s:%d/ serving %s, %d device blocks of %d tokens, %d host blocks",
+             host, port, engine.loaded.name, cfg.num_device_blocks, cfg.block_size, cfg.num_host_blocks)
+
+
 def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, step_delay_ms: float = 0.0,
-                    **hub_kw) -> RunningServer:
-    """Serve from a background thread (tests, benchmarks); returns once it listens.
+                    **hub_kw) -> Serving:
+    """Serve `engine` from a background thread (tests, benchmarks); returns once it listens.
     `hub_kw`: token, record, max_queued_events."""
-    box: queue.Queue = queue.Queue()
-    thread = threading.Thread(target=lambda: asyncio.run(_serve(engine, host, port, box.put, step_delay_ms,
-                                                                **hub_kw)),
-                              name="kvscope-server", daemon=True)
-    thread.start()
-    return box.get(timeout=30)
+    return serve_in_thread(Hub(EngineLoop(engine, step_delay_ms), **hub_kw), host, port)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ samples the next token from the caller.
 """
 from __future__ import annotations
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.events import EventLog
 from engine.sequence import SamplingParams, Sequence, SeqStatus
-from engine.state import PoolState
+from engine.contract.state import PoolState
 
 
 class PoolDriver:

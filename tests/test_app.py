@@ -14,7 +14,7 @@ import streamlit as st
 from streamlit import dataframe_util
 from streamlit.testing.v1 import AppTest
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
 from tests.waiting import wait
@@ -100,7 +100,7 @@ def submit(at: AppTest, text: str, **fields) -> None:
 def test_prompt_pause_step_resume_and_every_view(at, observer):
     at.button(key="pause_resume").click().run()
     wait(lambda: observer.view() and at.run() and at.button(key="step").disabled is False, what="pause")
-    start = observer.history.last_seq
+    start = observer.history.last_event
     submit(at, "Hello, paged world. Tell me about blocks.", prompt_max=24)
     added = wait(lambda: events(observer, "request_added", start), what="the request")[0]
     assert not events(observer, "alloc", start)  # paused: admitted only by a step
@@ -109,7 +109,7 @@ def test_prompt_pause_step_resume_and_every_view(at, observer):
     rid = added.request_id
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["counts"]["used"] and d, what="used blocks")
     truth = observer.view().mirror
-    assert data["live"] and data["counts"]["used"] == truth.state.counts()[2] == len(allocs)
+    assert data["live"] and data["counts"]["used"] == truth.state.counts().used == len(allocs)
     assert data["touched"].get("alloc") == len(allocs)  # the step's allocations are highlighted
     assert metric(at, "Pool usage") == f"{len(allocs) / 256:.0%}"
     tables = html_with(at, 'class="bt"')
@@ -138,7 +138,7 @@ def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metri
     """Paused, so the mechanism stays on screen: the scenario's requests wait, Step runs them."""
     at.button(key="pause_resume").click().run()
     wait(lambda: at.run().button(key="step").disabled is False, what="pause")
-    start = observer.history.last_seq
+    start = observer.history.last_event
     at.button(key=f"scenario_{key}").click().run()
     at.number_input(key="step_count").set_value(steps).run()
     at.button(key="step").click().run()
@@ -172,7 +172,7 @@ def test_reset_to_another_block_size(at, observer):
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["bs"] == 8 and d)
     assert (data["n"], data["m"]) == (96, 32)
     assert any("96 × 8 tokens" in e.label for e in at.sidebar.expander)
-    start = observer.history.last_seq
+    start = observer.history.last_event
     submit(at, "A prompt on the new pool", prompt_max=12)
     wait(lambda: events(observer, "finish", start), what="a request on the new pool")
     blocks = {e.block_id for e in events(observer, "alloc", start)}
@@ -180,7 +180,7 @@ def test_reset_to_another_block_size(at, observer):
 
 
 def test_time_travel_buttons_scrub_every_view(at, observer):
-    start = observer.history.last_seq
+    start = observer.history.last_event
     submit(at, "Travel back in time with me", prompt_max=16)
     wait(lambda: events(observer, "finish", start), what="a finished request")
     at.run()
@@ -188,18 +188,18 @@ def test_time_travel_buttons_scrub_every_view(at, observer):
     assert last is None and grid_data(at)["live"]
     at.button(key="tt_prev_step").click().run()
     n = at.session_state["travel"]
-    assert n is not None and n < observer.history.last_seq
+    assert n is not None and n < observer.history.last_event
     data = grid_data(at)
     truth = observer.history.at(n)
     assert not data["live"] and data["seq"] == n
-    assert data["counts"]["used"] == truth.state.counts()[2]
+    assert data["counts"]["used"] == truth.state.counts().used
     assert any("Time travel" in c.value for c in at.caption)
     # back through the allocation: the views show the request holding blocks again
     alloc = events(observer, "alloc", start)[0]
     at.session_state["travel"] = alloc.seq
     at.run()
     data = grid_data(at)
-    assert data["seq"] == alloc.seq and data["counts"]["used"] == observer.history.at(alloc.seq).state.counts()[2] >= 1
+    assert data["seq"] == alloc.seq and data["counts"]["used"] == observer.history.at(alloc.seq).state.counts().used >= 1
     assert alloc.seq_id in html_with(at, 'class="bt"')
     assert show_log(at)["event"].iloc[0] <= alloc.seq  # the log is frozen at that event too
     at.button(key="tt_next").click().run()
@@ -209,7 +209,7 @@ def test_time_travel_buttons_scrub_every_view(at, observer):
 
 
 def test_event_log_filters(at, observer):
-    start = observer.history.last_seq
+    start = observer.history.last_event
     submit(at, "Filter me", prompt_max=8)
     fin = wait(lambda: events(observer, "finish", start), what="a finished request")[0]
     show_log(at)
@@ -225,7 +225,7 @@ def test_event_log_filters(at, observer):
 
 
 def test_abort_clear_prefix_cache_and_pace(at, observer):
-    start = observer.history.last_seq
+    start = observer.history.last_event
     at.select_slider(key="pace").set_value(50)
     at.run()
     submit(at, "Count to a thousand, slowly.", prompt_max=2000, prompt_ignore_eos=True)
@@ -235,7 +235,7 @@ def test_abort_clear_prefix_cache_and_pace(at, observer):
     at.button(key="abort").click().run()
     fin = wait(lambda: events(observer, "finish", start), what="the abort")[0]
     assert fin.reason == "abort"
-    cached = wait(lambda: observer.view().mirror.state.counts()[1], what="cached blocks")
+    cached = wait(lambda: observer.view().mirror.state.counts().cached, what="cached blocks")
     at.button(key="clear_cache").click().run()
     wait(lambda: len(events(observer, "evict", fin.seq)) == cached, what="evictions")
     rerun_until(at, lambda a: grid_data(a)["counts"]["cached"] == 0)

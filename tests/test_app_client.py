@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
 from tests.waiting import wait, free_port
@@ -32,8 +32,8 @@ def test_reconnects_and_starts_over_when_the_engine_restarts(client_and_server):
     client_and_server += [c, first]
     wait(lambda: c.status.state == "connected", what="connection")
     c.wait_reply(c.send(p.Submit(prompt="before the restart", max_tokens=4)))
-    wait(lambda: c.history.last_seq > 5, what="events")
-    before, epoch = c.history.last_seq, c.epoch
+    wait(lambda: c.history.last_event > 5, what="events")
+    before, epoch = c.history.last_event, c.epoch
     first.stop()
     wait(lambda: c.status.state == "reconnecting", what="the drop to be noticed")
     assert c.status.last_error
@@ -42,7 +42,7 @@ def test_reconnects_and_starts_over_when_the_engine_restarts(client_and_server):
     second = server("--port", str(port))
     client_and_server.append(second)
     wait(lambda: c.status.state == "connected", 30, "the reconnection")
-    assert c.epoch == epoch + 1 and c.history.last_seq < before  # a new engine: history starts over
+    assert c.epoch == epoch + 1 and c.history.last_event < before  # a new engine: history starts over
     assert any("started over" in text for _, _, text in c.notices)
     c.wait_reply(c.send(p.Submit(prompt="after the restart", max_tokens=4)))
     wait(lambda: c.view().mirror.tally.finished == 1, what="the new engine's events")
@@ -55,13 +55,13 @@ def test_a_gap_in_the_stream_is_repaired_with_a_snapshot(client_and_server):
     wait(lambda: c.status.state == "connected", what="connection")
     c.wait_reply(c.send(p.Submit(prompt="some events first", max_tokens=3)))
     wait(lambda: c.view().mirror.tally.finished == 1, what="events")
-    last = c.history.last_seq
+    last = c.history.last_event
     # a frame whose numbering skips ahead, as after a lost message
     c._on_frame(p.encode(p.Events(events=[p.StepDone(seq=last + 5, num_running=0, num_waiting=0, num_swapped=0,
                                                       prefill_tokens=0, decode_tokens=0, duration_ms=0,
                                                       free_blocks=0, cached_blocks=0)])))
     wait(lambda: c.status.resyncs == 1 and not c._awaiting_snapshot, what="the resync")
-    assert c.history.last_seq == last  # the bogus event was never applied
+    assert c.history.last_event == last  # the bogus event was never applied
     c.wait_reply(c.send(p.Submit(prompt="and after", max_tokens=3)))
     wait(lambda: c.view().mirror.tally.finished == 2, what="events after the resync")
 

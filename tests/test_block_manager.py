@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.block_manager import NoFreeBlocks
 from engine.sequence import SeqStatus
 from tests.pool_driver import PoolDriver
@@ -83,7 +83,7 @@ def test_exhaustion_then_swap_out_and_back_in_restores_tables_in_logical_order()
     a_table = list(a.block_table)
     out = d.swap_out(a)
     assert [dev for dev, _ in out] == a_table and a.block_table == []
-    assert d.bm.num_free_blocks == 5 and d.admit(c)
+    assert d.bm.num_allocatable_blocks == 5 and d.admit(c)
     d.finish(b)
     d.drain()
     mapping = d.swap_in(a)

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model_loader import load_model
 from engine.sequence import SamplingParams
-from engine.state import PoolState, check_invariants
+from engine.contract.state import PoolState, check_invariants
 
 PROMPTS = [
     "The capital of France is",
@@ -53,6 +53,14 @@ def run_with_events(engine: LLMEngine, prompts, params: SamplingParams):
     check_invariants(state)
     assert state.snapshot() == engine.snapshot()
     return outs, events
+
+
+def run_to_end(engine: LLMEngine) -> list:
+    """Step until every request is done; the outputs in the order they finished."""
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step().finished
+    return finished
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -117,17 +125,14 @@ def test_parallel_sampling_shares_the_prompt_and_copies_the_partial_block_on_wri
     table = list(seqs[0].block_table)
     assert all(s.block_table == table for s in seqs)
     assert [engine.block_manager.ref_counts[b] for b in table] == [4, 4, 4]
-    while engine.step():
-        pass
+    finished = run_to_end(engine)
     events = engine.log.drain()
     cows = [e for e in events if isinstance(e, p.Cow)]
     assert len(cows) == 3 and {(c.logical_index, c.src_block_id) for c in cows} == {(2, table[2])}
-    first = sorted(o.token_ids for o in engine.finished)
+    first = sorted(o.token_ids for o in finished)
     again = make(tiny, block_size=8)
     again.add_request(prompt, params)
-    while again.step():
-        pass
-    assert sorted(o.token_ids for o in again.finished) == first
+    assert sorted(o.token_ids for o in run_to_end(again)) == first
     assert len({tuple(t) for t in first}) > 1  # the samples differ
 
 
@@ -135,13 +140,12 @@ def test_abort_and_finish_free_every_block(tiny):
     engine = make(tiny)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="a")
     engine.add_request(PROMPTS[2], SamplingParams(max_tokens=3, ignore_eos=True))
-    for _ in range(5):
-        engine.step()
-    assert engine.abort("a") == 1 and engine.abort("nobody") == 0
-    while engine.step():
-        pass
+    finished = [out for _ in range(5) for out in engine.step().finished]
+    aborted = engine.abort("a")
+    assert [o.finish_reason for o in aborted] == ["abort"] and engine.abort("nobody") == []
+    finished += run_to_end(engine)
     assert sum(engine.block_manager.ref_counts) == 0 and not engine.seqs
-    assert {o.finish_reason for o in engine.finished} == {"abort", "length"}
+    assert [o.finish_reason for o in finished] == ["length"]
 
 
 def test_requests_that_can_never_fit_are_refused(tiny):
@@ -159,9 +163,7 @@ def test_chat_messages_and_eos_stop(tiny):
     engine = make(tiny)
     engine.add_request(messages=[{"role": "user", "content": "Hi"}],
                        params=SamplingParams(max_tokens=4))
-    while engine.step():
-        pass
-    (out,) = engine.finished
+    (out,) = run_to_end(engine)
     assert len(out.prompt_token_ids) > 3 and 1 <= len(out.token_ids) <= 4
 
 

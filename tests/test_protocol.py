@@ -6,8 +6,8 @@ import json
 import msgspec
 import pytest
 
-from engine import protocol as p
-from engine.state import InvariantError, PoolState
+from engine.contract import protocol as p
+from engine.contract.state import InvariantError, PoolState
 
 CONFIG = p.PoolConfig(block_size=16, num_device_blocks=4, num_host_blocks=2,
                       bytes_per_block=737280)
@@ -33,7 +33,7 @@ EVENTS = [
 MESSAGES = [
     p.Hello(engine=p.EngineInfo(model="tiny", device="cpu", dtype="float32", num_layers=2,
                                 num_kv_heads=1, head_dim=16), config=CONFIG),
-    PoolState.empty(CONFIG, seq=7).snapshot(),
+    PoolState.empty(CONFIG, last_event=7).snapshot(),
     p.Events(events=EVENTS),
     p.Ack(op="submit", id={"any": ["json", 1]}, request_id="r1", seq_ids=["r1", "r1.1"]),
     p.Ack(op="pause", id=3),

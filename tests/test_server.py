@@ -1,11 +1,9 @@
 """The engine server end to end: a real server on loopback, real websockets clients."""
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -15,13 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from engine import protocol as p
+from engine.contract import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model_loader import load_model
-from engine.replay import replay
+from engine.hub import Hub, serve_in_thread
+from engine.replay import Playback, Recording
 from engine.server import start_in_thread
-from engine.state import PoolState, check_invariants
+from engine.contract.state import PoolState, check_invariants
 
 SYSTEM = "You are KVScope's demo assistant. Answer in one short sentence, politely. " * 2
 
@@ -110,7 +109,7 @@ def test_hello_snapshot_then_submit_ack_and_events_through_finish(make_server):
     c = Client(srv.url)
     assert c.hello["protocol"] == 1 and c.hello["engine"]["num_kv_heads"] == 2
     assert c.hello["config"]["bytes_per_block"] == 16 * 2 * 2 * 16 * 2 * 4
-    assert c.state.seq == 0 and len(c.state.ref_counts) == 256
+    assert c.state.last_event == 0 and len(c.state.ref_counts) == 256
     ack = c.request(op="submit", prompt="Hello there", max_tokens=5, ignore_eos=True, id=42)
     assert ack == {"type": "ack", "op": "submit", "id": 42, "request_id": "r1", "seq_ids": ["r1"]}
     c.sync(c.finished("r1"))
@@ -137,18 +136,18 @@ def test_a_client_that_stops_reading_is_resynchronised_while_others_stream(make_
     slow = Client(srv.url, max_queue=1)
     for i in range(4):
         fast.request(op="submit", prompt=f"story {i}", max_tokens=3000, ignore_eos=True)
-    start = srv.engine_loop.steps_run
+    start = srv.backend.steps_run
     # `slow` reads nothing while the engine runs on and `fast` keeps up
     lagging = lambda: [c for c in srv.hub.clients if c.resyncs]  # noqa: E731
-    fast.until(lambda: lagging() or srv.engine_loop.steps_run > start + 2500, timeout=120)
+    fast.until(lambda: lagging() or srv.backend.steps_run > start + 2500, timeout=120)
     assert lagging() and fast.snapshots == 1  # only the stalled client was resynchronised
-    fast.until(lambda: srv.engine_loop.steps_run > start + 1000, timeout=120)  # and all went on
+    fast.until(lambda: srv.backend.steps_run > start + 1000, timeout=120)  # and all went on
     slow.sync(lambda m: m["type"] == "snapshot" and slow.snapshots >= 2, timeout=60)
     # after the resync its mirror continues from the snapshot's seq: it matches a fresh one
     slow.request(op="pause")
     fresh = slow.request(op="snapshot") and slow.sync(lambda m: m["type"] == "snapshot")
     assert slow.state.snapshot() == p.decode_server_message(json.dumps(fresh))
-    assert srv.engine_loop.steps_run > start + 1000
+    assert srv.backend.steps_run > start + 1000
 
 
 INVALID_COMMANDS = st.one_of(
@@ -235,13 +234,13 @@ def test_pause_step_resume_and_pace(make_server):
     c = Client(srv.url)
     assert c.request(op="step")["code"] == "busy"
     assert c.request(op="pause")["type"] == "ack"
-    before = srv.engine_loop.steps_run
+    before = srv.backend.steps_run
     c.request(op="submit", prompt="one step at a time", max_tokens=20, ignore_eos=True)
     assert c.request(op="step", count=3)["type"] == "ack"
     c.until(lambda: c.kinds["step"] == 3)
     c.request(op="pause")  # a barrier: the engine thread has run every command before it
-    assert srv.engine_loop.steps_run == before + 3 and c.kinds["step"] == 3
-    assert c.request(op="pace", step_delay_ms=5)["type"] == "ack" and srv.engine_loop.pacing.step_delay_ms == 5
+    assert srv.backend.steps_run == before + 3 and c.kinds["step"] == 3
+    assert c.request(op="pace", step_delay_ms=5)["type"] == "ack" and srv.backend.pacing.step_delay_ms == 5
     late = Client(srv.url)  # a client that joins learns the loop's state from hello
     assert late.hello["paused"] is True and late.hello["step_delay_ms"] == 5
     c.request(op="resume")
@@ -269,11 +268,11 @@ def test_clear_prefix_cache_emits_evicts(make_server):
     c = Client(srv.url)
     ack = c.request(op="submit", prompt=SYSTEM * 3, max_tokens=2)
     c.sync(c.finished(ack["request_id"]))
-    cached = c.state.counts()[1]
+    cached = c.state.counts().cached
     assert cached >= 3
     c.request(op="clear_prefix_cache")
     c.until(lambda: c.kinds["evict"] >= cached)
-    assert c.state.counts()[1] == 0
+    assert c.state.counts().cached == 0
 
 
 def test_errors_for_engine_commands_carry_their_codes(make_server):
@@ -317,18 +316,8 @@ def test_a_mirroring_client_holds_exactly_what_a_fresh_snapshot_says(make_server
     assert c.state.snapshot() == p.decode_server_message(json.dumps(end))
 
 
-def run_replay(path, **kw):
-    box = []
-    ready = threading.Event()
-
-    def on_ready(port, stop, playback):
-        box.extend([port, stop, playback, asyncio.get_running_loop()])
-        ready.set()
-
-    threading.Thread(target=lambda: asyncio.run(replay(path, "127.0.0.1", 0, on_ready=on_ready, **kw)),
-                     daemon=True).start()
-    assert ready.wait(10)
-    return box
+def run_replay(path, speed: float = 1.0, loop: bool = False):
+    return serve_in_thread(Hub(Playback(Recording(path), speed, loop)))
 
 
 def test_replaying_a_recording_reproduces_the_recorded_final_state(make_server, tmp_path):
@@ -340,14 +329,14 @@ def test_replaying_a_recording_reproduces_the_recorded_final_state(make_server, 
     c.until(lambda: not c.state.seqs and c.kinds["finish"] >= 13, timeout=120)
     final = c.state.snapshot()
     srv.stop()
-    port, stop, playback, loop = run_replay(path, speed=1000.0)
-    viewer = Client(f"ws://127.0.0.1:{port}/")
+    replaying = run_replay(path, speed=1000.0)
+    viewer = Client(replaying.url)
     assert viewer.hello["replay"] is True
-    viewer.until(lambda: viewer.state.seq == final.seq)
+    viewer.until(lambda: viewer.state.last_event == final.seq)
     assert viewer.state.snapshot() == final
     assert viewer.request(op="submit", prompt="x")["code"] == "unsupported"
     assert viewer.request(op="reset")["code"] == "unsupported"
-    loop.call_soon_threadsafe(stop.set_result, None)
+    replaying.stop()
 
 
 def test_replay_pauses_steps_and_loops(tmp_path, make_server):
@@ -357,8 +346,9 @@ def test_replay_pauses_steps_and_loops(tmp_path, make_server):
     ack = c.request(op="submit", prompt="short", max_tokens=4, ignore_eos=True)
     c.sync(c.finished(ack["request_id"]))
     srv.stop()
-    port, stop, playback, loop = run_replay(path, loop=True)
-    v = Client(f"ws://127.0.0.1:{port}/")
+    replaying = run_replay(path, loop=True)
+    playback = replaying.backend
+    v = Client(replaying.url)
     v.request(op="pause")
     played = playback.batches_played
     v.request(op="step", count=2)
@@ -366,11 +356,11 @@ def test_replay_pauses_steps_and_loops(tmp_path, make_server):
     assert v.request(op="resume")["type"] == "ack"
     v.until(lambda: v.kinds["reset"] >= 1 and v.snapshots >= 2)
     v.until(lambda: v.kinds["finish"] >= 2)  # the second pass
-    last = v.state.seq
+    last = v.state.last_event
     v.request(op="pause")
     fresh = v.request(op="snapshot") and v.sync(lambda m: m["type"] == "snapshot")
     assert fresh["seq"] >= last and v.state.snapshot() == p.decode_server_message(json.dumps(fresh))
-    loop.call_soon_threadsafe(stop.set_result, None)
+    replaying.stop()
 
 
 def test_replay_never_imports_torch():

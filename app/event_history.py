@@ -10,10 +10,9 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from engine import protocol as p
+from engine.contract import protocol as p
+from engine.contract.kinds import MARKER_KINDS, kind_of
 from app.mirror import Mirror
-
-MARKER_KINDS = {"preempt", "swap_out", "swap_in", "reset"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Marker:
     seq_id: str
 
 
-class History:
+class EventHistory:
     def __init__(self, snap: p.Snapshot, max_events: int = 100_000, checkpoint_every: int = 500):
         self.max_events, self.checkpoint_every = max_events, checkpoint_every
         self.live = Mirror.from_snapshot(snap)
@@ -51,10 +50,10 @@ class History:
 
     # ------------------------------------------------------------------ writing
     def append(self, ev: p.AnyEvent) -> None:
-        """Apply a live event; raises engine.state.InvariantError when it cannot follow."""
+        """Apply a live event; raises engine.contract.state.InvariantError when it cannot follow."""
         self.live.apply(ev)
         self.events.append(ev)
-        kind = ev.__struct_config__.tag
+        kind = kind_of(ev)
         if kind in MARKER_KINDS:
             self.markers.append(Marker(ev.seq, ev.step, kind, getattr(ev, "seq_id", "")))
         elif kind == "step":
@@ -63,12 +62,12 @@ class History:
                 ev.seq, ev.step, ev.t, cfg.num_device_blocks - ev.free_blocks - ev.cached_blocks,
                 ev.cached_blocks, ev.free_blocks, ev.num_running, ev.num_waiting, ev.num_swapped,
                 tl.hit_rate, tl.tokens_per_s(ev.t)))
-        if ev.seq - self.checkpoints[-1].seq >= self.checkpoint_every:
+        if ev.seq - self.checkpoints[-1].last_event >= self.checkpoint_every:
             self.checkpoints.append(self.live.clone())
         if len(self.events) > self.max_events * 1.1:  # trim in chunks: O(1) amortised
             del self.events[:len(self.events) - self.max_events]
             # checkpoints before the first retained event can no longer be replayed forward
-            stale = bisect.bisect_left(self.checkpoints, self.events[0].seq - 1, key=lambda m: m.seq)
+            stale = bisect.bisect_left(self.checkpoints, self.events[0].seq - 1, key=lambda m: m.last_event)
             del self.checkpoints[:min(stale, len(self.checkpoints) - 1)]
 
     def resync(self, snap: p.Snapshot) -> None:
@@ -78,19 +77,19 @@ class History:
         self.live = Mirror.from_snapshot(snap)
         self.live.tally, self.live.finished, self.live.t = old.tally, old.finished, old.t
         self.live.origins = {k: v for k, v in old.origins.items() if k in self.live.state.seqs}
-        while self.checkpoints and self.checkpoints[-1].seq >= snap.seq:
+        while self.checkpoints and self.checkpoints[-1].last_event >= snap.seq:
             self.checkpoints.pop()
         self.checkpoints.append(self.live.clone())
 
     # ------------------------------------------------------------------ reading
     @property
-    def first_seq(self) -> int:
+    def first_event(self) -> int:
         """The earliest event number whose state can be rebuilt."""
-        return self.checkpoints[0].seq
+        return self.checkpoints[0].last_event
 
     @property
-    def last_seq(self) -> int:
-        return self.live.seq
+    def last_event(self) -> int:
+        return self.live.last_event
 
     def _index(self, seq: int) -> int:
         """Position of the first retained event numbered >= seq."""
@@ -98,13 +97,13 @@ class History:
 
     def at(self, n: int) -> Mirror:
         """A copy of the state right after event n (clamped to what is retained)."""
-        n = max(self.first_seq, min(n, self.last_seq))
-        if n == self.last_seq:
+        n = max(self.first_event, min(n, self.last_event))
+        if n == self.last_event:
             return self.live.clone()
-        i = bisect.bisect_right(self.checkpoints, n, key=lambda m: m.seq) - 1
+        i = bisect.bisect_right(self.checkpoints, n, key=lambda m: m.last_event) - 1
         mirror = self.checkpoints[i].clone()
-        for ev in self.events[self._index(mirror.seq + 1):self._index(n + 1)]:
-            if ev.seq != mirror.seq + 1:
+        for ev in self.events[self._index(mirror.last_event + 1):self._index(n + 1)]:
+            if ev.seq != mirror.last_event + 1:
                 break  # a gap: the checkpoint after it is later than n
             mirror.apply(ev)
         return mirror
@@ -128,7 +127,7 @@ class History:
         Backward: the last event of the step before n's."""
         events, i = self.events, self._index(n)
         if i >= len(events):
-            return self.last_seq if forward else n
+            return self.last_event if forward else n
         step = events[i].step
         if forward:
             if i + 1 < len(events) and events[i + 1].step == step:
@@ -136,14 +135,14 @@ class History:
                     i += 1
                 return events[i].seq
             if i + 1 >= len(events):
-                return self.last_seq
+                return self.last_event
             i, step = i + 1, events[i + 1].step
             while i + 1 < len(events) and events[i + 1].step == step:
                 i += 1
             return events[i].seq
         while i >= 0 and events[i].step == step:
             i -= 1
-        return events[i].seq if i >= 0 else self.first_seq
+        return events[i].seq if i >= 0 else self.first_event
 
     def recent(self, n: int, count: int) -> list[p.AnyEvent]:
         """Up to `count` events at or before n, oldest first."""
