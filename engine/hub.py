@@ -51,6 +51,7 @@ class Backend(Protocol):
 
 
 EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
+PACING_COMMANDS = ("pause", "resume", "step", "pace")  # what Pacing carries out
 
 
 @dataclass

@@ -19,10 +19,11 @@ import msgspec
 from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
 from engine.contract import protocol as p
 from engine.contract.state import PoolState
-from engine.hub import Client, Hub, Pacing
+from engine.hub import PACING_COMMANDS, Client, Hub, Pacing
 
 log = logging.getLogger("kvscope")
 MAX_GAP_S = 1.0
+REPLAY_COMMANDS = (*PACING_COMMANDS, "snapshot")
 
 
 class Recording:
@@ -32,7 +33,7 @@ class Recording:
         snaps = [i for i, m in enumerate(messages) if isinstance(m, p.Snapshot)]
         if not hellos or not snaps:
             raise ValueError(f"{path} is not a KVScope recording: it needs a hello and a snapshot")
-        self.hello = msgspec.structs.replace(hellos[0], replay=True)
+        self.hello = msgspec.structs.replace(hellos[0], replay=True, supports=list(REPLAY_COMMANDS))
         self.start: p.Snapshot = messages[snaps[0]]
         # later snapshots (after a reset) follow from the events: the reducer rebuilds them
         self.batches = [m.events for m in messages[snaps[0]:] if isinstance(m, p.Events) and m.events]

@@ -195,10 +195,14 @@ class Hello(Struct, tag_field="type", tag="hello", kw_only=True):
     protocol: int = PROTOCOL_VERSION
     engine: EngineInfo
     config: PoolConfig
-    # Additions: a replay of a recording; the engine loop's state when this client connected.
+    # Additions: a replay of a recording; the engine loop's state when this client connected;
+    # which server this is; the commands it carries out (None: every command of the protocol;
+    # others answer `unsupported`).
     replay: bool = False
     paused: bool = False
     step_delay_ms: float = 0.0
+    server: str = "kvscope"
+    supports: list[str] | None = None
 
 
 class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True):
