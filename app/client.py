@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -23,6 +24,17 @@ from app.mirror import Mirror
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
 MAX_BACKOFF_S = 5.0
+FEATURES = ("loop",)  # optional protocol features this client asks for
+MAX_REPLIES_KEPT = 500  # answers to commands, by id, until the session that sent them reads them
+MAX_VIEWS_CACHED = 8    # views (states at an event) shared by every session: live plus a few travelled to
+MAX_NOTICES = 50
+
+
+def with_features(url: str, features: tuple[str, ...]) -> str:
+    """`url` asking the server for optional protocol features (`?features=a,b`)."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "features"] + [("features", ",".join(features))]
+    return urlunsplit(parts._replace(query=urlencode(query, safe=",")))
 
 
 class NotConnected(RuntimeError):
@@ -62,9 +74,8 @@ class EngineClient:
         self.history: EventHistory | None = None
         self.epoch = 0                          # bumps when the history starts over
         self.colors: dict[str, int] = {}        # seq_id -> colour index, in order of appearance
-        self.paused = False                     # from hello, then this client's own commands
-        self.pace_ms = 0.0
-        self.notices: deque[tuple[float, str, str]] = deque(maxlen=50)  # (time, level, text)
+        self.loop = p.LoopState(paused=False, step_delay_ms=0.0)  # the engine loop's pause and pace
+        self.notices: deque[tuple[float, str, str]] = deque(maxlen=MAX_NOTICES)  # (time, level, text)
         self.received_at = 0.0                  # wall time of the last event
         self._replies: OrderedDict[int, p.Ack | p.Error] = OrderedDict()
         self._views: OrderedDict[tuple[int, int, bool], View] = OrderedDict()
@@ -82,7 +93,7 @@ class EngineClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         while not self._stop.is_set():
             try:
-                with connect(self.url, max_size=None, compression=None, open_timeout=5,
+                with connect(with_features(self.url, FEATURES), max_size=None, compression=None, open_timeout=5,
                              close_timeout=1, additional_headers=headers) as ws:
                     self._ws = ws
                     for frame in ws:
@@ -103,7 +114,7 @@ class EngineClient:
             finally:
                 self._ws = None
             if self._stop.is_set():
-                break
+                return
             with self.lock:
                 if self.status.state == "connected":
                     backoff = 0.2
@@ -111,7 +122,6 @@ class EngineClient:
                 self._set_state("reconnecting", error)
             self._stop.wait(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
-        self._set_state("closed", "")
 
     def _set_state(self, state: ConnState, error: str) -> None:
         with self.lock:
@@ -132,7 +142,9 @@ class EngineClient:
             match msg:
                 case p.Hello():
                     self.hello = msg
-                    self.paused, self.pace_ms = msg.paused, msg.step_delay_ms
+                    self.loop = p.LoopState(paused=msg.paused, step_delay_ms=msg.step_delay_ms)
+                case p.LoopState():
+                    self.loop = msg
                 case p.Snapshot():
                     self._on_snapshot(msg)
                 case p.Events():
@@ -182,14 +194,14 @@ class EngineClient:
             pass  # the next connection starts with a snapshot anyway
 
     def _on_reply(self, msg: p.Ack | p.Error) -> None:
-        if isinstance(msg, p.Ack):
-            if msg.op in ("pause", "resume"):
-                self.paused = msg.op == "pause"
-        else:
+        if isinstance(msg, p.Error):
             self._notice("error", f"{msg.op or 'command'}: {msg.message}")
+        elif self.hello and "loop" not in self.hello.features:  # a server without `loop`: own acks only
+            if msg.op in ("pause", "resume"):
+                self.loop = msgspec.structs.replace(self.loop, paused=msg.op == "pause")
         if isinstance(msg.id, int):
             self._replies[msg.id] = msg
-            while len(self._replies) > 500:
+            while len(self._replies) > MAX_REPLIES_KEPT:
                 self._replies.popitem(last=False)
 
     def _color(self, seq_id: str) -> int:
@@ -210,8 +222,6 @@ class EngineClient:
         """Send a command; returns its id, whose answer `reply(id)` gives once it arrives."""
         cmd.id = next(self._ids)
         self._send_raw(cmd)
-        if isinstance(cmd, p.Pace):
-            self.pace_ms = cmd.step_delay_ms
         return cmd.id
 
     def reply(self, cid: int) -> p.Ack | p.Error | None:
@@ -229,35 +239,59 @@ class EngineClient:
     def is_replay(self) -> bool:
         return bool(self.hello and self.hello.replay)
 
+    @property
+    def paused(self) -> bool:
+        return self.loop.paused
+
+    def supports(self, op: str) -> bool:
+        """Whether the server carries out `op` (hello.supports; every op when it does not say)."""
+        return self.hello is None or self.hello.supports is None or op in self.hello.supports
+
     def bounds(self) -> tuple[int, int] | None:
         with self.lock:
             h = self.history
             return (h.first_event, h.last_event) if h else None
 
-    def view(self, n: int | None = None) -> View | None:
-        """The state after event n (None: the live state), shared by every session."""
+    def view(self, n: int | None = None, live: bool | None = None) -> View | None:
+        """The state after event n (None: the latest), shared by every session. `live`: whether
+        it is drawn as the live state (default: when n is None) or as time travel."""
         with self.lock:
             h = self.history
             if h is None:
                 return None
-            live = n is None
-            n = h.last_event if live else max(h.first_event, min(n, h.last_event))
+            live = n is None if live is None else live
+            n = h.last_event if n is None else max(h.first_event, min(n, h.last_event))
             key = (self.epoch, n, live)
             if (v := self._views.get(key)) is None:
                 v = View(h.at(n), live, self.epoch, h.last_step_events(n))
                 self._views[key] = v
-                while len(self._views) > 8:
+                while len(self._views) > MAX_VIEWS_CACHED:
                     self._views.popitem(last=False)
             return v
 
     def timeline(self, n: int | None = None) -> tuple[list, list]:
-        """Step points and markers up to event n (None: all)."""
+        """Step points and markers of the segment holding event n (None: live), up to n."""
         with self.lock:
             h = self.history
             if h is None:
                 return [], []
             n = h.last_event if n is None else n
-            return [x for x in h.points if x.seq <= n], [x for x in h.markers if x.seq <= n]
+            lo = h.segment_start(n)
+            return ([x for x in h.points if lo < x.seq <= n], [x for x in h.markers if lo < x.seq <= n])
+
+    def markers(self) -> list:
+        """Every retained timeline marker (preemptions, swaps, resets), oldest first."""
+        with self.lock:
+            return list(self.history.markers) if self.history else []
+
+    def clean_slate(self) -> int | None:
+        """Counters and timeline start afresh from the live event (see EventHistory)."""
+        with self.lock:
+            if self.history is None:
+                return None
+            n = self.history.clean_slate()
+            self._views.clear()
+            return n
 
     def events_before(self, n: int | None, count: int) -> list[p.AnyEvent]:
         with self.lock:
@@ -272,9 +306,12 @@ class EngineClient:
         with self.lock:
             return self._color(seq_id)
 
-    def close(self) -> None:
+    def close(self, why: str = "") -> None:
+        """Stop for good (the history stays readable); `why` is shown as the last error."""
         self._stop.set()
         ws = self._ws
         if ws is not None:
             ws.close()
-        self._thread.join(timeout=3)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=3)
+        self._set_state("closed", why)

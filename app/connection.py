@@ -1,5 +1,10 @@
 """The process-wide resources behind a Source: the child server (embedded engine or replay)
-and the client connected to it, kept across reruns and shared by every browser session."""
+and the client connected to it, kept across reruns and shared by every browser session.
+
+A child that dies is never started again behind the user's back: its exit and last lines are
+shown, its history stays browsable, and "Restart" (or the auto-restart setting) starts it
+again with the pool config and pace it last had.
+"""
 from __future__ import annotations
 
 import threading
@@ -7,6 +12,7 @@ from dataclasses import dataclass, field
 
 import streamlit as st
 
+from engine.contract import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
 from app.source import Source
@@ -15,9 +21,19 @@ from app.source import Source
 @dataclass(eq=False)
 class Hosted:
     """A child server and, once it listens, the client attached to it."""
-    process: ServerProcess
+    module: str
+    args: tuple[str, ...]
+    process: ServerProcess = field(init=False)
     client: EngineClient | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    auto_restart: bool = False
+    restarts: int = 0
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self) -> None:
+        self.process = self._spawn(self.args)
+
+    def _spawn(self, args: tuple[str, ...]) -> ServerProcess:
+        return ServerProcess(self.module, list(args), on_exit=self._exited).start()
 
     def ready_client(self) -> EngineClient | None:
         with self._lock:  # sessions race here when the server comes up
@@ -25,24 +41,40 @@ class Hosted:
                 self.client = EngineClient(self.process.url)
             return self.client
 
+    def _exited(self, proc: ServerProcess) -> None:
+        """On the dead child's log thread: stop reconnecting to a port nobody listens on."""
+        if proc is not self.process or not proc.died:
+            return
+        if self.client:
+            self.client.close(f"the {self.module.removeprefix('engine.')} process died ({proc.exit_reason()})")
+        if self.auto_restart:
+            self.restart()
+
+    def last_config(self) -> tuple[p.PoolConfig | None, float]:
+        """The pool config and pace the child last reported (None before its first snapshot)."""
+        view = self.client.view() if self.client else None
+        return (view.mirror.config if view else None), (self.client.loop.step_delay_ms if self.client else 0.0)
+
+    def restart(self) -> None:
+        """Start the child again; an engine keeps its last pool config and pace."""
+        with self._lock:
+            config, pace = self.last_config()
+            args = self.args
+            if self.module == "engine.server" and config is not None:
+                args += ("--pool", p.encode(config).decode(), "--step-delay-ms", f"{pace:g}")
+            self.close()
+            self.client, self.restarts = None, self.restarts + 1
+            self.process = self._spawn(args)
+
     def close(self) -> None:
         if self.client:
             self.client.close()
         self.process.stop()
 
 
-def _usable(h: Hosted) -> bool:
-    """A server that crashed after it was ready is started again (validate=False drops the
-    entry without on_release, so release it here); one that never came up stays, to show why."""
-    if h.process.state == "exited" and h.process.ready_after is not None:
-        h.close()
-        return False
-    return True
-
-
-@st.cache_resource(show_spinner=False, max_entries=3, validate=_usable, on_release=Hosted.close)
+@st.cache_resource(show_spinner=False, max_entries=3, on_release=Hosted.close)
 def hosted(module: str, args: tuple[str, ...]) -> Hosted:
-    return Hosted(ServerProcess(module, list(args)).start())
+    return Hosted(module, args)
 
 
 @st.cache_resource(show_spinner=False, max_entries=8, on_release=EngineClient.close)
@@ -59,9 +91,8 @@ def resolve(source: Source) -> tuple[EngineClient | None, Hosted | None]:
 
 
 def restart(source: Source) -> None:
-    """Stop the child server of `source` (if any) so the next `resolve` starts a fresh one."""
+    """Start the child server of `source` again (attached engines: reconnect afresh)."""
     if source.kind == "attach":
         attached.clear(source.url, source.token)
-        return
-    hosted(*source.server_args()).close()
-    hosted.clear(*source.server_args())
+    else:
+        hosted(*source.server_args()).restart()

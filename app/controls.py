@@ -1,5 +1,7 @@
 """Sidebar controls: where the events come from, prompts, scenario presets, the engine's
-pause / step / pace, abort and prefix-cache clearing, and a reset with a new pool."""
+pause / step / pace / run-to-next-key-event, abort, prefix-cache clearing and clean slate, and
+a reset with a new pool. Everything that shows the engine's state redraws with it, in every
+tab (`engine_panel` is a fragment on a timer)."""
 from __future__ import annotations
 
 import itertools
@@ -8,9 +10,11 @@ from pathlib import Path
 import streamlit as st
 
 from engine.contract import protocol as p
+from engine.contract.kinds import KINDS as EVENT_KINDS
 from app.client import EngineClient, View
-from app.commands import send
+from app.commands import last_error, send
 from app.connection import Hosted, restart
+from app.key_events import KEY_KINDS
 from app.scenarios import SCENARIOS
 from app.source import Source, recordings
 
@@ -60,12 +64,18 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                 st.session_state["travel"] = None
                 st.rerun()
         if source.kind != "attach" and cols[1].button(
-                "Restart engine" if source.kind == "embedded" else "Restart replay", width="stretch"):
+                "Restart engine" if source.kind == "embedded" else "Restart replay", width="stretch",
+                help="Start it again with the pool config and pace it last had"):
             restart(source)
             st.rerun()
+        if hosted is not None:
+            hosted.auto_restart = st.toggle(
+                "Restart it when it dies", hosted.auto_restart, key="auto_restart",
+                help="Off: a dead engine is shown with its last lines and waits for Restart")
 
 
-def prompt_form(client: EngineClient, disabled: bool) -> None:
+def prompt_form(client: EngineClient) -> None:
+    disabled = not client.supports("submit")
     with st.form("prompt", border=False):
         text = st.text_area("Prompt", "Explain in two sentences how a paged KV cache saves memory.",
                             height=90, key="prompt_text")
@@ -86,79 +96,151 @@ def prompt_form(client: EngineClient, disabled: bool) -> None:
                 return
             body = {"messages": [p.ChatMessage("user", text)]} if chat else {"prompt": text}
             send(client, p.Submit(**body, n=int(n), max_tokens=int(max_tokens), temperature=float(temperature),
-                                  seed=int(seed) or None, ignore_eos=ignore_eos), "Submitted")
+                                  seed=int(seed) or None, ignore_eos=ignore_eos), "Submit")
 
 
-def scenarios(client: EngineClient, view: View, disabled: bool) -> None:
+def unsupported_note(client: EngineClient) -> None:
+    if client.is_replay:
+        st.info("Replaying a recording: prompts, scenarios and resets need a live engine.")
+    elif client.hello and client.hello.supports is not None:
+        st.info(f"{client.hello.server} does not take every command: the controls it cannot "
+                "carry out are disabled.")
+
+
+def _not_here(client: EngineClient, op: str) -> str | None:
+    if client.supports(op):
+        return None
+    return f"{client.hello.server if client.hello else 'This server'} cannot do this"
+
+
+def clean_slate(client: EngineClient) -> None:
+    """Drop what the last scenario left in the prefix cache and count afresh; the history
+    before stays reachable by time travel."""
+    if client.supports("clear_prefix_cache"):
+        send(client, p.ClearPrefixCache(), "Clear the prefix cache", quiet=True)
+    client.clean_slate()
+    st.session_state["travel"] = None
+
+
+def scenarios(client: EngineClient, view: View) -> None:
+    cfg = view.mirror.config
+    fresh = st.toggle("Start from a clean slate", True, key="scenario_clean",
+                      help="Before the scenario: clear the prefix cache and start the counters and "
+                           "the timeline afresh (the history before stays reachable by time travel)")
     for sc in SCENARIOS:
-        if st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch, disabled=disabled,
-                     width="stretch"):
-            run = next(_runs)
-            cmds = sc.build(view.mirror.config, run)
-            for i, cmd in enumerate(cmds):
-                label = (f"{sc.title}: pool reset to {cmd.config.num_device_blocks} blocks"
-                         if isinstance(cmd, p.ResetCmd) else sc.title)
-                if not send(client, cmd, label, quiet=i > 0 and not isinstance(cmd, p.ResetCmd)):
-                    break
+        if st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch(cfg), width="stretch",
+                     disabled=not client.supports("submit")):
+            cmds = sc.build(cfg, next(_runs))
+            if fresh:
+                clean_slate(client)
+            sent = [c for c in cmds if send(client, c, f"{sc.title}: " + (
+                f"reset to {c.config.num_device_blocks} blocks" if isinstance(c, p.ResetCmd) else
+                f"submit {c.request_id}"), quiet=True)]
+            ids = [c.request_id for c in sent if isinstance(c, p.Submit)]
+            if ids:
+                st.toast(f"{sc.title}: {', '.join(ids)}", icon=":material/play_circle:")
             st.session_state["travel"] = None
             st.session_state["last_scenario"] = sc.key
     if (key := st.session_state.get("last_scenario")) is not None:
         sc = next(s for s in SCENARIOS if s.key == key)
-        st.caption(f"**Watch:** {sc.watch}.")
+        st.caption(f"**Watch:** {sc.watch(cfg)}.")
 
 
-def _pause(client: EngineClient, pause: bool) -> None:
-    if send(client, p.Pause() if pause else p.Resume(), "Paused" if pause else "Resumed"):
-        client.paused = pause  # in a callback, so this run already draws the new state
+def _follow(key: str, engine_value) -> None:
+    """Keep a widget on the engine's value when the engine changes it (another tab, a reset),
+    without fighting the user's own edits in between."""
+    seen = f"{key}__engine"
+    if st.session_state.get(seen) != engine_value:
+        st.session_state[seen] = st.session_state[key] = engine_value
 
 
-def engine(client: EngineClient, view: View, replay: bool) -> None:
+def pacing(client: EngineClient) -> None:
+    loop = client.loop
     c = st.columns(2)
-    paused = client.paused
-    c[0].button("Resume" if paused else "Pause", icon=":material/play_arrow:" if paused else ":material/pause:",
-                key="pause_resume", width="stretch", type="primary" if paused else "secondary",
-                on_click=_pause, args=(client, not paused))
-    if c[1].button("Step", icon=":material/redo:", key="step", width="stretch", disabled=not client.paused,
-                   help="Run one engine step (pause first)"):
-        send(client, p.StepCmd(count=int(st.session_state.get("step_count", 1))), "Stepped", quiet=True)
+    c[0].button("Resume" if loop.paused else "Pause", key="pause_resume", width="stretch",
+                icon=":material/play_arrow:" if loop.paused else ":material/pause:",
+                type="primary" if loop.paused else "secondary", disabled=_not_here(client, "pause") is not None,
+                on_click=send, args=(client, p.Resume() if loop.paused else p.Pause(),
+                                     "Resume" if loop.paused else "Pause", True))
+    if c[1].button("Step", icon=":material/redo:", key="step", width="stretch", disabled=not loop.paused,
+                   help="Run engine steps (pause first)"):
+        send(client, p.StepCmd(count=int(st.session_state.get("step_count", 1))), "Step", quiet=True)
         st.session_state["travel"] = None
     st.number_input("steps per Step", 1, 1000, 1, key="step_count")
-    st.select_slider("Pace (ms between steps)", PACES, value=min(PACES, key=lambda v: abs(v - client.pace_ms)),
-                     key="pace", on_change=lambda: send(client, p.Pace(step_delay_ms=st.session_state["pace"]),
-                                                         f"Pace {st.session_state['pace']} ms"),
+    _follow("pace", min(PACES, key=lambda v: abs(v - loop.step_delay_ms)))
+    st.select_slider("Pace (ms between steps)", PACES, key="pace",
+                     on_change=lambda: send(client, p.Pace(step_delay_ms=st.session_state["pace"]),
+                                            f"Pace {st.session_state['pace']} ms", quiet=True),
                      help="Slow the engine down so a human can follow each step (0 = full speed)")
-    if replay:
-        return
+    kinds = st.session_state.get("until_kinds", list(KEY_KINDS))
+    if st.button("Run to the next key event", icon=":material/fast_forward:", key="run_until", width="stretch",
+                 disabled=not kinds or _not_here(client, "run_until") is not None,
+                 help="Run steps until a prefix hit, a fork, a copy-on-write, an eviction, a swap or a "
+                      "preemption (as chosen below), then pause and explain it"):
+        send(client, p.RunUntil(kinds=kinds), "Run to the next key event", quiet=True)
+        st.session_state["travel"] = None
+    with st.expander("Key events to stop at"):
+        st.multiselect("Stop at", KEY_KINDS, default=list(KEY_KINDS), key="until_kinds",
+                       format_func=lambda k: EVENT_KINDS[k].label, label_visibility="collapsed")
+    if loop.until:
+        st.caption(f":material/fast_forward: running until: {', '.join(EVENT_KINDS[k].label for k in loop.until)}")
+
+
+def requests(client: EngineClient, view: View) -> None:
     rids = sorted({s.request_id for s in view.mirror.state.seqs.values()})
     c = st.columns([3, 2])
-    rid = c[0].selectbox("Request", rids, key="abort_rid", label_visibility="collapsed",
-                         placeholder="pick a request to abort" if rids else "no live request", index=None)
-    if c[1].button("Abort", key="abort", disabled=not rid, width="stretch"):
-        send(client, p.Abort(request_id=rid), f"Aborted {rid}")
-    if st.button("Clear prefix cache", key="clear_cache", width="stretch",
-                 help="Evict every cached block that no sequence holds"):
-        send(client, p.ClearPrefixCache(), "Prefix cache cleared")
+    rid = c[0].selectbox("Request", rids, key="abort_rid", label_visibility="collapsed", index=None,
+                         placeholder="request to abort" if rids else "no live request")
+    if c[1].button("Abort", key="abort", disabled=not rid or _not_here(client, "abort") is not None,
+                   width="stretch"):
+        send(client, p.Abort(request_id=rid), f"Abort {rid}")
+    caching = view.mirror.config.enable_prefix_caching
+    st.button("Clear prefix cache", key="clear_cache", width="stretch",
+              disabled=not caching or _not_here(client, "clear_prefix_cache") is not None,
+              help="Evict every cached block that no sequence holds" if caching else "Prefix caching is off",
+              on_click=send, args=(client, p.ClearPrefixCache(), "Clear the prefix cache"))
+    st.button("Clean slate", key="clean_slate", width="stretch", on_click=clean_slate, args=(client,),
+              help="Clear the prefix cache and start counters and timeline afresh; the history "
+                   "before stays reachable by time travel")
 
 
-def reset_form(client: EngineClient, view: View) -> None:
-    cfg = view.mirror.config
+def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
+    for key, value in (("reset_bs", cfg.block_size), ("reset_dev", cfg.num_device_blocks),
+                       ("reset_host", cfg.num_host_blocks), ("reset_seqs", cfg.max_num_seqs),
+                       ("reset_mode", cfg.preemption_mode), ("reset_caching", cfg.enable_prefix_caching)):
+        _follow(key, value)
     with st.form("reset", border=False):
-        bs = st.select_slider("Block size (tokens)", BLOCK_SIZES, cfg.block_size, key="reset_bs",
+        bs = st.select_slider("Block size (tokens)", BLOCK_SIZES, key="reset_bs",
                               help="Small: little waste, long tables. Large: short tables, more waste.")
         c = st.columns(2)
-        dev = c[0].number_input("Device blocks", 1, 65536, cfg.num_device_blocks, key="reset_dev")
-        host = c[1].number_input("Host blocks", 0, 65536, cfg.num_host_blocks, key="reset_host")
+        dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, key="reset_dev")
+        host = c[1].number_input("Host blocks", 0, p.MAX_HOST_BLOCKS, key="reset_host")
         c = st.columns(2)
-        seqs = c[0].number_input("Max running", 1, 256, cfg.max_num_seqs, key="reset_seqs")
-        mode = c[1].selectbox("Preemption", ["swap", "recompute"], ["swap", "recompute"].index(cfg.preemption_mode),
-                              key="reset_mode")
-        caching = st.toggle("Prefix caching", cfg.enable_prefix_caching, key="reset_caching")
-        st.caption(f"Now: {cfg.num_device_blocks} × {cfg.block_size} tokens = "
-                   f"{cfg.num_device_blocks * cfg.block_size:,} token slots. A reset aborts every request; "
-                   "the model stays loaded.")
-        if st.form_submit_button("Reset engine", width="stretch"):
+        seqs = c[0].number_input("Max running", 1, p.MAX_NUM_SEQS, key="reset_seqs")
+        mode = c[1].selectbox("Preemption", ["swap", "recompute"], key="reset_mode")
+        caching = st.toggle("Prefix caching", key="reset_caching")
+        st.caption("A reset aborts every request; the model stays loaded.")
+        if st.form_submit_button("Reset engine", width="stretch", disabled=_not_here(client, "reset") is not None):
             send(client, p.ResetCmd(config=p.ResetConfig(
                 block_size=int(bs), num_device_blocks=int(dev), num_host_blocks=int(host),
                 max_num_seqs=int(seqs), preemption_mode=mode, enable_prefix_caching=caching)),
-                f"Reset: {int(dev)} blocks of {int(bs)}")
+                f"Reset to {int(dev)} × {int(bs)}")
             st.session_state["travel"] = None
+
+
+def engine_panel(client: EngineClient, view: View) -> None:
+    """Everything in the sidebar that follows the engine (a fragment body: it redraws on a timer)."""
+    cfg = view.mirror.config
+    st.subheader("Scenarios")
+    scenarios(client, view)
+    st.subheader("Engine")
+    pacing(client)
+    requests(client, view)
+    tokens = "token" if cfg.block_size == 1 else "tokens"
+    st.caption(f"Pool: {cfg.num_device_blocks:,} blocks × {cfg.block_size} {tokens} · {cfg.num_host_blocks:,} host "
+               f"blocks · prefix caching {'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
+    if client.supports("reset"):
+        with st.expander("Reset pool"):
+            reset_form(client, cfg)
+    if err := last_error():
+        st.caption(f":red[Last error:] {err}")

@@ -3,6 +3,10 @@
 The state at event N is the nearest checkpoint at or before N with the events after it
 replayed (the reducer is a pure function of the events). A snapshot that does not continue
 the stream (a resync after a gap) becomes a checkpoint too, so travel never crosses a gap.
+
+The history is cut into segments, each starting at a `reset` or at a clean slate (a mark of
+this client's: the counters start again there, the pool is untouched); the timeline draws
+the segment of the viewed event.
 """
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 from engine.contract import protocol as p
 from engine.contract.kinds import MARKER_KINDS, kind_of
 from app.mirror import Mirror
+
+MAX_STEP_POINTS = 20_000  # timeline points kept (one per engine step)
+MAX_MARKERS = 5_000       # timeline markers kept (preemptions, swaps, resets)
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,10 @@ class EventHistory:
         self.live = Mirror.from_snapshot(snap)
         self.events: list[p.AnyEvent] = []
         self.checkpoints: list[Mirror] = [self.live.clone()]
-        self.points: deque[StepPoint] = deque(maxlen=20_000)
-        self.markers: deque[Marker] = deque(maxlen=5_000)
+        self.points: deque[StepPoint] = deque(maxlen=MAX_STEP_POINTS)
+        self.markers: deque[Marker] = deque(maxlen=MAX_MARKERS)
+        self.segment_starts: list[int] = [self.live.last_event]  # resets and clean slates, rising
+        self.clean_slates: dict[int, str] = {}  # event -> the tally's `since` label from there on
 
     # ------------------------------------------------------------------ writing
     def append(self, ev: p.AnyEvent) -> None:
@@ -54,6 +63,8 @@ class EventHistory:
         self.live.apply(ev)
         self.events.append(ev)
         kind = kind_of(ev)
+        if kind == "reset":
+            self.segment_starts.append(ev.seq)
         if kind in MARKER_KINDS:
             self.markers.append(Marker(ev.seq, ev.step, kind, getattr(ev, "seq_id", "")))
         elif kind == "step":
@@ -69,6 +80,24 @@ class EventHistory:
             # checkpoints before the first retained event can no longer be replayed forward
             stale = bisect.bisect_left(self.checkpoints, self.events[0].seq - 1, key=lambda m: m.last_event)
             del self.checkpoints[:min(stale, len(self.checkpoints) - 1)]
+
+    def clean_slate(self) -> int:
+        """Start counting afresh at the live event (the history before stays reachable)."""
+        n = self.live.last_event
+        self.clean_slates[n] = f"the clean slate (event {n:,})"
+        if self.segment_starts[-1] != n:
+            self.segment_starts.append(n)
+        self.live.start_tally(self.clean_slates[n])
+        return n
+
+    def segment_start(self, n: int) -> int:
+        """Where the segment holding event n starts (the event before its first)."""
+        i = bisect.bisect_right(self.segment_starts, n - 1) - 1
+        return self.segment_starts[max(i, 0)]
+
+    def _mark(self, mirror: Mirror) -> None:
+        if (since := self.clean_slates.get(mirror.last_event)) and mirror.tally.since != since:
+            mirror.start_tally(since)
 
     def resync(self, snap: p.Snapshot) -> None:
         """A snapshot in mid-stream: it becomes the live state and a checkpoint, keeping the
@@ -102,10 +131,12 @@ class EventHistory:
             return self.live.clone()
         i = bisect.bisect_right(self.checkpoints, n, key=lambda m: m.last_event) - 1
         mirror = self.checkpoints[i].clone()
+        self._mark(mirror)
         for ev in self.events[self._index(mirror.last_event + 1):self._index(n + 1)]:
             if ev.seq != mirror.last_event + 1:
                 break  # a gap: the checkpoint after it is later than n
             mirror.apply(ev)
+            self._mark(mirror)
         return mirror
 
     def event(self, n: int) -> p.AnyEvent | None:
@@ -113,12 +144,14 @@ class EventHistory:
         return self.events[i] if i < len(self.events) and self.events[i].seq == n else None
 
     def last_step_events(self, n: int, limit: int = 20_000) -> list[p.AnyEvent]:
-        """The events of the engine step that event n belongs to, up to n."""
+        """The events of the engine step that event n belongs to, up to n, never reaching back
+        past a reset (the blocks they name may no longer exist)."""
         end = self._index(n + 1)
         if not end:
             return []
         step, i = self.events[end - 1].step, end - 1
-        while i > 0 and end - i < limit and self.events[i - 1].step == step:
+        while (i > 0 and end - i < limit and self.events[i - 1].step == step
+               and not isinstance(self.events[i], p.Reset)):
             i -= 1
         return self.events[i:end]
 

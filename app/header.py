@@ -7,25 +7,37 @@ import time
 import streamlit as st
 
 from app.client import EngineClient, View
+from app.connection import Hosted
 from app.source import Source
 
-CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red", "closed": "gray"}
+CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
+                     "closed": "red"}
+# Metric thresholds: the colour turns at these values (and the help texts say so).
+POOL_ORANGE, POOL_RED = 0.80, 0.95
+SLOT_UTIL_ORANGE = 0.50
+HOST_ORANGE = 0.80
 
 
-def status_line(client: EngineClient, source: Source) -> None:
+def status_line(client: EngineClient, source: Source, hosted: Hosted | None = None) -> None:
     s, h = client.status, client.hello
     what = source.label
     if h:
         e = h.engine
         what += f" · {e.model} on {e.device} ({e.dtype})" + (" · replay" if h.replay else "")
-    state = s.state
-    text = f":{CONNECTION_COLORS.get(state, 'gray')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+        if h.server != "kvscope":
+            what += f" · {h.server}"
+    state = "died" if hosted is not None and hosted.process.died else s.state
+    text = f":{CONNECTION_COLORS.get(state, 'red')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+    if state not in ("connected", "died"):
+        text += (f" · attempt {s.attempts}" if state == "reconnecting" else "") + (f" · {s.last_error}" if s.last_error else "")
     if state != "connected":
-        text += f" · attempt {s.attempts}" + (f" · {s.last_error}" if s.last_error else "")
-    if client.paused:
-        text += " · :orange[:material/pause_circle: **paused**] (Step or Resume in the sidebar)"
-    elif client.pace_ms:
-        text += f" · pace {client.pace_ms:g} ms per step"
+        text += " · the views show the last state received"
+    elif client.loop.paused:
+        text += " · :orange[:material/pause_circle: **paused**] (Step, Run to the next key event or Resume in the sidebar)"
+    elif client.loop.until:
+        text += " · :blue[:material/fast_forward: **running to the next key event**]"
+    elif client.loop.step_delay_ms:
+        text += f" · pace {client.loop.step_delay_ms:g} ms per step"
     st.markdown(text)
 
 
@@ -52,29 +64,35 @@ def metrics(view: View, client: EngineClient) -> None:
     kw = dict(delta_arrow="off", border=True)
     row = st.columns(4)
     row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']} / {u['total']} blocks",
-                  "red" if pool >= 0.95 else "orange" if pool >= 0.8 else "gray", **kw,
+                  "red" if pool >= POOL_RED else "orange" if pool >= POOL_ORANGE else "gray", **kw,
                   help="Device blocks held by at least one sequence. Cached blocks (no holder, still "
-                       "hit-able) are not counted: an allocation may evict them. Orange from 80%, red from 95%.")
+                       f"hit-able) are not counted: an allocation may evict them. Orange from {POOL_ORANGE:.0%}, "
+                       f"red from {POOL_RED:.0%}.")
     row[1].metric("Slot utilisation", f"{util:.0%}" if u["used"] else "–",
                   f"{u['waste_per_seq']:.1f} empty / seq" if u["used"] else "no block in use",
-                  "orange" if util < 0.5 and u["used"] else "green", **kw,
+                  "orange" if util < SLOT_UTIL_ORANGE and u["used"] else "green", **kw,
                   help="Tokens stored over the slots of used blocks: internal fragmentation. Only the last "
-                       f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. Orange under 50%.")
-    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}", f"{tl.hit_tokens:,} / {tl.prompt_tokens:,} tokens",
-                  "blue", **kw, help="Prompt tokens whose K/V came from the prefix cache instead of being computed.")
+                       f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. "
+                       f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
+    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}", f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens",
+                  "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
+                  "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
+                  f"since {tl.since}. Found tokens are not computed again.")
     row[3].metric("Tokens/s", f"{tl.tokens_per_s(now):,.1f}",
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
                   help=f"Generated tokens per second of engine time, over the last 3 s ({tl.generated:,} in all).")
     row = st.columns(4)
-    row[0].metric("Copy-on-write", f"{tl.cows:,}", f"{tl.forks} forks", "violet" if tl.cows else "gray", **kw,
-                  help="Copies of a shared block made by the first write into it (parallel samples).")
+    row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
+                  help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
+                       f"copy each (the grid outlines both the original and the copy). Since {tl.since}.")
     row[1].metric("Swaps out / in", f"{tl.swap_outs} / {tl.swap_ins}", f"host {u['host_used']} / {u['host_total']}",
-                  "orange" if host >= 0.8 else "violet" if tl.swap_outs else "gray", **kw,
+                  "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray", **kw,
                   help="Sequences moved to the host pool and back. Frequent swapping means the pool is too "
-                       "small. Orange when the host pool is 80% full.")
+                       f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}.")
     row[2].metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes} recomputed",
                   "red" if tl.preemptions else "gray", **kw,
-                  help="Sequences stopped because the pool ran out of blocks (swapped out or recomputed).")
+                  help=f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). "
+                       f"Since {tl.since}.")
     row[3].metric("Running", f"{run}", f"{wait} wait · {swap} swapped", "orange" if wait or swap else "gray",
                   **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
@@ -107,4 +125,4 @@ def reservation_card(view: View) -> None:
             'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
     st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
             f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {holding} sequences holding memory'
-            f' · {cfg.bytes_per_block:,} bytes per block of {cfg.block_size} tokens{body}</div>')
+            f' · {cfg.bytes_per_block:,} bytes per block of {cfg.block_size} token{"" if cfg.block_size == 1 else "s"}{body}</div>')

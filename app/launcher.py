@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"ready: (ws://\S+)")
@@ -38,7 +39,9 @@ class ServerProcess:
     returncode: int | None = None
     started: float = field(default_factory=time.time)
     ready_after: float | None = None  # seconds from start to ready
+    on_exit: Callable[[ServerProcess], None] | None = None  # called on the log thread when it exits
     _proc: subprocess.Popen | None = None
+    stopping: bool = False
     _spawned: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -48,6 +51,20 @@ class ServerProcess:
     @property
     def state(self) -> Literal["starting", "ready", "exited"]:
         return "exited" if self.returncode is not None else "ready" if self.url else "starting"
+
+    @property
+    def died(self) -> bool:
+        """It was serving, then exited (killed, crashed) without being stopped by us."""
+        return self.returncode is not None and self.url is not None and not self.stopping
+
+    def exit_reason(self) -> str:
+        code = self.returncode
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
 
     @property
     def command(self) -> str:
@@ -77,6 +94,8 @@ class ServerProcess:
             if self.url is None and (m := READY.search(line)):
                 self.url, self.ready_after = m.group(1), time.time() - self.started
         self.returncode = self._proc.wait()
+        if self.on_exit:
+            self.on_exit(self)
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -85,6 +104,7 @@ class ServerProcess:
         return self.state == "ready"
 
     def stop(self) -> None:
+        self.stopping = True
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return

@@ -1,12 +1,15 @@
 """KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/source.py).
 
-The page is a few fragments that redraw on their own timers from the shared client's state
-at the session's chosen event (live, or travelled back to): the header, the pool grid, the
-block tables, and the timeline with the event log. The sidebar drives the engine.
+The page is a few fragments that redraw on their own timers from the shared client's state:
+the live views (status, metrics, time travel, the pool grid) redraw together, so their numbers
+always describe the same event; the block tables and the timeline or event log follow the
+event the live views last drew (or the one travelled to). An exception in one panel is shown
+in that panel and never removes the others. The sidebar drives the engine.
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import streamlit as st
 from streamlit import config as st_config
@@ -17,6 +20,7 @@ from app import controls, eventlog, grid, header, tables, timeline, travel
 from app.client import EngineClient, View
 from app.commands import show_replies
 from app.connection import Hosted, resolve, restart
+from app.key_events import explain
 from app.source import Source, from_command_line
 
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
@@ -25,34 +29,83 @@ st_config.set_option("runner.postScriptGC", False)
 # Intervals between grid reruns: the browser starts the next one only after the last one's round
 # trip (30-40 ms on a busy 2-core machine), so "10 per second" asks for a rerun every 60 ms.
 REFRESH = {"10 per second": 0.06, "5 per second": 0.15, "2 per second": 0.45}
+LOG_SCAN_EVENTS = 50_000  # the event log filters at most this many of the latest events
+LOG_ROWS = 300            # and lists at most this many of those that pass
 
 
-def current_view(client: EngineClient) -> View | None:
+def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> Callable[[Source], None]:
+    """A fragment body: it finds the source's client afresh on every run (the engine may have
+    been restarted meanwhile, by any tab: then the whole page is drawn again), and draws its
+    own exception in its own place instead of ending the run."""
+    def run(source: Source) -> None:
+        client, hosted = resolve(source)
+        if client is None or client.view() is None:
+            st.rerun()  # starting again: the whole page shows the progress
+        try:
+            draw(client, source, hosted)
+        except Exception as e:  # st.rerun and st.stop are BaseExceptions: they pass
+            st.error(f"This panel failed to draw: {type(e).__name__}: {e}")
+            st.exception(e)
+    run.__name__ = draw.__name__
+    return run
+
+
+def live_view(client: EngineClient) -> View | None:
+    """What the live views draw: the latest event, or the one travelled to."""
     return client.view(travel.target())
 
 
+def frame_view(client: EngineClient) -> View | None:
+    """What the other panels draw: the event the live views last drew (or travelled to)."""
+    n = travel.target()
+    if n is not None:
+        return client.view(n)
+    frame = st.session_state.get("frame")
+    return client.view(frame[1], live=True) if frame and frame[0] == client.epoch else client.view()
+
+
 # ---------------------------------------------------------------------------------- fragments
-def top(client: EngineClient, source: Source) -> None:
+def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     show_replies(client)
-    header.status_line(client, source)
-    view = current_view(client)
+    header.status_line(client, source, hosted)
+    if hosted is not None and hosted.process.died:
+        died(source, hosted)
+    view = live_view(client)
     if view is None:
         return
-    left, right = st.columns([3, 2], gap="medium")
-    with left:
-        header.metrics(view, client)
-    with right:
-        header.reservation_card(view)
+    st.session_state["frame"] = (view.epoch, view.event)
+    key = stopped_at(client, view)
+    if key:
+        st.info(f"**Paused at event {client.loop.stopped_at:,}** · {key.text}", icon=":material/fast_forward:")
+    header.metrics(view, client)
     travel.bar(client, view)
-
-
-def pool_grid(client: EngineClient) -> None:
-    view = current_view(client)
-    if view is None:
-        return
     if "grid" not in view.memo:
         view.memo["grid"] = grid.payload(view, client.colors)
-    grid.draw(view.memo["grid"], on_block=_filter_log_by_block)
+    grid.draw({**view.memo["grid"], "connected": client.status.state == "connected",
+               "highlight": key.blocks if key else []}, on_block=_filter_log_by_block)
+
+
+def stopped_at(client: EngineClient, view: View):
+    """The key event a run-to-next-key-event stopped at, explained, while the engine waits there."""
+    at = client.loop.stopped_at
+    if not client.loop.paused or at is None or not view.live and view.event < at:
+        return None
+    if "key" not in view.memo:
+        h = client.history
+        view.memo["key"] = explain(h.last_step_events(at), at, view.mirror.state) if h else None
+    return view.memo["key"]
+
+
+def died(source: Source, hosted: Hosted) -> None:
+    proc = hosted.process
+    with st.container(border=True):
+        st.error(f"**The {source.label} died** ({proc.exit_reason()}). Its history up to then stays browsable "
+                 "below; Restart starts it again with the pool config and pace it last had.",
+                 icon=":material/heart_broken:")
+        c = st.columns([1, 4])
+        c[0].button("Restart engine", type="primary", key="restart_dead", on_click=restart, args=(source,))
+        with c[1].expander("Its last lines"):
+            st.code("\n".join(proc.tail(30)) or "(no output)")
 
 
 def _filter_log_by_block() -> None:
@@ -64,10 +117,11 @@ def _filter_log_by_block() -> None:
         st.rerun(["panel"])
 
 
-def block_tables(client: EngineClient) -> None:
-    view = current_view(client)
+def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
+    view = frame_view(client)
     if view is None:
         return
+    header.reservation_card(view)
     live_tab, done_tab = st.tabs(["Block tables", "Finished requests"])
     if "tables" not in view.memo:
         view.memo["tables"] = tables.render(view, client.colors)
@@ -77,8 +131,8 @@ def block_tables(client: EngineClient) -> None:
         st.html(tables.render_finished(list(view.mirror.finished), client.colors))
 
 
-def timeline_or_log(client: EngineClient) -> None:
-    view = current_view(client)
+def timeline_or_log(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
+    view = frame_view(client)
     if view is None:
         return
     at_step = None if view.live else (view.step_events[-1].step if view.step_events else None)
@@ -94,29 +148,42 @@ def timeline_or_log(client: EngineClient) -> None:
         st.caption("The timeline fills in as the engine runs steps.")
         return
     c = st.columns(2)
-    c[0].vega_lite_chart(timeline.blocks_chart(points, markers, at_step), width="stretch")
+    total = view.mirror.config.num_device_blocks
+    c[0].vega_lite_chart(timeline.blocks_chart(points, markers, at_step, total), width="stretch")
     c[1].vega_lite_chart(timeline.rates_chart(points, at_step), width="stretch")
+    st.caption(f"Steps since {view.mirror.tally.since}, up to event {view.event:,}.")
 
 
 def event_log(client: EngineClient, view: View) -> None:
     # A click on the grid sets the filters by remounting their widgets (a new key) with new
     # values: writing a live widget's value from Python races the other fragments' reruns.
     seq0, block0 = st.session_state.get("log_filter", ("", -1))
+    if block0 >= view.mirror.config.num_device_blocks:  # a filter from before a reset to a smaller pool
+        seq0, block0 = seq0, -1
     v = _log_version()
     c = st.columns([4, 2, 1])
     kinds = c[0].multiselect("Kinds", p.EVENT_KINDS, default=list(DEFAULT_LOG_KINDS), key="log_kinds")
     seq = c[1].text_input("Sequence or request", seq0, key=f"log_seq_{v}", placeholder="all, e.g. r1 or sys1-2")
-    block = c[2].number_input("Block", -1, 65535, block0, key=f"log_block_{v}", help="-1: every block. "
-                              "Clicking a block in the grid picks it.")
+    block = c[2].number_input("Block", -1, view.mirror.config.num_device_blocks - 1, block0, key=f"log_block_{v}",
+                              help="-1: every block. Clicking a block in the grid picks it.")
     st.session_state["log_filter"] = (seq, block)
-    events = client.events_before(None if view.live else view.event, 50_000)
-    df = eventlog.frame(events, set(kinds), seq.strip(), None if block < 0 else int(block))
+    if seq.strip() or block >= 0:
+        label = " · ".join(([f"sequence {seq.strip()}"] if seq.strip() else []) + ([f"block {block}"] if block >= 0 else []))
+        st.button(f"Filtered to {label}", icon=":material/close:", key="clear_filter", on_click=_clear_log_filter,
+                  help="Show every sequence and block again")
+    events = client.events_before(view.event, LOG_SCAN_EVENTS)
+    df = eventlog.frame(events, set(kinds), seq.strip(), None if block < 0 else int(block), limit=LOG_ROWS)
     st.session_state["log_rows"] = df["event"].tolist()
     st.dataframe(eventlog.styled(df), key="event_log", on_select=_travel_to_selected, selection_mode="single-row",
                  hide_index=True, height=340, width="stretch",
                  column_config={"t (s)": st.column_config.NumberColumn(format="%.3f"),
                                 "what happened": st.column_config.TextColumn(width="large")})
     st.caption("Newest first. Select a row to travel to that event; **Live** returns.")
+
+
+def _clear_log_filter() -> None:
+    st.session_state["log_filter"] = ("", -1)
+    st.session_state["log_version"] = _log_version() + 1
 
 
 def _log_version() -> int:
@@ -134,7 +201,7 @@ def loading(source: Source, hosted: Hosted) -> None:
     proc = hosted.process
     st.title("KVScope")
     if proc.state == "exited":
-        st.error(f"{source.label} stopped before it was ready (exit code {proc.returncode}). Its last lines:")
+        st.error(f"The {source.label} stopped before it was ready ({proc.exit_reason()}). Its last lines:")
         st.code("\n".join(proc.tail(30)) or "(no output)")
         st.button("Retry", type="primary", on_click=restart, args=(source,))
         return
@@ -152,38 +219,18 @@ def loading(source: Source, hosted: Hosted) -> None:
     progress()
 
 
-def connecting(client: EngineClient, source: Source) -> None:
+def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     st.title("KVScope")
 
     @st.fragment(run_every=0.5)
     def wait() -> None:
-        if client.view() is not None:
+        if client.view() is not None or (hosted is not None and hosted.process.died):
             st.rerun()
-        header.status_line(client, source)
+        header.status_line(client, source, hosted)
         st.info("Waiting for the engine's first snapshot. The client reconnects on its own; "
                 "check the URL and token in the sidebar if this lasts.")
 
     wait()
-
-
-def sidebar(client: EngineClient, view: View) -> None:
-    replay = client.is_replay
-    cfg = view.mirror.config
-    if replay:
-        st.info("Replaying a recording: prompts, scenarios and resets need a live engine.")
-    st.subheader("Prompt")
-    controls.prompt_form(client, disabled=replay)
-    st.subheader("Scenarios")
-    controls.scenarios(client, view, disabled=replay)
-    st.subheader("Engine")
-    controls.engine(client, view, replay)
-    if not replay:
-        with st.expander(f"Reset pool · {cfg.num_device_blocks} × {cfg.block_size} tokens"):
-            controls.reset_form(client, view)
-    with st.expander("Display"):
-        st.selectbox("Grid redraws", list(REFRESH), key="refresh")
-    if err := st.session_state.get("last_error"):
-        st.caption(f"Last error: {err}")
 
 
 def main() -> None:
@@ -195,19 +242,22 @@ def main() -> None:
         controls.connection(source, client, hosted)
     if client is None:
         return loading(source, hosted)
-    view = current_view(client)
-    if view is None:
-        return connecting(client, source)
+    if client.view() is None:
+        return connecting(client, source, hosted)
     with st.sidebar:
-        sidebar(client, view)
-    st.fragment(top, run_every=1.0, key="top")(client, source)
+        controls.unsupported_note(client)
+        st.subheader("Prompt")
+        controls.prompt_form(client)
+        st.fragment(fragment_of(lambda c, s, h: controls.engine_panel(c, live_view(c))), run_every=1.0, key="engine")(source)
+        with st.expander("Display"):
+            st.selectbox("Grid redraws", list(REFRESH), key="refresh")
     left, right = st.columns([3, 2], gap="medium")
     with left:
-        st.fragment(pool_grid, run_every=REFRESH[st.session_state.get("refresh", "10 per second")],
-                    key="grid")(client)
+        st.fragment(fragment_of(live_views), run_every=REFRESH[st.session_state.get("refresh", "10 per second")],
+                    key="live")(source)
     with right:
-        st.fragment(block_tables, run_every=0.5, key="tables")(client)
-    st.fragment(timeline_or_log, run_every=2.0, key="panel")(client)
+        st.fragment(fragment_of(block_tables), run_every=0.5, key="tables")(source)
+    st.fragment(fragment_of(timeline_or_log), run_every=2.0, key="panel")(source)
 
 
 main()

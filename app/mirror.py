@@ -14,13 +14,16 @@ from engine.contract import protocol as p
 from engine.contract.state import USED, PoolState
 
 RATE_WINDOW_S = 3.0  # tokens/s is averaged over this much engine time
+FINISHED_KEPT = 12   # finished requests listed in the tables view
 
 
 @dataclass
 class Tally:
-    """Counters since the last reset (of the engine, or of this mirror)."""
+    """Counters of the events seen since `since` (the engine's start, this client's attach,
+    a reset, or a clean slate): a client counts only what it saw."""
+    since: str = "engine start"
     requests: int = 0
-    prompt_tokens: int = 0
+    looked_up_tokens: int = 0  # tokens looked up in the prefix cache at every admission
     hit_tokens: int = 0
     generated: int = 0
     cows: int = 0
@@ -36,7 +39,8 @@ class Tally:
 
     @property
     def hit_rate(self) -> float:
-        return min(1.0, self.hit_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0
+        """Hit tokens over tokens looked up, re-admissions after a recompute included."""
+        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
     def tokens_per_s(self, now: float) -> float:
         """Generated tokens per second of engine time over the window that ends at `now`."""
@@ -65,12 +69,17 @@ class Mirror:
     tally: Tally = field(default_factory=Tally)
     # seq_id -> {logical index: "prefix_hit" | "cow"}: how a table entry was obtained, for the tables view
     origins: dict[str, dict[int, str]] = field(default_factory=dict)
-    finished: deque = field(default_factory=lambda: deque(maxlen=12))  # Finished, newest last
+    finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))  # Finished, newest last
     t: float = 0.0  # engine time of the last event applied
 
     @classmethod
     def from_snapshot(cls, snap: p.Snapshot) -> Mirror:
-        return cls(PoolState.from_snapshot(snap))
+        since = f"you attached (event {snap.seq:,})" if snap.seq else "engine start"
+        return cls(PoolState.from_snapshot(snap), Tally(since=since))
+
+    def start_tally(self, since: str) -> None:
+        """Count from here on (a clean slate); the pool itself is untouched."""
+        self.tally = Tally(since=since, last_step=self.tally.last_step)
 
     @property
     def last_event(self) -> int:
@@ -90,15 +99,17 @@ class Mirror:
     def apply(self, ev: p.AnyEvent) -> None:
         """Apply one event; raises engine.contract.state.InvariantError (and changes nothing of the
         derived data) when it cannot follow."""
-        before = self.state.seqs.get(getattr(ev, "seq_id", ""))
-        text = before.text if before else ""
+        before = self.state.seqs.get(getattr(ev, "seq_id", ""))  # the reducer updates it in place
+        text, status = (before.text, before.status) if before else ("", None)
         self.state.apply(ev)
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
+        if status == "waiting" and isinstance(ev, (p.PrefixHit, p.Alloc)) and ev.logical_index == 0:
+            # an admission begins: the engine looks up every token the sequence holds so far
+            tl.looked_up_tokens += before.prompt_tokens + before.output_tokens
         match ev:
             case p.RequestAdded():
                 tl.requests += 1
-                tl.prompt_tokens += ev.prompt_tokens
             case p.Alloc():
                 self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
             case p.PrefixHit():
@@ -133,7 +144,7 @@ class Mirror:
             case p.StepDone():
                 tl.last_step = ev
             case p.Reset():
-                self.tally, self.origins = Tally(), {}
+                self.tally, self.origins = Tally(since=f"the reset (event {ev.seq:,})"), {}
 
     # ------------------------------------------------------------------ derived numbers
     def usage(self) -> dict[str, float]:

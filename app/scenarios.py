@@ -26,7 +26,7 @@ TOKENS_PER_WORD = 1.03  # SmolLM2's tokenizer on plain English; the engine repor
 class Scenario:
     key: str
     title: str
-    watch: str  # what to look at, shown beside the button
+    watch: Callable[[p.PoolConfig], str]  # what to look at with this pool, shown beside the button
     build: Callable[[p.PoolConfig, int], list[p.Command]]
 
 
@@ -78,14 +78,29 @@ def long_and_short(cfg: p.PoolConfig, run: int) -> list[p.Command]:
     return long + short
 
 
+def _shared_watch(cfg: p.PoolConfig) -> str:
+    if not cfg.enable_prefix_caching:
+        return ("the prefix cache is off in this pool, so every request computes the system prompt "
+                "itself: no hits, no sharing (turn caching on under Reset pool to see them)")
+    return (f"prefix hits: the first blocks of every request point at the same physical blocks "
+            f"(×{len(QUESTIONS)})")
+
+
+def _overload_watch(cfg: p.PoolConfig) -> str:
+    if cfg.preemption_mode == "swap" and cfg.num_host_blocks:
+        how = "swapped out to the host pool and back in (recomputed when the host pool is full)"
+    else:
+        why = "recompute mode" if cfg.preemption_mode == "recompute" else "no host pool"
+        how = f"their blocks freed and their tokens computed again when they return ({why})"
+    return (f"long prompts fill the pool (a few seconds of prefill on a CPU), then the newest sequences "
+            f"are preempted: {how} (a pool over {OVERLOAD_MAX_TOKENS:,} tokens is reset smaller first)")
+
+
 SCENARIOS = (
-    Scenario("shared", "Shared system prompt", "prefix hits: the first blocks of every request "
-             "point at the same physical blocks (×4)", shared_prefix),
-    Scenario("parallel", "Parallel sampling (n=4)", "fork shares the prompt's blocks, then "
+    Scenario("shared", "Shared system prompt", _shared_watch, shared_prefix),
+    Scenario("parallel", "Parallel sampling (n=4)", lambda cfg: "fork shares the prompt's blocks, then "
              "copy-on-write on the first write into the shared last block", parallel_sampling),
-    Scenario("overload", "Overload the pool", "long prompts fill the pool (a few seconds of prefill on "
-             "a CPU), then the newest sequences are preempted: swapped out to the host pool and back in "
-             f"(a pool over {OVERLOAD_MAX_TOKENS:,} tokens is reset smaller first)", overload),
-    Scenario("mixed", "Long and short mixed", "fragmentation: contiguous max-length reservation "
-             "vs what paging holds", long_and_short),
+    Scenario("overload", "Overload the pool", _overload_watch, overload),
+    Scenario("mixed", "Long and short mixed", lambda cfg: "fragmentation: contiguous max-length "
+             "reservation vs what paging holds", long_and_short),
 )

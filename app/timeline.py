@@ -64,12 +64,17 @@ def _with(spec: dict, **datasets: list[dict]) -> dict:
     return out
 
 
-def blocks_chart(points: list[StepPoint], markers: list[Marker], at_step: int | None) -> dict:
+def blocks_chart(points: list[StepPoint], markers: list[Marker], at_step: int | None, total: int) -> dict:
+    """Blocks by state over the steps, on a scale of the pool's `total` blocks."""
     rows = [{"step": pt.step, "state": s, "blocks": getattr(pt, s), "order": i}
             for pt in _thin(points) for i, s in enumerate(STATES)]
     marks = [{"step": m.step, "event": m.kind.replace("_", " "), "sequence": m.seq_id, "seq": m.seq}
              for m in markers[-MAX_MARKERS:]]
-    return _with(_blocks_spec(), blocks=rows, markers=marks, cursor=[] if at_step is None else [{"step": at_step}])
+    spec = _with(_blocks_spec(), blocks=rows, markers=marks, cursor=[] if at_step is None else [{"step": at_step}])
+    area, *rest = spec["layer"]
+    y = {**area["encoding"]["y"], "scale": {"domain": [0, total]}}
+    spec["layer"] = [{**area, "encoding": {**area["encoding"], "y": y}}, *rest]
+    return spec
 
 
 def rates_chart(points: list[StepPoint], at_step: int | None) -> dict:

@@ -17,7 +17,7 @@ from app.eventlog import describe
 from app.grid import ASSETS
 from engine.contract.kinds import KINDS
 
-FRAGMENTS = ["top", "grid", "tables", "panel"]  # every view: a travel redraws them all at once
+FRAGMENTS = ["live", "tables", "panel"]  # every view: a travel redraws them all at once
 
 
 def target() -> int | None:
@@ -52,25 +52,26 @@ def bar(client: EngineClient, view: View) -> None:
         return
     first, last = bounds
     n = view.event
-    _, markers = client.timeline()
+    markers = client.markers()
     ticks = [[m.seq, KINDS[m.kind].color, f"{m.kind.replace('_', ' ')} {m.seq_id} (event {m.seq})"]
              for m in markers[-150:] if m.seq >= first]
-    c = st.columns([1, 1, 12, 1, 1, 2], vertical_alignment="top")
-    c[0].button(":material/skip_previous:", key="tt_prev_step", help="End of the previous engine step",
-                on_click=lambda: go(client.step_edge(n, False), last))
-    c[1].button(":material/chevron_left:", key="tt_prev", help="Previous event",
+    _scrubber()(data={"first": first, "last": last, "value": n, "live": view.live, "markers": ticks},
+                key="travel_scrubber", on_travel_change=_scrubbed)
+    c = st.columns(5, gap="small")
+    c[0].button("Step", icon=":material/skip_previous:", key="tt_prev_step", help="End of the previous engine step",
+                width="stretch", on_click=lambda: go(client.step_edge(n, False), last))
+    c[1].button("Event", icon=":material/chevron_left:", key="tt_prev", help="Previous event", width="stretch",
                 on_click=lambda: go(max(first, n - 1), last))
-    with c[2]:
-        _scrubber()(data={"first": first, "last": last, "value": n, "live": view.live, "markers": ticks},
-                    key="travel_scrubber", on_travel_change=_scrubbed)
-    c[3].button(":material/chevron_right:", key="tt_next", help="Next event",
+    c[2].button("Event", icon=":material/chevron_right:", key="tt_next", help="Next event", width="stretch",
                 on_click=lambda: go(min(last, n + 1), last))
-    c[4].button(":material/skip_next:", key="tt_next_step", help="End of the next engine step",
-                on_click=lambda: go(client.step_edge(n, True), last))
-    c[5].button("Live", icon=":material/radio_button_checked:", key="tt_live", width="stretch",
+    c[3].button("Step", icon=":material/skip_next:", key="tt_next_step", help="End of the next engine step",
+                width="stretch", on_click=lambda: go(client.step_edge(n, True), last))
+    c[4].button("Live", icon=":material/radio_button_checked:", key="tt_live", width="stretch",
                 type="secondary" if view.live else "primary", on_click=lambda: go(None), disabled=view.live)
     ev = view.step_events[-1] if view.step_events else None
     where = f"event **{n:,}** of {last:,}" + (f" · step {ev.step} · {ev.__struct_config__.tag}: {describe(ev)[2]}"
                                               if ev and ev.seq == n else "")
-    st.caption((":green[● **Live**] · " if view.live else ":orange[:material/history: **Time travel**] · ") + where
-               + ("" if view.live else " · the engine keeps running: press **Live** to return"))
+    connected = client.status.state == "connected"
+    mode = (":orange[:material/history: **Time travel**] · " if not view.live else ":green[● **Live**] · " if connected
+            else ":red[● **Not connected**: the last state received] · ")
+    st.caption(mode + where + (" · the engine keeps running: press **Live** to return" if not view.live else ""))

@@ -190,6 +190,13 @@ function draw(s) {
     used += stt >= 2;
     cell(s.ctx, d, (i % cols) * c, Math.floor(i / cols) * c, c, stt, d.owner[i], d.tokens[i], d.ref[i], d.touch[i], i, tints);
   }
+  // blocks a paused run-to-next-key-event points at: a thick dark ring, on top of everything
+  for (const i of d.highlight || []) {
+    if (i >= d.n) continue;
+    const x = (i % cols) * c, y = Math.floor(i / cols) * c, w = Math.max(2, Math.round(c / 6));
+    s.ctx.strokeStyle = "#0f172a"; s.ctx.lineWidth = w;
+    s.ctx.strokeRect(x + w / 2, y + w / 2, c - w, c - w);
+  }
   const hg = s.hgeo;
   prepareCanvas(s.hostCanvas, s.hctx, hg.cols * hg.c, hg.h);
   for (let i = 0; i < d.m; i++) {
@@ -197,7 +204,9 @@ function draw(s) {
     cell(s.hctx, d, (i % hg.cols) * hg.c, Math.floor(i / hg.cols) * hg.c, hg.c, o ? 2 : 0, o, d.hTokens[i], 1, d.hTouch[i], i, tints);
   }
   const k = d.counts;
-  const mode = d.live ? '<span class="live">● live</span>' : `<span class="past">◀ time travel: event ${d.seq}</span>`;
+  const mode = !d.live ? `<span class="past">◀ time travel: event ${d.seq}</span>`
+    : d.connected === false ? `<span class="past">● not connected: event ${d.seq}, the last received</span>`
+    : '<span class="live">● live</span>';
   s.head.innerHTML = `${mode} <b>Device pool</b> · ${d.n} blocks × ${d.bs} tokens · step ${d.step}` +
     ` · <span class="num">${k.used}</span> used (${k.shared} shared) · ${k.cached} cached · ${k.free} free`;
   s.hostHead.innerHTML = `<b>Host swap pool</b> · ${d.m} blocks · <span class="num">${k.host_used}</span> hold swapped-out blocks`;
@@ -206,7 +215,8 @@ function draw(s) {
   s.draws++;
   // for tests and the latency bench: what was drawn, when (wall clock) and how long it took
   const now = Date.now(), ms = performance.now() - t0;
-  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used, n: d.n, live: d.live, drawMs: ms };
+  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used, n: d.n, live: d.live,
+    connected: d.connected !== false, highlight: (d.highlight || []).length, drawMs: ms };
   const log = (window.__kvscope_draws ||= []);
   log.push([d.seq, now, ms]);
   if (log.length > 20000) log.splice(0, 10000);

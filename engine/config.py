@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine.contract.protocol import PoolConfig
 
 
@@ -32,6 +34,9 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     ap.add_argument("--preemption-mode", choices=["swap", "recompute"], default=pool.preemption_mode)
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--pool", default=None, metavar="JSON",
+                    help="the whole pool config as JSON, as `hello` sends it (overrides the pool flags; "
+                         "the dashboard restarts a dead engine with its last config this way)")
 
 
 def config_from_args(args) -> EngineConfig:
@@ -39,5 +44,7 @@ def config_from_args(args) -> EngineConfig:
                       num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
                       preemption_mode=args.preemption_mode,
                       enable_prefix_caching=not args.no_prefix_caching)
+    if args.pool:
+        pool = msgspec.json.decode(args.pool, type=PoolConfig)
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, pool=pool,
                         max_num_batched_tokens=args.max_num_batched_tokens)

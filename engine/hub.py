@@ -51,39 +51,67 @@ class Backend(Protocol):
 
 
 EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
-PACING_COMMANDS = ("pause", "resume", "step", "pace")  # what Pacing carries out
+PACING_COMMANDS = ("pause", "resume", "step", "pace", "run_until")  # what Pacing carries out
 
 
 @dataclass
 class Pacing:
-    """Pause, single steps and pace, for whatever produces the stream (engine or replay)."""
+    """Pause, single steps, pace and run-until, for whatever produces the stream (the engine
+    loop or a replay). `changed` is set whenever what `state()` reports changes."""
     paused: bool = False
     steps_allowed: int = 0  # steps granted while paused
     step_delay_ms: float = 0.0
+    until: frozenset[str] = frozenset()  # run_until: pause after a step with one of these kinds
+    until_steps_left: int = 0
+    stopped_at: int | None = None
+    changed: bool = False
 
     def handle(self, cmd: p.AnyCommand) -> bool:
-        """Carry out pause / resume / step / pace; False for any other command."""
+        """Carry out a pacing command; False for any other command."""
         match cmd:
             case p.Pause():
-                self.paused = True
+                self.paused, self.until = True, frozenset()
             case p.Resume():
-                self.paused, self.steps_allowed = False, 0
+                self.paused, self.steps_allowed, self.until = False, 0, frozenset()
             case p.StepCmd():
                 if not self.paused:
                     raise p.CommandError("busy", "the stream is running; pause it before stepping")
                 self.steps_allowed += cmd.count
             case p.Pace():
                 self.step_delay_ms = cmd.step_delay_ms
+            case p.RunUntil():
+                self.paused, self.steps_allowed = False, 0
+                self.until, self.until_steps_left = frozenset(cmd.kinds), cmd.max_steps
             case _:
                 return False
+        self.stopped_at = None
+        self.changed = True
         return True
 
     @property
     def may_step(self) -> bool:
         return not self.paused or self.steps_allowed > 0
 
-    def stepped(self) -> None:
+    def stepped(self, events: list[p.Event]) -> None:
+        """After a step (or a replayed batch) with `events`: count it, and end a run_until."""
         self.steps_allowed = max(0, self.steps_allowed - 1)
+        if not self.until:
+            return
+        self.until_steps_left -= 1
+        hit = next((ev.seq for ev in events if ev.__struct_config__.tag in self.until), None)
+        if hit is not None or self.until_steps_left <= 0:
+            self.paused, self.until, self.stopped_at, self.changed = True, frozenset(), hit, True
+
+    def state(self) -> p.LoopState:
+        return p.LoopState(paused=self.paused, step_delay_ms=self.step_delay_ms, until=sorted(self.until),
+                           stopped_at=self.stopped_at)
+
+    def take_change(self) -> p.LoopState | None:
+        """The new state if it changed since the last call (to broadcast it), else None."""
+        if not self.changed:
+            return None
+        self.changed = False
+        return self.state()
 
     def stamp(self, hello: p.Hello) -> p.Hello:
         return msgspec.structs.replace(hello, paused=self.paused, step_delay_ms=self.step_delay_ms)
@@ -92,6 +120,7 @@ class Pacing:
 @dataclass(eq=False)
 class Client:
     ws: ServerConnection
+    features: frozenset[str] = frozenset()  # optional features granted at connect (`?features=`)
     outbox: deque[tuple[str, bytes]] = field(default_factory=deque)  # (kind, frame)
     queued_events: int = 0
     synced: bool = False  # False while waiting for a snapshot: events are not queued meanwhile
@@ -153,6 +182,13 @@ class Hub:
         if client in self.clients:
             client.push(p.encode(msg))
 
+    def broadcast_loop(self, state: p.LoopState) -> None:
+        """Feature `loop`: the loop's pause and pace, to every client that asked for them."""
+        frame = p.encode(state)
+        for c in self.clients:
+            if "loop" in c.features:
+                c.push(frame)
+
     def _resync(self, c: Client) -> None:
         c.drop_stale()
         c.synced = False
@@ -182,8 +218,10 @@ class Hub:
     async def _handler(self, ws: ServerConnection) -> None:
         ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
                                                           self.send_buffer)
-        client = Client(ws)
-        client.push(p.encode(self.backend.hello()))
+        asked = parse_qs(urlsplit(ws.request.path).query).get("features", [""])[0].split(",")
+        client = Client(ws, frozenset(f for f in asked if f in p.FEATURES))
+        hello = msgspec.structs.replace(self.backend.hello(), features=sorted(client.features))
+        client.push(p.encode(hello))
         self.clients.add(client)
         self.backend.request_snapshot()
         writer = asyncio.create_task(self._write(client))

@@ -27,12 +27,29 @@ REPLAY_COMMANDS = (*PACING_COMMANDS, "snapshot")
 
 
 class Recording:
+    """A recording's messages, read up to the first damaged line (a recording cut short by a
+    killed engine ends in half a line): everything whole before it replays, and `damage`
+    says which lines were skipped and why."""
+
     def __init__(self, path: Path):
-        messages = [p.decode_server_message(line) for line in path.read_bytes().splitlines() if line.strip()]
+        messages: list = []
+        lines = path.read_bytes().splitlines()
+        self.damage = ""
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                messages.append(p.decode_server_message(line))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                last = n == len(lines)
+                self.damage = (f"line {n} of {len(lines)} is {'cut short' if last else 'damaged'} ({e})"
+                               + ("" if last else f"; lines {n}-{len(lines)} were skipped"))
+                break
         hellos = [m for m in messages if isinstance(m, p.Hello)]
         snaps = [i for i, m in enumerate(messages) if isinstance(m, p.Snapshot)]
         if not hellos or not snaps:
-            raise ValueError(f"{path} is not a KVScope recording: it needs a hello and a snapshot")
+            raise ValueError(f"{path} is not a KVScope recording: it needs a hello and a snapshot"
+                             + (f" before its damage: {self.damage}" if self.damage else ""))
         self.hello = msgspec.structs.replace(hellos[0], replay=True, supports=list(REPLAY_COMMANDS))
         self.start: p.Snapshot = messages[snaps[0]]
         # later snapshots (after a reset) follow from the events: the reducer rebuilds them
@@ -71,7 +88,12 @@ class Playback:
             raise p.CommandError("unsupported", f"{cmd.__struct_config__.tag} needs a live engine; "
                                  "this server replays a recording")
         self.hub.reply(client, p.Ack(op=cmd.__struct_config__.tag, id=cmd.id))
+        self._announce()
         self._wake.set()
+
+    def _announce(self) -> None:
+        if (state := self.pacing.take_change()) is not None:
+            self.hub.broadcast_loop(state)
 
     async def _wait_turn(self, gap_s: float) -> None:
         """Wait the recorded gap (or the pace), then for a step when paused."""
@@ -82,20 +104,33 @@ class Playback:
         while not self.pacing.may_step:
             self._wake.clear()
             await self._wake.wait()
-        self.pacing.stepped()
+
+    def _play(self, batch: list[p.Event]) -> None:
+        for ev in batch:
+            self.state.apply(ev)
+        self.hub.publish_events(batch)
+        self.pacing.stepped(batch)
+        self._announce()
 
     async def run(self) -> None:
-        rel = [[ev.seq - self.rec.start.seq for ev in batch] for batch in self.rec.batches]
+        """Play the batches; each later pass is renumbered so that event numbers, steps and
+        times keep rising across passes, as if one engine ran the recording again and again."""
+        first = self.rec.batches[0][0] if self.rec.batches else p.StepDone(
+            num_running=0, num_waiting=0, num_swapped=0, prefill_tokens=0, decode_tokens=0,
+            duration_ms=0, free_blocks=0, cached_blocks=0)
+        offsets = [[(ev.seq - self.rec.start.seq, ev.step - first.step, ev.t - first.t) for ev in batch]
+                   for batch in self.rec.batches]
+        step, t = first.step, first.t
         while True:
-            base = self.state.last_event  # later passes are renumbered, so seq keeps rising by one
-            prev_t = self.rec.batches[0][0].t if self.rec.batches else 0.0
-            for batch, offsets in zip(self.rec.batches, rel):
+            seq0, step0, t0 = self.state.last_event, step, t
+            prev_t = first.t
+            for batch, offs in zip(self.rec.batches, offsets):
                 await self._wait_turn(batch[0].t - prev_t)
                 prev_t = batch[0].t
-                for ev, off in zip(batch, offsets):
-                    ev.seq = base + off
-                    self.state.apply(ev)
-                self.hub.publish_events(batch)
+                for ev, (d_seq, d_step, d_t) in zip(batch, offs):
+                    ev.seq, ev.step, ev.t = seq0 + d_seq, step0 + d_step, round(t0 + d_t, 6)
+                step, t = batch[-1].step, batch[-1].t
+                self._play(batch)
                 if any(isinstance(ev, p.Reset) for ev in batch):
                     self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
                 self.batches_played += 1
@@ -103,8 +138,9 @@ class Playback:
                 return
             await self._wait_turn(MAX_GAP_S)
             # back to the start: a `reset` event, then the first snapshot, numbered on from here
-            reset = p.Reset(config=self.rec.start.config, seq=self.state.last_event + 1, t=prev_t)
-            self.hub.publish_events([reset])
+            step, t = step + 1, t + MAX_GAP_S
+            reset = p.Reset(config=self.rec.start.config, seq=self.state.last_event + 1, step=step, t=round(t, 6))
+            self._play([reset])
             self.state = PoolState.from_snapshot(self.rec.start)
             self.state.last_event = reset.seq
             self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
@@ -122,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rec = Recording(args.file)
-    except (OSError, ValueError, msgspec.DecodeError) as e:
+    except (OSError, ValueError) as e:
         log.error("%s", e)
         return 2
+    if rec.damage:
+        log.warning("%s: %s; replaying the %d whole events before it", args.file, rec.damage, rec.num_events)
     hub = Hub(Playback(rec, args.speed, args.loop), token=args.token)
     try:
         serve_until_signal(hub, args.host, args.port, lambda port: log.info(

@@ -122,13 +122,15 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
-        if self.bm.config.preemption_mode == "swap" and self.bm.can_swap_out(seq):
+        swap_mode = self.bm.config.preemption_mode == "swap"
+        if swap_mode and self.bm.can_swap_out(seq):
             self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
             batch.swap_out += self.bm.swap_out(seq)
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
         else:  # recompute, or the host pool is full
-            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="recompute"))
+            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="recompute",
+                                    reason="host_pool_full" if swap_mode else None))
             self.bm.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING

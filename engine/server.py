@@ -70,8 +70,9 @@ class EngineLoop:
             except Exception:
                 log.exception("engine step failed; its sequences were finished with reason 'error'")
             self.steps_run += 1
-            self.pacing.stepped()
-            self._publish()
+            events = self.engine.drain_events()
+            self.pacing.stepped(events)
+            self._publish(events)
             if self.pacing.step_delay_ms:
                 self._sleep(self.pacing.step_delay_ms / 1000)
 
@@ -140,9 +141,12 @@ class EngineLoop:
                 eng.clear_prefix_cache()
         return None
 
-    def _publish(self) -> None:
-        if events := self.engine.drain_events():
+    def _publish(self, events: list[p.Event] | None = None) -> None:
+        """Send the events so far (then a change of the loop's pace or pause, if any)."""
+        if events := (events or []) + self.engine.drain_events():
             self.hub.call(self.hub.publish_events, events)
+        if (state := self.pacing.take_change()) is not None:
+            self.hub.call(self.hub.broadcast_loop, state)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,7 +171,7 @@ def test_reset_to_another_block_size(at, observer):
         96, 32, "recompute", False)
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["bs"] == 8 and d)
     assert (data["n"], data["m"]) == (96, 32)
-    assert any("96 × 8 tokens" in e.label for e in at.sidebar.expander)
+    assert any("Pool: 96 blocks × 8 tokens" in c.value for c in at.sidebar.caption)
     start = observer.history.last_event
     submit(at, "A prompt on the new pool", prompt_max=12)
     wait(lambda: events(observer, "finish", start), what="a request on the new pool")
@@ -299,3 +299,163 @@ def test_embedded_engine_shows_progress_then_the_pool(monkeypatch):
     assert proc.state == "ready" and any("ready: ws://" in line for line in proc.lines)
     st.cache_resource.clear()
     wait(lambda: proc.state == "exited", 15, "the embedded engine to stop")
+
+
+# ------------------------------------------------------------------ issue 8: the bugs a new user met
+def reset_pool(at: AppTest, **widgets) -> None:
+    """Fill the sidebar's reset form (widget key -> value) and press Reset engine."""
+    for key, value in widgets.items():
+        next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
+             for w in getattr(at, kind) if w.key == key).set_value(value)
+    next(b for b in at.sidebar.button if b.label == "Reset engine").click()
+    at.run()
+
+
+def test_shrinking_the_pool_draws_the_new_pool_and_keeps_every_panel(at, observer):
+    """Bug 1: 256 x 16, a ~300-word prompt with max tokens 1, then a reset to 12 blocks: the grid
+    raised IndexError (the step's events from before the reset named blocks past 12) and the
+    panels after it vanished."""
+    start = observer.history.last_event
+    submit(at, "Tell me about paged attention. " + "block table " * 150, prompt_max=1)
+    wait(lambda: events(observer, "finish", start), what="the long prompt to finish")
+    rerun_until(at, lambda a: grid_data(a)["counts"]["cached"] > 12, what="more than 12 cached blocks")
+    reset_pool(at, reset_dev=12)
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["n"] == 12 and d, what="the 12-block pool")
+    assert not exceptions(at) and not at.error
+    assert data["counts"]["free"] == 12 and "reset" in data["touched"] or not data["touched"]
+    at.button(key="pause_resume").click().run()  # a sidebar button: every panel is still drawn
+    assert grid_data(at)["n"] == 12 and html_with(at, 'class="bt"') and at.segmented_control
+    assert not exceptions(at)
+
+
+def test_a_panel_that_fails_shows_its_error_and_the_others_stay(at, monkeypatch):
+    import app.tables
+    monkeypatch.setattr(app.tables, "render_finished", lambda *a: 1 / 0)
+    at.run()
+    assert any("ZeroDivisionError" in e.value for e in at.error)  # said where it happened
+    assert grid_data(at) and at.metric and at.segmented_control  # the other panels are drawn
+
+
+def test_hit_rate_in_the_header_never_passes_100_percent(at, observer):
+    """Bug 2 through the page: block size 1, 256 blocks, swap, "Shared system prompt"."""
+    reset_pool(at, reset_bs=1, reset_dev=256, reset_mode="swap")
+    wait(lambda: observer.view().mirror.config.block_size == 1, what="the reset")
+    start = observer.history.last_event
+    at.button(key="scenario_shared").click().run()
+    wait(lambda: len(events(observer, "finish", start)) == 4, 90, "the four requests")
+    truth = observer.view().mirror.tally
+    assert truth.hit_tokens <= truth.looked_up_tokens and events(observer, "preempt", start)
+    rerun_until(at, lambda a: delta(a, "Prefix hit rate") == f"{truth.hit_tokens:,} / {truth.looked_up_tokens:,} tokens")
+    assert int(metric(at, "Prefix hit rate").rstrip("%")) <= 100
+    assert "every admission" in next(m.help for m in at.metric if m.label == "Prefix hit rate")
+
+
+def delta(at: AppTest, label: str) -> str:
+    return next(m.proto.delta for m in at.metric if m.label == label)
+
+
+def test_the_last_error_goes_once_a_command_works(at, observer):
+    at.number_input(key="prompt_max").set_value(4096)
+    submit(at, "x " * 3000)
+    failed = lambda a: next((t.value for t in a.toast if "failed" in t.value), None)  # noqa: E731
+    toast = failed(at) or rerun_until(at, failed, what="the toast")
+    assert toast.startswith("**Submit** failed") and "too_long" in toast  # not "Submitted failed"
+    rerun_until(at, lambda a: any("Last error" in c.value and "too_long" in c.value for c in a.sidebar.caption))
+    at.number_input(key="prompt_max").set_value(4)
+    submit(at, "a short one")
+    rerun_until(at, lambda a: not any("Last error" in c.value for c in a.sidebar.caption), what="the error to go")
+
+
+def test_scenario_hints_and_buttons_follow_the_pool(at, observer):
+    reset_pool(at, reset_mode="recompute", reset_caching=False)
+    wait(lambda: not observer.view().mirror.config.enable_prefix_caching, what="the reset")
+    at.run()
+    helps = {b.key: b.help for b in at.sidebar.button}
+    assert "recompute" in helps["scenario_overload"] and "swapped out" not in helps["scenario_overload"]
+    assert "off" in helps["scenario_shared"] and "×4" not in helps["scenario_shared"]
+    assert at.button(key="clear_cache").disabled
+    at.toggle(key="scenario_clean").set_value(False)
+    at.button(key="scenario_parallel").click().run()
+    assert any(t.value.startswith("Parallel sampling (n=4): par") for t in at.toast)  # names its request
+
+
+def test_the_views_of_one_redraw_show_one_event_and_the_timeline_rescales(at, observer):
+    start = observer.history.last_event
+    submit(at, "Count the blocks with me, one by one.", prompt_max=40, prompt_ignore_eos=True)
+    wait(lambda: events(observer, "finish", start), what="the request")
+    at.session_state["log_filter"] = ("", 200)  # as a click on block 200 of the grid leaves it
+    show_log(at)
+    assert at.button(key="clear_filter").label == "Filtered to block 200"
+    reset_pool(at, reset_dev=12)
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["n"] == 12 and d, what="the reset")
+    used = data["counts"]["used"]
+    assert delta(at, "Pool usage") == f"{used} / 12 blocks"
+    assert any(f"event **{data['seq']:,}**" in c.value for c in at.caption)  # the scrubber's caption
+    assert not [b for b in at.button if b.key == "clear_filter"]  # a filter past the pool is dropped
+    submit(at, "After the reset", prompt_max=4)
+    wait(lambda: events(observer, "step", data["seq"]), what="a step on the small pool")
+    next(c for c in at.segmented_control if c.label == "History").set_value("Timeline").run()
+    chart = rerun_until(at, lambda a: a.get("vega_lite_chart"), what="the timeline")[0]
+    assert json.loads(chart.proto.spec)["layer"][0]["encoding"]["y"]["scale"]["domain"] == [0, 12]
+
+
+def test_run_to_the_next_key_event_stops_there_and_explains_it(at, observer):
+    at.button(key="pause_resume").click().run()
+    at.toggle(key="scenario_clean").set_value(False)
+    at.button(key="scenario_parallel").click().run()
+    at.multiselect(key="until_kinds").set_value(["fork"])
+    at.button(key="run_until").click().run()
+    forks = wait(lambda: events(observer, "fork"), what="the fork")
+    info = rerun_until(at, lambda a: next((i.value for i in a.info if "Paused at event" in i.value), None),
+                       what="the explanation")
+    assert "now shared by 4 sequences: the fork of parallel sampling" in info
+    assert f"blocks {forks[0].block_ids[0]}" in info and grid_data(at)["highlight"] == forks[0].block_ids
+    assert not events(observer, "cow")  # it stopped at the fork, before any copy
+
+
+def test_clean_slate_starts_the_counters_afresh_and_the_past_stays_reachable(at, observer):
+    start = observer.history.last_event
+    at.button(key="scenario_shared").click().run()
+    wait(lambda: len(events(observer, "finish", start)) == 4, 90, "the scenario")
+    rerun_until(at, lambda a: metric(a, "Prefix hit rate") != "0%", what="hits")
+    before = observer.history.last_event
+    at.button(key="clean_slate").click().run()
+    wait(lambda: observer.view().mirror.state.counts().cached == 0, what="the prefix cache to empty")
+    rerun_until(at, lambda a: delta(a, "Prefix hit rate") == "0 / 0 tokens", what="fresh counters")
+    assert "clean slate" in next(m.help for m in at.metric if m.label == "Prefix hit rate")
+    at.session_state["travel"] = before - 1  # the scenario is still there in the past
+    at.run()
+    assert metric(at, "Prefix hit rate") != "0%"
+
+
+def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monkeypatch):
+    """Bug 4: kill -9 the embedded engine. The page says so (exit, last lines), claims nothing
+    live, keeps the history, never restarts on its own; Restart brings back the same pool."""
+    import os
+    import signal
+    import time
+    from app.connection import hosted
+    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30)
+    rerun_until(at, grid_data, 90, "the embedded engine's grid")
+    reset_pool(at, reset_bs=8, reset_dev=512)
+    rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8), what="the 512 x 8 pool")
+    h = hosted("engine.server", ("--model", "tiny", "--port", "0"))
+    dead = h.process
+    os.kill(dead._proc.pid, signal.SIGKILL)
+    banner = rerun_until(at, lambda a: next((e.value for e in a.error if "died" in e.value), None), what="the death")
+    assert "SIGKILL" in banner and "Died" in at.markdown[0].value
+    data = grid_data(at)
+    assert data["connected"] is False and data["n"] == 512  # the last state, not "live"
+    assert not any("● **Live**" in c.value for c in at.caption)
+    time.sleep(1.5)
+    at.run()
+    assert h.process is dead  # nothing restarts it behind the user's back
+    at.button(key="restart_dead").click().run()
+    assert h.process is not dead and "--pool" in h.process.args
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, 90, "the restarted engine")
+    assert (data["n"], data["bs"]) == (512, 8)
+    st.cache_resource.clear()

@@ -62,9 +62,44 @@ def test_mirror_ends_in_the_engines_state_and_counts_each_decision(recorded):
     assert (tl.cows, tl.forks, tl.swap_outs, tl.swap_ins, tl.preemptions, tl.finished) == (
         count("cow"), count("fork"), count("swap_out"), count("swap_in"), count("preempt"), count("finish"))
     assert tl.hit_tokens == 4 * count("prefix_hit") > 0
-    assert tl.prompt_tokens == sum(e.prompt_tokens for e in events if isinstance(e, p.RequestAdded))
+    prompts = sum(e.prompt_tokens for e in events if isinstance(e, p.RequestAdded))
+    assert tl.hit_tokens < prompts <= tl.looked_up_tokens  # every request was looked up at least once
     assert tl.generated == sum(len(e.token_ids) for e in events if isinstance(e, p.Append))
     assert [f.seq_id for f in m.finished][-3:] == [e.seq_id for e in events if isinstance(e, p.Finish)][-3:]
+
+
+def test_hit_rate_counts_every_admission_and_never_passes_100_percent(monkeypatch):
+    """Issue 8, bug 2: block size 1, 256 blocks, swap mode, "Shared system prompt": the host pool
+    fills, re-admissions after recompute preemptions hit the cache again, and the rate read
+    "100% · 572 / 518 tokens". The rate is hit tokens over tokens looked up at every admission;
+    the engine's own allocate() calls are the oracle."""
+    from engine.block_manager import BlockManager
+    looked_up, hits = [], []
+    allocate = BlockManager.allocate
+
+    def spy(self, seq):
+        cached = allocate(self, seq)
+        looked_up.append(len(seq))
+        hits.append(cached)
+        return cached
+
+    monkeypatch.setattr(BlockManager, "allocate", spy)
+    cfg = p.PoolConfig(block_size=1, num_device_blocks=256, num_host_blocks=128, preemption_mode="swap")
+    eng = LLMEngine(EngineConfig(model="tiny", pool=cfg), load_model("tiny"))
+    m = Mirror.from_snapshot(eng.snapshot())
+    for cmd in SCENARIOS[0].build(cfg, 1):
+        eng.add_request(messages=[{"role": x.role, "content": x.content} for x in cmd.messages],
+                        params=SamplingParams(max_tokens=cmd.max_tokens, ignore_eos=True), request_id=cmd.request_id)
+    eng.generate([])
+    events = eng.drain_events()
+    for ev in events:
+        m.apply(ev)
+        assert m.tally.hit_tokens <= m.tally.looked_up_tokens, ev
+    recomputed = [e for e in events if isinstance(e, p.Preempt) and e.mode == "recompute"]
+    assert recomputed and all(e.reason == "host_pool_full" for e in recomputed)  # swap mode fell back: says why
+    assert len(looked_up) > len(SCENARIOS[0].build(cfg, 1))  # some requests were admitted twice
+    assert (m.tally.looked_up_tokens, m.tally.hit_tokens) == (sum(looked_up), sum(hits))
+    assert 0 < m.tally.hit_rate < 1
 
 
 def test_usage_compares_contiguous_reservation_with_paging(recorded):

@@ -386,3 +386,77 @@ def test_the_shipped_demo_recording_replays_consistently_and_shows_every_mechani
     check_invariants(state)
     assert {"prefix_hit", "cow", "fork", "swap_out", "swap_in", "preempt", "evict"} <= set(kinds)
     assert kinds["request_added"] == kinds["finish"] - kinds["fork"] and not state.seqs
+
+
+def test_run_until_stops_at_the_first_key_event_and_every_client_that_asked_hears_it(make_server):
+    srv = make_server(pool={"block_size": 8})
+    teacher = Client(srv.url + "?features=loop")
+    v1 = Client(srv.url)  # a client of protocol v1: no new message types reach it
+    assert teacher.hello["features"] == ["loop"] and v1.hello["features"] == []
+    teacher.request(op="pause")
+    teacher.sync(lambda m: m["type"] == "loop" and m["paused"])
+    teacher.request(op="submit", prompt="A library at night: " * 3, n=4, temperature=0.8, seed=1, max_tokens=12)
+    assert teacher.request(op="run_until", kinds=["fork"])["type"] == "ack"
+    stop = teacher.sync(lambda m: m["type"] == "loop" and m["paused"] and m["stopped_at"] is not None)
+    teacher.until(lambda: teacher.state.last_event >= stop["stopped_at"])
+    assert teacher.kinds["fork"] == 3 and teacher.last_event.seq >= stop["stopped_at"]
+    assert len(teacher.state.seqs) == 4 and {s.status for s in teacher.state.seqs.values()} == {"running"}
+    time.sleep(0.3)  # paused there: no further step runs
+    assert teacher.kinds["step"] == 1 and not teacher.kinds["cow"]
+    assert v1.request(op="snapshot")["type"] == "ack"
+    v1.sync(lambda m: m["type"] == "snapshot")
+    assert all(r["type"] in ("ack", "error") for r in v1.replies)  # never a `loop` message
+    assert teacher.request(op="run_until", kinds=["bogus"])["code"] == "invalid_argument"
+
+
+def test_pause_and_pace_reach_every_client_that_asked(make_server):
+    srv = make_server()
+    a, b = Client(srv.url + "?features=loop"), Client(srv.url + "?features=loop,unknown")
+    assert b.hello["features"] == ["loop"]  # unknown features are not granted
+    a.request(op="pause")
+    assert b.sync(lambda m: m["type"] == "loop")["paused"] is True
+    a.request(op="pace", step_delay_ms=250)
+    assert b.sync(lambda m: m["type"] == "loop")["step_delay_ms"] == 250
+    c = Client(srv.url)
+    assert (c.hello["paused"], c.hello["step_delay_ms"]) == (True, 250)
+
+
+def test_replay_loops_keep_event_numbers_steps_and_times_rising(tmp_path, make_server):
+    path = tmp_path / "run.jsonl"
+    srv = make_server(record=path)
+    c = Client(srv.url)
+    c.sync(c.finished(c.request(op="submit", prompt="loop me", max_tokens=6, ignore_eos=True)["request_id"]))
+    srv.stop()
+    replaying = run_replay(path, speed=100.0, loop=True)
+    v = Client(replaying.url)
+    seen: list = []
+    v.take = lambda msg, take=v.take: (take(msg), msg["type"] == "events" and seen.extend(msg["events"]))
+    v.until(lambda: v.kinds["reset"] >= 2, timeout=60)
+    replaying.stop()
+    for key in ("seq", "step", "t"):
+        values = [e[key] for e in seen]
+        assert values == sorted(values), f"{key} goes back"
+    assert len({e["step"] for e in seen if e["kind"] == "step"}) == v.kinds["step"]  # no step number twice
+
+
+def test_a_recording_cut_short_replays_every_whole_event_and_says_what_it_skipped(tmp_path):
+    from app.launcher import ServerProcess
+    from pathlib import Path
+    data = (Path(__file__).parent.parent / "assets" / "demo_recording.jsonl").read_bytes()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(data[:300_000])  # the engine was killed while recording
+    whole = Recording(cut)
+    proc = ServerProcess("engine.replay", [str(cut), "--port", "0", "--speed", "1000"]).start()
+    try:
+        assert proc.wait_ready(30), "\n".join(proc.tail(20))
+        assert any(f"line {len(data[:300_000].splitlines())}" in line and "cut short" in line for line in proc.lines)
+        v = Client(proc.url)
+        last = whole.batches[-1][-1].seq  # the last whole event
+        v.until(lambda: v.state.last_event == last, timeout=60)
+        check_invariants(v.state)
+    finally:
+        proc.stop()
+    garbage = tmp_path / "garbage.jsonl"
+    lines = data.splitlines()
+    garbage.write_bytes(b"\n".join(lines[:40] + [b"not json at all"] + lines[41:]))
+    assert "line 41 of" in Recording(garbage).damage

@@ -18,14 +18,16 @@ MAX_FRAME_BYTES = 1 << 20
 Status = Literal["waiting", "running", "swapped"]
 PreemptionMode = Literal["swap", "recompute"]
 FinishReason = Literal["stop", "length", "abort", "error"]
+PreemptReason = Literal["host_pool_full"]
 ErrorCode = Literal["bad_json", "unknown_op", "invalid_argument", "too_long", "duplicate_id",
                     "not_found", "busy", "unsupported"]
 
 # Bounds a client may ask for; the engine may refuse more (memory) with its own message.
-BlockSize = Annotated[int, Meta(ge=1, le=256)]
-NumDeviceBlocks = Annotated[int, Meta(ge=1, le=65536)]
-NumHostBlocks = Annotated[int, Meta(ge=0, le=65536)]
-MaxNumSeqs = Annotated[int, Meta(ge=1, le=256)]
+MAX_BLOCK_SIZE, MAX_DEVICE_BLOCKS, MAX_HOST_BLOCKS, MAX_NUM_SEQS = 256, 65536, 65536, 256
+BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
+NumDeviceBlocks = Annotated[int, Meta(ge=1, le=MAX_DEVICE_BLOCKS)]
+NumHostBlocks = Annotated[int, Meta(ge=0, le=MAX_HOST_BLOCKS)]
+MaxNumSeqs = Annotated[int, Meta(ge=1, le=MAX_NUM_SEQS)]
 
 
 class PoolConfig(Struct, kw_only=True):
@@ -113,6 +115,7 @@ class Free(Event, tag="free"):
 class Preempt(Event, tag="preempt"):
     seq_id: str
     mode: PreemptionMode
+    reason: PreemptReason | None = None  # addition: why a swap-mode engine recomputed instead
 
 
 class SwapOut(Event, tag="swap_out"):
@@ -203,6 +206,16 @@ class Hello(Struct, tag_field="type", tag="hello", kw_only=True):
     step_delay_ms: float = 0.0
     server: str = "kvscope"
     supports: list[str] | None = None
+    features: list[str] = []  # the optional features this client asked for and was granted
+
+
+class LoopState(Struct, tag_field="type", tag="loop", kw_only=True):
+    """Feature `loop` (addition): the engine loop's pause and pace, sent to every client that
+    asked for it whenever they change, whoever changed them."""
+    paused: bool
+    step_delay_ms: float
+    until: list[str] = []       # a run_until in progress: the kinds it stops at
+    stopped_at: int | None = None  # the event a run_until stopped at (the first of its kinds)
 
 
 class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True):
@@ -231,7 +244,8 @@ class Error(Struct, tag_field="type", tag="error", kw_only=True):
     id: Any = None
 
 
-ServerMessage = Union[Hello, Snapshot, Events, Ack, Error]
+ServerMessage = Union[Hello, Snapshot, Events, Ack, Error, LoopState]
+FEATURES = ("loop",)  # optional features a client may ask for (`?features=...`)
 
 
 # ------------------------------------------------------------------------ client commands
@@ -298,6 +312,16 @@ class ResetCmd(Command, tag="reset"):
     config: ResetConfig = msgspec.field(default_factory=ResetConfig)
 
 
+class RunUntil(Command, tag="run_until"):
+    """Run steps until one emits an event of `kinds` (then pause), or `max_steps` have run."""
+    kinds: Annotated[list[str], Meta(min_length=1, max_length=len(EVENT_KINDS))]
+    max_steps: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+
+    def __post_init__(self) -> None:
+        if unknown := sorted(set(self.kinds) - set(EVENT_KINDS)):
+            raise ValueError(f"unknown event kinds {unknown}; known kinds: {', '.join(EVENT_KINDS)}")
+
+
 class Pace(Command, tag="pace"):
     step_delay_ms: Annotated[float, Meta(ge=0, le=10_000)]
 
@@ -311,7 +335,7 @@ class ClearPrefixCache(Command, tag="clear_prefix_cache"):
 
 
 AnyCommand = Union[Submit, Abort, Pause, Resume, StepCmd, ResetCmd, Pace, SnapshotCmd,
-                   ClearPrefixCache]
+                   ClearPrefixCache, RunUntil]
 COMMANDS: dict[str, type[Command]] = {t.__struct_config__.tag: t for t in AnyCommand.__args__}
 
 
@@ -361,7 +385,7 @@ def encode(msg: Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_server_message(data: str | bytes) -> Hello | Snapshot | Events | Ack | Error:
+def decode_server_message(data: str | bytes) -> Hello | Snapshot | Events | Ack | Error | LoopState:
     return _server_decoder.decode(data)
 
 
