@@ -96,6 +96,8 @@ def metrics(view: View, client: EngineClient) -> None:
     row[3].metric("Running", f"{run}", f"{wait} wait · {swap} swapped", "orange" if wait or swap else "gray",
                   **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
+    if tl.since != "engine start":  # counters cover only what this client saw
+        st.caption(f"Counters since {tl.since}; pool usage and sequences are the whole engine's.")
 
 
 def reservation_card(view: View) -> None:

@@ -102,6 +102,19 @@ def test_hit_rate_counts_every_admission_and_never_passes_100_percent(monkeypatc
     assert 0 < m.tally.hit_rate < 1
 
 
+def test_counters_of_a_client_that_attached_late_say_since_when(recorded):
+    """Bug 5: a page that attached mid-recording read "0% · 0 / 3,871 tokens"."""
+    first, events, _ = recorded
+    m = Mirror.from_snapshot(first)
+    for ev in events[:len(events) // 2]:
+        m.apply(ev)
+    late = Mirror.from_snapshot(m.state.snapshot())
+    for ev in events[len(events) // 2:]:
+        late.apply(ev)
+    assert late.tally.since == f"you attached (event {events[len(events) // 2 - 1].seq:,})"
+    assert late.tally.hit_tokens <= late.tally.looked_up_tokens and Mirror.from_snapshot(first).tally.since == "engine start"
+
+
 def test_usage_compares_contiguous_reservation_with_paging(recorded):
     first, events, _ = recorded
     m = Mirror.from_snapshot(first)
