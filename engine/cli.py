@@ -22,6 +22,8 @@ def add_listen_args(ap: argparse.ArgumentParser, port: int = 8765) -> None:
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
+    # websockets logs every connection, each /metrics scrape included: keep only its warnings
+    logging.getLogger("websockets").setLevel(logging.WARNING)
 
 
 def is_loopback(host: str) -> bool:

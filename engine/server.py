@@ -19,6 +19,7 @@ from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, se
 from engine.config import add_engine_args, config_from_args
 from engine.contract import protocol as p
 from engine.hub import Client, Hub, Pacing, Serving, serve_in_thread
+from engine.metrics import EngineMetrics
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvscope")
@@ -32,6 +33,7 @@ class EngineLoop:
     def __init__(self, engine, step_delay_ms: float = 0.0):
         self.engine = engine
         self.hub: Hub | None = None
+        self.metrics = EngineMetrics(engine.loaded.name, engine.snapshot)  # fed by _publish
         self.commands: queue.Queue = queue.Queue()
         self.pacing = Pacing(step_delay_ms=step_delay_ms)
         self.steps_run = 0
@@ -144,6 +146,7 @@ class EngineLoop:
     def _publish(self, events: list[p.Event] | None = None) -> None:
         """Send the events so far (then a change of the loop's pace or pause, if any)."""
         if events := (events or []) + self.engine.drain_events():
+            self.metrics.observe(events)
             self.hub.call(self.hub.publish_events, events)
         if (state := self.pacing.take_change()) is not None:
             self.hub.call(self.hub.broadcast_loop, state)
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.engine import LLMEngine  # torch is imported only once the arguments are sound
 
     engine = LLMEngine(config_from_args(args), progress=lambda msg: log.info(msg))
-    hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, record=args.record)
+    hub = engine_hub(engine, args.step_delay_ms, token=args.token, record=args.record)
     serve_until_signal(hub, args.host, args.port, lambda port: _say_ready(engine, args.host, port))
     log.info("stopped")
     return 0
@@ -178,7 +181,13 @@ def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, step_delay_m
                     **hub_kw) -> Serving:
     """Serve `engine` from a background thread (tests, benchmarks); returns once it listens.
     `hub_kw`: token, record, max_queued_events."""
-    return serve_in_thread(Hub(EngineLoop(engine, step_delay_ms), **hub_kw), host, port)
+    return serve_in_thread(engine_hub(engine, step_delay_ms, **hub_kw), host, port)
+
+
+def engine_hub(engine, step_delay_ms: float = 0.0, **hub_kw) -> Hub:
+    """The engine's loop behind a hub, with its Prometheus metrics at GET /metrics."""
+    loop = EngineLoop(engine, step_delay_ms)
+    return Hub(loop, metrics=loop.metrics.render, **hub_kw)
 
 
 if __name__ == "__main__":

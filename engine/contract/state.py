@@ -131,6 +131,11 @@ class PoolState:
         host[hflat] = hheld
         return dev, host
 
+    def tokens_in_used_blocks(self) -> int:
+        """Tokens stored in the device blocks some sequence holds, a shared block once: over
+        `used * block_size` slots, the slot utilisation (1 - internal fragmentation)."""
+        return int(self.block_tokens()[0][self.block_states() >= USED].sum())
+
     def snapshot(self) -> p.Snapshot:
         dev, host = (a.tolist() for a in self.block_tokens())
         return p.Snapshot(
