@@ -3,7 +3,8 @@
     python -m engine.server [--model smollm2] [--port 8765] [--step-delay-ms 0] [--record FILE] ...
 
 Commands reach the engine thread through a queue and run between steps; its events leave
-through the Hub after every step. The engine never waits on a client.
+through the Hub after every step. The engine never waits on a client. `GET /metrics` on the
+same port: Prometheus metrics (engine/metrics.py, docs/metrics.md).
 """
 from __future__ import annotations
 

@@ -2,9 +2,11 @@
 what the engine did: its block manager's admissions, and the events a client received."""
 from __future__ import annotations
 
+import re
 import urllib.error
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -166,3 +168,14 @@ def test_metrics_need_the_token_when_the_server_has_one(serve):
         scrape(srv.url)
     assert e.value.code == 401
     assert scrape(srv.url, token="s3cret")["kvscope_device_blocks", ""] == 256
+
+
+def test_the_docs_list_every_metric_the_server_serves(serve):
+    srv, _ = serve()
+    served = {name.removesuffix("_total") for name, _ in scrape(srv.url)}
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    table = {n.removesuffix("_total") for row in doc.splitlines() if row.startswith("| `")
+             for n in re.findall(r"`([a-z_:]+)(?:\{\w+\})?`", row.split(" | ")[0])}
+    assert table == served
+    alert = re.search(r"expr: (\S+) > 0\.90", doc)
+    assert alert and alert.group(1) in served
