@@ -33,7 +33,7 @@ class SeqState:
     num_tokens: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    max_tokens: int = 64
+    max_tokens: int = p.DEFAULT_MAX_TOKENS
     text: str = ""
 
     def clone(self) -> SeqState:
