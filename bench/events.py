@@ -3,7 +3,8 @@
 Runs the same workload through the engine server with 0 clients and with 2 clients reading
 (each a separate process mirroring the pool with the reducer, as the dashboard does),
 interleaved over rounds; prints the engine's output tokens/s for each (median and spread), the
-loss per round, the event-to-client latency (p50/p99) measured by the clients on the shared
+loss per round, the server process's CPU time per token (less swayed by other jobs on a shared
+machine than the wall clock), the event-to-client latency (p50/p99) measured by the clients on the shared
 monotonic clock, and what the Prometheus bookkeeping costs the engine thread per step.
 
     python -m bench.events [--model smollm2] [--requests 16] [--new-tokens 64] [--rounds 5]
@@ -47,7 +48,9 @@ def reader(url: str, t0: float) -> None:
     print(json.dumps({"step": step_lat, "all": all_lat}))
 
 
-def run_once(engine, prompts, new_tokens: int, clients: int, nice: int = 0) -> tuple[float, list, list]:
+def run_once(engine, prompts, new_tokens: int, clients: int, nice: int = 0
+             ) -> tuple[float, float, list, list]:
+    """(tokens/s, this process's CPU ms per token, step-event delays, all event delays)."""
     from engine.server import start_in_thread
 
     srv = start_in_thread(engine)
@@ -57,20 +60,21 @@ def run_once(engine, prompts, new_tokens: int, clients: int, nice: int = 0) -> t
                for _ in range(clients)]
     while len(srv.hub.clients) < clients:
         time.sleep(0.01)
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     for prompt in prompts:
         srv.backend.commands.put(("command", p.Submit(prompt=prompt, max_tokens=new_tokens,
                                                           ignore_eos=True), None))
     while srv.backend.commands.qsize() or engine.has_unfinished():
         time.sleep(0.002)
-    elapsed = time.perf_counter() - t_start
+    elapsed, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
     srv.stop()
     step_lat, all_lat = [], []
     for r in readers:
         out = json.loads(r.communicate(timeout=60)[0])
         step_lat += out["step"]
         all_lat += out["all"]
-    return len(prompts) * new_tokens / elapsed, step_lat, all_lat
+    tokens = len(prompts) * new_tokens
+    return tokens / elapsed, cpu * 1000 / tokens, step_lat, all_lat
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -129,25 +133,31 @@ def main() -> None:
     lat_step, lat_all = [], []
 
     def side(clients: int):
-        def run() -> float:
-            rate, s, a = run_once(engine, prompts, args.new_tokens, clients, args.nice)
+        def run() -> tuple[float, float]:
+            rate, cpu, s, a = run_once(engine, prompts, args.new_tokens, clients, args.nice)
             lat_step.extend(s)
             lat_all.extend(a)
-            return round(rate, 1)
+            return round(rate, 1), round(cpu, 3)
         return run
 
-    rates = interleave({"0 clients": side(0), "2 clients": side(2)}, args.rounds, say=print)
+    runs = interleave({"0 clients": side(0), "2 clients": side(2)}, args.rounds, say=print)
+    rates = {k: [r for r, _ in v] for k, v in runs.items()}
+    cpu = {k: [c for _, c in v] for k, v in runs.items()}
     loss = [(1 - r) * 100 for r in ratios(rates["0 clients"], rates["2 clients"])]
+    extra = [(r - 1) * 100 for r in ratios(cpu["0 clients"], cpu["2 clients"])]
     per_step, share, scrape_ms = metrics_cost(engine, prompts, args.new_tokens, args.rounds)
     print(f"{engine.loaded.name}, {args.requests} requests x {args.new_tokens} tokens, {args.rounds} rounds "
           f"interleaved, clients at nice {args.nice}; median (min..max)")
     print(f"engine throughput: 0 clients {spread(rates['0 clients'])} tok/s, "
           f"2 clients {spread(rates['2 clients'])} tok/s; loss per round {spread(loss)}%")
+    print(f"server process CPU per token (engine, torch and hub threads; the readers are other processes): "
+          f"0 clients {spread(cpu['0 clients'], '.2f')} ms, 2 clients {spread(cpu['2 clients'], '.2f')} ms; "
+          f"extra per round {spread(extra)}%")
     print(f"event-to-client latency, step events: p50 {pct(lat_step, .5):.2f} ms, p99 {pct(lat_step, .99):.2f} ms"
           f" (n={len(lat_step)}); all events (includes the rest of their step): p50 {pct(lat_all, .5):.2f} ms,"
           f" p99 {pct(lat_all, .99):.2f} ms")
     print(f"metrics bookkeeping on the engine thread: {spread(per_step)} us per step, "
-          f"{spread(share, '.2f')}% of the step time; one scrape {scrape_ms:.1f} ms (scraper's thread)")
+          f"{spread(share, '.3f')}% of the step time; one scrape {scrape_ms:.1f} ms (scraper's thread)")
 
 
 if __name__ == "__main__":
