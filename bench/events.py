@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from bench.rounds import interleave, ratios, spread
@@ -92,9 +93,17 @@ def metrics_cost(engine, prompts, new_tokens: int, rounds: int) -> tuple[list[fl
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     batches = [engine.drain_events()]
-    while engine.has_unfinished():
-        engine.step()
-        batches.append(engine.drain_events())
+
+    def steps() -> None:
+        while engine.has_unfinished():
+            engine.step()
+            batches.append(engine.drain_events())
+
+    # on its own thread, as in the server: torch's OpenMP team of the main thread runs many
+    # times slower when other jobs crowd the cores
+    worker = threading.Thread(target=steps)
+    worker.start()
+    worker.join()
     step_ms = sum(ev.duration_ms for b in batches for ev in b if isinstance(ev, p.StepDone))
     per_step, share = [], []
     for _ in range(rounds):
