@@ -53,6 +53,8 @@ class Backend(Protocol):
 
 EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
 METRICS_PATH = "/metrics"  # answered over plain HTTP on the WebSocket port when the hub has metrics
+CLOSE_TIMEOUT_S = 1.0  # a peer that does not answer the closing handshake sooner is dropped
+THREAD_WAIT_S = 30.0   # serve_in_thread: for the server to listen, and for it to stop
 PACING_COMMANDS = ("pause", "resume", "step", "pace", "run_until")  # what Pacing carries out
 
 
@@ -286,7 +288,7 @@ class Hub:
         if self._recording:
             self._record(p.encode(self.backend.hello()))
         async with serve(self._handler, host, port, compression=None, max_size=p.MAX_FRAME_BYTES,
-                         close_timeout=1, process_request=self._process_request) as server:
+                         close_timeout=CLOSE_TIMEOUT_S, process_request=self._process_request) as server:
             bound = server.sockets[0].getsockname()[1]
             self.backend.start(self)
             if self._recording:
@@ -317,7 +319,7 @@ class Serving:
         """Stop serving (the backend too) and wait for the thread."""
         if self.thread.is_alive():
             self.request_stop()
-            self.thread.join(timeout=30)
+            self.thread.join(timeout=THREAD_WAIT_S)
 
 
 def serve_in_thread(hub: Hub, host: str = "127.0.0.1", port: int = 0) -> Serving:
@@ -338,7 +340,7 @@ def serve_in_thread(hub: Hub, host: str = "127.0.0.1", port: int = 0) -> Serving
             box.put(e)
 
     threading.Thread(target=run, name="kvscope-hub", daemon=True).start()
-    out = box.get(timeout=30)
+    out = box.get(timeout=THREAD_WAIT_S)
     if isinstance(out, BaseException):
         raise out
     return out

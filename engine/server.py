@@ -25,6 +25,10 @@ from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvscope")
 MAX_WAITING = 1024  # requests queued beyond this are refused with `busy`
+IDLE_WAIT_S = 0.1         # with nothing to run, wait this long for a command before checking for stop
+NOTHING_RAN_WAIT_S = 0.01  # a step that could schedule nothing: wait before trying again, not spin
+PACE_SLICE_S = 0.05       # while pacing, commands are still answered at least this often
+STOP_WAIT_S = 10.0        # stop() waits this long for the step in flight
 
 
 class EngineLoop:
@@ -48,7 +52,7 @@ class EngineLoop:
     def stop(self) -> None:
         self.stopping.set()
         if self.thread.is_alive():
-            self.thread.join(timeout=10)  # let the step in flight end
+            self.thread.join(timeout=STOP_WAIT_S)  # let the step in flight end
 
     def hello(self) -> p.Hello:
         return self.pacing.stamp(self.engine.hello())
@@ -65,11 +69,11 @@ class EngineLoop:
             self._run_commands(block=False)
             runnable = self.engine.has_unfinished() and self.pacing.may_step
             if not runnable:
-                self._run_commands(block=True, timeout=0.1)
+                self._run_commands(block=True, timeout=IDLE_WAIT_S)
                 continue
             try:
                 if not self.engine.step().scheduled:  # nothing could run: do not spin
-                    self._run_commands(block=True, timeout=0.01)
+                    self._run_commands(block=True, timeout=NOTHING_RAN_WAIT_S)
             except Exception:
                 log.exception("engine step failed; its sequences were finished with reason 'error'")
             self.steps_run += 1
@@ -83,7 +87,7 @@ class EngineLoop:
         """Pace between steps, still answering commands meanwhile."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0 and not self.stopping.is_set():
-            self._run_commands(block=True, timeout=min(left, 0.05))
+            self._run_commands(block=True, timeout=min(left, PACE_SLICE_S))
             if not self.pacing.step_delay_ms:  # pace 0 cancels the wait
                 return
 
