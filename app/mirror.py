@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.contract import protocol as p
-from engine.contract.state import USED, PoolState
+from engine.contract.state import PoolState
 
 RATE_WINDOW_S = 3.0  # tokens/s is averaged over this much engine time
 FINISHED_KEPT = 12   # finished requests listed in the tables view
@@ -157,7 +157,7 @@ class Mirror:
         stored = sum(s.num_tokens for s in holding)
         # Paging holds each physical block once, however many sequences share it.
         paged_slots = used * bs
-        tokens_in_blocks = int(st.block_tokens()[0][st.block_states() >= USED].sum())
+        tokens_in_blocks = st.tokens_in_used_blocks()
         reserved = sum(s.prompt_tokens + s.max_tokens for s in holding)
         return dict(
             free=free, cached=cached, used=used, total=cfg.num_device_blocks, shared=shared,

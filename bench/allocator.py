@@ -4,7 +4,9 @@
 one of five shared 256-token prefixes, run through admission (prefix lookup + allocate), one
 decode slot per running sequence per step, and free. No model: this times the allocator.
 
-    python -m bench.allocator [--requests 10000] [--block-size 16] [--blocks 8192]
+Repeated `--rounds` times, each on a fresh block manager; prints medians and their spread.
+
+    python -m bench.allocator [--requests 10000] [--block-size 16] [--blocks 8192] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import random
 import time
 from collections import Counter
 
+from bench.rounds import spread
 from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.events import EventLog
@@ -43,7 +46,7 @@ def run(trace, block_size: int, num_blocks: int, max_running: int = 64) -> dict:
     running: list[tuple[Sequence, int]] = []
     ops = Counter()
     num_events = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while pending or running:
         while pending and len(running) < max_running:
             prompt, out = pending[-1]
@@ -74,10 +77,10 @@ def run(trace, block_size: int, num_blocks: int, max_running: int = 64) -> dict:
         events = log.drain()
         num_events += len(events)
         ops.update(ev.__struct_config__.tag for ev in events if ev.__struct_config__.tag in BLOCK_KINDS)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     total = sum(ops.values())
     return {"ops": dict(ops), "total_ops": total, "seconds": elapsed, "ops_per_s": total / elapsed,
-            "events": num_events, "events_per_s": num_events / elapsed}
+            "ops_per_cpu_s": total / cpu, "events": num_events, "events_per_s": num_events / elapsed}
 
 
 def main() -> None:
@@ -85,13 +88,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     trace = make_trace(args.requests)
-    r = run(trace, args.block_size, args.blocks)
-    print(f"{args.requests} requests, block size {args.block_size}, {args.blocks} blocks")
-    print("block operations (the bench's own event counting is inside the timing): " + ", ".join(f"{k} {v:,}" for k, v in r["ops"].items()))
-    print(f"{r['total_ops']:,} block ops in {r['seconds']:.2f} s = {r['ops_per_s']:,.0f} ops/s "
-          f"(events on: {r['events']:,} events, {r['events_per_s']:,.0f}/s)")
+    runs = [run(trace, args.block_size, args.blocks) for _ in range(args.rounds)]
+    r = runs[0]  # the trace is deterministic: every round does the same operations
+    assert all(x["ops"] == r["ops"] for x in runs)
+    changing = r["total_ops"] - r["ops"]["append_slot"]
+    print(f"{args.requests} requests, block size {args.block_size}, {args.blocks} blocks, "
+          f"{args.rounds} rounds; median (min..max)")
+    print("block operations (the bench's own event counting is inside the timing): "
+          + ", ".join(f"{k} {v:,}" for k, v in r["ops"].items()))
+    print(f"{r['total_ops']:,} block ops in {spread([x['seconds'] for x in runs], '.2f')} s = "
+          f"{spread([x['ops_per_s'] for x in runs], ',.0f')} ops/s; "
+          f"{r['events']:,} events, {spread([x['events_per_s'] for x in runs], ',.0f')} events/s; "
+          f"block-changing ops (all but append_slot): "
+          f"{spread([changing / x['seconds'] for x in runs], ',.0f')}/s")
+    print(f"per second of this process's CPU time (what other jobs on the machine change least): "
+          f"{spread([x['ops_per_cpu_s'] for x in runs], ',.0f')} ops")
 
 
 if __name__ == "__main__":

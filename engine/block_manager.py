@@ -15,6 +15,7 @@ from engine.sequence import Sequence
 from engine.contract.state import PoolState, SeqState
 
 NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
+WATERMARK = 0.01  # share of device blocks admission leaves free, so running sequences can grow
 
 
 def hash_hex(h: int) -> str:
@@ -26,7 +27,7 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, config: p.PoolConfig, log: EventLog, watermark: float = 0.01):
+    def __init__(self, config: p.PoolConfig, log: EventLog, watermark: float = WATERMARK):
         self.log = log
         self.watermark = watermark
         self._build(config)

@@ -12,9 +12,10 @@ import sys
 from engine.hub import Hub
 
 log = logging.getLogger("kvscope")
+DEFAULT_PORT = 8765
 
 
-def add_listen_args(ap: argparse.ArgumentParser, port: int = 8765) -> None:
+def add_listen_args(ap: argparse.ArgumentParser, port: int = DEFAULT_PORT) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=port, help="0 picks a free port")
     ap.add_argument("--token", default=None, help="required of clients; needed to bind beyond loopback")
@@ -22,6 +23,8 @@ def add_listen_args(ap: argparse.ArgumentParser, port: int = 8765) -> None:
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
+    # websockets logs every connection, each /metrics scrape included: keep only its warnings
+    logging.getLogger("websockets").setLevel(logging.WARNING)
 
 
 def is_loopback(host: str) -> bool:

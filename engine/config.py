@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.block_manager import WATERMARK
 from engine.contract.protocol import PoolConfig
 
 
@@ -15,7 +16,7 @@ class EngineConfig:
     dtype: str | None = None      # None: bfloat16 on cuda, float32 on cpu
     pool: PoolConfig = field(default_factory=PoolConfig)
     max_num_batched_tokens: int = 1024  # tokens per forward; longer prompts are prefilled in chunks
-    watermark: float = 0.01       # fraction of device blocks kept free when admitting new work
+    watermark: float = WATERMARK  # fraction of device blocks kept free when admitting new work
     memory_fraction: float = 0.5  # largest share of free memory the two pools may take
 
 

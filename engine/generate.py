@@ -17,11 +17,12 @@ from engine.sequence import SamplingParams
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = SamplingParams()
     ap.add_argument("prompt")
-    ap.add_argument("--n", type=int, default=1, help="parallel samples sharing the prompt's blocks")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--n", type=int, default=d.n, help="parallel samples sharing the prompt's blocks")
+    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--top-p", type=float, default=d.top_p)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")

@@ -18,13 +18,14 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 from engine.contract import protocol as p
 
@@ -51,6 +52,9 @@ class Backend(Protocol):
 
 
 EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
+METRICS_PATH = "/metrics"  # answered over plain HTTP on the WebSocket port when the hub has metrics
+CLOSE_TIMEOUT_S = 1.0  # a peer that does not answer the closing handshake sooner is dropped
+THREAD_WAIT_S = 30.0   # serve_in_thread: for the server to listen, and for it to stop
 PACING_COMMANDS = ("pause", "resume", "step", "pace", "run_until")  # what Pacing carries out
 
 
@@ -142,9 +146,11 @@ class Client:
 
 class Hub:
     def __init__(self, backend: Backend, *, token: str | None = None, max_queued_events: int = 256,
-                 send_buffer: int = 64 * 1024, record: Path | None = None):
+                 send_buffer: int = 64 * 1024, record: Path | None = None,
+                 metrics: Callable[[str | None], tuple[bytes, str]] | None = None):
         self.backend = backend
         self.token = token
+        self.metrics = metrics  # GET /metrics: (Accept header) -> (body, content type), off the loop
         self.max_queued_events = max_queued_events
         self.send_buffer = send_buffer  # a small kernel buffer, so a client that stalls is noticed
         self.clients: set[Client] = set()
@@ -204,7 +210,19 @@ class Hub:
             self._recording.flush()
 
     # ------------------------------------------------------------------ connections
-    def _check_token(self, conn: ServerConnection, request):
+    async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        """Before the WebSocket handshake: refuse a wrong token; answer GET /metrics over HTTP."""
+        if refused := self._check_token(conn, request):
+            return refused
+        if self.metrics and urlsplit(request.path).path == METRICS_PATH:
+            body, content_type = await asyncio.to_thread(self.metrics, request.headers.get("Accept"))
+            response = conn.respond(http.HTTPStatus.OK, body.decode())
+            del response.headers["Content-Type"]  # Headers keeps every value set: replace, not add
+            response.headers["Content-Type"] = content_type
+            return response
+        return None
+
+    def _check_token(self, conn: ServerConnection, request: Request) -> Response | None:
         if self.token is None:
             return None
         given = parse_qs(urlsplit(request.path).query).get("token", [""])[0]
@@ -270,7 +288,7 @@ class Hub:
         if self._recording:
             self._record(p.encode(self.backend.hello()))
         async with serve(self._handler, host, port, compression=None, max_size=p.MAX_FRAME_BYTES,
-                         close_timeout=1, process_request=self._check_token) as server:
+                         close_timeout=CLOSE_TIMEOUT_S, process_request=self._process_request) as server:
             bound = server.sockets[0].getsockname()[1]
             self.backend.start(self)
             if self._recording:
@@ -301,7 +319,7 @@ class Serving:
         """Stop serving (the backend too) and wait for the thread."""
         if self.thread.is_alive():
             self.request_stop()
-            self.thread.join(timeout=30)
+            self.thread.join(timeout=THREAD_WAIT_S)
 
 
 def serve_in_thread(hub: Hub, host: str = "127.0.0.1", port: int = 0) -> Serving:
@@ -322,7 +340,7 @@ def serve_in_thread(hub: Hub, host: str = "127.0.0.1", port: int = 0) -> Serving
             box.put(e)
 
     threading.Thread(target=run, name="kvscope-hub", daemon=True).start()
-    out = box.get(timeout=30)
+    out = box.get(timeout=THREAD_WAIT_S)
     if isinstance(out, BaseException):
         raise out
     return out

@@ -2,8 +2,10 @@
 
 Each step: running sequences first (a decode token, or the next chunk of a prefill), preempting
 the latest arrival when blocks run out; then, if nothing was preempted, swapped sequences come
-back; then, if none is left swapped, waiting ones are admitted (prefix hits first), all under
-`max_num_seqs` sequences and `max_num_batched_tokens` tokens.
+back; then, if none is left swapped, waiting ones are admitted first come, first served (a
+sequence preempted by recompute goes back to the front), all under `max_num_seqs` sequences
+(a request's samples count before they fork) and `max_num_batched_tokens` tokens. Admission
+stops at the first waiting sequence that does not fit, so a long prompt is never overtaken.
 """
 from __future__ import annotations
 
@@ -86,21 +88,24 @@ class Scheduler:
             else:
                 budget -= self._run(seq, budget, batch)
                 i += 1
+        seats = sum(map(_width, self.running))  # taken in the batch, samples yet to fork included
         if not preempted:
-            while self.swapped and len(self.running) < self.max_num_seqs and budget:
+            while self.swapped and budget:
                 seq = self.swapped[0]
+                if self.running and seats + _width(seq) > self.max_num_seqs:
+                    break
                 if not self.bm.can_swap_in(seq):
                     break
                 self.swapped.popleft()
                 batch.swap_in += self.bm.swap_in(seq)
                 self.add_running(seq)
+                seats += _width(seq)
                 if self.bm.can_append(seq):
                     budget -= self._run(seq, budget, batch)
         if not preempted and not self.swapped:
             while self.waiting and budget:
                 seq = self.waiting[0]
-                width = seq.params.n if seq.num_output_tokens == 0 else 1  # its samples fork later
-                if self.running and len(self.running) + width > self.max_num_seqs:
+                if self.running and seats + _width(seq) > self.max_num_seqs:
                     break
                 if not self.bm.can_allocate(seq):
                     break
@@ -108,6 +113,7 @@ class Scheduler:
                 seq.num_computed_tokens = self.bm.allocate(seq)
                 self.log.emit(p.StatusChange(seq_id=seq.seq_id, status="running"))
                 self.add_running(seq)
+                seats += _width(seq)
                 budget -= self._run(seq, budget, batch)
         return batch
 
@@ -135,3 +141,9 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
+
+
+def _width(seq: Sequence) -> int:
+    """Sequences `seq` will take in the running batch: before its first token, its samples
+    are still to fork from it."""
+    return seq.params.n if seq.num_output_tokens == 0 else 1

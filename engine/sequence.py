@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.contract.protocol import DEFAULT_MAX_TOKENS
 from engine.detokenizer import Detokenizer
 
 
@@ -16,7 +17,7 @@ class SeqStatus(str, Enum):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     n: int = 1

@@ -3,7 +3,8 @@
     python -m engine.server [--model smollm2] [--port 8765] [--step-delay-ms 0] [--record FILE] ...
 
 Commands reach the engine thread through a queue and run between steps; its events leave
-through the Hub after every step. The engine never waits on a client.
+through the Hub after every step. The engine never waits on a client. `GET /metrics` on the
+same port: Prometheus metrics (engine/metrics.py, docs/metrics.md).
 """
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, se
 from engine.config import add_engine_args, config_from_args
 from engine.contract import protocol as p
 from engine.hub import Client, Hub, Pacing, Serving, serve_in_thread
+from engine.metrics import EngineMetrics
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvscope")
 MAX_WAITING = 1024  # requests queued beyond this are refused with `busy`
+IDLE_WAIT_S = 0.1         # with nothing to run, wait this long for a command before checking for stop
+NOTHING_RAN_WAIT_S = 0.01  # a step that could schedule nothing: wait before trying again, not spin
+PACE_SLICE_S = 0.05       # while pacing, commands are still answered at least this often
+STOP_WAIT_S = 10.0        # stop() waits this long for the step in flight
 
 
 class EngineLoop:
@@ -32,6 +38,7 @@ class EngineLoop:
     def __init__(self, engine, step_delay_ms: float = 0.0):
         self.engine = engine
         self.hub: Hub | None = None
+        self.metrics = EngineMetrics(engine.loaded.name, engine.snapshot)  # fed by _publish
         self.commands: queue.Queue = queue.Queue()
         self.pacing = Pacing(step_delay_ms=step_delay_ms)
         self.steps_run = 0
@@ -45,7 +52,7 @@ class EngineLoop:
     def stop(self) -> None:
         self.stopping.set()
         if self.thread.is_alive():
-            self.thread.join(timeout=10)  # let the step in flight end
+            self.thread.join(timeout=STOP_WAIT_S)  # let the step in flight end
 
     def hello(self) -> p.Hello:
         return self.pacing.stamp(self.engine.hello())
@@ -62,11 +69,11 @@ class EngineLoop:
             self._run_commands(block=False)
             runnable = self.engine.has_unfinished() and self.pacing.may_step
             if not runnable:
-                self._run_commands(block=True, timeout=0.1)
+                self._run_commands(block=True, timeout=IDLE_WAIT_S)
                 continue
             try:
                 if not self.engine.step().scheduled:  # nothing could run: do not spin
-                    self._run_commands(block=True, timeout=0.01)
+                    self._run_commands(block=True, timeout=NOTHING_RAN_WAIT_S)
             except Exception:
                 log.exception("engine step failed; its sequences were finished with reason 'error'")
             self.steps_run += 1
@@ -80,7 +87,7 @@ class EngineLoop:
         """Pace between steps, still answering commands meanwhile."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0 and not self.stopping.is_set():
-            self._run_commands(block=True, timeout=min(left, 0.05))
+            self._run_commands(block=True, timeout=min(left, PACE_SLICE_S))
             if not self.pacing.step_delay_ms:  # pace 0 cancels the wait
                 return
 
@@ -144,6 +151,7 @@ class EngineLoop:
     def _publish(self, events: list[p.Event] | None = None) -> None:
         """Send the events so far (then a change of the loop's pace or pause, if any)."""
         if events := (events or []) + self.engine.drain_events():
+            self.metrics.observe(events)
             self.hub.call(self.hub.publish_events, events)
         if (state := self.pacing.take_change()) is not None:
             self.hub.call(self.hub.broadcast_loop, state)
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.engine import LLMEngine  # torch is imported only once the arguments are sound
 
     engine = LLMEngine(config_from_args(args), progress=lambda msg: log.info(msg))
-    hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, record=args.record)
+    hub = engine_hub(engine, args.step_delay_ms, token=args.token, record=args.record)
     serve_until_signal(hub, args.host, args.port, lambda port: _say_ready(engine, args.host, port))
     log.info("stopped")
     return 0
@@ -178,7 +186,13 @@ def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, step_delay_m
                     **hub_kw) -> Serving:
     """Serve `engine` from a background thread (tests, benchmarks); returns once it listens.
     `hub_kw`: token, record, max_queued_events."""
-    return serve_in_thread(Hub(EngineLoop(engine, step_delay_ms), **hub_kw), host, port)
+    return serve_in_thread(engine_hub(engine, step_delay_ms, **hub_kw), host, port)
+
+
+def engine_hub(engine, step_delay_ms: float = 0.0, **hub_kw) -> Hub:
+    """The engine's loop behind a hub, with its Prometheus metrics at GET /metrics."""
+    loop = EngineLoop(engine, step_delay_ms)
+    return Hub(loop, metrics=loop.metrics.render, **hub_kw)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import GenerationConfig
 from engine.contract import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.model_loader import load_model
+from engine.model_loader import apply_chat_template, load_model
 from engine.sequence import SamplingParams
 from engine.contract.state import PoolState, check_invariants
 
@@ -136,6 +137,18 @@ def test_parallel_sampling_shares_the_prompt_and_copies_the_partial_block_on_wri
     assert len({tuple(t) for t in first}) > 1  # the samples differ
 
 
+def test_samples_yet_to_fork_count_against_max_num_seqs(tiny):
+    engine = make(tiny, max_num_seqs=3)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, ignore_eos=True))
+    for prompt in PROMPTS[1:4]:
+        engine.add_request(prompt, params)
+    finished = run_to_end(engine)
+    steps = [e for e in engine.log.drain() if isinstance(e, p.StepDone)]
+    assert max(s.num_running for s in steps) == 3 and len(finished) == 5
+    assert (steps[0].num_running, steps[0].num_waiting) == (3, 2)  # r1 and the child it forks, r2
+
+
 def test_abort_and_finish_free_every_block(tiny):
     engine = make(tiny)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="a")
@@ -159,12 +172,39 @@ def test_requests_that_can_never_fit_are_refused(tiny):
     assert e.value.code == "duplicate_id"
 
 
-def test_chat_messages_and_eos_stop(tiny):
+def test_chat_messages_go_through_the_chat_template(tiny):
     engine = make(tiny)
     engine.add_request(messages=[{"role": "user", "content": "Hi"}],
-                       params=SamplingParams(max_tokens=4))
+                       params=SamplingParams(max_tokens=4, ignore_eos=True))
     (out,) = run_to_end(engine)
-    assert len(out.prompt_token_ids) > 3 and 1 <= len(out.token_ids) <= 4
+    assert out.prompt_token_ids == apply_chat_template(tiny.tokenizer, [{"role": "user", "content": "Hi"}])
+    assert len(out.prompt_token_ids) > 3 and len(out.token_ids) == 4
+
+
+def test_an_eos_token_ends_the_sequence_with_reason_stop(tiny):
+    ids = tiny.tokenizer.encode(PROMPTS[2], add_special_tokens=False)
+    greedy = hf_greedy(tiny, ids, 12)
+    eos = greedy[5]  # the random tiny model never says its real EOS: make its 6th token one
+    ends = greedy[:greedy.index(eos) + 1]
+    engine = make(replace(tiny, eos_token_ids=[eos]))
+    (out,), = engine.generate([ids], SamplingParams(max_tokens=12))
+    assert out.finish_reason == "stop" and out.token_ids == ends and len(ends) < 12
+    finish = [e for e in engine.log.drain() if isinstance(e, p.Finish)]
+    assert [(e.seq_id, e.reason) for e in finish] == [(out.seq_id, "stop")]
+    (out,), = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert out.finish_reason == "length" and out.token_ids == greedy
+
+
+def test_top_p_samples_only_from_the_nucleus(tiny):
+    """top_p so small that only the most likely token is left gives greedy output at any
+    temperature; top_p 1 with the same seed does not."""
+    ids = tiny.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    greedy = hf_greedy(tiny, ids, 16)
+    engine = make(tiny)
+    hot = SamplingParams(max_tokens=16, temperature=2.0, seed=3, ignore_eos=True)
+    (a,), (b,) = engine.generate([ids, ids], replace(hot, top_p=1e-6))
+    (full,), = engine.generate([ids], hot)
+    assert a.token_ids == b.token_ids == greedy and full.token_ids != greedy
 
 
 def test_reset_keeps_the_model_and_rebuilds_the_pools(tiny):
@@ -192,3 +232,6 @@ def test_smollm2_greedy_matches_transformers_generate():
     for (out,) in outs:
         assert out.token_ids == hf_greedy(loaded, out.prompt_token_ids, params.max_tokens)
     assert "Paris" in outs[0][0].text
+    engine.add_request(messages=[{"role": "user", "content": "Say hello."}], params=SamplingParams(max_tokens=64))
+    (out,) = run_to_end(engine)  # the real model ends its answer with its EOS token
+    assert out.finish_reason == "stop" and out.token_ids[-1] in loaded.eos_token_ids and len(out.token_ids) < 64

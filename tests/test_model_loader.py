@@ -2,7 +2,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------- tiny
-def test_tiny_dims_and_speed(tiny: ml.LoadedModel) -> None:
-    t = time.perf_counter()
-    lm = load_model("tiny", device="cpu", progress=lambda _: None)
-    assert time.perf_counter() - t < 2.0  # tokenizer cached by the fixture's load
+def test_tiny_dims(tiny: ml.LoadedModel) -> None:
+    lm = load_model("tiny", device="cpu", progress=lambda _: None)  # its load time: bench/model_load.py
     c = lm.model.config
     assert isinstance(lm.model, LlamaForCausalLM) and not lm.model.training
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (2, 96, 6, 2, 16)

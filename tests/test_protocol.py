@@ -171,3 +171,32 @@ def test_reducer_rejects_impossible_events(event, message):
     event.seq = 2
     with pytest.raises(InvariantError, match=message):
         state.apply(event)
+
+
+def test_the_example_session_in_the_docs_still_holds():
+    """docs/protocol.md's transcript: every line is a valid message of today's protocol, its
+    events replay onto its snapshot, and its error says what the server says today."""
+    from pathlib import Path
+
+    from engine.hub import Pacing
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    session = doc.split("## Example session", 1)[1]
+    lines = [ln for ln in session.splitlines() if ln.startswith(("< ", "> "))]
+    assert len(lines) >= 8
+    msgs = []
+    for ln in lines:
+        if ln.startswith("> "):
+            p.parse_command(ln[2:])
+        else:  # the snapshot's block lists are cut short with "..."
+            msgs.append(p.decode_server_message(ln[2:].replace(',"..."', "")))
+    hello, snap = msgs[0], msgs[1]
+    assert isinstance(hello, p.Hello) and isinstance(snap, p.Snapshot) and snap.config == hello.config
+    state = PoolState.from_snapshot(snap)  # the blocks cut from it are free, as the missing ones here
+    for m in msgs:
+        for ev in m.events if isinstance(m, p.Events) else []:
+            state.apply(ev)
+    (error,) = [m for m in msgs if isinstance(m, p.Error)]
+    with pytest.raises(p.CommandError) as e:
+        Pacing().handle(p.StepCmd())
+    assert (error.code, error.message) == (e.value.code, e.value.message)

@@ -14,6 +14,8 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
+DEFAULT_MAX_TOKENS = 64  # new tokens of a request that does not say
+MAX_TEXT_CHARS = 100_000  # of a prompt, or of one chat message
 
 Status = Literal["waiting", "running", "swapped"]
 PreemptionMode = Literal["swap", "recompute"]
@@ -65,7 +67,7 @@ class RequestAdded(Event, tag="request_added"):
     seq_id: str
     prompt_tokens: int
     n: int = 1
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 class Fork(Event, tag="fork"):
@@ -190,7 +192,7 @@ class SeqInfo(Struct, kw_only=True):
     prompt_tokens: int
     output_tokens: int
     # Additions to the contract, so a client that joins late can still draw a sequence whole.
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     text: str = ""
 
 
@@ -252,7 +254,7 @@ FEATURES = ("loop",)  # optional features a client may ask for (`?features=...`)
 
 class ChatMessage(Struct, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Meta(max_length=100_000)]
+    content: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 
 
 class Command(Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -260,10 +262,10 @@ class Command(Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
 
 
 class Submit(Command, tag="submit"):
-    prompt: Annotated[str, Meta(min_length=1, max_length=100_000)] | None = None
+    prompt: Annotated[str, Meta(min_length=1, max_length=MAX_TEXT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=256)] | None = None
     request_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 64
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = DEFAULT_MAX_TOKENS
     temperature: Annotated[float, Meta(ge=0, le=100)] = 0.0
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     n: Annotated[int, Meta(ge=1, le=16)] = 1

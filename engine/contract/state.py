@@ -33,7 +33,7 @@ class SeqState:
     num_tokens: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    max_tokens: int = 64
+    max_tokens: int = p.DEFAULT_MAX_TOKENS
     text: str = ""
 
     def clone(self) -> SeqState:
@@ -130,6 +130,11 @@ class PoolState:
         hflat, _, hheld = table_entries([s.host_table for s in seqs], nums, bs)
         host[hflat] = hheld
         return dev, host
+
+    def tokens_in_used_blocks(self) -> int:
+        """Tokens stored in the device blocks some sequence holds, a shared block once: over
+        `used * block_size` slots, the slot utilisation (1 - internal fragmentation)."""
+        return int(self.block_tokens()[0][self.block_states() >= USED].sum())
 
     def snapshot(self) -> p.Snapshot:
         dev, host = (a.tolist() for a in self.block_tokens())
