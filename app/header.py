@@ -74,7 +74,9 @@ def metrics(view: View, client: EngineClient) -> None:
                   help="Tokens stored over the slots of used blocks: internal fragmentation. Only the last "
                        f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. "
                        f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
-    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}", f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens",
+    caching = cfg.enable_prefix_caching
+    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
+                  f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens" if caching else "prefix caching is off",
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}. Found tokens are not computed again.")

@@ -100,13 +100,12 @@ class Mirror:
         """Apply one event; raises engine.contract.state.InvariantError (and changes nothing of the
         derived data) when it cannot follow."""
         before = self.state.seqs.get(getattr(ev, "seq_id", ""))  # the reducer updates it in place
-        text, status = (before.text, before.status) if before else ("", None)
+        text = before.text if before else ""
+        looked_up = self.state.prefix_lookup(ev)
         self.state.apply(ev)
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
-        if status == "waiting" and isinstance(ev, (p.PrefixHit, p.Alloc)) and ev.logical_index == 0:
-            # an admission begins: the engine looks up every token the sequence holds so far
-            tl.looked_up_tokens += before.prompt_tokens + before.output_tokens
+        tl.looked_up_tokens += looked_up
         match ev:
             case p.RequestAdded():
                 tl.requests += 1

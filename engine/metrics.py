@@ -157,10 +157,8 @@ class EngineMetrics:
 
 def _count(ev: p.Event, st: PoolState, tot: Totals) -> None:
     """Add `ev` to the totals; `st` is the pool just before it."""
+    tot.prefix_queries += st.prefix_lookup(ev)
     match ev:
-        case p.StatusChange(status="running") if st.config.enable_prefix_caching:
-            s = st.seqs[ev.seq_id]  # admitted: the engine looked up every token it holds so far
-            tot.prefix_queries += s.prompt_tokens + s.output_tokens
         case p.PrefixHit():
             tot.prefix_hits += st.config.block_size
         case p.Append(token_ids=ids) if ids:

@@ -136,6 +136,18 @@ class PoolState:
         `used * block_size` slots, the slot utilisation (1 - internal fragmentation)."""
         return int(self.block_tokens()[0][self.block_states() >= USED].sum())
 
+    def prefix_lookup(self, ev: p.AnyEvent) -> int:
+        """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the
+        first `prefix_hit` or `alloc` of a waiting sequence: every token it holds so far, a
+        re-admission after a recompute preemption included); 0 for any other event, and with
+        prefix caching off. Call it before applying `ev`. Counted here, hits (one block per
+        `prefix_hit`) never outnumber the tokens looked up, at any event."""
+        if not (isinstance(ev, (p.PrefixHit, p.Alloc)) and ev.logical_index == 0
+                and self.config.enable_prefix_caching):
+            return 0
+        s = self.seqs.get(ev.seq_id)
+        return s.prompt_tokens + s.output_tokens if s is not None and s.status == "waiting" else 0
+
     def snapshot(self) -> p.Snapshot:
         dev, host = (a.tolist() for a in self.block_tokens())
         return p.Snapshot(
