@@ -1,0 +1,168 @@
+"""KVScope inside a real vLLM 0.32 (CPU) serving SmolLM2: the plugin's events against vLLM's own
+structures and numbers, and the ZMQ KV-event mode fed by the same vLLM.
+
+One vLLM serves every test here (loading it takes about a minute): a pool of 48 blocks of 32
+tokens, small enough that six long prompts preempt one another. `make test-vllm` builds
+.venv-vllm and runs this file; without it `make test` skips it and says why.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from engine.contract import protocol as p
+from engine.contract.state import check_invariants
+from tests.protocol_client import Client
+from tests.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer
+from tests.waiting import wait
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
+
+BLOCKS = 48
+SYSTEMS = ("You are a terse assistant for a ship's engine room. Report gauges, pressures and "
+           "temperatures in one line, with units, and never speculate about causes. " * 3,
+           "You are a librarian who answers every question with the title of one book and one "
+           "sentence about why it fits, nothing more, no lists and no quotes. " * 3)
+QUESTIONS = ("What is boiler pressure?", "Is the coolant warm?", "What about the oil?")
+FILLER = ("the pool holds fixed size blocks of keys and values and each sequence maps its logical "
+          "blocks through a block table to physical blocks anywhere in the pool").split()
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    server = VllmServer(BLOCKS).start()
+    yield server
+    server.stop()
+
+
+def long_prompt(i: int, words: int = 280) -> str:
+    return f"Request {i}: " + " ".join(FILLER[j % len(FILLER)] for j in range(words))
+
+
+def compare_live_snapshot(c: Client) -> None:
+    """Ask for a snapshot (vLLM's structures, read between two scheduler calls) and check that
+    it equals the client's mirror of the events up to the same event."""
+    c.send(op="snapshot", id=f"s{time.monotonic_ns()}")
+    while True:
+        msg = c.recv()
+        if msg["type"] == "snapshot":
+            live = p.decode_server_message(json.dumps(msg))
+            assert live.seq == c.state.last_event
+            mirror = c.state.snapshot()
+            for a, b in zip(live.device_blocks, mirror.device_blocks):
+                assert a == b, f"block {a.id}: vLLM says {a}, the events say {b}"
+            assert live.seqs == mirror.seqs and live == mirror
+            c.take(msg)
+            return
+        c.take(msg)
+
+
+def finishes(c: Client, n: int, timeout: float = 300) -> None:
+    c.until(lambda: c.kinds["finish"] >= n, timeout)
+
+
+def test_a_mirror_equals_vllms_own_snapshot_mid_run_and_at_the_end(vllm):
+    c = Client(vllm.ws)
+    assert c.hello["server"].startswith("vllm 0.32.0 + kvscope")
+    cfg = c.hello["config"]
+    assert (cfg["num_device_blocks"], cfg["block_size"], cfg["reserved_blocks"]) == (BLOCKS, 32, [0])
+    assert cfg["preemption_mode"] == "recompute" and cfg["num_host_blocks"] == 0
+    assert c.hello["engine"]["num_layers"] == 30 and c.hello["engine"]["num_kv_heads"] == 3
+    assert set(c.hello["supports"]) >= {"submit", "abort"} and "step" not in c.hello["supports"]
+    snapshots = c.snapshots
+    ack = c.request(op="submit", messages=[{"role": "system", "content": SYSTEMS[0]},
+                                           {"role": "user", "content": QUESTIONS[0]}],
+                    max_tokens=40, ignore_eos=True, request_id="mid")
+    assert ack["type"] == "ack" and ack["request_id"] == "mid" and len(ack["seq_ids"]) == 1
+    ack = c.request(op="submit", prompt="Once upon a time, a dragon", n=3, temperature=0.8, seed=7,
+                    max_tokens=30, ignore_eos=True)
+    assert ack["type"] == "ack" and len(ack["seq_ids"]) == 3
+    c.until(lambda: c.kinds["append"] >= 20)
+    assert c.state.seqs, "the requests are still running"
+    compare_live_snapshot(c)
+    finishes(c, 4)
+    check_invariants(c.state)
+    compare_live_snapshot(c)
+    assert not c.state.seqs and c.snapshots == snapshots + 2, "no snapshot was pushed: no divergence"
+    assert c.state.ref_counts[0] == 0 and c.state.hashes[0] is None  # the null block, reserved
+    counts = c.state.counts()
+    assert counts.free + counts.cached == BLOCKS - 1
+    assert not [r for r in c.replies if r["type"] == "error"]
+
+
+def test_b_prefix_hit_tokens_per_request_equal_vllms_cached_tokens(vllm):
+    c = Client(vllm.ws)
+    cached: dict[str, int] = {}
+    for k, system in enumerate(SYSTEMS):
+        for i, q in enumerate(QUESTIONS):
+            rid = f"sys{k}-{i}"
+            out = vllm.post("/v1/chat/completions", {
+                "model": c.hello["engine"]["model"], "request_id": rid, "max_tokens": 8,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+            cached[rid] = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    c.until(lambda: sum(1 for s in c.state.seqs) == 0 and c.kinds["finish"] >= 6)
+    hits: Counter = Counter()
+    added: dict[str, str] = {}
+    for ev in c.events:
+        if isinstance(ev, p.RequestAdded):
+            added[ev.seq_id] = ev.request_id
+        elif isinstance(ev, p.PrefixHit):
+            hits[added[ev.seq_id]] += 32
+    assert {rid: hits[rid] for rid in cached} == cached
+    assert all(cached[f"sys{k}-{i}"] > 0 for k in range(2) for i in (1, 2)), cached
+
+
+def test_c_a_small_pool_preempts_readmits_and_finishes_every_request_once(vllm):
+    c = Client(vllm.ws)
+    preempted_before = vllm.metric("vllm:num_preemptions_total")
+    rids = [c.request(op="submit", prompt=long_prompt(i), max_tokens=150, ignore_eos=True,
+                      request_id=f"load{i}")["seq_ids"][0] for i in range(6)]
+    c.until(lambda: c.kinds["preempt"] >= 1, timeout=300)
+    assert c.request(op="abort", request_id="load5")["type"] == "ack"
+    finishes(c, 6, timeout=600)
+    check_invariants(c.state)
+    done = Counter(e.seq_id for e in c.events if isinstance(e, p.Finish))
+    reasons = {e.seq_id: e.reason for e in c.events if isinstance(e, p.Finish)}
+    assert done == Counter(rids), "each request finishes exactly once"
+    assert reasons[rids[5]] == "abort" and all(reasons[r] == "length" for r in rids[:5])
+    preempted = [e.seq_id for e in c.events if isinstance(e, p.Preempt)]
+    readmitted = {e.seq_id for e in c.events if isinstance(e, p.StatusChange) and e.status == "running"
+                  and any(pe.seq_id == e.seq_id and pe.seq < e.seq for pe in c.events if isinstance(pe, p.Preempt))}
+    assert preempted and readmitted >= set(preempted) - {rids[5]}
+    assert len(preempted) == vllm.metric("vllm:num_preemptions_total") - preempted_before
+    outputs = {e.seq_id: 0 for e in c.events if isinstance(e, p.RequestAdded)}
+    for e in c.events:
+        if isinstance(e, p.Append):
+            outputs[e.seq_id] += len(e.token_ids)
+    assert all(outputs[r] == 150 for r in rids[:5])
+    compare_live_snapshot(c)
+
+
+def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm):
+    from integrations.kv_events.subscriber import KVEventsSubscriber
+
+    live = KVEventsSubscriber(vllm.kv_events.split("?")[0])  # joins now: sees only what follows
+    c = Client(vllm.ws)
+    c.request(op="submit", prompt=long_prompt(9, 120), max_tokens=40, ignore_eos=True, request_id="zmq")
+    finishes(c, 1)
+    late = KVEventsSubscriber(vllm.kv_events)  # with the replay socket: catches up from the start
+    try:
+        deep = {h for h in c.state.hashes if h is not None}
+        wait(lambda: {h for _, h in late.state.blocks} == deep, 30, "the replayed stream to match the pool")
+        with late.lock:
+            assert late.state.per_medium() == {"GPU": len(deep)}
+            assert late.state.bad_frames == 0 and late.state.unknown_events == 0
+            forest = late.state.forest()
+            assert sum(len(v) for v in forest.values()) == len(deep)
+            assert all(len(b.token_ids) == 32 for b in late.state.blocks.values())
+        with live.lock:
+            stored = {h for _, h in live.state.blocks}
+        ours = {e.hash for e in c.events if isinstance(e, p.Cached)}
+        assert ours and ours <= stored, "every block the plugin saw cached, the live stream stored"
+    finally:
+        live.close()
+        late.close()
