@@ -166,3 +166,27 @@ def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm):
     finally:
         live.close()
         late.close()
+
+
+@pytest.mark.parametrize("key", ["shared", "parallel", "overload", "mixed"])
+def test_e_the_dashboards_scenario_presets_make_vllm_hit_its_prefix_cache(vllm, key):
+    """Each preset of the sidebar, as the dashboard sends it (sized from hello's pool), makes
+    vLLM hit its prefix cache; the overload preset also makes it preempt. The mixed preset's
+    prompts share less than one 32-token block, so its hits come when it runs a second time."""
+    from app.scenarios import SCENARIOS
+
+    c = Client(vllm.ws)
+    scenario = next(s for s in SCENARIOS if s.key == key)
+    cfg = p.decode_server_message(json.dumps(c.hello)).config
+    cmds = [cmd for run in ((1, 2) if key == "mixed" else (1,)) for cmd in scenario.build(cfg, run)]
+    assert not any(isinstance(cmd, p.ResetCmd) for cmd in cmds), "vLLM's pool fits the presets as it is"
+    seqs = []
+    for cmd in cmds:
+        ack = c.request(**json.loads(p.encode(cmd)))
+        assert ack["type"] == "ack", ack
+        seqs += ack["seq_ids"]
+    c.until(lambda: all(any(isinstance(e, p.Finish) and e.seq_id == s for e in c.events) for s in seqs), 600)
+    mine = set(seqs)
+    assert any(isinstance(e, p.PrefixHit) and e.seq_id in mine for e in c.events), f"{key}: no prefix hit"
+    if key == "overload":
+        assert any(isinstance(e, p.Preempt) and e.seq_id in mine for e in c.events)
