@@ -270,7 +270,20 @@ def test_command_line_and_environment():
     rep = from_command_line(["--replay", "assets/x.jsonl", "--speed", "2"], {})
     assert rep.kind == "replay" and rep.path.endswith("assets/x.jsonl") and rep.speed == 2
     assert rep.server_args()[0] == "engine.replay" and "--loop" in rep.server_args()[1]
-    assert Source("embedded", model="tiny").server_args() == ("engine.server", ("--model", "tiny", "--port", "0"))
+    assert Source("embedded", model="tiny").server_args() == ("engine.server", ("--model", "tiny", "--port", "0"),
+                                                              sys.executable)
+
+
+def test_command_line_for_vllm_and_its_kv_events():
+    v = from_command_line(["--vllm", "--num-blocks", "64"], {})
+    assert v == Source("vllm", engine_args=("--num-blocks", "64"))
+    module, args, python = v.server_args()
+    assert module == "integrations.vllm.serve" and python.endswith(".venv-vllm/bin/python")
+    assert args == ("smollm2", "--port", "0", "--kvscope-port", "0", "--num-blocks", "64")
+    assert from_command_line(["--vllm", "/models/q"], {}).server_args()[1][0] == "/models/q"
+    k = from_command_line(["--kv-events", "tcp://h:5557?replay=tcp://h:5558", "--tokenizer", "/tok"], {})
+    assert k == Source("kv_events", url="tcp://h:5557?replay=tcp://h:5558", tokenizer="/tok")
+    assert from_command_line([], {"KVSCOPE_KV_EVENTS": "tcp://x:1"}).kind == "kv_events"
 
 
 def test_the_dashboard_never_imports_torch():

@@ -16,7 +16,7 @@ import pytest
 from engine.contract import protocol as p
 from engine.contract.state import check_invariants
 from tests.protocol_client import Client
-from tests.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer
+from tests.vllm_server import BUNDLED, NO_VLLM, VLLM_PYTHON, VllmServer
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -190,3 +190,60 @@ def test_e_the_dashboards_scenario_presets_make_vllm_hit_its_prefix_cache(vllm, 
     assert any(isinstance(e, p.PrefixHit) and e.seq_id in mine for e in c.events), f"{key}: no prefix hit"
     if key == "overload":
         assert any(isinstance(e, p.Preempt) and e.seq_id in mine for e in c.events)
+
+
+def test_f_what_vllm_cannot_do_answers_unsupported_and_bad_prompts_come_back_as_errors(vllm):
+    c = Client(vllm.ws)
+    for cmd in ({"op": "step"}, {"op": "pause"}, {"op": "pace", "step_delay_ms": 10},
+                {"op": "reset", "config": {"num_device_blocks": 64}}):
+        reply = c.request(**cmd)
+        assert reply["type"] == "error" and reply["code"] == "unsupported" and len(reply["message"]) > 20
+    reply = c.request(op="submit", prompt=long_prompt(0, 1600), max_tokens=8)
+    assert reply["type"] == "error" and reply["code"] == "too_long" and "vLLM" in reply["message"]
+    reply = c.request(op="abort", request_id="never-submitted")
+    assert reply["type"] == "error" and reply["code"] == "not_found"
+    assert c.request(op="submit", prompt="Hi", max_tokens=2, request_id="twice")["type"] == "ack"
+    assert c.request(op="submit", prompt="Hi", max_tokens=2, request_id="twice")["code"] == "duplicate_id"
+
+
+@pytest.fixture
+def dashboard(monkeypatch):
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    def start(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        st.cache_resource.clear()
+        at = AppTest.from_file(str(VLLM_PYTHON.parent.parent.parent / "app" / "main.py"), default_timeout=30)
+        return at.run()
+
+    yield start
+    st.cache_resource.clear()
+
+
+def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_reserved(vllm, dashboard):
+    from tests.test_app import grid_data
+
+    c = Client(vllm.ws)
+    at = dashboard(KVSCOPE_ENGINE=vllm.ws)
+    data = wait(lambda: grid_data(at.run()), 60, "the grid")
+    assert data["n"] == BLOCKS and data["bs"] == 32
+    assert data["counts"]["free"] + data["counts"]["cached"] == BLOCKS - 1  # block 0 is neither
+    c.request(op="submit", prompt=long_prompt(3, 200), max_tokens=60, ignore_eos=True, request_id="seen")
+    data = wait(lambda: (d := grid_data(at.run())) and d["counts"]["used"] and d, 120, "used blocks in the grid")
+    assert any(s[0].startswith("cmpl-seen-0-") for s in data["seqs"]) and not at.exception
+
+
+def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, dashboard):
+    c = Client(vllm.ws)
+    c.request(op="submit", messages=[{"role": "system", "content": SYSTEMS[1]},
+                                     {"role": "user", "content": QUESTIONS[2]}], max_tokens=4)
+    finishes(c, 1)
+    at = dashboard(KVSCOPE_KV_EVENTS=vllm.kv_events, KVSCOPE_TOKENIZER=str(BUNDLED))
+    cached = sum(1 for h in c.state.hashes if h)
+    wait(lambda: any(m.label == "cached on GPU" and m.value == str(cached) for m in at.run().metric), 60,
+         "the page to count vLLM's cached blocks")
+    forest = next(h.value for h in at.html if 'class="kvf"' in h.value)
+    assert forest.count("<li>") == cached and not at.exception
+    assert "librarian who answers every question" in forest  # a block's text, on hover

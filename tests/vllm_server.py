@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 NO_VLLM = "no .venv-vllm here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
 READY = re.compile(r"ready: (ws://\S+)")
+BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
 @dataclass

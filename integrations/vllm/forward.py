@@ -17,6 +17,7 @@ import aiohttp
 from engine.contract import protocol as p
 
 log = logging.getLogger("kvscope")
+API_WAIT_S = 120  # vLLM's OpenAI server comes up a little after its engine core (and this plugin)
 
 
 @dataclass
@@ -82,18 +83,14 @@ class Forwarder:
         return True
 
     async def _run(self, path: str, body: dict, sub: Submission) -> None:
-        url = self.base_url + path
         try:
-            async with self._client().post(url, json=body) as resp:
-                if resp.status != 200:
-                    text = await resp.text()
-                    try:
-                        text = json.loads(text).get("error", {}).get("message", text)
-                    except (ValueError, AttributeError):
-                        pass
-                    return sub.on_error(error_code(resp.status, text), f"vLLM refused it: {text}")
-                async for _ in resp.content:  # the stream runs until vLLM finishes the request
-                    pass
+            for waited in range(API_WAIT_S):
+                try:
+                    return await self._stream(path, body, sub)
+                except aiohttp.ClientConnectorError:
+                    if waited == API_WAIT_S - 1:
+                        raise
+                    await asyncio.sleep(1)
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, OSError) as e:
@@ -105,6 +102,18 @@ class Forwarder:
         finally:
             if self.live.get(sub.request_id) is sub:
                 del self.live[sub.request_id]
+
+    async def _stream(self, path: str, body: dict, sub: Submission) -> None:
+        async with self._client().post(self.base_url + path, json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                try:
+                    text = json.loads(text).get("error", {}).get("message", text)
+                except (ValueError, AttributeError):
+                    pass
+                return sub.on_error(error_code(resp.status, text), f"vLLM refused it: {text}")
+            async for _ in resp.content:  # the stream runs until vLLM finishes the request
+                pass
 
     async def close(self) -> None:
         for sub in list(self.live.values()):

@@ -17,7 +17,8 @@ import socket
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = Path.home() / ".cache" / "kvscope" / "SmolLM2-135M-Instruct"
+# `smollm2`: the bundled model, as `make install` converts it (engine/model_loader.py)
+BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="model folder or name")
+    ap.add_argument("model", nargs="?", default="smollm2", help="a model folder or name; smollm2: the bundled one")
     ap.add_argument("--host", default="127.0.0.1", help="vLLM's OpenAI server")
     ap.add_argument("--port", type=int, default=8000, help="vLLM's OpenAI server; 0 picks a free one")
     ap.add_argument("--kvscope-port", type=int, default=8765, help="the plugin's WebSocket; 0 picks one")
@@ -49,9 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: 2048, or what the pool holds less vLLM's null block")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    if not Path(args.model).exists() and args.model == str(DEFAULT_MODEL):
-        sys.exit(f"{args.model} is missing: `make install` converts the bundled SmolLM2 there "
-                 "(or run `.venv/bin/python -m engine.generate --model smollm2 Hi` once)")
+    if args.model == "smollm2":
+        if not (BUNDLED / "config.json").exists():
+            sys.exit(f"{BUNDLED} is missing: `make vllm-venv` converts the bundled SmolLM2 there")
+        args.model = str(BUNDLED)
     if args.max_model_len is None:
         args.max_model_len = min(2048, (args.num_blocks - 1) * BLOCK_SIZE)
     if args.port == 0:
