@@ -40,10 +40,12 @@ def attach(scheduler) -> None:
     from integrations.vllm.backend import VllmBackend
 
     host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(ENV_TOKEN) or None
+    if not (value := os.environ.get(ENV_PORT)):  # a process forked from one that had it set
+        return
     try:
-        port = int(os.environ[ENV_PORT])
+        port = int(value)
     except ValueError:
-        log.error("kvscope: %s must be a port number, got %r", ENV_PORT, os.environ[ENV_PORT])
+        log.error("kvscope: %s must be a port number, got %r", ENV_PORT, value)
         return
     if refuse_open_bind(host, token):
         return
