@@ -51,9 +51,10 @@ def forest_html(state: KVEventsState, medium: str, tok) -> str:
         text = block_text(b, tok)
         children = kids.get(b.hash, [])
         label = html.escape(text[:48].replace("\n", "⏎")) + ("…" if len(text) > 48 else "")
-        shared = f' <span class="n">shared by {len(children)}</span>' if len(children) > 1 else ""
+        shared = f' <span class="n">continued {len(children)} ways</span>' if len(children) > 1 else ""
+        copies = f' <span class="n">×{b.copies} copies</span>' if b.copies > 1 else ""
         inner = "".join(node(c) for c in children if drawn < MAX_NODES)
-        return (f'<li><code title="{html.escape(text)}">{b.hash[:8]}</code> {label}{shared}'
+        return (f'<li><code title="{html.escape(text)}">{b.hash[:8]}</code> {label}{shared}{copies}'
                 f'{f"<ul>{inner}</ul>" if inner else ""}</li>')
 
     roots = "".join(node(b) for b in kids.get(None, []) if drawn < MAX_NODES)

@@ -95,6 +95,18 @@ def test_the_model_keeps_cached_blocks_per_medium_their_forest_and_the_counts():
     assert s.blocks == {} and s.cleared == 1 and [pt.cached for pt in s.points] == [2, 4, 3, 0]
 
 
+def test_the_same_content_cached_twice_stays_until_both_copies_are_removed():
+    """vLLM does not de-duplicate: a greedy request that decodes what another did fills a new
+    block with the same hash; each copy is stored and removed on its own."""
+    s = KVEventsState()
+    s.apply(decode_frames(frames(0, [stored_map([H1]), stored_map([H1])])))
+    assert s.per_medium() == {"GPU": 2} and len(s.forest("GPU")[None]) == 1
+    s.apply(decode_frames(frames(1, [["BlockRemoved", [H1], "GPU"]])))
+    assert s.per_medium() == {"GPU": 1} and s.removed_unknown == 0
+    s.apply(decode_frames(frames(2, [["BlockRemoved", [H1], "GPU"]])))
+    assert s.blocks == {}
+
+
 def test_endpoints_parse_topic_and_replay_and_refuse_other_urls():
     e = Endpoint.parse("tcp://10.0.0.2:5557?topic=kv&replay=tcp://10.0.0.2:5558")
     assert e == Endpoint("tcp://10.0.0.2:5557", "kv", "tcp://10.0.0.2:5558")

@@ -17,6 +17,7 @@ class CachedBlock:
     token_ids: list[int]
     medium: str
     stored_at: float
+    copies: int = 1  # vLLM does not de-duplicate: two physical blocks may cache the same content
 
 
 @dataclass
@@ -55,9 +56,7 @@ class KVEventsState:
                     self._store(ev, batch.ts)
                 case Removed():
                     for h in ev.hashes:
-                        if self.blocks.pop((ev.medium, h), None) is None:
-                            self.removed_unknown += 1
-                        self.removed += 1
+                        self._remove((ev.medium, h))
                 case Cleared():
                     gone = [k for k in self.blocks if ev.medium is None or k[0] == ev.medium]
                     for k in gone:
@@ -66,22 +65,42 @@ class KVEventsState:
         self.unknown_events += len(batch.unknown)
         self.errors.extend(batch.unknown)
         self.batches += 1
-        self.points.append(Point(batch.ts, self.stored, self.removed, self.cleared, len(self.blocks)))
+        self.points.append(Point(batch.ts, self.stored, self.removed, self.cleared, self.num_cached()))
 
     def _store(self, ev: Stored, ts: float) -> None:
         parent = ev.parent
         for i, h in enumerate(ev.hashes):
-            tokens = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
-            self.blocks[(ev.medium, h)] = CachedBlock(h, parent, tokens, ev.medium, ts)
+            if (b := self.blocks.get((ev.medium, h))) is not None:
+                b.copies += 1
+            else:
+                tokens = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+                self.blocks[(ev.medium, h)] = CachedBlock(h, parent, tokens, ev.medium, ts)
             parent = h
             self.stored += 1
+
+    def _remove(self, key: tuple[str, str]) -> None:
+        self.removed += 1
+        b = self.blocks.get(key)
+        if b is None:
+            self.removed_unknown += 1
+        elif b.copies > 1:
+            b.copies -= 1
+        else:
+            del self.blocks[key]
 
     def bad_frame(self, why: str) -> None:
         self.bad_frames += 1
         self.errors.append(why)
 
+    def num_cached(self) -> int:
+        return sum(b.copies for b in self.blocks.values())
+
     def per_medium(self) -> dict[str, int]:
-        return dict(Counter(medium for medium, _ in self.blocks))
+        """Cached physical blocks per medium (copies of the same content counted)."""
+        n: Counter = Counter()
+        for (medium, _), b in self.blocks.items():
+            n[medium] += b.copies
+        return dict(n)
 
     def forest(self, medium: str | None = None) -> dict[str | None, list[CachedBlock]]:
         """Children by parent hash; a block whose parent is not cached hangs from None (a root)."""

@@ -172,12 +172,11 @@ class PoolObserver:
         self.log.step += 1
 
     def _after_schedule(self, *args, **kwargs) -> None:
-        for rid in self.scheduler.running:
-            rid = rid.request_id
+        for req in self.scheduler.running:
+            rid = req.request_id
             if rid not in self.running and rid in self.tables:
                 self.running.add(rid)
                 self._emit(p.StatusChange(seq_id=rid, status="running"))
-        for req in self.scheduler.running:
             self._progress(req)  # a prefix hit puts tokens in the cache before any compute
 
     def _after_update(self, scheduler_output, *args, **kwargs) -> None:
