@@ -7,7 +7,6 @@ again with the pool config and pace it last had.
 """
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ import streamlit as st
 from engine.contract import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
-from app.source import Source
+from app.source import Source, python_for
 
 
 @dataclass(eq=False)
@@ -24,7 +23,6 @@ class Hosted:
     """A child server and, once it listens, the client attached to it."""
     module: str
     args: tuple[str, ...]
-    python: str = sys.executable  # vLLM's server runs with its own virtualenv's Python
     process: ServerProcess = field(init=False)
     client: EngineClient | None = None
     auto_restart: bool = False
@@ -35,7 +33,7 @@ class Hosted:
         self.process = self._spawn(self.args)
 
     def _spawn(self, args: tuple[str, ...]) -> ServerProcess:
-        return ServerProcess(self.module, list(args), self.python, on_exit=self._exited).start()
+        return ServerProcess(self.module, list(args), python_for(self.module), on_exit=self._exited).start()
 
     def ready_client(self) -> EngineClient | None:
         with self._lock:  # sessions race here when the server comes up
@@ -75,8 +73,8 @@ class Hosted:
 
 
 @st.cache_resource(show_spinner=False, max_entries=3, on_release=Hosted.close)
-def hosted(module: str, args: tuple[str, ...], python: str = sys.executable) -> Hosted:
-    return Hosted(module, args, python)
+def hosted(module: str, args: tuple[str, ...]) -> Hosted:
+    return Hosted(module, args)
 
 
 @st.cache_resource(show_spinner=False, max_entries=8, on_release=EngineClient.close)

@@ -16,7 +16,7 @@ from app.commands import last_error, send
 from app.connection import Hosted, restart
 from app.key_events import KEY_KINDS
 from app.scenarios import SCENARIOS
-from app.source import Source, recordings
+from app.source import VLLM_PYTHON, Source, recordings
 
 KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
@@ -71,7 +71,7 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                 st.error("The URL must start with ws:// or wss://")
             elif new.kind == "replay" and not Path(new.path).is_file():
                 st.error(f"No recording at {new.path}")
-            elif new.kind == "vllm" and not Path(new.server_args()[2]).exists():
+            elif new.kind == "vllm" and not VLLM_PYTHON.exists():
                 st.error("vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)")
             elif new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
                 st.error("The endpoint must start with tcp:// or ipc://")

@@ -49,14 +49,18 @@ class Source:
             return f"KV events from {self.url}"
         return f"embedded engine ({self.model})"
 
-    def server_args(self) -> tuple[str, tuple[str, ...], str]:
-        """The module, flags and Python of the child server an embedded, replay or vLLM source runs."""
+    def server_args(self) -> tuple[str, tuple[str, ...]]:
+        """The module and flags of the child server an embedded, replay or vLLM source runs."""
         if self.kind == "replay":
-            return "engine.replay", (self.path, "--port", "0", "--loop", "--speed", f"{self.speed:g}"), sys.executable
-        if self.kind == "vllm":  # vLLM has its own virtualenv (make vllm-venv)
-            return ("integrations.vllm.serve", (self.model, "--port", "0", "--kvscope-port", "0",
-                                                *self.engine_args), str(VLLM_PYTHON))
-        return "engine.server", ("--model", self.model, "--port", "0", *self.engine_args), sys.executable
+            return "engine.replay", (self.path, "--port", "0", "--loop", "--speed", f"{self.speed:g}")
+        if self.kind == "vllm":
+            return "integrations.vllm.serve", (self.model, "--port", "0", "--kvscope-port", "0", *self.engine_args)
+        return "engine.server", ("--model", self.model, "--port", "0", *self.engine_args)
+
+
+def python_for(module: str) -> str:
+    """The Python a child server runs with: vLLM's own virtualenv for vLLM (make vllm-venv)."""
+    return str(VLLM_PYTHON) if module.startswith("integrations.vllm") else sys.executable
 
 
 def recordings() -> list[Path]:

@@ -23,7 +23,7 @@ from app.client import View
 from app.event_history import EventHistory
 from app.mirror import Mirror
 from app.scenarios import SCENARIOS
-from app.source import Source, from_command_line
+from app.source import Source, from_command_line, python_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -270,15 +270,15 @@ def test_command_line_and_environment():
     rep = from_command_line(["--replay", "assets/x.jsonl", "--speed", "2"], {})
     assert rep.kind == "replay" and rep.path.endswith("assets/x.jsonl") and rep.speed == 2
     assert rep.server_args()[0] == "engine.replay" and "--loop" in rep.server_args()[1]
-    assert Source("embedded", model="tiny").server_args() == ("engine.server", ("--model", "tiny", "--port", "0"),
-                                                              sys.executable)
+    assert Source("embedded", model="tiny").server_args() == ("engine.server", ("--model", "tiny", "--port", "0"))
 
 
 def test_command_line_for_vllm_and_its_kv_events():
     v = from_command_line(["--vllm", "--num-blocks", "64"], {})
     assert v == Source("vllm", engine_args=("--num-blocks", "64"))
-    module, args, python = v.server_args()
-    assert module == "integrations.vllm.serve" and python.endswith(".venv-vllm/bin/python")
+    module, args = v.server_args()
+    assert module == "integrations.vllm.serve" and python_for(module).endswith(".venv-vllm/bin/python")
+    assert python_for("engine.server") == sys.executable
     assert args == ("smollm2", "--port", "0", "--kvscope-port", "0", "--num-blocks", "64")
     assert from_command_line(["--vllm", "/models/q"], {}).server_args()[1][0] == "/models/q"
     k = from_command_line(["--kv-events", "tcp://h:5557?replay=tcp://h:5558", "--tokenizer", "/tok"], {})

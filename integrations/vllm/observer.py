@@ -61,7 +61,6 @@ class PoolObserver:
             raise UnsupportedEngine(f"this model has {len(managers)} KV-cache groups; KVScope shows "
                                     "one pool with one block table per request")
         self.scheduler, self.kvm, self.manager, self.pool = scheduler, kvm, managers[0], kvm.block_pool
-        self.block_size: int = self.manager.block_size
         self.on_batch = on_batch  # receives each call's events, in order, under the lock
         self.lock = threading.Lock()
         self.log = EventLog()
