@@ -10,7 +10,8 @@ KV-event stream of a vLLM / SGLang / TensorRT-LLM server.
     streamlit run app/main.py -- --kv-events tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558] [--tokenizer DIR]
 
 The same settings can come from the environment (KVSCOPE_ENGINE, KVSCOPE_TOKEN,
-KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER), which is how the tests choose.
+KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_VLLM, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER), which is how
+the tests choose.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     ap.add_argument("--replay", default=env.get("KVSCOPE_REPLAY", ""), help="replay a recording")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")
-    ap.add_argument("--vllm", nargs="?", const="smollm2", default=None,
+    ap.add_argument("--vllm", nargs="?", const="smollm2", default=env.get("KVSCOPE_VLLM"),
                     help="start vLLM (from .venv-vllm) with the KVScope plugin on MODEL (default: the bundled SmolLM2)")
     ap.add_argument("--kv-events", default=env.get("KVSCOPE_KV_EVENTS", ""),
                     help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")

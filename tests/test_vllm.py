@@ -70,7 +70,8 @@ def compare_live_snapshot(c: Client) -> None:
 
 
 def finishes(c: Client, n: int, timeout: float = 300) -> None:
-    c.until(lambda: c.kinds["finish"] >= n, timeout)
+    """Until `n` requests finished and none runs (an earlier test's request may still run)."""
+    c.until(lambda: c.kinds["finish"] >= n and not c.state.seqs, timeout)
 
 
 def test_a_mirror_equals_vllms_own_snapshot_mid_run_and_at_the_end(vllm, c):
@@ -235,6 +236,7 @@ def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_res
     c.request(op="submit", prompt=long_prompt(3, 200), max_tokens=60, ignore_eos=True, request_id="seen")
     data = wait(lambda: (d := grid_data(at.run())) and d["counts"]["used"] and d, 120, "used blocks in the grid")
     assert any(s[0].startswith("cmpl-seen-0-") for s in data["seqs"]) and not at.exception
+    finishes(c, 1)
 
 
 def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dashboard):
@@ -248,3 +250,14 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
     forest = next(h.value for h in at.html if 'class="kvf"' in h.value)
     assert forest.count("<li>") == len(set(cached)) and not at.exception
     assert "librarian who answers every question" in forest  # a block's text, on hover
+
+
+def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard):
+    """What `make run-vllm` does: the dashboard starts vLLM from .venv-vllm with the plugin, shows
+    vLLM's log while it loads, then draws its pool."""
+    from tests.test_app import grid_data
+
+    at = dashboard(KVSCOPE_VLLM="smollm2", KVSCOPE_ENGINE_ARGS="--num-blocks 40")
+    assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
+    data = wait(lambda: grid_data(at.run()), 240, "vLLM's pool in the grid")
+    assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         if not (BUNDLED / "config.json").exists():
             sys.exit(f"{BUNDLED} is missing: `make vllm-venv` converts the bundled SmolLM2 there")
         args.model = str(BUNDLED)
+        if "--served-model-name" not in extra:
+            extra = ["--served-model-name", BUNDLED.name, *extra]
     if args.max_model_len is None:
         args.max_model_len = min(2048, (args.num_blocks - 1) * BLOCK_SIZE)
     if args.port == 0:
