@@ -3,7 +3,10 @@
 The job of bench/throughput.py (32 prompts of 16..256 tokens, 128 new tokens each, EOS ignored,
 greedy) through two vLLM engines in this process, one started with KVSCOPE_PORT set (the plugin
 observes, and a WebSocket client reads every event) and one without; runs alternate between
-them (on, off, off, on, ...), each after clearing the prefix cache, and medians are compared.
+them (on, off, off, on, ...), each after clearing the prefix cache. It prints the medians of
+each side and the median of the per-round ratios (on / off, the two runs of one round being
+closest in time). (CPU seconds per process are no better a measure here: vLLM's engine core
+waits on its worker by polling, so its CPU time follows the machine's load, not the plugin.)
 Run it with vLLM's virtualenv (`make bench-vllm`):
 
     .venv-vllm/bin/python -m bench.vllm_overhead [--rounds 4] [--model DIR]
@@ -69,8 +72,7 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 def main() -> None:
@@ -99,9 +101,10 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     for k, v in rates.items():
         print(f"plugin {k:3s}: median {med[k]:6.1f} tok/s, spread {min(v):.1f}..{max(v):.1f} over {len(v)} runs")
+    paired = statistics.median(a / b for a, b in zip(rates["on"], rates["off"]))
     print(f"overhead of the plugin: {100 * (med['off'] - med['on']) / med['off']:+.1f}% of vLLM's throughput "
-          f"({reader.events} events read by one client)")
-
+          f"(medians); {100 * (1 - paired):+.1f}% (median of the rounds' on/off ratios); "
+          f"{reader.events} events read by one client")
 
 if __name__ == "__main__":
     main()
