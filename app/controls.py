@@ -16,9 +16,10 @@ from app.commands import last_error, send
 from app.connection import Hosted, restart
 from app.key_events import KEY_KINDS
 from app.scenarios import SCENARIOS
-from app.source import Source, recordings
+from app.source import VLLM_PYTHON, Source, recordings
 
-KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording"}
+KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
+         "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
 _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay unique across sessions
@@ -43,6 +44,17 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
             token = st.text_input("Token", source.token, type="password", key="src_token",
                                   help="Needed when the engine was started with --token")
             new = Source("attach", url=url.strip(), token=token.strip())
+        elif kind == "vllm":
+            model = st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
+                                  help="smollm2 (bundled) or a model folder; vLLM runs from .venv-vllm (make vllm-venv)")
+            new = Source("vllm", model=model.strip() or "smollm2",
+                         engine_args=source.engine_args if source.kind == "vllm" else ())
+        elif kind == "kv_events":
+            url = st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq",
+                                help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
+            tok = st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok",
+                                help="a folder with tokenizer.json, to show the text of each block")
+            new = Source("kv_events", url=url.strip(), tokenizer=tok.strip())
         else:
             files = [str(f) for f in recordings()]
             if source.kind == "replay" and source.path not in files:
@@ -59,13 +71,17 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                 st.error("The URL must start with ws:// or wss://")
             elif new.kind == "replay" and not Path(new.path).is_file():
                 st.error(f"No recording at {new.path}")
+            elif new.kind == "vllm" and not VLLM_PYTHON.exists():
+                st.error("vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)")
+            elif new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
+                st.error("The endpoint must start with tcp:// or ipc://")
             else:
                 st.session_state["source"] = new
                 st.session_state["travel"] = None
                 st.rerun()
-        if source.kind != "attach" and cols[1].button(
-                "Restart engine" if source.kind == "embedded" else "Restart replay", width="stretch",
-                help="Start it again with the pool config and pace it last had"):
+        if source.kind in ("embedded", "replay", "vllm") and cols[1].button(
+                {"embedded": "Restart engine", "replay": "Restart replay", "vllm": "Restart vLLM"}[source.kind],
+                width="stretch", help="Start it again (an engine with the pool config and pace it last had)"):
             restart(source)
             st.rerun()
         if hosted is not None:

@@ -1,7 +1,7 @@
 """The pool grid: the state of every device and host block, packed into a few base64 arrays
 and drawn on a canvas by a components.v2 component (assets/grid.js) several times a second.
 
-Per device block: state (free/cached/used/shared), ref count, latest-step touch, tokens held,
+Per device block: state (free/cached/used/shared/reserved), ref count, latest-step touch, tokens held,
 owner (index into `seqs`, 0 = none) and the first 32 bits of the prefix hash.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engine.contract import protocol as p
 from engine.contract.kinds import KINDS, TOUCH_KINDS, kind_of, touched_blocks
 from engine.contract.state import table_entries
 from app.client import View
-from app.palette import CACHED, FREE, SEQ_COLORS
+from app.palette import CACHED, FREE, RESERVED, SEQ_COLORS
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
@@ -94,7 +94,7 @@ def payload(view: View, colors: dict[str, int]) -> dict:
     }
 
 
-STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED,
+STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "reserved": RESERVED,
          "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
          "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
 

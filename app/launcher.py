@@ -32,8 +32,9 @@ _BOOT = ("import ctypes, os, runpy, signal, sys\n"
 
 @dataclass(eq=False)
 class ServerProcess:
-    module: str                 # engine.server or engine.replay
+    module: str                 # engine.server, engine.replay or integrations.vllm.serve
     args: list[str]
+    python: str = sys.executable  # vLLM's server runs in its own virtualenv
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=300))
     url: str | None = None
     returncode: int | None = None
@@ -46,7 +47,7 @@ class ServerProcess:
 
     @property
     def argv(self) -> list[str]:
-        return [sys.executable, "-u", "-c", _BOOT, self.module, *self.args]
+        return [self.python, "-u", "-c", _BOOT, self.module, *self.args]
 
     @property
     def state(self) -> Literal["starting", "ready", "exited"]:

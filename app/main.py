@@ -16,7 +16,7 @@ from streamlit import config as st_config
 
 from engine.contract import protocol as p
 from engine.contract.kinds import DEFAULT_LOG_KINDS
-from app import controls, eventlog, grid, header, tables, timeline, travel
+from app import controls, eventlog, grid, header, kv_events_view, tables, timeline, travel
 from app.client import EngineClient, View
 from app.commands import show_replies
 from app.connection import Hosted, resolve, restart
@@ -236,10 +236,12 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 def main() -> None:
     st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide", initial_sidebar_state="expanded")
     source: Source = st.session_state.setdefault("source", from_command_line())
-    client, hosted = resolve(source)
+    client, hosted = (None, None) if source.kind == "kv_events" else resolve(source)
     with st.sidebar:
         st.markdown("## :material/grid_view: KVScope\nA paged KV cache, live: every block the allocator hands out.")
         controls.connection(source, client, hosted)
+    if source.kind == "kv_events":  # no pool, no engine: a page of its own
+        return kv_events_view.page(source)
     if client is None:
         return loading(source, hosted)
     if client.view() is None:

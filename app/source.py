@@ -1,13 +1,17 @@
 """Where the dashboard's events come from: an embedded engine (the default), a running engine
-to attach to, or a recording to replay.
+to attach to, a recording to replay, a vLLM it starts with the KVScope plugin, or the ZMQ
+KV-event stream of a vLLM / SGLang / TensorRT-LLM server.
 
     streamlit run app/main.py                                  # embedded engine, bundled model
     streamlit run app/main.py -- --model tiny --num-device-blocks 1024   # other flags go to the engine
     streamlit run app/main.py -- --engine ws://HOST:PORT [--token T]
     streamlit run app/main.py -- --replay assets/demo_recording.jsonl [--speed 2]
+    streamlit run app/main.py -- --vllm [MODEL] [--num-blocks 128]      # other flags go to vllm serve
+    streamlit run app/main.py -- --kv-events tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558] [--tokenizer DIR]
 
 The same settings can come from the environment (KVSCOPE_ENGINE, KVSCOPE_TOKEN,
-KVSCOPE_REPLAY, KVSCOPE_MODEL), which is how the tests choose.
+KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_VLLM, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER), which is how
+the tests choose.
 """
 from __future__ import annotations
 
@@ -20,17 +24,19 @@ from pathlib import Path
 from typing import Literal
 
 ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 @dataclass(frozen=True)
 class Source:
-    kind: Literal["embedded", "attach", "replay"] = "embedded"
-    url: str = ""                       # attach
+    kind: Literal["embedded", "attach", "replay", "vllm", "kv_events"] = "embedded"
+    url: str = ""                       # attach, kv_events
     token: str = ""                     # attach
     path: str = ""                      # replay
     speed: float = 1.0                  # replay
     model: str = "smollm2"              # embedded
-    engine_args: tuple[str, ...] = ()   # embedded: further engine.server flags
+    engine_args: tuple[str, ...] = ()   # embedded: further engine.server flags; vllm: serve's
+    tokenizer: str = ""                 # kv_events: a folder with tokenizer.json, for block text
 
     @property
     def label(self) -> str:
@@ -38,13 +44,24 @@ class Source:
             return "attached engine"
         if self.kind == "replay":
             return f"replay of {Path(self.path).name}"
+        if self.kind == "vllm":
+            return f"vLLM ({Path(self.model).name}) with the KVScope plugin"
+        if self.kind == "kv_events":
+            return f"KV events from {self.url}"
         return f"embedded engine ({self.model})"
 
     def server_args(self) -> tuple[str, tuple[str, ...]]:
-        """The module and flags of the child server an embedded or replay source runs."""
+        """The module and flags of the child server an embedded, replay or vLLM source runs."""
         if self.kind == "replay":
             return "engine.replay", (self.path, "--port", "0", "--loop", "--speed", f"{self.speed:g}")
+        if self.kind == "vllm":
+            return "integrations.vllm.serve", (self.model, "--port", "0", "--kvscope-port", "0", *self.engine_args)
         return "engine.server", ("--model", self.model, "--port", "0", *self.engine_args)
+
+
+def python_for(module: str) -> str:
+    """The Python a child server runs with: vLLM's own virtualenv for vLLM (make vllm-venv)."""
+    return str(VLLM_PYTHON) if module.startswith("integrations.vllm") else sys.executable
 
 
 def recordings() -> list[Path]:
@@ -62,8 +79,18 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     ap.add_argument("--replay", default=env.get("KVSCOPE_REPLAY", ""), help="replay a recording")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")
+    ap.add_argument("--vllm", nargs="?", const="smollm2", default=env.get("KVSCOPE_VLLM"),
+                    help="start vLLM (from .venv-vllm) with the KVScope plugin on MODEL (default: the bundled SmolLM2)")
+    ap.add_argument("--kv-events", default=env.get("KVSCOPE_KV_EVENTS", ""),
+                    help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")
+    ap.add_argument("--tokenizer", default=env.get("KVSCOPE_TOKENIZER", ""),
+                    help="with --kv-events: a folder with tokenizer.json, for block text")
     args, rest = ap.parse_known_args(argv)
     rest += shlex.split(env.get("KVSCOPE_ENGINE_ARGS", ""))
+    if args.kv_events:
+        return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)
+    if args.vllm is not None:
+        return Source("vllm", model=args.vllm, engine_args=tuple(rest))
     if args.engine:
         return Source("attach", url=args.engine, token=args.token)
     if args.replay:

@@ -3,7 +3,7 @@
 // hover, and reports a clicked block. Called again with new data on every redraw: the canvas,
 // listeners and last data live on the root element between calls.
 
-const STATE = ["free", "cached", "used", "shared"];
+const STATE = ["free", "cached", "used", "shared", "reserved"];
 
 function b64bytes(s) {
   const bin = atob(s), out = new Uint8Array(bin.length);
@@ -108,6 +108,7 @@ function deviceTip(d, i) {
   if (owners.length) lines.push(`held by ${owners.map((o) => swatch(d, o) + esc(ownerName(d, o))).join(", ")}`);
   if (ref || st === "cached") lines.push(`${d.tokens[i]} / ${d.bs} tokens`);
   if (st === "cached") lines.push("no holder: evictable, still hit-able");
+  if (st === "reserved") lines.push("never handed out: the engine's placeholder (vLLM's null block)");
   if (d.hash[i] || st === "cached") lines.push(`hash ${(d.hash[i] >>> 0).toString(16).padStart(8, "0")}…`);
   if (d.touch[i]) lines.push(`<span class="tk" style="border-color:${d.style.touch[d.touch[i] - 1]}"></span>${d.style.touchLabels[d.touch[i] - 1]} in step ${d.step}`);
   return lines.join("<br>");
@@ -137,7 +138,13 @@ function cell(ctx, d, x, y, c, stt, owner, tokens, ref, touch, id, tints) {
   const g = c >= 10 ? 2 : c >= 5 ? 1 : 0, s = c - g;
   const sty = d.style;
   if (stt === 0) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, s, s); }
-  else if (stt === 1) {
+  else if (stt === 4) {  // reserved: dark, crossed out
+    ctx.fillStyle = sty.reserved; ctx.fillRect(x, y, s, s);
+    if (s >= 6) {
+      ctx.strokeStyle = "rgba(255,255,255,0.6)"; ctx.lineWidth = 1; ctx.beginPath();
+      ctx.moveTo(x, y); ctx.lineTo(x + s, y + s); ctx.moveTo(x, y + s); ctx.lineTo(x + s, y); ctx.stroke();
+    }
+  } else if (stt === 1) {
     ctx.fillStyle = sty.cached; ctx.fillRect(x, y, s, s);
     if (s >= 8) {
       ctx.strokeStyle = "rgba(255,255,255,0.7)"; ctx.lineWidth = 1;
@@ -161,7 +168,7 @@ function cell(ctx, d, x, y, c, stt, owner, tokens, ref, touch, id, tints) {
     }
   }
   if (s >= 26 && stt !== 3) {
-    ctx.fillStyle = stt >= 2 ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";
+    ctx.fillStyle = stt >= 2 ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";  // reserved too
     ctx.font = "9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
     ctx.fillText(String(id), x + 2, y + 2);
   }
@@ -187,7 +194,7 @@ function draw(s) {
   let used = 0;
   for (let i = 0; i < d.n; i++) {
     const stt = d.state[i];
-    used += stt >= 2;
+    used += stt === 2 || stt === 3;
     cell(s.ctx, d, (i % cols) * c, Math.floor(i / cols) * c, c, stt, d.owner[i], d.tokens[i], d.ref[i], d.touch[i], i, tints);
   }
   // blocks a paused run-to-next-key-event points at: a thick dark ring, on top of everything
@@ -233,6 +240,8 @@ function legend(d) {
     `${box(`linear-gradient(to top, ${pal[0]} 60%, ${tint(pal[0], 0.3)} 60%)`)}used: colour = sequence, fill = tokens in block`,
     `${box(pal[0], '<b class="ref">×2</b>')}shared: ref count`,
   ];
+  const reserved = d.n - k.free - k.cached - k.used;
+  if (reserved > 0) parts.push(`${box(sty.reserved)}reserved ${reserved} <small>(never handed out)</small>`);
   const touched = sty.touchKinds.map((kind, i) => [kind, i]).filter(([kind]) => d.touched[kind])
     .map(([kind, i]) => `<span class="box ring" style="border-color:${sty.touch[i]}"></span>${sty.touchLabels[i]} ${d.touched[kind]}`);
   const seqs = d.seqs.slice(0, 24).map(([id, ci, status]) =>

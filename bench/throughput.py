@@ -21,20 +21,7 @@ from engine.engine import LLMEngine
 from engine.model_loader import load_model
 from engine.model_runner import _linear
 from engine.sequence import SamplingParams
-
-TEXT = ("PagedAttention stores the keys and values of each sequence in fixed-size blocks that "
-        "can live anywhere in one big pool, the way an operating system maps virtual pages to "
-        "physical frames. A block table maps each logical block of a sequence to a physical "
-        "block. Blocks are allocated on demand as tokens arrive, shared between sequences with "
-        "the same prefix, copied on write when a shared block is modified, and swapped to host "
-        "memory when the pool runs out. ")
-
-
-def make_prompts(tokenizer, count: int) -> list[list[int]]:
-    base = tokenizer.encode(TEXT * 40, add_special_tokens=False)
-    lengths = [round(16 + i * (256 - 16) / max(1, count - 1)) for i in range(count)]
-    return [base[7 * i: 7 * i + n] for i, n in enumerate(lengths)]  # distinct starts: no sharing
-
+from bench.prompts import make_prompts
 
 def run_engine(loaded, prompts, new_tokens: int, max_num_seqs: int) -> tuple[float, int]:
     blocks = sum(-(-(len(x) + new_tokens) // 16) for x in prompts) + 16

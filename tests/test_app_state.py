@@ -23,7 +23,7 @@ from app.client import View
 from app.event_history import EventHistory
 from app.mirror import Mirror
 from app.scenarios import SCENARIOS
-from app.source import Source, from_command_line
+from app.source import Source, from_command_line, python_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,6 +271,19 @@ def test_command_line_and_environment():
     assert rep.kind == "replay" and rep.path.endswith("assets/x.jsonl") and rep.speed == 2
     assert rep.server_args()[0] == "engine.replay" and "--loop" in rep.server_args()[1]
     assert Source("embedded", model="tiny").server_args() == ("engine.server", ("--model", "tiny", "--port", "0"))
+
+
+def test_command_line_for_vllm_and_its_kv_events():
+    v = from_command_line(["--vllm", "--num-blocks", "64"], {})
+    assert v == Source("vllm", engine_args=("--num-blocks", "64"))
+    module, args = v.server_args()
+    assert module == "integrations.vllm.serve" and python_for(module).endswith(".venv-vllm/bin/python")
+    assert python_for("engine.server") == sys.executable
+    assert args == ("smollm2", "--port", "0", "--kvscope-port", "0", "--num-blocks", "64")
+    assert from_command_line(["--vllm", "/models/q"], {}).server_args()[1][0] == "/models/q"
+    k = from_command_line(["--kv-events", "tcp://h:5557?replay=tcp://h:5558", "--tokenizer", "/tok"], {})
+    assert k == Source("kv_events", url="tcp://h:5557?replay=tcp://h:5558", tokenizer="/tok")
+    assert from_command_line([], {"KVSCOPE_KV_EVENTS": "tcp://x:1"}).kind == "kv_events"
 
 
 def test_the_dashboard_never_imports_torch():

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("app", "engine", "kernels")
+PACKAGES = ("app", "engine", "kernels", "integrations")
 
 
 def imports(path: Path) -> set[str]:
@@ -43,6 +43,14 @@ def test_the_dashboard_reaches_the_engine_only_through_the_contract():
         for name in imports(f):
             if name.split(".")[0] in ("engine", "kernels", "torch", "transformers"):
                 assert name.startswith("engine.contract"), f"app/{f.name} imports {name}"
+
+
+def test_the_kv_event_mode_needs_neither_torch_nor_vllm():
+    """The dashboard imports it: a ZMQ stream is read without any engine installed."""
+    for f in (ROOT / "integrations" / "kv_events").glob("*.py"):
+        for name in imports(f):
+            assert name.split(".")[0] not in ("torch", "transformers", "vllm", "engine", "kernels"), \
+                f"integrations/kv_events/{f.name} imports {name}"
 
 
 def test_no_import_cycles():

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from engine.contract import protocol as p
-from engine.contract.state import InvariantError, PoolState
+from engine.contract.state import RESERVED, InvariantError, PoolState
 
 CONFIG = p.PoolConfig(block_size=16, num_device_blocks=4, num_host_blocks=2,
                       bytes_per_block=737280)
@@ -200,3 +200,17 @@ def test_the_example_session_in_the_docs_still_holds():
     with pytest.raises(p.CommandError) as e:
         Pacing().handle(p.StepCmd())
     assert (error.code, error.message) == (e.value.code, e.value.message)
+
+
+def test_reserved_blocks_are_counted_in_no_state_and_never_allocated():
+    """vLLM's null block: `config.reserved_blocks` (an addition) keeps it out of the free count."""
+    st = PoolState.empty(p.PoolConfig(num_device_blocks=4, num_host_blocks=0, reserved_blocks=[0]))
+    st.apply(p.RequestAdded(request_id="r", seq_id="r", prompt_tokens=3, seq=1))
+    st.apply(p.Alloc(seq_id="r", block_id=1, logical_index=0, seq=2))
+    assert st.block_states().tolist() == [RESERVED, 2, 0, 0]
+    assert st.counts()[:3] == (2, 0, 1)
+    with pytest.raises(InvariantError, match="reserved"):
+        st.apply(p.Alloc(seq_id="r", block_id=0, logical_index=1, seq=3))
+    old = p.decode_server_message(b'{"type":"hello","engine":{"model":"m","device":"cpu","dtype":"f",'
+                                  b'"num_layers":1,"num_kv_heads":1,"head_dim":1},"config":{}}')
+    assert old.config.reserved_blocks == []  # a v1 server that never sends it

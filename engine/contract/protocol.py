@@ -41,6 +41,8 @@ class PoolConfig(Struct, kw_only=True):
     preemption_mode: PreemptionMode = "swap"
     max_num_seqs: int = 16
     bytes_per_block: int = 0
+    # Addition: device blocks the allocator never hands out, shown as reserved (vLLM's null block 0).
+    reserved_blocks: list[int] = []
 
 
 class EngineInfo(Struct, kw_only=True):

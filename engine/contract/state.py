@@ -15,8 +15,9 @@ import numpy as np
 
 from engine.contract import protocol as p
 
-# A device block's state, as the views colour it (see docs/protocol.md, snapshot).
-FREE, CACHED, USED, SHARED = 0, 1, 2, 3
+# A device block's state, as the views colour it (see docs/protocol.md, snapshot). RESERVED:
+# a block the allocator never hands out (`PoolConfig.reserved_blocks`), counted in no state.
+FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
 
 
 class InvariantError(ValueError):
@@ -108,13 +109,15 @@ class PoolState:
         return np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
 
     def block_states(self) -> np.ndarray:
-        """FREE, CACHED, USED or SHARED per device block (uint8)."""
+        """FREE, CACHED, USED, SHARED or RESERVED per device block (uint8)."""
         ref = np.asarray(self.ref_counts, np.int64)
-        return np.where(ref >= 2, SHARED, np.where(ref == 1, USED, np.where(self.hashed(), CACHED, FREE))
-                        ).astype(np.uint8)
+        states = np.where(ref >= 2, SHARED, np.where(ref == 1, USED, np.where(self.hashed(), CACHED, FREE))
+                          ).astype(np.uint8)
+        states[self.config.reserved_blocks] = RESERVED
+        return states
 
     def counts(self) -> BlockCounts:
-        n = np.bincount(self.block_states(), minlength=4)
+        n = np.bincount(self.block_states(), minlength=5)
         return BlockCounts(int(n[FREE]), int(n[CACHED]), int(n[USED] + n[SHARED]), int(n[SHARED]),
                            sum(o is not None for o in self.host_owner))
 
@@ -187,6 +190,8 @@ class PoolState:
 
     def _take_free(self, b: int) -> None:
         self._check_block(b)
+        if b in self.config.reserved_blocks:
+            raise InvariantError(f"block {b} is reserved: the allocator never hands it out")
         if self.ref_counts[b] or self.hashes[b] is not None:
             raise InvariantError(f"block {b} is not free (ref_count {self.ref_counts[b]}, "
                                  f"hash {self.hashes[b]})")

@@ -1,0 +1,125 @@
+"""The page of a ZMQ KV-event source (`--kv-events tcp://HOST:5557`): what such a stream can
+show, and a plain statement of what it cannot. It carries content hashes only, so there are
+no block ids, ref counts or request tables here: the cached blocks per medium, the prefix
+forest their parent hashes form, stored / removed / cleared over time, and every frame that
+could not be read.
+"""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import streamlit as st
+
+from app.source import Source
+from integrations.kv_events.model import CachedBlock, KVEventsState
+from integrations.kv_events.subscriber import KVEventsSubscriber
+
+MAX_NODES = 400  # forest nodes drawn; the rest are counted
+
+
+@st.cache_resource(show_spinner=False, max_entries=4, on_release=KVEventsSubscriber.close)
+def subscribed(url: str) -> KVEventsSubscriber:
+    return KVEventsSubscriber(url)
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def tokenizer(folder: str):
+    """A tokenizer.json read with `tokenizers` (no transformers, no torch); None if absent."""
+    path = Path(folder).expanduser() / "tokenizer.json"
+    if not folder or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def block_text(block: CachedBlock, tok) -> str:
+    if tok is None:
+        return " ".join(map(str, block.token_ids))
+    return tok.decode(block.token_ids, skip_special_tokens=False)
+
+
+def forest_html(state: KVEventsState, medium: str, tok) -> str:
+    """Nested lists: each block under the block its prefix continues; hover shows its tokens."""
+    kids = state.forest(medium)
+    drawn = 0
+
+    def node(b: CachedBlock) -> str:
+        nonlocal drawn
+        drawn += 1
+        text = block_text(b, tok)
+        children = kids.get(b.hash, [])
+        label = html.escape(text[:48].replace("\n", "⏎")) + ("…" if len(text) > 48 else "")
+        shared = f' <span class="n">continued {len(children)} ways</span>' if len(children) > 1 else ""
+        copies = f' <span class="n">×{b.copies} copies</span>' if b.copies > 1 else ""
+        inner = "".join(node(c) for c in children if drawn < MAX_NODES)
+        return (f'<li><code title="{html.escape(text)}">{b.hash[:8]}</code> {label}{shared}{copies}'
+                f'{f"<ul>{inner}</ul>" if inner else ""}</li>')
+
+    roots = "".join(node(b) for b in kids.get(None, []) if drawn < MAX_NODES)
+    total = sum(len(v) for v in kids.values())
+    more = f"<p><small>{total - drawn} more blocks not drawn</small></p>" if total > drawn else ""
+    return (f'<style>.kvf ul{{margin:0 0 0 1.1em;padding:0}} .kvf li{{list-style:"↳ ";font-size:0.85em}}'
+            f' .kvf .n{{color:#2563eb}}</style><div class="kvf"><ul>{roots}</ul>{more}</div>')
+
+
+def rates_chart(state: KVEventsState) -> dict:
+    pts = list(state.points)
+    t0 = pts[0].ts if pts else 0.0
+    rows = [{"t": round(b.ts - t0, 3), "what": what, "per s": round(n / max(b.ts - a.ts, 1e-3), 1)}
+            for a, b in zip(pts, pts[1:])
+            for what, n in (("stored", b.stored - a.stored), ("removed", b.removed - a.removed),
+                            ("cleared", b.cleared - a.cleared))]
+    return {"data": {"values": rows}, "mark": {"type": "line", "interpolate": "step-after"},
+            "encoding": {"x": {"field": "t", "type": "quantitative", "title": "seconds"},
+                         "y": {"field": "per s", "type": "quantitative", "title": "blocks per second"},
+                         "color": {"field": "what", "type": "nominal"}}, "height": 220}
+
+
+def page(source: Source) -> None:
+    st.title("KVScope · KV events")
+    st.caption("A KV-event stream (vLLM `--kv-events-config`, SGLang, TensorRT-LLM) carries content "
+               "hashes only: no block ids, ref counts or request tables. This page shows what is "
+               "cached and how prefixes share it; for the pool itself, run vLLM with the KVScope "
+               "plugin (`make run-vllm`).")
+    try:
+        sub = subscribed(source.url)
+    except ValueError as e:
+        st.error(str(e))
+        return
+    tok = tokenizer(source.tokenizer)
+
+    @st.fragment(run_every=1.0)
+    def live() -> None:
+        with sub.lock:
+            s = sub.state
+            media = s.per_medium()
+            head = (f"`{source.url}` · {s.batches} batches (last #{s.last_seq}) · {s.stored} stored · "
+                    f"{s.removed} removed · {s.cleared} cleared")
+            health = (s.bad_frames, s.unknown_events, s.missed, s.removed_unknown, list(s.errors)[-5:])
+            chart = rates_chart(s)
+            forests = {m: forest_html(s, m, tok) for m in sorted(media)}
+        st.markdown(head)
+        cols = st.columns(max(1, len(media)) + 1)
+        for col, (m, n) in zip(cols, sorted(media.items())):
+            col.metric(f"cached on {m}", n)
+        bad, unknown, missed, orphan, errors = health
+        cols[-1].metric("unreadable", bad + unknown, help="frames and events that could not be read")
+        if bad or unknown or missed or orphan:
+            st.warning(f"{bad} unreadable frames · {unknown} unknown events · {missed} batches missed "
+                       f"(sequence gaps) · {orphan} removals of blocks stored before this page subscribed"
+                       + ("".join(f"\n- {html.escape(e)}" for e in errors)))
+        left, right = st.columns([3, 2])
+        with left:
+            st.subheader("Prefix forest")
+            if not forests:
+                st.info("No cached block yet: send the server a request.")
+            for m, body in forests.items():
+                st.caption(f"{m}: each block under the block its prefix continues; hover a hash for its tokens")
+                st.html(body)
+        with right:
+            st.subheader("Stored, removed, cleared")
+            st.vega_lite_chart(chart, width="stretch")
+
+    live()

@@ -1,0 +1,214 @@
+"""The hub backend inside vLLM's engine core: the observer's events out, commands in.
+
+Events leave the engine core's thread in one hand-off per scheduler call (a deque and a wake-up
+of the hub's loop); the loop adds each sampled token's text and publishes. A snapshot takes the
+observer's lock, publishes what is queued, and reads vLLM's structures: between two scheduler
+calls they say exactly what the events so far say.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+
+from engine.contract import protocol as p
+from engine.detokenizer import Detokenizer
+from engine.hub import Client, Hub
+from integrations.vllm.forward import Forwarder, Submission
+from integrations.vllm.observer import NULL_BLOCK, PoolObserver, request_group
+
+log = logging.getLogger("kvscope")
+
+
+@dataclass
+class _Text:
+    ids: list[int]
+    detok: Detokenizer
+    text: str = ""
+
+
+def pool_config(scheduler) -> p.PoolConfig:
+    kv = scheduler.kv_cache_config
+    group = kv.kv_cache_groups[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    return p.PoolConfig(
+        block_size=group.kv_cache_spec.block_size, num_device_blocks=pool.num_gpu_blocks,
+        num_host_blocks=0, enable_prefix_caching=pool.enable_caching, preemption_mode="recompute",
+        max_num_seqs=scheduler.scheduler_config.max_num_seqs,
+        bytes_per_block=group.kv_cache_spec.page_size_bytes * len(group.layer_names),
+        reserved_blocks=[NULL_BLOCK])
+
+
+def engine_info(vllm_config) -> p.EngineInfo:
+    from vllm.platforms import current_platform
+
+    mc, par = vllm_config.model_config, vllm_config.parallel_config
+    return p.EngineInfo(model=mc.served_model_name, device=current_platform.device_type,
+                        dtype=str(mc.dtype).removeprefix("torch."), num_layers=mc.get_num_layers(par),
+                        num_kv_heads=mc.get_num_kv_heads(par), head_dim=mc.get_head_size())
+
+
+class VllmBackend:
+    def __init__(self, scheduler, api_url: str):
+        import vllm
+        from vllm import envs
+
+        self.vllm_config = scheduler.vllm_config
+        self.config = pool_config(scheduler)
+        self.info = engine_info(self.vllm_config)
+        self.server = f"vllm {vllm.__version__} + kvscope plugin"
+        self.supports = ["submit", "abort", "snapshot"] + (
+            ["clear_prefix_cache"] if envs.VLLM_SERVER_DEV_MODE else [])
+        self.hub: Hub | None = None
+        self.batches: deque[list[p.Event]] = deque()
+        self.texts: dict[str, _Text] = {}
+        self.tokenizer = None
+        self.forwarder = Forwarder(api_url, self.info.model)
+        self.observer = PoolObserver(scheduler, self._queue)
+        self._resync_due = False
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ Backend
+    def start(self, hub: Hub) -> None:
+        self.hub = hub
+        threading.Thread(target=self._load_tokenizer, name="kvscope-tokenizer", daemon=True).start()
+        self._flush()
+
+    def stop(self) -> None:
+        self.hub.loop.create_task(self.forwarder.close())
+
+    def hello(self) -> p.Hello:
+        return p.Hello(engine=self.info, config=self.config, server=self.server, supports=self.supports)
+
+    def request_snapshot(self) -> None:
+        self.hub.deliver_snapshot(self._snapshot())
+
+    def handle(self, cmd: p.AnyCommand, client: Client) -> None:
+        match cmd:
+            case p.Submit():
+                return self._submit(cmd, client)
+            case p.Abort():
+                if not self.forwarder.abort(cmd.request_id):
+                    raise p.CommandError("not_found", f"no request {cmd.request_id!r} submitted from "
+                                         "KVScope is running (vLLM aborts a request when its own "
+                                         "client disconnects, so only KVScope's can be aborted here)")
+                return self.hub.reply(client, p.Ack(op="abort", id=cmd.id))
+            case p.ClearPrefixCache() if "clear_prefix_cache" in self.supports:
+                return self._clear_prefix_cache(cmd, client)
+        raise p.CommandError("unsupported", _UNSUPPORTED.get(cmd.__struct_config__.tag, "vLLM cannot do this"))
+
+    # ------------------------------------------------------------------ events
+    def _queue(self, events: list[p.Event]) -> None:
+        """The engine core's thread, under the observer's lock: hand the batch to the loop."""
+        self.batches.append(events)
+        if self.observer.diverged:
+            self._resync_due = True
+        if self.hub is not None and self.hub.loop is not None:
+            self.hub.call(self._flush)
+
+    def _flush(self) -> None:
+        self._publish_queued()
+        if self._resync_due:
+            self._resync_due = False
+            self.hub.deliver_snapshot(self._snapshot(rebase=True), everyone=True)
+
+    def _snapshot(self, rebase: bool = False) -> p.Snapshot:
+        with self.observer.lock:
+            self._publish_queued()
+            state = self.observer.live_state(self.config)
+            if rebase or self.observer.diverged:
+                self.observer.rebase(state)
+        for seq_id, s in state.seqs.items():
+            if (t := self.texts.get(seq_id)) is not None:
+                s.text = t.text
+        return state.snapshot()
+
+    def _publish_queued(self) -> None:
+        while self.batches:
+            events = self.batches.popleft()
+            self._add_text(events)
+            self._accept(events)
+            self.hub.publish_events(events)
+
+    def _add_text(self, events: list[p.Event]) -> None:
+        """Text of each sampled token (vLLM detokenizes in its API server, not here)."""
+        prompts = self.observer.prompts
+        for ev in events:
+            if isinstance(ev, p.RequestAdded):
+                ids = list(prompts.pop(ev.seq_id, ()))
+                self.texts[ev.seq_id] = _Text(ids, Detokenizer.after_prompt(len(ids)))
+            elif isinstance(ev, p.Append) and ev.token_ids and (t := self.texts.get(ev.seq_id)):
+                t.ids.extend(ev.token_ids)
+                if self.tokenizer is not None:
+                    ev.text = t.detok.step(self.tokenizer, t.ids)
+                    t.text += ev.text
+            elif isinstance(ev, p.Finish):
+                self.texts.pop(ev.seq_id, None)
+
+    def _load_tokenizer(self) -> None:
+        try:
+            from transformers import AutoTokenizer
+
+            mc = self.vllm_config.model_config
+            self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                                           trust_remote_code=mc.trust_remote_code)
+        except Exception as e:  # text is a nicety: the pool is what the plugin is for
+            log.warning("kvscope: no tokenizer (%s); appends carry token ids without text", e)
+
+    # ------------------------------------------------------------------ commands
+    def _submit(self, cmd: p.Submit, client: Client) -> None:
+        rid = cmd.request_id or self._fresh_id()
+        if rid in self.forwarder.live or any(request_group(s) == rid for s in self.texts):
+            raise p.CommandError("duplicate_id", f"request {rid!r} is still running; "
+                                 "pick another request_id or leave it out")
+
+        def refused(code: p.ErrorCode, message: str) -> None:
+            self.hub.reply(client, p.Error(code=code, message=message, op="submit", id=cmd.id))
+
+        def accepted(seq_ids: list[str]) -> None:
+            self.hub.reply(client, p.Ack(op="submit", id=cmd.id, request_id=rid, seq_ids=seq_ids))
+
+        self.forwarder.submit(cmd, rid, Submission(rid, cmd.n, refused, accepted))
+
+    def _accept(self, events: list[p.Event]) -> None:
+        """Ack a submission once vLLM queued all its samples (their ids are vLLM's)."""
+        live = self.forwarder.live
+        for ev in events:
+            if isinstance(ev, p.RequestAdded) and (sub := live.get(ev.request_id)) and not sub.accepted:
+                sub.seq_ids.append(ev.seq_id)
+                if len(sub.seq_ids) == sub.n:
+                    sub.accepted = True
+                    sub.on_accept(sorted(sub.seq_ids))
+
+    def _fresh_id(self) -> str:
+        while True:
+            self._next_id += 1
+            rid = f"r{self._next_id}"
+            if rid not in self.forwarder.live:
+                return rid
+
+    def _clear_prefix_cache(self, cmd: p.ClearPrefixCache, client: Client) -> None:
+        async def run() -> None:
+            try:
+                ok = await self.forwarder.post("/reset_prefix_cache")
+            except Exception as e:
+                return self.hub.reply(client, p.Error(code="busy", message=str(e), op="clear_prefix_cache",
+                                                      id=cmd.id))
+            self.hub.reply(client, p.Ack(op="clear_prefix_cache", id=cmd.id) if ok else p.Error(
+                code="busy", message="vLLM keeps its prefix cache while requests run",
+                op="clear_prefix_cache", id=cmd.id))
+        self.hub.loop.create_task(run())
+
+
+_UNSUPPORTED = {
+    "step": "vLLM steps on its own; it cannot be stepped from here",
+    "pause": "vLLM cannot be paused from here; travel back in time to look at a past step",
+    "resume": "vLLM cannot be paused from here",
+    "pace": "vLLM runs at its own pace",
+    "reset": "vLLM's pool is fixed when it starts (restart vLLM with another --num-gpu-blocks-override "
+             "or --block-size); it has no swap space to configure either",
+    "clear_prefix_cache": "vLLM resets its prefix cache over HTTP only with VLLM_SERVER_DEV_MODE=1",
+}

@@ -1,0 +1,339 @@
+"""Watch vLLM's KV block pool from inside its engine core, as KVScope events.
+
+vLLM v1 keeps its allocator in three objects: the `BlockPool` (blocks, ref counts, the prefix
+cache's hash map), one `SingleTypeKVCacheManager` per KV-cache group (each request's block
+table, `req_to_blocks`) and the `Scheduler` (requests, admission, preemption, finishing).
+`PoolObserver` wraps a handful of their methods on the instances (nothing is copied or
+replaced) and turns each change they make into a protocol event, in the order vLLM makes it:
+
+    add_local_computed_blocks  -> prefix_hit   (touch: the request adopts cached blocks)
+    allocate_*_blocks          -> alloc        (get_new_blocks; evictions inside come first)
+    _remove_cached_block_hashes -> evict       (a cached block with no holder loses its hash)
+    cache_full_blocks          -> cached       (full blocks enter the prefix cache)
+    manager.free               -> free         (tail first, with vLLM's ref count after)
+    _preempt_request           -> preempt      (mode recompute: vLLM drops the blocks)
+    add_request / schedule / update_from_output / _free_blocks
+                               -> request_added, status, append, step, finish
+
+A table change reads the request's table back and emits only the difference, so vLLM's code
+runs unchanged. A change the protocol cannot express (a hybrid model's second group, a KV
+connector's deferred free, copy-on-write of a partial hit) marks the stream `diverged`; the
+backend then sends every client a fresh snapshot built from vLLM's own structures.
+Everything here runs on the engine core's thread, under `lock`, which a snapshot also takes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from engine.contract import protocol as p
+from engine.contract.state import PoolState, SeqState
+from engine.events import EventLog
+from vllm.v1.request import RequestStatus
+from integrations.kv_events.decode import hash_hex
+
+log = logging.getLogger("kvscope")
+NULL_BLOCK = 0  # vLLM's BlockPool pops block 0 as a placeholder that is never handed out
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class UnsupportedEngine(RuntimeError):
+    """A vLLM configuration this observer cannot show (the message says which)."""
+
+
+def _block_hash(key: bytes) -> str:
+    """vLLM keys a cached block by hash bytes + a 4-byte group id; the hash alone is published."""
+    return hash_hex(key[:-4])
+
+
+def _finish_reason(request) -> p.FinishReason:
+    reason = request.get_finished_reason()
+    return _REASONS.get(str(reason).lower(), "stop") if reason is not None else "stop"
+
+
+class PoolObserver:
+    def __init__(self, scheduler, on_batch: Callable[[list[p.Event]], None]):
+        kvm = scheduler.kv_cache_manager
+        managers = kvm.coordinator.single_type_managers
+        if len(managers) != 1:
+            raise UnsupportedEngine(f"this model has {len(managers)} KV-cache groups; KVScope shows "
+                                    "one pool with one block table per request")
+        self.scheduler, self.kvm, self.manager, self.pool = scheduler, kvm, managers[0], kvm.block_pool
+        self.on_batch = on_batch  # receives each call's events, in order, under the lock
+        self.lock = threading.Lock()
+        self.log = EventLog()
+        self.diverged = False
+        # what the events said so far, per request and per block: the baseline of each diff
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, int] = {}    # tokens in the cache (append.num_tokens)
+        self.outputs: dict[str, int] = {}   # sampled tokens sent
+        self.running: set[str] = set()
+        self.hashes: dict[int, str] = {}    # block -> hash in the prefix cache
+        self.prompts: dict[str, list[int]] = {}  # prompt ids of new requests, for the text of their tokens
+        self.cached_free = 0                # hashed blocks no request holds (evictable)
+        self._step_t0 = time.perf_counter()
+        self._install()
+
+    # ------------------------------------------------------------------ hooks
+    def _install(self) -> None:
+        s, m, pool = self.scheduler, self.manager, self.pool
+        for name in ("add_request", "finish_requests", "reset_prefix_cache"):
+            self._wrap(s, name, None, top=True)
+        self._wrap(s, "schedule", self._after_schedule, before=self._before_schedule, top=True)
+        self._wrap(s, "update_from_output", self._after_update, top=True)
+        self._wrap(s, "_free_request", None, before=lambda req, *a, **k: self._progress(req))
+        self._wrap(s, "_free_blocks", lambda req, *a, **k: self._finish(req))
+        self._wrap(s, "_preempt_request", lambda req, *a, **k: self._preempt(req))
+        self._wrap(m, "add_local_computed_blocks", lambda rid, *a, **k: self._sync(rid, hit=True))
+        for name in ("allocate_external_computed_blocks", "allocate_new_blocks", "free"):
+            self._wrap(m, name, lambda rid, *a, **k: self._sync(rid))
+        self._wrap(self.kvm, "pop_blocks_for_free", lambda req, *a, **k: self._diverge(
+            f"{req.request_id}'s blocks are freed later (a KV connector's deferred free)"))
+        self._wrap(pool, "cache_full_blocks", self._after_cache_full_blocks)
+        self._wrap(pool, "_remove_cached_block_hashes", None, around=self._removing_hashes)
+        self._wrap(pool, "reset_prefix_cache", None, around=self._resetting_prefix_cache)
+        for name in ("cache_partial_block", "move_block_hashes"):  # sub-block hits, copy-on-write
+            self._wrap(pool, name, lambda *a, **k: self._diverge("a partial block entered the prefix cache"))
+        # add_request's event: after vLLM queued it (a duplicate or a streaming chunk is not new)
+        self._wrap(s, "_enqueue_waiting_request", lambda req: self._added(req))
+
+    def _wrap(self, obj: Any, name: str, after: Callable | None, *, before: Callable | None = None,
+              around: Callable | None = None, top: bool = False) -> None:
+        """Replace `obj.name` on the instance by a call that runs `before`/`after` hooks (given
+        the same arguments), or `around(original, *args)`; `top`: an entry point of a scheduler
+        step, run under the lock and followed by a hand-off of its events."""
+        original = getattr(obj, name)
+
+        def hooked(*args, **kwargs):
+            if top:
+                with self.lock:
+                    try:
+                        return _call(args, kwargs)
+                    finally:
+                        self._hand_off()
+            return _call(args, kwargs)
+
+        def _call(args, kwargs):
+            if around is not None:
+                return around(original, *args, **kwargs)
+            if before is not None:
+                before(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if after is not None:
+                after(*args, **kwargs)
+            return out
+
+        setattr(obj, name, hooked)
+
+    def _emit(self, ev: p.Event) -> None:
+        self.log.emit(ev)
+
+    def _hand_off(self) -> None:
+        if self.log.pending:
+            self.on_batch(self.log.drain())
+
+    def _diverge(self, why: str) -> None:
+        if not self.diverged:
+            log.warning("kvscope: %s; clients get a fresh snapshot", why)
+        self.diverged = True
+
+    # ------------------------------------------------------------------ requests
+    def _added(self, req) -> None:
+        rid = req.request_id
+        if rid in self.tables or req.resumable:
+            return
+        self.tables[rid], self.tokens[rid], self.outputs[rid] = [], 0, 0
+        self.prompts[rid] = req.prompt_token_ids or []
+        self._emit(p.RequestAdded(request_id=request_group(rid), seq_id=rid,
+                                  prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens))
+
+    def _processed(self, req) -> int:
+        """Tokens whose KV vLLM holds: computed minus those still in flight, as vLLM advances
+        `num_computed_tokens` when it schedules them."""
+        return max(0, req.num_computed_tokens - req.num_in_flight_tokens)
+
+    def _progress(self, req) -> None:
+        """An append for new sampled tokens or a new number of tokens in the cache."""
+        rid = req.request_id
+        if rid not in self.tables:
+            return
+        n, sent = self._processed(req), self.outputs[rid]
+        out = req.output_token_ids
+        new = list(out[sent:]) if len(out) > sent else []
+        if new or n != self.tokens[rid]:
+            self.tokens[rid], self.outputs[rid] = n, sent + len(new)
+            self._emit(p.Append(seq_id=rid, num_tokens=n, token_ids=new))
+
+    def _before_schedule(self, *args, **kwargs) -> None:
+        self._step_t0 = time.perf_counter()
+        self.log.step += 1
+
+    def _after_schedule(self, *args, **kwargs) -> None:
+        for req in self.scheduler.running:
+            rid = req.request_id
+            if rid not in self.running and rid in self.tables:
+                self.running.add(rid)
+                self._emit(p.StatusChange(seq_id=rid, status="running"))
+            self._progress(req)  # a prefix hit puts tokens in the cache before any compute
+
+    def _after_update(self, scheduler_output, *args, **kwargs) -> None:
+        s = self.scheduler
+        prefill = decode = 0
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            if (req := s.requests.get(rid)) is not None:
+                self._progress(req)
+            if n == 1:
+                decode += 1
+            else:
+                prefill += n
+        running, waiting = s.get_request_counts()
+        self._emit(p.StepDone(
+            num_running=running, num_waiting=waiting, num_swapped=0, prefill_tokens=prefill,
+            decode_tokens=decode, duration_ms=round((time.perf_counter() - self._step_t0) * 1000, 3),
+            free_blocks=self.pool.get_num_free_blocks() - self.cached_free,
+            cached_blocks=self.cached_free))
+
+    def _preempt(self, req) -> None:
+        rid = req.request_id
+        if rid in self.tables:
+            self.running.discard(rid)
+            self.tokens[rid] = 0
+            self._emit(p.Preempt(seq_id=rid, mode="recompute"))
+
+    def _finish(self, req) -> None:
+        rid = req.request_id
+        if rid not in self.tables:
+            return
+        if self.tables[rid]:
+            self._diverge(f"{rid} finished still holding blocks {self.tables[rid]}")
+            return
+        for d in (self.tables, self.tokens, self.outputs):
+            del d[rid]
+        self.running.discard(rid)
+        self._emit(p.Finish(seq_id=rid, reason=_finish_reason(req)))
+
+    # ------------------------------------------------------------------ block tables
+    def _sync(self, rid: str, hit: bool = False) -> None:
+        """Emit the change in `rid`'s block table since the last sync: appended blocks (prefix
+        hits or allocations), or the whole table freed, tail first."""
+        seen = self.tables.get(rid)
+        if seen is None:
+            return
+        blocks = self.manager.req_to_blocks.get(rid, ())
+        n_seen, n_now = len(seen), len(blocks)
+        if n_now and n_seen and (n_now < n_seen or blocks[n_seen - 1].block_id != seen[-1]):
+            return self._diverge(f"{rid}'s block table changed in place")
+        if n_now >= n_seen:
+            for i in range(n_seen, n_now):
+                blk = blocks[i]
+                b = blk.block_id
+                if blk.is_null:
+                    return self._diverge(f"{rid} holds vLLM's null block (a sliding window)")
+                if hit:
+                    h = self.hashes.get(b)
+                    if h is None:
+                        return self._diverge(f"{rid} hit block {b}, which the events never cached")
+                    if blk.ref_cnt == 1:
+                        self.cached_free -= 1
+                    self._emit(p.PrefixHit(seq_id=rid, block_id=b, logical_index=i, hash=h))
+                else:
+                    self._emit(p.Alloc(seq_id=rid, block_id=b, logical_index=i))
+                seen.append(b)
+            return
+        blocks_by_id = self.pool.blocks
+        for b in reversed(seen):
+            ref = blocks_by_id[b].ref_cnt
+            if ref == 0 and b in self.hashes:
+                self.cached_free += 1
+            self._emit(p.Free(seq_id=rid, block_id=b, ref_count=ref))
+        seen.clear()
+
+    # ------------------------------------------------------------------ the prefix cache
+    def _after_cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks,
+                                 *args, **kwargs) -> None:
+        for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
+            blk = blocks[i]
+            key = blk.block_hash
+            if blk.is_null or key is None:
+                continue
+            h = _block_hash(key)
+            if self.hashes.get(blk.block_id) == h:
+                continue
+            self.hashes[blk.block_id] = h
+            prev = blocks[i - 1].block_hash if i else None
+            self._emit(p.Cached(block_id=blk.block_id, hash=h,
+                                parent_hash=_block_hash(prev) if prev is not None else None))
+
+    def _removing_hashes(self, original, block, *args, **kwargs):
+        b = block.block_id
+        h = self.hashes.get(b)
+        out = original(block, *args, **kwargs)
+        if h is not None and block.block_hash is None:
+            del self.hashes[b]
+            if block.ref_cnt == 0:
+                self.cached_free -= 1
+                self._emit(p.Evict(block_id=b, hash=h))
+            else:  # a held block loses its hash: only a partial block's promotion re-caches it
+                self._diverge(f"block {b} lost its hash while held")
+        return out
+
+    def _resetting_prefix_cache(self, original, *args, **kwargs):
+        ok = original(*args, **kwargs)
+        if ok:
+            for b, h in sorted(self.hashes.items()):
+                self._emit(p.Evict(block_id=b, hash=h))
+            self.hashes.clear()
+            self.cached_free = 0
+        return ok
+
+    # ------------------------------------------------------------------ snapshots
+    def live_state(self, config: p.PoolConfig) -> PoolState:
+        """The pool as vLLM's structures hold it now (call under `lock`), numbered after the
+        last event emitted: what a client applying every event must have."""
+        pool, s = self.pool, self.scheduler
+        n = len(pool.blocks)
+        ref = [0 if blk.is_null else blk.ref_cnt for blk in pool.blocks]
+        hashes: list[str | None] = [None] * n
+        for blk in pool.blocks:
+            if blk.block_hash is not None and not blk.is_null:
+                hashes[blk.block_id] = _block_hash(blk.block_hash)
+        state = PoolState(config=config, last_event=self.log.seq, ref_counts=ref, hashes=hashes,
+                          host_owner=[])
+        tables = self.manager.req_to_blocks
+        for rid, req in s.requests.items():
+            if rid not in self.tables:
+                continue
+            state.seqs[rid] = SeqState(
+                rid, request_group(rid), "running" if req.status == RequestStatus.RUNNING else "waiting",
+                [blk.block_id for blk in tables.get(rid, ())], [], self._processed(req),
+                req.num_prompt_tokens, len(req.output_token_ids), req.max_tokens)
+        return state
+
+    def rebase(self, state: PoolState) -> None:
+        """Take `state` (vLLM's, from `live_state`) as what the clients now hold: after a
+        divergence, every client gets it as a snapshot and the diffs start again from it."""
+        self.tables = {rid: list(s.block_table) for rid, s in state.seqs.items()}
+        self.tokens = {rid: s.num_tokens for rid, s in state.seqs.items()}
+        self.outputs = {rid: s.output_tokens for rid, s in state.seqs.items()}
+        self.running = {rid for rid, s in state.seqs.items() if s.status == "running"}
+        self.hashes = {b: h for b, h in enumerate(state.hashes) if h is not None}
+        self.cached_free = sum(1 for b in self.hashes if state.ref_counts[b] == 0)
+        self.diverged = False
+
+
+def request_group(rid: str) -> str:
+    """The request a vLLM engine-core id belongs to: the id its client gave, without what vLLM's
+    OpenAI server adds (`cmpl-ID-PROMPT-RANDOM`, `chatcmpl-ID-RANDOM`, `SAMPLE_` for n > 1).
+
+        cmpl-r1-0-1a2b3c4d -> r1      1_chatcmpl-sys1-2-0a1b2c3d -> sys1-2      abc -> abc
+    """
+    head, sep, tail = rid.partition("_")
+    rest = tail if sep and head.isdigit() else rid
+    for prefix, cut in (("cmpl-", 2), ("chatcmpl-", 1)):
+        if rest.startswith(prefix):
+            parts = rest[len(prefix):].rsplit("-", cut)
+            if len(parts) == cut + 1 and len(parts[-1]) == 8 and all(x.isdigit() for x in parts[1:-1]):
+                return parts[0]
+    return rest

@@ -1,0 +1,70 @@
+"""KVScope's vLLM plugin (entry point `vllm.general_plugins: kvscope`), inert unless enabled.
+
+vLLM calls `register()` in each of its processes. With KVSCOPE_PORT set, every vLLM scheduler
+built afterwards (the engine core's) gets a PoolObserver, and a KVScope WebSocket server starts
+in that process on KVSCOPE_HOST:KVSCOPE_PORT (default 127.0.0.1; port 0 picks a free one;
+KVSCOPE_TOKEN is required beyond loopback). Submits go to vLLM's OpenAI server at
+KVSCOPE_VLLM_URL (default http://127.0.0.1:8000). See docs/vllm.md.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger("kvscope")
+ENV_PORT, ENV_HOST, ENV_TOKEN, ENV_API = "KVSCOPE_PORT", "KVSCOPE_HOST", "KVSCOPE_TOKEN", "KVSCOPE_VLLM_URL"
+
+
+def register() -> None:
+    if not os.environ.get(ENV_PORT):
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.__init__, "kvscope", False):
+        return
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        attach(self)
+
+    __init__.kvscope = True
+    Scheduler.__init__ = __init__
+
+
+def attach(scheduler) -> None:
+    """Observe `scheduler` and serve it; any failure is logged and leaves vLLM as it was."""
+    from engine.cli import refuse_open_bind
+    from engine.hub import Hub, serve_in_thread
+    from integrations.vllm.backend import VllmBackend
+
+    host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(ENV_TOKEN) or None
+    if not (value := os.environ.get(ENV_PORT)):  # a process forked from one that had it set
+        return
+    try:
+        port = int(value)
+    except ValueError:
+        log.error("kvscope: %s must be a port number, got %r", ENV_PORT, value)
+        return
+    if refuse_open_bind(host, token):
+        return
+    rank = scheduler.vllm_config.parallel_config.data_parallel_index
+    if port and rank:
+        port += rank  # one server per data-parallel engine core, as vLLM offsets its KV-event port
+    try:
+        backend = VllmBackend(scheduler, os.environ.get(ENV_API, "http://127.0.0.1:8000"))
+        serving = serve_in_thread(Hub(backend, token=token), host, port)
+    except Exception as e:
+        log.exception("kvscope: not observing this vLLM (%s)", e)
+        return
+    original_shutdown = scheduler.shutdown
+
+    def shutdown() -> None:
+        serving.stop()
+        original_shutdown()
+
+    scheduler.shutdown = shutdown
+    cfg = backend.config
+    print(f"[kvscope] ready: {serving.url} observing vLLM's pool of {cfg.num_device_blocks} blocks "
+          f"of {cfg.block_size} tokens ({backend.info.model})", file=sys.stderr, flush=True)

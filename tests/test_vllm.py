@@ -1,0 +1,263 @@
+"""KVScope inside a real vLLM 0.32 (CPU) serving SmolLM2: the plugin's events against vLLM's own
+structures and numbers, and the ZMQ KV-event mode fed by the same vLLM.
+
+One vLLM serves every test here (loading it takes about a minute): a pool of 48 blocks of 32
+tokens, small enough that six long prompts preempt one another. `make test-vllm` builds
+.venv-vllm and runs this file; without it `make test` skips it and says why.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from engine.contract import protocol as p
+from engine.contract.state import check_invariants
+from tests.protocol_client import Client
+from tests.vllm_server import BUNDLED, NO_VLLM, VLLM_PYTHON, VllmServer
+from tests.waiting import wait
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
+
+BLOCKS = 48
+SYSTEMS = ("You are a terse assistant for a ship's engine room. Report gauges, pressures and "
+           "temperatures in one line, with units, and never speculate about causes. " * 3,
+           "You are a librarian who answers every question with the title of one book and one "
+           "sentence about why it fits, nothing more, no lists and no quotes. " * 3)
+QUESTIONS = ("What is boiler pressure?", "Is the coolant warm?", "What about the oil?")
+FILLER = ("the pool holds fixed size blocks of keys and values and each sequence maps its logical "
+          "blocks through a block table to physical blocks anywhere in the pool").split()
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    server = VllmServer(BLOCKS).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def c(vllm):
+    """A client of the plugin mirroring every event with the reducer."""
+    client = Client(vllm.ws)
+    yield client
+    client.close()
+
+
+def long_prompt(i: int, words: int = 280) -> str:
+    return f"Request {i}: " + " ".join(FILLER[j % len(FILLER)] for j in range(words))
+
+
+def compare_live_snapshot(c: Client) -> None:
+    """Ask for a snapshot (vLLM's structures, read between two scheduler calls) and check that
+    it equals the client's mirror of the events up to the same event."""
+    c.send(op="snapshot", id=f"s{time.monotonic_ns()}")
+    while True:
+        msg = c.recv()
+        if msg["type"] == "snapshot":
+            live = p.decode_server_message(json.dumps(msg))
+            assert live.seq == c.state.last_event
+            mirror = c.state.snapshot()
+            for a, b in zip(live.device_blocks, mirror.device_blocks):
+                assert a == b, f"block {a.id}: vLLM says {a}, the events say {b}"
+            assert live.seqs == mirror.seqs and live == mirror
+            c.take(msg)
+            return
+        c.take(msg)
+
+
+def finishes(c: Client, n: int, timeout: float = 300) -> None:
+    """Until `n` requests finished and none runs (an earlier test's request may still run)."""
+    c.until(lambda: c.kinds["finish"] >= n and not c.state.seqs, timeout)
+
+
+def test_a_mirror_equals_vllms_own_snapshot_mid_run_and_at_the_end(vllm, c):
+    assert c.hello["server"].startswith("vllm 0.32.0 + kvscope")
+    cfg = c.hello["config"]
+    assert (cfg["num_device_blocks"], cfg["block_size"], cfg["reserved_blocks"]) == (BLOCKS, 32, [0])
+    assert cfg["preemption_mode"] == "recompute" and cfg["num_host_blocks"] == 0
+    assert c.hello["engine"]["num_layers"] == 30 and c.hello["engine"]["num_kv_heads"] == 3
+    assert set(c.hello["supports"]) >= {"submit", "abort"} and "step" not in c.hello["supports"]
+    snapshots = c.snapshots
+    ack = c.request(op="submit", messages=[{"role": "system", "content": SYSTEMS[0]},
+                                           {"role": "user", "content": QUESTIONS[0]}],
+                    max_tokens=40, ignore_eos=True, request_id="mid")
+    assert ack["type"] == "ack" and ack["request_id"] == "mid" and len(ack["seq_ids"]) == 1
+    ack = c.request(op="submit", prompt="Once upon a time, a dragon", n=3, temperature=0.8, seed=7,
+                    max_tokens=30, ignore_eos=True)
+    assert ack["type"] == "ack" and len(ack["seq_ids"]) == 3
+    c.until(lambda: c.kinds["append"] >= 20)
+    assert c.state.seqs, "the requests are still running"
+    compare_live_snapshot(c)
+    finishes(c, 4)
+    check_invariants(c.state)
+    compare_live_snapshot(c)
+    assert not c.state.seqs and c.snapshots == snapshots + 2, "no snapshot was pushed: no divergence"
+    assert c.state.ref_counts[0] == 0 and c.state.hashes[0] is None  # the null block, reserved
+    counts = c.state.counts()
+    assert counts.free + counts.cached == BLOCKS - 1
+    assert not [r for r in c.replies if r["type"] == "error"]
+
+
+def test_b_prefix_hit_tokens_per_request_equal_vllms_cached_tokens(vllm, c):
+    cached: dict[str, int] = {}
+    for k, system in enumerate(SYSTEMS):
+        for i, q in enumerate(QUESTIONS):
+            rid = f"sys{k}-{i}"
+            out = vllm.post("/v1/chat/completions", {
+                "model": c.hello["engine"]["model"], "request_id": rid, "max_tokens": 8,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+            cached[rid] = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    c.until(lambda: sum(1 for s in c.state.seqs) == 0 and c.kinds["finish"] >= 6)
+    hits: Counter = Counter()
+    added: dict[str, str] = {}
+    for ev in c.events:
+        if isinstance(ev, p.RequestAdded):
+            added[ev.seq_id] = ev.request_id
+        elif isinstance(ev, p.PrefixHit):
+            hits[added[ev.seq_id]] += 32
+    assert {rid: hits[rid] for rid in cached} == cached
+    assert all(cached[f"sys{k}-{i}"] > 0 for k in range(2) for i in (1, 2)), cached
+
+
+def test_c_a_small_pool_preempts_readmits_and_finishes_every_request_once(vllm, c):
+    preempted_before = vllm.metric("vllm:num_preemptions_total")
+    rids = [c.request(op="submit", prompt=long_prompt(i), max_tokens=150, ignore_eos=True,
+                      request_id=f"load{i}")["seq_ids"][0] for i in range(6)]
+    c.until(lambda: c.kinds["preempt"] >= 1, timeout=300)
+    assert c.request(op="abort", request_id="load5")["type"] == "ack"
+    finishes(c, 6, timeout=600)
+    check_invariants(c.state)
+    done = Counter(e.seq_id for e in c.events if isinstance(e, p.Finish))
+    reasons = {e.seq_id: e.reason for e in c.events if isinstance(e, p.Finish)}
+    assert done == Counter(rids), "each request finishes exactly once"
+    assert reasons[rids[5]] == "abort" and all(reasons[r] == "length" for r in rids[:5])
+    preempted = [e.seq_id for e in c.events if isinstance(e, p.Preempt)]
+    readmitted = {e.seq_id for e in c.events if isinstance(e, p.StatusChange) and e.status == "running"
+                  and any(pe.seq_id == e.seq_id and pe.seq < e.seq for pe in c.events if isinstance(pe, p.Preempt))}
+    assert preempted and readmitted >= set(preempted) - {rids[5]}
+    assert len(preempted) == vllm.metric("vllm:num_preemptions_total") - preempted_before
+    outputs = {e.seq_id: 0 for e in c.events if isinstance(e, p.RequestAdded)}
+    for e in c.events:
+        if isinstance(e, p.Append):
+            outputs[e.seq_id] += len(e.token_ids)
+    assert all(outputs[r] == 150 for r in rids[:5])
+    compare_live_snapshot(c)
+
+
+def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm, c):
+    from integrations.kv_events.subscriber import KVEventsSubscriber
+
+    live = KVEventsSubscriber(vllm.kv_events.split("?")[0])  # joins now: sees only what follows
+    time.sleep(0.5)  # ZMQ's slow joiner: a SUB socket misses what is sent before it has subscribed
+    c.request(op="submit", prompt=long_prompt(9, 120), max_tokens=40, ignore_eos=True, request_id="zmq")
+    finishes(c, 1)
+    late = KVEventsSubscriber(vllm.kv_events)  # with the replay socket: catches up from the start
+    try:
+        deep = {h for h in c.state.hashes if h is not None}
+        wait(lambda: {h for _, h in late.state.blocks} == deep, 30, "the replayed stream to match the pool")
+        with late.lock:
+            assert late.state.per_medium() == {"GPU": sum(1 for h in c.state.hashes if h)}
+            assert late.state.bad_frames == 0 and late.state.unknown_events == 0
+            forest = late.state.forest()
+            assert sum(len(v) for v in forest.values()) == len(deep)
+            assert all(len(b.token_ids) == 32 for b in late.state.blocks.values())
+        with live.lock:
+            stored = {h for _, h in live.state.blocks}
+        ours = {e.hash for e in c.events if isinstance(e, p.Cached)}
+        assert ours and ours <= stored, "every block the plugin saw cached, the live stream stored"
+    finally:
+        live.close()
+        late.close()
+
+
+@pytest.mark.parametrize("key", ["shared", "parallel", "overload", "mixed"])
+def test_e_the_dashboards_scenario_presets_make_vllm_hit_its_prefix_cache(vllm, c, key):
+    """Each preset of the sidebar, as the dashboard sends it (sized from hello's pool), makes
+    vLLM hit its prefix cache; the overload preset also makes it preempt. The mixed preset's
+    prompts share less than one 32-token block, so its hits come when it runs a second time."""
+    from app.scenarios import SCENARIOS
+
+    scenario = next(s for s in SCENARIOS if s.key == key)
+    cfg = p.decode_server_message(json.dumps(c.hello)).config
+    cmds = [cmd for run in ((1, 2) if key == "mixed" else (1,)) for cmd in scenario.build(cfg, run)]
+    assert not any(isinstance(cmd, p.ResetCmd) for cmd in cmds), "vLLM's pool fits the presets as it is"
+    seqs = []
+    for cmd in cmds:
+        ack = c.request(**json.loads(p.encode(cmd)))
+        assert ack["type"] == "ack", ack
+        seqs += ack["seq_ids"]
+    c.until(lambda: all(any(isinstance(e, p.Finish) and e.seq_id == s for e in c.events) for s in seqs), 600)
+    mine = set(seqs)
+    assert any(isinstance(e, p.PrefixHit) and e.seq_id in mine for e in c.events), f"{key}: no prefix hit"
+    if key == "overload":
+        assert any(isinstance(e, p.Preempt) and e.seq_id in mine for e in c.events)
+
+
+def test_f_what_vllm_cannot_do_answers_unsupported_and_bad_prompts_come_back_as_errors(vllm, c):
+    for cmd in ({"op": "step"}, {"op": "pause"}, {"op": "pace", "step_delay_ms": 10},
+                {"op": "reset", "config": {"num_device_blocks": 64}}):
+        reply = c.request(**cmd)
+        assert reply["type"] == "error" and reply["code"] == "unsupported" and len(reply["message"]) > 20
+    reply = c.request(op="submit", prompt=long_prompt(0, 1600), max_tokens=8)
+    assert reply["type"] == "error" and reply["code"] == "too_long" and "vLLM" in reply["message"]
+    reply = c.request(op="abort", request_id="never-submitted")
+    assert reply["type"] == "error" and reply["code"] == "not_found"
+    assert c.request(op="submit", prompt="Hi", max_tokens=2, request_id="twice")["type"] == "ack"
+    assert c.request(op="submit", prompt="Hi", max_tokens=2, request_id="twice")["code"] == "duplicate_id"
+
+
+@pytest.fixture
+def dashboard(monkeypatch):
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    def start(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        st.cache_resource.clear()
+        at = AppTest.from_file(str(VLLM_PYTHON.parent.parent.parent / "app" / "main.py"), default_timeout=30)
+        return at.run()
+
+    yield start
+    st.cache_resource.clear()
+
+
+def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_reserved(vllm, c, dashboard):
+    from tests.test_app import grid_data
+
+    at = dashboard(KVSCOPE_ENGINE=vllm.ws)
+    data = wait(lambda: grid_data(at.run()), 60, "the grid")
+    assert data["n"] == BLOCKS and data["bs"] == 32
+    assert data["counts"]["free"] + data["counts"]["cached"] == BLOCKS - 1  # block 0 is neither
+    c.request(op="submit", prompt=long_prompt(3, 200), max_tokens=60, ignore_eos=True, request_id="seen")
+    data = wait(lambda: (d := grid_data(at.run())) and d["counts"]["used"] and d, 120, "used blocks in the grid")
+    assert any(s[0].startswith("cmpl-seen-0-") for s in data["seqs"]) and not at.exception
+    finishes(c, 1)
+
+
+def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dashboard):
+    c.request(op="submit", messages=[{"role": "system", "content": SYSTEMS[1]},
+                                     {"role": "user", "content": QUESTIONS[2]}], max_tokens=4)
+    finishes(c, 1)
+    at = dashboard(KVSCOPE_KV_EVENTS=vllm.kv_events, KVSCOPE_TOKENIZER=str(BUNDLED))
+    cached = [h for h in c.state.hashes if h]  # vLLM may cache the same content in two blocks
+    wait(lambda: any(m.label == "cached on GPU" and m.value == str(len(cached)) for m in at.run().metric), 60,
+         "the page to count vLLM's cached blocks")
+    forest = next(h.value for h in at.html if 'class="kvf"' in h.value)
+    assert forest.count("<li>") == len(set(cached)) and not at.exception
+    assert "librarian who answers every question" in forest  # a block's text, on hover
+
+
+def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard):
+    """What `make run-vllm` does: the dashboard starts vLLM from .venv-vllm with the plugin, shows
+    vLLM's log while it loads, then draws its pool."""
+    from tests.test_app import grid_data
+
+    at = dashboard(KVSCOPE_VLLM="smollm2", KVSCOPE_ENGINE_ARGS="--num-blocks 40")
+    assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
+    data = wait(lambda: grid_data(at.run()), 240, "vLLM's pool in the grid")
+    assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception
