@@ -309,9 +309,9 @@ class EngineClient:
     def close(self, why: str = "") -> None:
         """Stop for good (the history stays readable); `why` is shown as the last error."""
         self._stop.set()
+        self._set_state("closed", why)
         ws = self._ws
         if ws is not None:
             ws.close()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=3)
-        self._set_state("closed", why)

@@ -68,8 +68,10 @@ def frame_view(client: EngineClient) -> View | None:
 def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     show_replies(client)
     header.status_line(client, source, hosted)
-    if hosted is not None and hosted.process.died:
+    dead = hosted is not None and hosted.process.died
+    if dead:
         died(source, hosted)
+    connected = client.status.state == "connected" and not dead
     view = live_view(client)
     if view is None:
         return
@@ -78,10 +80,10 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     if key:
         st.info(f"**Paused at event {client.loop.stopped_at:,}** · {key.text}", icon=":material/fast_forward:")
     header.metrics(view, client)
-    travel.bar(client, view)
+    travel.bar(client, view, connected)
     if "grid" not in view.memo:
         view.memo["grid"] = grid.payload(view, client.colors)
-    grid.draw({**view.memo["grid"], "connected": client.status.state == "connected",
+    grid.draw({**view.memo["grid"], "connected": connected,
                "highlight": key.blocks if key else []}, on_block=_filter_log_by_block)
 
 

@@ -45,7 +45,7 @@ def _scrubbed() -> None:
         go(None if n < 0 else int(n))
 
 
-def bar(client: EngineClient, view: View) -> None:
+def bar(client: EngineClient, view: View, connected: bool) -> None:
     bounds = client.bounds()
     if bounds is None or bounds[1] - bounds[0] < 1:
         st.caption(":material/history: Time travel becomes available once events arrive.")
@@ -71,7 +71,6 @@ def bar(client: EngineClient, view: View) -> None:
     ev = view.step_events[-1] if view.step_events else None
     where = f"event **{n:,}** of {last:,}" + (f" · step {ev.step} · {ev.__struct_config__.tag}: {describe(ev)[2]}"
                                               if ev and ev.seq == n else "")
-    connected = client.status.state == "connected"
     mode = (":orange[:material/history: **Time travel**] · " if not view.live else ":green[● **Live**] · " if connected
             else ":red[● **Not connected**: the last state received] · ")
     st.caption(mode + where + (" · the engine keeps running: press **Live** to return" if not view.live else ""))
