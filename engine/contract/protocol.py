@@ -70,6 +70,7 @@ class RequestAdded(Event, tag="request_added"):
     prompt_tokens: int
     n: int = 1
     max_tokens: int = DEFAULT_MAX_TOKENS
+    prompt_token_ids: list[int] = []  # addition: the prompt itself, so a run can be replayed (the lab)
 
 
 class Fork(Event, tag="fork"):
