@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from engine.contract import protocol as p
 from engine.contract.lab import PeakGrid
-from engine.contract.state import PoolState, SeqState, held_tokens
+from engine.block_manager import hash_hex
+from engine.contract.state import PoolState, held_tokens
 from engine.events import EventLog
 
 # events that can change what the scheduler's queued part decides (admission, swap-in)
@@ -53,10 +54,8 @@ class Meter(EventLog):
         ev.seq, ev.step = self.seq, self.step
         if self.keep:
             self.pending.append(ev)
-        kind = type(ev)
-        if kind in CHANGES:
-            self.changes += 1
-        handler = _HANDLERS.get(kind)
+        changes, handler = _ON.get(type(ev), _NOTHING)
+        self.changes += changes
         if handler is not None:
             handler(self, ev)
 
@@ -164,15 +163,20 @@ class Meter(EventLog):
         self.peak = (self.step, bm.ref_counts[:], bm.hashes[:], seqs)
 
     def peak_grid(self) -> PeakGrid | None:
+        """The captured peak, through the reducer's own block rules (via a snapshot, its stable form)."""
         if self.peak is None:
             return None
         step, refs, hashes, seqs = self.peak
-        st = PoolState.empty(self.core.block_manager.config)
-        st.ref_counts, st.hashes = refs, [None if h is None else "" for h in hashes]
-        for i, (table, computed) in enumerate(seqs):
-            st.seqs[str(i)] = SeqState(str(i), str(i), "running", table, [], computed)
-        tokens, _ = st.block_tokens()
-        return PeakGrid(step=step, states=st.block_states().tolist(), tokens=tokens.tolist())
+        cfg = self.core.block_manager.config
+        snap = p.Snapshot(
+            seq=0, config=cfg, host_blocks=[p.HostBlock(i, None, 0) for i in range(cfg.num_host_blocks)],
+            device_blocks=[p.DeviceBlock(i, r, None if h is None else hash_hex(h), 0)
+                           for i, (r, h) in enumerate(zip(refs, hashes))],
+            seqs=[p.SeqInfo(seq_id=str(i), request_id=str(i), status="running", block_table=table, host_table=[],
+                            num_tokens=computed, prompt_tokens=0, output_tokens=0)
+                  for i, (table, computed) in enumerate(seqs)])
+        st = PoolState.from_snapshot(snap)
+        return PeakGrid(step=step, states=st.block_states().tolist(), tokens=st.block_tokens()[0].tolist())
 
 
 _HANDLERS = {
@@ -180,3 +184,5 @@ _HANDLERS = {
     p.Fork: Meter._fork, p.Cow: Meter._cow, p.Free: Meter._free, p.Preempt: Meter._preempt,
     p.SwapOut: Meter._swap_out, p.SwapIn: Meter._swap_in, p.Finish: Meter._finish, p.StepDone: Meter._step,
 }
+_ON = {kind: (kind in CHANGES, _HANDLERS.get(kind)) for kind in p.AnyEvent.__args__}
+_NOTHING = (False, None)

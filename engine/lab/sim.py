@@ -30,6 +30,10 @@ from engine.scheduler import Batch
 from engine.sequence import SamplingParams, Sequence, SeqStatus
 
 
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
 class Lab(EngineCore):
     def __init__(self, config: LabConfig, workload: Workload, keep_events: bool = False):
         self.meter = Meter(keep=keep_events)
@@ -159,12 +163,14 @@ class Lab(EngineCore):
         return not (s.waiting or s.swapped) or self._queued_key == (self.meter.changes, budget)
 
     def _order(self, seqs: list[Sequence]) -> list[Sequence]:
-        """`seqs` in the order of `running` (arrival, then the order samples joined)."""
-        running = self.scheduler.running
-        def position(seq: Sequence) -> int:
-            i = bisect.bisect_left(running, seq.arrival, key=lambda s: s.arrival)
-            return running.index(seq, i)
-        return sorted(seqs, key=position)
+        """`seqs` in the order of `running`: by arrival, and samples of one request (which
+        share it) in the order they joined."""
+        seqs.sort(key=_arrival)
+        if any(a.arrival == b.arrival for a, b in zip(seqs, seqs[1:])):
+            running = self.scheduler.running
+            start = {s: bisect.bisect_left(running, s.arrival, key=_arrival) for s in seqs}
+            seqs.sort(key=lambda s: running.index(s, start[s]))
+        return seqs
 
     def _skip(self, next_arrival: int | None) -> None:
         """Nobody needs attention at the next step and the queues cannot move: jump to the next
@@ -206,10 +212,12 @@ class Lab(EngineCore):
             sched.schedule_queued(batch, budget)
             self._queued_key = (self.meter.changes, budget) if self.meter.changes == before else None
         self._postprocess(batch, None)
-        touched = {r.seq for r in batch.rows} | {self.seqs[i] for i in self.meter.entered if i in self.seqs}
-        touched.update(due)
+        touched = due + [r.seq for r in batch.rows[len(due):]] + [self.seqs[i] for i in self.meter.entered
+                                                                   if i in self.seqs]
+        pushed = set()
         for seq in touched:
-            if seq.status is SeqStatus.RUNNING:
+            if seq.status is SeqStatus.RUNNING and seq not in pushed:
+                pushed.add(seq)
                 self._push(seq, step + 1)
         self.meter.sample(1, steady)
         return True

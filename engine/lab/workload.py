@@ -97,7 +97,7 @@ def from_messages(name: str, start: p.Snapshot, events: list[p.AnyEvent]) -> Wor
         if not all(outs):
             dropped.append(rid)  # aborted or cut off before every sample had a token
             continue
-        prompt = list(ev.prompt_token_ids)
+        prompt = list(ev.prompt_token_ids or ())
         if len(prompt) != ev.prompt_tokens:
             prompt = _rebuild_prompt(rid, ev.prompt_tokens, hashes[rid], bs)
             rebuilt += 1
