@@ -65,7 +65,8 @@ class Lab(EngineCore):
         return self.streams[seq.seq_id][seq.num_output_tokens]
 
     def _stops(self, seq: Sequence, token: int) -> bool:
-        return seq.num_output_tokens >= len(self.streams[seq.seq_id])
+        """The stream ran out before max tokens: it stopped there (end of text, or an abort)."""
+        return seq.num_output_tokens >= len(self.streams[seq.seq_id]) < seq.params.max_tokens
 
     def _postprocess(self, batch: Batch, payloads):
         self.meter.computed_rows(sum(row.num_tokens for row in batch.rows))
@@ -226,6 +227,7 @@ class Lab(EngineCore):
         """Every running sequence through `Scheduler.schedule`: bring them all up to date first."""
         for seq in self.scheduler.running:
             self._materialize(seq, step)
+            self._anchor[seq] = step + 1  # this step's tokens are applied by the step itself
         self.step()
         self._due.clear()
         for seq in self.scheduler.running:
