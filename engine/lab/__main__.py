@@ -18,6 +18,7 @@ import msgspec
 
 from engine.contract.lab import encode_report, to_csv
 from engine.lab import report as lab
+from engine.lab.record import record
 from engine.lab.workload import PRESETS, load
 
 
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", type=Path, help="also write the table as CSV")
     ap.add_argument("--json", action="store_true", help="print the report as JSON (with the peak grids)")
     ap.add_argument("--grid", action="store_true", help="draw each config's pool at its peak")
+    ap.add_argument("--record", type=Path, metavar="FILE",
+                    help="also write the first config's run as a recording the dashboard can replay")
     args = ap.parse_args(argv)
     try:
         workload = load(args.workload, args.scale)
@@ -80,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = lab.configs(base, args.block_sizes, args.blocks, args.caching, args.preemption, args.watermark,
                        args.host_blocks)
     report = lab.run(workload, cfgs, fast=not args.stepwise)
+    if args.record:
+        n = record(cfgs[0], workload, args.record)
+        print(f"recorded {n:,} events of {cfgs[0].label} to {args.record}", file=sys.stderr)
     if args.csv:
         args.csv.write_text(to_csv(report))
     if args.json:
