@@ -46,6 +46,7 @@ class LessonRun:
     notes: list[str] = field(default_factory=list)  # what went differently from the script
     errors: list[str] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)  # ids of the commands of the run in progress
+    memo: dict = field(default_factory=dict)       # the viewed stop's words, for the views that redraw often
 
     @property
     def done(self) -> bool:
