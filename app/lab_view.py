@@ -140,7 +140,7 @@ def show(report: LabReport) -> None:
     for i, row in enumerate(report.rows):
         with cols[i % len(cols)]:
             st.caption(f"{row.config.label} · step {row.peak.step if row.peak else '-'} · {row.peak_used} used")
-            st.html(grid_svg(row))
+            st.image(grid_svg(row))
 
 
 def grid_svg(row: LabRow, width: int = 360) -> str:

@@ -59,13 +59,14 @@ def sidebar(client: EngineClient) -> None:
                   disabled=not can_drive, on_click=_start, args=(client, pick),
                   help="Resets the engine to the lesson's pool and submits its requests")
         return
-    c = st.columns(3)
+    st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
+              disabled=run.pending is not None or (run.done and run.viewing == len(run.lesson.stops) - 1),
+              on_click=_next, args=(client,), help="Run to the next stop (or show the next one reached before)")
+    c = st.columns(2)
     c[0].button("Back", icon=":material/arrow_back:", key="lesson_back", width="stretch",
-                disabled=run.pending is not None or run.viewing <= 0, on_click=_back)
-    c[1].button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
-                disabled=run.pending is not None or (run.done and run.viewing == len(run.lesson.stops) - 1),
-                on_click=_next, args=(client,))
-    c[2].button("Restart", icon=":material/replay:", key="lesson_restart", width="stretch",
+                disabled=run.pending is not None or run.viewing <= 0, on_click=_back,
+                help="Show the previous stop as it was (time travel)")
+    c[1].button("Restart", icon=":material/replay:", key="lesson_restart", width="stretch",
                 disabled=not can_drive, on_click=_start, args=(client, pick))
     outline = []
     for i, stop in enumerate(run.lesson.stops):

@@ -84,7 +84,7 @@ def test_the_lab_runs_a_preset_and_this_sessions_requests(at, observer):
     at.button(key="lab_run").click().run(timeout=120)
     table = at.dataframe[0].value
     assert list(table["block_size"]) == [4, 64] and table["slot_util"][0] > table["slot_util"][1]
-    assert len([h for h in at.html if "<svg" in h.value]) == 2  # each pool at its peak
+    assert len(at.get("image")) == 2  # each pool at its peak
     # this session's requests: one prompt through the engine, then the lab on it at two pool sizes
     at.segmented_control(key="mode").set_value("Explore").run()
     at.text_area(key="prompt_text").set_value("A prompt for the lab to replay.")

@@ -1,0 +1,46 @@
+"""A lesson walked in a real browser: `streamlit run app/main.py` with its embedded engine (tiny
+model), Debian's chromium through playwright. Lessons mode, the first lesson started and run to
+its end with Next alone; each stop's caption shows and the grid rings its blocks; Back travels
+to a stop reached before."""
+from __future__ import annotations
+
+import pytest
+
+from app.shoot_docs import CHROMIUM, FLAGS, walk_lesson
+from tests.test_browser import ROOT, app_url  # noqa: F401
+
+SHOT = ROOT / "out" / "test_browser_lesson.png"
+
+
+@pytest.mark.slow
+def test_walk_a_lesson_with_next_and_back(app_url):  # noqa: F811
+    from playwright.sync_api import sync_playwright
+
+    url, _ = app_url
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1400})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=120_000)
+        walk_lesson(page, "1. Block tables and on-demand allocation", 1, timeout_ms=60_000)
+        text = page.inner_text("body")
+        assert "Admission, on demand" in text and "block table, logical → physical" in text
+        page.wait_for_function("window.__kvscope_grid.n === 24 && window.__kvscope_grid.highlight > 0",
+                               timeout=20_000)  # the lesson's own pool, its blocks ringed
+        side = page.get_by_test_id("stSidebar")
+        for i in range(2, 6):
+            side.get_by_role("button", name="Next").click()
+            page.wait_for_function("n => { const t = document.body.innerText; "
+                                   "return t.includes(`stop ${n} of 5`) && !t.includes('running until'); }",
+                                   arg=i, timeout=60_000)
+        assert "End of the lesson" in page.inner_text("body")
+        SHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(SHOT))
+        side.get_by_role("button", name="Back").click()
+        page.wait_for_function("window.__kvscope_grid.live === false", timeout=20_000)
+        page.get_by_text("a stop reached earlier").first.wait_for(timeout=20_000)
+        assert "stop 4 of 5" in page.inner_text("body")
+        assert not errors, errors
+        browser.close()
