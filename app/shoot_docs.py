@@ -3,8 +3,8 @@
 
     python -m app.shoot_docs [--model smollm2] [--out assets]
 
-Writes lesson.png (the copy-on-write lesson at its second stop, with the prefix tree open) and
-lab.png (the long and short mixed preset at block sizes 4 to 64).
+Writes lesson.png (the prefix caching lesson at its prefix hit, with the prefix tree open) and
+lab.png (the long and short mixed preset at block sizes 4, 16 and 64).
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+TOP = "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,6 +39,17 @@ def start_app(model: str) -> tuple[subprocess.Popen, str]:
          str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--", "--model", model],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def open_dashboard(pw, url: str, height: int = 1250, timeout_ms: int = 240_000):
+    """(browser, page, errors) with the dashboard drawn: its grid has blocks."""
+    browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    page = browser.new_page(viewport={"width": 1500, "height": height})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=timeout_ms)
+    return browser, page, errors
 
 
 def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000) -> None:
@@ -63,23 +77,19 @@ def main() -> int:
     app, url = start_app(args.model)
     try:
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            page = browser.new_page(viewport={"width": 1500, "height": 1250})
-            page.goto(url)
-            page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=240_000)
-            walk_lesson(page, "5. Parallel sampling and copy-on-write", 2)
+            browser, page, _ = open_dashboard(pw, url, height=1700)
+            walk_lesson(page, "4. Prefix caching", 2)
             page.get_by_text("Prefix tree", exact=True).click()
             page.wait_for_selector(".pt", timeout=30_000)
             time.sleep(2)
-            page.screenshot(path=str(args.out / "lesson.png"), full_page=True)
+            page.evaluate(TOP)
+            page.screenshot(path=str(args.out / "lesson.png"))
             page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click()
             page.get_by_role("button", name="Run the lab").click()
-            try:
-                page.wait_for_selector("[data-testid='stImage'] img", timeout=120_000)
-            finally:
-                page.screenshot(path=str(args.out / "lab.png"), full_page=True)
+            page.wait_for_selector("[data-testid='stImage'] img", timeout=120_000)
             time.sleep(2)
-            page.screenshot(path=str(args.out / "lab.png"), full_page=True)
+            page.evaluate(TOP)
+            page.screenshot(path=str(args.out / "lab.png"))
             browser.close()
     finally:
         os.killpg(app.pid, signal.SIGTERM)

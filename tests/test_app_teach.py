@@ -26,6 +26,18 @@ def reached(at, i: int, n: int):
     return run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
 
 
+def start(at, key: str, stops: int) -> None:
+    """Lessons mode, `key` picked and started, then Next until `stops` stops were reached."""
+    n = len(LESSONS[key].stops)
+    at.segmented_control(key="mode").set_value("Lessons").run()
+    at.selectbox(key="lesson_pick").set_value(key).run()
+    at.button(key="lesson_start").click().run()
+    for i in range(stops):
+        if i:
+            at.button(key="lesson_next").click().run()
+        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+
+
 @pytest.mark.parametrize("key", list(LESSONS))
 def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
     lesson = LESSONS[key]
@@ -59,12 +71,7 @@ def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
 
 
 def test_back_travels_to_a_stop_already_reached_and_next_returns(at, observer):
-    at.segmented_control(key="mode").set_value("Lessons").run()
-    at.selectbox(key="lesson_pick").set_value("01_block_tables").run()
-    at.button(key="lesson_start").click().run()
-    rerun_until(at, lambda a: reached(a, 0, 5), 60, "stop 1")
-    at.button(key="lesson_next").click().run()
-    rerun_until(at, lambda a: reached(a, 1, 5), 60, "stop 2")
+    start(at, "01_block_tables", 2)
     first_end = at.session_state["lesson"].reached[0].end
     at.button(key="lesson_back").click().run()
     data = rerun_until(at, lambda a: (d := grid_data(a)) and not d["live"] and d, what="time travel")
@@ -102,12 +109,7 @@ def test_the_lab_runs_a_preset_and_this_sessions_requests(at, observer):
 
 
 def test_prefix_tree_and_lifetimes_panels_follow_the_engine(at, observer):
-    at.segmented_control(key="mode").set_value("Lessons").run()
-    at.selectbox(key="lesson_pick").set_value("04_prefix_caching").run()
-    at.button(key="lesson_start").click().run()
-    rerun_until(at, lambda a: reached(a, 0, 3), 60, "stop 1")
-    at.button(key="lesson_next").click().run()
-    rerun_until(at, lambda a: reached(a, 1, 3), 60, "stop 2")
+    start(at, "04_prefix_caching", 2)
     next(c for c in at.segmented_control if c.label == "History").set_value("Prefix tree").run()
     tree = html_with(at, 'class="pt"')
     hits = [e for e in events(observer, "prefix_hit")]

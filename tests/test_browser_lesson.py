@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.shoot_docs import CHROMIUM, FLAGS, walk_lesson
+from app.shoot_docs import open_dashboard, walk_lesson
 from tests.test_browser import ROOT, app_url  # noqa: F401
 
 SHOT = ROOT / "out" / "test_browser_lesson.png"
@@ -18,12 +18,7 @@ def test_walk_a_lesson_with_next_and_back(app_url):  # noqa: F811
 
     url, _ = app_url
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1400})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(url)
-        page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=120_000)
+        browser, page, errors = open_dashboard(pw, url, height=1400, timeout_ms=120_000)
         walk_lesson(page, "1. Block tables and on-demand allocation", 1, timeout_ms=60_000)
         text = page.inner_text("body")
         assert "Admission, on demand" in text and "block table, logical → physical" in text
