@@ -31,7 +31,6 @@ class Pending:
     index: int
     pause_id: int             # the stop's commands go out once the engine acknowledged the pause
     since: int | None = None  # the last event before them: steps are counted from here
-    sent: float = field(default_factory=time.monotonic)
     progress_at: int = 0      # the last event seen, and when, to notice an engine with nothing to run
     progress_t: float = field(default_factory=time.monotonic)
 

@@ -2,10 +2,10 @@
 
 Per step (sampled at every `step` event, and in bulk for the steps the fast run skips): blocks
 in use, tokens held in them, block-table entries. Counted from events: prefix hits and tokens
-looked up, preemptions, swaps.
+looked up (`PoolState.prefix_lookup`'s rule), preemptions, swaps.
 
-Tokens held in used blocks are the header's and the reducer's number (`PoolState.block_tokens`
-over used blocks), kept here incrementally because the lab cannot afford the reducer's O(blocks)
+Tokens held in used blocks are the header's and the reducer's number
+(`PoolState.tokens_in_used_blocks`), kept here incrementally because the lab cannot afford the reducer's O(blocks)
 per step: held = H - O, where H is the tokens computed by every sequence holding device blocks
 and O the tokens counted twice, (holders - 1) x tokens of each shared block. At the end of a step
 the holders of a shared block hold it equally (a full block, or a fork's partial last block before
@@ -47,6 +47,7 @@ class Meter(EventLog):
     def bind(self, core) -> None:
         self.core = core
         self.bs = core.block_manager.block_size
+        self.caching = core.block_manager.config.enable_prefix_caching
 
     # ------------------------------------------------------------------ events
     def emit(self, ev: p.Event) -> None:
@@ -77,7 +78,8 @@ class Meter(EventLog):
     def _status(self, ev: p.StatusChange) -> None:  # an admission: the lookup is done, its hits computed
         seq = self._seq(ev.seq_id)
         self.entered.append(ev.seq_id)
-        self.looked_up += len(seq)
+        if self.caching:  # every token it holds was looked up (the rule of PoolState.prefix_lookup)
+            self.looked_up += len(seq)
         self.held += seq.num_computed_tokens
 
     def _fork(self, ev: p.Fork) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.contract import protocol as p
 from engine.contract.lab import LabConfig, LabRow
-from engine.contract.state import USED, PoolState
+from engine.contract.state import PoolState
 
 
 def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEvent]) -> LabRow:
@@ -15,9 +15,7 @@ def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEven
     sum_used = sum_held = sum_entries = 0
     hit = looked_up = preempt = recompute = outs = ins = moved = computed = finished = 0
     for ev in events:
-        if isinstance(ev, p.StatusChange) and ev.status == "running":
-            s = st.seqs[ev.seq_id]
-            looked_up += s.prompt_tokens + s.output_tokens
+        looked_up += st.prefix_lookup(ev)
         st.apply(ev)
         match ev:
             case p.PrefixHit():
@@ -35,7 +33,7 @@ def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEven
                 finished += 1
             case p.StepDone():
                 used = st.counts().used
-                held = int(st.block_tokens()[0][st.block_states() >= USED].sum())
+                held = st.tokens_in_used_blocks()
                 entries = sum(len(s.block_table) for s in st.seqs.values())
                 steps += 1
                 sum_used, sum_held, sum_entries = sum_used + used, sum_held + held, sum_entries + entries
