@@ -7,7 +7,6 @@ from functools import lru_cache
 
 import streamlit as st
 
-from app import travel
 from app.client import EngineClient
 from app.lesson import Lesson, all_lessons, caption
 from app.lesson_runner import LessonRun
@@ -24,20 +23,24 @@ def current() -> LessonRun | None:
     return st.session_state.get(KEY)
 
 
+def _travel(n: int | None) -> None:
+    """Show event n (None: live). The views follow on their own timers; no `st.rerun` of other
+    fragments from here: from a callback of a fragment's widget it can stop that fragment's timer."""
+    st.session_state["travel"] = n
+
+
 def _start(client: EngineClient, key: str) -> None:
     run = st.session_state[KEY] = LessonRun(lessons()[key])
     run.next(client)
-    travel.go(None)
+    _travel(None)
 
 
 def _next(client: EngineClient) -> None:
-    run = current()
-    target = run.next(client)
-    travel.go(target)
+    _travel(current().next(client))
 
 
 def _back() -> None:
-    travel.go(current().back())
+    _travel(current().back())
 
 
 def sidebar(client: EngineClient) -> None:
@@ -84,6 +87,8 @@ def stage(client: EngineClient) -> list[int]:
     """Above the grid: the viewed stop's caption (or the lesson's goal, or what it waits for).
     Returns the blocks to highlight."""
     run = current()
+    if run is not None:
+        run.poll(client)  # here too: this view redraws many times a second
     if run is None:
         st.session_state["lesson_blocks"] = []
         st.info("Pick a lesson in the sidebar and press **Start**: it resets the engine to its own pool, "

@@ -38,6 +38,12 @@ def start_app(model: str) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true", "--server.port",
          str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--", "--model", model],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until it listens: a browser that comes too early is refused
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -62,9 +68,12 @@ def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000) -> 
     for i in range(stops):
         if i:
             side.get_by_role("button", name="Next").click()
-        page.wait_for_function("n => { const t = document.body.innerText; "
-                               "return t.includes(`stop ${n} of`) && !t.includes('running until'); }",
-                               arg=i + 1, timeout=timeout_ms)
+        try:
+            page.wait_for_function("n => { const t = document.body.innerText; "
+                                   "return t.includes(`stop ${n} of`) && !t.includes('running until'); }",
+                                   arg=i + 1, timeout=timeout_ms)
+        except Exception as e:
+            raise AssertionError(f"stop {i + 1} not reached; the page says: {page.inner_text('body')[:2500]}") from e
 
 
 def main() -> int:

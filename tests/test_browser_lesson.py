@@ -4,19 +4,31 @@ its end with Next alone; each stop's caption shows and the grid rings its blocks
 to a stop reached before."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
-from app.shoot_docs import open_dashboard, walk_lesson
-from tests.test_browser import ROOT, app_url  # noqa: F401
+from app.shoot_docs import CHROMIUM, ROOT, open_dashboard, start_app, walk_lesson
 
 SHOT = ROOT / "out" / "test_browser_lesson.png"
 
 
+@pytest.fixture
+def app_url():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
+    proc, url = start_app("tiny")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
 @pytest.mark.slow
-def test_walk_a_lesson_with_next_and_back(app_url):  # noqa: F811
+def test_walk_a_lesson_with_next_and_back(app_url):
     from playwright.sync_api import sync_playwright
 
-    url, _ = app_url
+    url = app_url
     with sync_playwright() as pw:
         browser, page, errors = open_dashboard(pw, url, height=1400, timeout_ms=120_000)
         walk_lesson(page, "1. Block tables and on-demand allocation", 1, timeout_ms=60_000)
@@ -35,7 +47,8 @@ def test_walk_a_lesson_with_next_and_back(app_url):  # noqa: F811
         page.screenshot(path=str(SHOT))
         side.get_by_role("button", name="Back").click()
         page.wait_for_function("window.__kvscope_grid.live === false", timeout=20_000)
-        page.get_by_text("a stop reached earlier").first.wait_for(timeout=20_000)
-        assert "stop 4 of 5" in page.inner_text("body")
+        page.wait_for_function("() => { const t = document.body.innerText; "
+                               "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }",
+                               timeout=20_000)
         assert not errors, errors
         browser.close()
