@@ -16,7 +16,8 @@ from streamlit import config as st_config
 
 from engine.contract import protocol as p
 from engine.contract.kinds import DEFAULT_LOG_KINDS
-from app import controls, eventlog, grid, header, kv_events_view, tables, timeline, travel
+from app import (controls, eventlog, grid, header, history_panels, kv_events_view, lab_view, lessons_view, tables,
+                 timeline, travel)
 from app.client import EngineClient, View
 from app.commands import show_replies
 from app.connection import Hosted, resolve, restart
@@ -31,6 +32,13 @@ st_config.set_option("runner.postScriptGC", False)
 REFRESH = {"10 per second": 0.06, "5 per second": 0.15, "2 per second": 0.45}
 LOG_SCAN_EVENTS = 50_000  # the event log filters at most this many of the latest events
 LOG_ROWS = 300            # and lists at most this many of those that pass
+MODES = {"Explore": ":material/explore: Explore", "Lessons": ":material/school: Lessons",
+         "Lab": ":material/science: Lab"}
+HISTORY_PANELS = ["Timeline", "Event log", "Prefix tree", "Lifetimes"]
+
+
+def mode() -> str:
+    return st.session_state.get("mode") or "Explore"
 
 
 def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> Callable[[Source], None]:
@@ -76,7 +84,8 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     if view is None:
         return
     st.session_state["frame"] = (view.epoch, view.event)
-    key = stopped_at(client, view)
+    lesson = lessons_view.stage(client) if mode() == "Lessons" else None  # its caption, and its blocks
+    key = stopped_at(client, view) if lesson is None else None
     if key:
         st.info(f"**Paused at event {client.loop.stopped_at:,}** · {key.text}", icon=":material/fast_forward:")
     header.metrics(view, client)
@@ -84,7 +93,8 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     if "grid" not in view.memo:
         view.memo["grid"] = grid.payload(view, client.colors)
     grid.draw({**view.memo["grid"], "connected": connected,
-               "highlight": key.blocks if key else []}, on_block=_filter_log_by_block)
+               "highlight": lesson if lesson is not None else key.blocks if key else []},
+              on_block=_filter_log_by_block)
 
 
 def stopped_at(client: EngineClient, view: View):
@@ -125,8 +135,9 @@ def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) ->
         return
     header.reservation_card(view)
     live_tab, done_tab = st.tabs(["Block tables", "Finished requests"])
-    if "tables" not in view.memo:
-        view.memo["tables"] = tables.render(view, client.colors)
+    lit = lessons_view.highlight() if mode() == "Lessons" else []
+    if view.memo.get("tables_lit") != lit or "tables" not in view.memo:
+        view.memo["tables"], view.memo["tables_lit"] = tables.render(view, client.colors, highlight=set(lit)), lit
     with live_tab, st.container(height=640, border=False):  # scrolls, so the history stays in reach
         st.html(view.memo["tables"])
     with done_tab, st.container(height=640, border=False):
@@ -139,12 +150,16 @@ def timeline_or_log(client: EngineClient, source: Source, hosted: Hosted | None)
         return
     at_step = None if view.live else (view.step_events[-1].step if view.step_events else None)
     # one panel at a time: only the chosen one is computed and sent (a grid click remounts it on the log)
-    panel = st.segmented_control("History", ["Timeline", "Event log"], key=f"panel_{_log_version()}",
+    panel = st.segmented_control("History", HISTORY_PANELS, key=f"panel_{_log_version()}",
                                  default=st.session_state.get("panel_shown", "Timeline"),
                                  label_visibility="collapsed") or "Timeline"
     st.session_state["panel_shown"] = panel
     if panel == "Event log":
         return event_log(client, view)
+    if panel == "Prefix tree":
+        return history_panels.prefix_tree(client, view, lessons_view.highlight() if mode() == "Lessons" else [])
+    if panel == "Lifetimes":
+        return history_panels.lifetimes(client, view)
     points, markers = client.timeline(view.event)
     if len(points) < 2:
         st.caption("The timeline fills in as the engine runs steps.")
@@ -250,11 +265,20 @@ def main() -> None:
         return connecting(client, source, hosted)
     with st.sidebar:
         controls.unsupported_note(client)
-        st.subheader("Prompt")
-        controls.prompt_form(client)
-        st.fragment(fragment_of(lambda c, s, h: controls.engine_panel(c, live_view(c))), run_every=1.0, key="engine")(source)
+        st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode", default="Explore",
+                             label_visibility="collapsed")
+        if mode() == "Lessons":
+            st.subheader("Lessons")
+            st.fragment(fragment_of(lambda c, s, h: lessons_view.sidebar(c)), run_every=0.5, key="lessons")(source)
+        elif mode() == "Explore":
+            st.subheader("Prompt")
+            controls.prompt_form(client)
+            st.fragment(fragment_of(lambda c, s, h: controls.engine_panel(c, live_view(c))), run_every=1.0,
+                        key="engine")(source)
         with st.expander("Display"):
             st.selectbox("Grid redraws", list(REFRESH), key="refresh")
+    if mode() == "Lab":
+        return lab_view.page(client)
     left, right = st.columns([3, 2], gap="medium")
     with left:
         st.fragment(fragment_of(live_views), run_every=REFRESH[st.session_state.get("refresh", "10 per second")],

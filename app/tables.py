@@ -33,6 +33,7 @@ CSS = """<style>
   border: 1px solid #fff; box-sizing: border-box; }
 .bt .dot { display: inline-block; width: 8px; height: 8px; border-radius: 50%; vertical-align: 0; }
 .bt .ch.shared { outline: 2px solid #0f172a; outline-offset: -2px; }
+.bt .ch.lit { box-shadow: 0 0 0 3px #f59e0b; }
 .bt .ch.host { border: 1px dashed var(--c); color: var(--c); background: transparent; }
 .bt .txt { font-size: 12.5px; white-space: pre-wrap; word-break: break-word; opacity: .9; max-height: 5.6em;
   overflow: hidden; display: flex; flex-direction: column-reverse; }
@@ -54,7 +55,9 @@ def _chip(color: str, label: str, index: int, fill: float, prompt: float, title:
             f'{f"<span class=mk style=background:{mark}></span>" if mark else ""}</span>')
 
 
-def render(view: View, colors: dict[str, int], max_seqs: int = 24, max_chips: int = 96) -> str:
+def render(view: View, colors: dict[str, int], max_seqs: int = 24, max_chips: int = 96,
+           highlight: set[int] = frozenset()) -> str:
+    """`highlight`: device blocks to ring (a lesson's stop points at them)."""
     st, bs = view.mirror.state, view.mirror.config.block_size
     seqs = sorted(st.seqs.values(), key=lambda s: ORDER.get(s.status, 3))
     if not seqs:
@@ -76,7 +79,8 @@ def render(view: View, colors: dict[str, int], max_seqs: int = 24, max_chips: in
                          + (f" · shared by {ref}" if ref > 1 else "")
                          + {"prefix_hit": " · from the prefix cache", "cow": " · copied on write"}.get(origin, ""))
                 label = f"{b}" + (f"<sup>×{ref}</sup>" if ref > 1 else "")
-                chips.append(_chip(color, label, i, held / bs, prompt, title, "shared" if ref > 1 else "", mark))
+                cls = ("shared " if ref > 1 else "") + ("lit" if b in highlight else "")
+                chips.append(_chip(color, label, i, held / bs, prompt, title, cls, mark))
             else:
                 chips.append(_chip(color, f"H{b}", i, 0, prompt, f"logical {i} → host block {b} · "
                                    f"{held}/{bs} tokens, swapped out", "host"))

@@ -73,13 +73,13 @@ class BlockManager:
         need = self.num_blocks_for(len(seq)) - len(hits) + revived
         return self.num_allocatable_blocks - need >= self.watermark_blocks
 
-    def _slot_needs_block(self, seq: Sequence) -> bool:
+    def slot_needs_block(self, seq: Sequence) -> bool:
         """Whether writing the next token needs a block: a new one, or a copy of a shared one."""
         n, table = len(seq), seq.block_table
         return n > len(table) * self.block_size or self.ref_counts[table[(n - 1) // self.block_size]] > 1
 
     def can_append(self, seq: Sequence) -> bool:
-        return self.num_allocatable_blocks >= self._slot_needs_block(seq)
+        return self.num_allocatable_blocks >= self.slot_needs_block(seq)
 
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(self.host_free) >= len(seq.block_table)

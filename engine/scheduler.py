@@ -74,7 +74,13 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch()
-        budget = self.max_num_batched_tokens
+        budget, preempted = self.schedule_running(batch, self.max_num_batched_tokens)
+        if not preempted:
+            self.schedule_queued(batch, budget)
+        return batch
+
+    def schedule_running(self, batch: Batch, budget: int) -> tuple[int, bool]:
+        """Running sequences in arrival order; returns the budget left and whether any was preempted."""
         preempted = False
         i = 0
         while i < len(self.running) and budget:
@@ -86,23 +92,27 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                budget -= self._run(seq, budget, batch)
+                budget -= self.schedule_seq(seq, budget, batch)
                 i += 1
+        return budget, preempted
+
+    def schedule_queued(self, batch: Batch, budget: int) -> int:
+        """Swapped sequences come back first; waiting ones are admitted only once none is left
+        swapped. Returns the budget left."""
         seats = sum(map(_width, self.running))  # taken in the batch, samples yet to fork included
-        if not preempted:
-            while self.swapped and budget:
-                seq = self.swapped[0]
-                if self.running and seats + _width(seq) > self.max_num_seqs:
-                    break
-                if not self.bm.can_swap_in(seq):
-                    break
-                self.swapped.popleft()
-                batch.swap_in += self.bm.swap_in(seq)
-                self.add_running(seq)
-                seats += _width(seq)
-                if self.bm.can_append(seq):
-                    budget -= self._run(seq, budget, batch)
-        if not preempted and not self.swapped:
+        while self.swapped and budget:
+            seq = self.swapped[0]
+            if self.running and seats + _width(seq) > self.max_num_seqs:
+                break
+            if not self.bm.can_swap_in(seq):
+                break
+            self.swapped.popleft()
+            batch.swap_in += self.bm.swap_in(seq)
+            self.add_running(seq)
+            seats += _width(seq)
+            if self.bm.can_append(seq):
+                budget -= self.schedule_seq(seq, budget, batch)
+        if not self.swapped:
             while self.waiting and budget:
                 seq = self.waiting[0]
                 if self.running and seats + _width(seq) > self.max_num_seqs:
@@ -114,10 +124,10 @@ class Scheduler:
                 self.log.emit(p.StatusChange(seq_id=seq.seq_id, status="running"))
                 self.add_running(seq)
                 seats += _width(seq)
-                budget -= self._run(seq, budget, batch)
-        return batch
+                budget -= self.schedule_seq(seq, budget, batch)
+        return budget
 
-    def _run(self, seq: Sequence, budget: int, batch: Batch) -> int:
+    def schedule_seq(self, seq: Sequence, budget: int, batch: Batch) -> int:
         """Schedule up to `budget` of the tokens `seq` still has to compute."""
         n = min(len(seq) - seq.num_computed_tokens, budget)
         cow = self.bm.append_slot(seq)

@@ -70,6 +70,9 @@ class RequestAdded(Event, tag="request_added"):
     prompt_tokens: int
     n: int = 1
     max_tokens: int = DEFAULT_MAX_TOKENS
+    # Addition: the prompt's token ids, so a recording's requests can be run again (the lab);
+    # omitted by producers that do not send them.
+    prompt_token_ids: list[int] | None = None
 
 
 class Fork(Event, tag="fork"):

@@ -1,0 +1,190 @@
+"""What the lab measures, counted as the allocator emits its events (an EventLog that keeps none).
+
+Per step (sampled at every `step` event, and in bulk for the steps the fast run skips): blocks
+in use, tokens held in them, block-table entries. Counted from events: prefix hits and tokens
+looked up (`PoolState.prefix_lookup`'s rule), preemptions, swaps.
+
+Tokens held in used blocks are the header's and the reducer's number
+(`PoolState.tokens_in_used_blocks`), kept here incrementally because the lab cannot afford the reducer's O(blocks)
+per step: held = H - O, where H is the tokens computed by every sequence holding device blocks
+and O the tokens counted twice, (holders - 1) x tokens of each shared block. At the end of a step
+the holders of a shared block hold it equally (a full block, or a fork's partial last block before
+copy-on-write), which is what O uses. tests/test_lab.py checks it against the reducer every step.
+"""
+from __future__ import annotations
+
+from engine.contract import protocol as p
+from engine.contract.lab import PeakGrid
+from engine.block_manager import hash_hex
+from engine.contract.state import PoolState, held_tokens
+from engine.events import EventLog
+
+# events that can change what the scheduler's queued part decides (admission, swap-in)
+CHANGES = frozenset({p.RequestAdded, p.Fork, p.Alloc, p.PrefixHit, p.Cached, p.Evict, p.Cow, p.Free,
+                     p.Preempt, p.SwapOut, p.SwapIn, p.StatusChange, p.Finish})
+
+
+class Meter(EventLog):
+    def __init__(self, keep: bool = False):
+        super().__init__()
+        self.keep = keep                  # keep the events (the step-by-step reference run)
+        self.core = None                  # the EngineCore whose events these are (bound after it is built)
+        self.changes = 0                  # events of a CHANGES kind so far
+        self.held = 0                     # H: tokens computed by sequences that hold device blocks
+        self.overlap = 0                  # O: tokens of shared blocks counted more than once in H
+        self.entries = 0                  # block-table entries of every sequence
+        self.hit_tokens = self.looked_up = 0
+        self.preemptions = self.recomputes = self.swap_outs = self.swap_ins = self.swapped_blocks = 0
+        self.computed = 0
+        self.finished = 0
+        self.steps = 0
+        self.sum_used = self.sum_held = self.sum_entries = 0
+        self.peak_used = self.peak_entries = 0
+        self.peak: tuple | None = None    # (step, ref counts, hashed flags, [(table, computed)])
+        self.entered: list[str] = []      # sequences that joined the running ones (admitted, swapped in, forked)
+        self.lag = None                   # seq -> tokens computed but not yet applied (the fast run's steady sequences)
+
+    def bind(self, core) -> None:
+        self.core = core
+        self.bs = core.block_manager.block_size
+        self.caching = core.block_manager.config.enable_prefix_caching
+
+    # ------------------------------------------------------------------ events
+    def emit(self, ev: p.Event) -> None:
+        self.seq += 1
+        ev.seq, ev.step = self.seq, self.step
+        if self.keep:
+            self.pending.append(ev)
+        changes, handler = _ON.get(type(ev), _NOTHING)
+        self.changes += changes
+        if handler is not None:
+            handler(self, ev)
+
+    def _seq(self, seq_id: str):
+        return self.core.seqs[seq_id]
+
+    def _request_added(self, ev) -> None:
+        pass
+
+    def _alloc(self, ev: p.Alloc) -> None:
+        self.entries += 1
+
+    def _prefix_hit(self, ev: p.PrefixHit) -> None:
+        self.entries += 1
+        self.hit_tokens += self.bs
+        if self.core.block_manager.ref_counts[ev.block_id] > 1:
+            self.overlap += self.bs
+
+    def _status(self, ev: p.StatusChange) -> None:  # an admission: the lookup is done, its hits computed
+        seq = self._seq(ev.seq_id)
+        self.entered.append(ev.seq_id)
+        if self.caching:  # every token it holds was looked up (the rule of PoolState.prefix_lookup)
+            self.looked_up += len(seq)
+        self.held += seq.num_computed_tokens
+
+    def _fork(self, ev: p.Fork) -> None:
+        parent = self._seq(ev.parent_seq_id)
+        c, bs = parent.num_computed_tokens, self.bs
+        self.entries += len(ev.block_ids)
+        self.entered.append(ev.seq_id)
+        self.held += c
+        self.overlap += sum(held_tokens(c, i, bs) for i in range(len(ev.block_ids)))
+
+    def _cow(self, ev: p.Cow) -> None:
+        self.overlap -= held_tokens(self._seq(ev.seq_id).num_computed_tokens, ev.logical_index, self.bs)
+
+    def _free(self, ev: p.Free) -> None:
+        self.entries -= 1
+        seq = self._seq(ev.seq_id)
+        if ev.ref_count:
+            self.overlap -= held_tokens(seq.num_computed_tokens, len(seq.block_table), self.bs)
+        if not seq.block_table:
+            self.held -= seq.num_computed_tokens
+
+    def _preempt(self, ev: p.Preempt) -> None:
+        self.preemptions += 1
+        self.recomputes += ev.mode == "recompute"
+
+    def _swap_out(self, ev: p.SwapOut) -> None:
+        seq, refs = self._seq(ev.seq_id), self.core.block_manager.ref_counts
+        self.swap_outs += 1
+        self.swapped_blocks += len(ev.mapping)
+        self.entries -= len(ev.mapping)
+        self.held -= seq.num_computed_tokens
+        self.overlap -= sum(held_tokens(seq.num_computed_tokens, i, self.bs)
+                            for i, (d, _) in enumerate(ev.mapping) if refs[d])
+
+    def _swap_in(self, ev: p.SwapIn) -> None:
+        self.swap_ins += 1
+        self.entered.append(ev.seq_id)
+        self.swapped_blocks += len(ev.mapping)
+        self.entries += len(ev.mapping)
+        self.held += self._seq(ev.seq_id).num_computed_tokens
+
+    def _finish(self, ev: p.Finish) -> None:
+        self.finished += 1
+
+    def _step(self, ev: p.StepDone) -> None:
+        self.sample(1, 0)
+
+    # ------------------------------------------------------------------ steps
+    def computed_rows(self, num_tokens: int) -> None:
+        """Tokens a step computes (they land in blocks only their sequence holds)."""
+        self.held += num_tokens
+        self.computed += num_tokens
+
+    @property
+    def used(self) -> int:
+        bm = self.core.block_manager
+        return bm.config.num_device_blocks - len(bm.free_ids) - len(bm.evictable)
+
+    @property
+    def tokens_in_used(self) -> int:
+        return self.held - self.overlap
+
+    def sample(self, steps: int, steady: int) -> None:
+        """The end of `steps` steps in which `steady` sequences computed one token each and
+        nothing else changed (steps=1, steady=0: the step just done)."""
+        used, held = self.used, self.tokens_in_used
+        self.sum_used += used * steps
+        self.sum_held += held * steps + steady * steps * (steps + 1) // 2
+        self.sum_entries += self.entries * steps
+        self.held += steady * steps
+        self.computed += steady * steps
+        self.steps += steps
+        self.peak_entries = max(self.peak_entries, self.entries)
+        if used > self.peak_used:
+            self.peak_used = used
+            self._capture()
+
+    def _capture(self) -> None:
+        """The pool as it is now, cheaply (lists copied at C speed); drawn only at the end."""
+        bm, lag = self.core.block_manager, self.lag
+        seqs = [(list(s.block_table), s.num_computed_tokens + (lag(s) if lag else 0))
+                for s in self.core.seqs.values() if s.block_table]
+        self.peak = (self.step, bm.ref_counts[:], bm.hashes[:], seqs)
+
+    def peak_grid(self) -> PeakGrid | None:
+        """The captured peak, through the reducer's own block rules (via a snapshot, its stable form)."""
+        if self.peak is None:
+            return None
+        step, refs, hashes, seqs = self.peak
+        cfg = self.core.block_manager.config
+        snap = p.Snapshot(
+            seq=0, config=cfg, host_blocks=[p.HostBlock(i, None, 0) for i in range(cfg.num_host_blocks)],
+            device_blocks=[p.DeviceBlock(i, r, None if h is None else hash_hex(h), 0)
+                           for i, (r, h) in enumerate(zip(refs, hashes))],
+            seqs=[p.SeqInfo(seq_id=str(i), request_id=str(i), status="running", block_table=table, host_table=[],
+                            num_tokens=computed, prompt_tokens=0, output_tokens=0)
+                  for i, (table, computed) in enumerate(seqs)])
+        st = PoolState.from_snapshot(snap)
+        return PeakGrid(step=step, states=st.block_states().tolist(), tokens=st.block_tokens()[0].tolist())
+
+
+_HANDLERS = {
+    p.Alloc: Meter._alloc, p.PrefixHit: Meter._prefix_hit, p.StatusChange: Meter._status,
+    p.Fork: Meter._fork, p.Cow: Meter._cow, p.Free: Meter._free, p.Preempt: Meter._preempt,
+    p.SwapOut: Meter._swap_out, p.SwapIn: Meter._swap_in, p.Finish: Meter._finish, p.StepDone: Meter._step,
+}
+_ON = {kind: (kind in CHANGES, _HANDLERS.get(kind)) for kind in p.AnyEvent.__args__}
+_NOTHING = (False, None)
