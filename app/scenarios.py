@@ -65,13 +65,21 @@ def overload(cfg: p.PoolConfig, run: int) -> list[p.Command]:
                             ignore_eos=True, request_id=f"load{run}-{i}") for i in range(1, n + 1)]
 
 
+# Shared by the mixed requests, as a chat service's system prompt is: longer than one block of
+# 32 tokens (vLLM's CPU block size), so their first blocks hit the prefix cache there too.
+MIXED_SYSTEM = ("You are a concise assistant in a demo of how a paged KV cache serves many requests at "
+                "once. Answer short questions in a word or two; when asked for a story, tell a long one "
+                "with many small scenes.")
+
+
 def long_and_short(cfg: p.PoolConfig, run: int) -> list[p.Command]:
     """Two long generations among short answers, all allowed 256 tokens: a contiguous
     reservation holds 256 slots for each; paging holds what each really uses."""
-    long = [p.Submit(messages=[p.ChatMessage("user", f"Tell a long story about a {w} who learns to sail.")],
+    chat = lambda q: [p.ChatMessage("system", MIXED_SYSTEM), p.ChatMessage("user", q)]  # noqa: E731
+    long = [p.Submit(messages=chat(f"Tell a long story about a {w} who learns to sail."),
                      request_id=f"mix{run}-long{i}", max_tokens=256, ignore_eos=True)
             for i, w in enumerate(("cat", "robot"), 1)]
-    short = [p.Submit(messages=[p.ChatMessage("user", q)], request_id=f"mix{run}-short{i}", max_tokens=256)
+    short = [p.Submit(messages=chat(q), request_id=f"mix{run}-short{i}", max_tokens=256)
              for i, q in enumerate(("What is 2 + 2? Answer with a number.", "Say hello.",
                                     "Name a colour.", "Is water wet? Yes or no.",
                                     "Capital of France? One word.", "Spell 'cache'."), 1)]
