@@ -11,11 +11,11 @@ from pathlib import Path
 
 import streamlit as st
 
+from app.prefix_tree import render
 from app.source import Source
-from integrations.kv_events.model import CachedBlock, KVEventsState
+from engine.contract.prefix_forest import Node
+from integrations.kv_events.model import KVEventsState
 from integrations.kv_events.subscriber import KVEventsSubscriber
-
-MAX_NODES = 400  # forest nodes drawn; the rest are counted
 
 
 @st.cache_resource(show_spinner=False, max_entries=4, on_release=KVEventsSubscriber.close)
@@ -34,34 +34,11 @@ def tokenizer(folder: str):
     return Tokenizer.from_file(str(path))
 
 
-def block_text(block: CachedBlock, tok) -> str:
+def block_text(node: Node, tok) -> str:
+    """The text of a block's tokens (its token ids without a tokenizer)."""
     if tok is None:
-        return " ".join(map(str, block.token_ids))
-    return tok.decode(block.token_ids, skip_special_tokens=False)
-
-
-def forest_html(state: KVEventsState, medium: str, tok) -> str:
-    """Nested lists: each block under the block its prefix continues; hover shows its tokens."""
-    kids = state.forest(medium)
-    drawn = 0
-
-    def node(b: CachedBlock) -> str:
-        nonlocal drawn
-        drawn += 1
-        text = block_text(b, tok)
-        children = kids.get(b.hash, [])
-        label = html.escape(text[:48].replace("\n", "⏎")) + ("…" if len(text) > 48 else "")
-        shared = f' <span class="n">continued {len(children)} ways</span>' if len(children) > 1 else ""
-        copies = f' <span class="n">×{b.copies} copies</span>' if b.copies > 1 else ""
-        inner = "".join(node(c) for c in children if drawn < MAX_NODES)
-        return (f'<li><code title="{html.escape(text)}">{b.hash[:8]}</code> {label}{shared}{copies}'
-                f'{f"<ul>{inner}</ul>" if inner else ""}</li>')
-
-    roots = "".join(node(b) for b in kids.get(None, []) if drawn < MAX_NODES)
-    total = sum(len(v) for v in kids.values())
-    more = f"<p><small>{total - drawn} more blocks not drawn</small></p>" if total > drawn else ""
-    return (f'<style>.kvf ul{{margin:0 0 0 1.1em;padding:0}} .kvf li{{list-style:"↳ ";font-size:0.85em}}'
-            f' .kvf .n{{color:#2563eb}}</style><div class="kvf"><ul>{roots}</ul>{more}</div>')
+        return " ".join(map(str, node.tokens))
+    return tok.decode(list(node.tokens), skip_special_tokens=False)
 
 
 def rates_chart(state: KVEventsState) -> dict:
@@ -99,7 +76,7 @@ def page(source: Source) -> None:
                     f"{s.removed} removed · {s.cleared} cleared")
             health = (s.bad_frames, s.unknown_events, s.missed, s.removed_unknown, list(s.errors)[-5:])
             chart = rates_chart(s)
-            forests = {m: forest_html(s, m, tok) for m in sorted(media)}
+            forests = {m: render(s.forests[m], text=lambda n: block_text(n, tok)) for m in sorted(media)}
         st.markdown(head)
         cols = st.columns(max(1, len(media)) + 1)
         for col, (m, n) in zip(cols, sorted(media.items())):
@@ -116,7 +93,9 @@ def page(source: Source) -> None:
             if not forests:
                 st.info("No cached block yet: send the server a request.")
             for m, body in forests.items():
-                st.caption(f"{m}: each block under the block its prefix continues; hover a hash for its tokens")
+                st.caption(f"{m}: each block (its hash and the text of its tokens) under the block its prefix "
+                           "continues; a row is a chain, branches are where prompts part; hover a block for its "
+                           "tokens")
                 st.html(body)
         with right:
             st.subheader("Stored, removed, cleared")

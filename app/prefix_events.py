@@ -1,4 +1,5 @@
-"""KVScope's event stream as a prefix forest (app/prefix_tree.py), live and at any past event.
+"""KVScope's event stream as a prefix forest (engine/contract/prefix_forest.py), live and at any
+past event.
 
 Each `cached` event stores a node under its `parent_hash`, labelled with the text of the block's
 tokens when the stream carries token texts; holders follow the reducer's ref counts, and the
@@ -9,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.contract import protocol as p
+from engine.contract.prefix_forest import PrefixForest
 from engine.contract.state import PoolState
-from app.prefix_tree import PrefixForest
 
 
 @dataclass

@@ -9,6 +9,9 @@ import msgspec
 import pytest
 import zmq
 
+from app.kv_events_view import block_text
+from app.prefix_tree import STATE_COLORS, render
+from engine.contract.prefix_forest import UNKNOWN
 from integrations.kv_events.decode import (Cleared, FrameError, Removed, Stored, decode_batch,
                                            decode_frames, hash_hex)
 from integrations.kv_events.model import KVEventsState
@@ -84,15 +87,15 @@ def test_the_model_keeps_cached_blocks_per_medium_their_forest_and_the_counts():
     s.apply(decode_frames(frames(1, [stored_map([H3], parent=H1, tokens=[9, 9]),
                                      stored_map([H1], medium="CPU", tokens=[1, 2])])))
     assert s.per_medium() == {"GPU": 3, "CPU": 1} and s.stored == 4
-    gpu = s.forest("GPU")
-    assert [b.hash for b in gpu[None]] == [hash_hex(H1)]  # the root, and two prompts that share it
-    assert sorted(b.hash for b in gpu[hash_hex(H1)]) == sorted([hash_hex(H2), hash_hex(H3)])
-    assert s.blocks[("GPU", hash_hex(H2))].token_ids == [3, 4]
+    gpu = s.forests["GPU"]
+    assert [n.key for n in gpu.roots()] == [hash_hex(H1)]  # the root, and two prompts that share it
+    assert [n.key for n in gpu.kids(gpu.nodes[hash_hex(H1)])] == [hash_hex(H2), hash_hex(H3)]
+    assert gpu.nodes[hash_hex(H2)].tokens == [3, 4] and list(s.forests["CPU"].nodes) == [hash_hex(H1)]
     s.apply(decode_frames(frames(4, [{"type": "BlockRemoved", "block_hashes": [H1, 12345], "medium": "GPU"}])))
     assert s.missed == 2 and s.removed == 2 and s.removed_unknown == 1
-    assert sorted(b.hash for b in s.forest("GPU")[None]) == sorted([hash_hex(H2), hash_hex(H3)])  # orphans: roots
+    assert [n.key for n in gpu.roots()] == [hash_hex(H2), hash_hex(H3)]  # orphans: roots
     s.apply(decode_frames(frames(5, [["AllBlocksCleared"]])))
-    assert s.blocks == {} and s.cleared == 1 and [pt.cached for pt in s.points] == [2, 4, 3, 0]
+    assert s.per_medium() == {} and s.cleared == 1 and [pt.cached for pt in s.points] == [2, 4, 3, 0]
 
 
 def test_the_same_content_cached_twice_stays_until_both_copies_are_removed():
@@ -100,11 +103,26 @@ def test_the_same_content_cached_twice_stays_until_both_copies_are_removed():
     block with the same hash; each copy is stored and removed on its own."""
     s = KVEventsState()
     s.apply(decode_frames(frames(0, [stored_map([H1]), stored_map([H1])])))
-    assert s.per_medium() == {"GPU": 2} and len(s.forest("GPU")[None]) == 1
+    assert s.per_medium() == {"GPU": 2} and len(s.forests["GPU"].roots()) == 1
     s.apply(decode_frames(frames(1, [["BlockRemoved", [H1], "GPU"]])))
     assert s.per_medium() == {"GPU": 1} and s.removed_unknown == 0
     s.apply(decode_frames(frames(2, [["BlockRemoved", [H1], "GPU"]])))
-    assert s.blocks == {}
+    assert s.per_medium() == {} and not s.forests["GPU"].nodes
+
+
+def test_the_page_draws_each_mediums_forest_with_each_blocks_text_and_no_holders():
+    """The page draws the forest as the History panel's prefix tree does: a chip per cached
+    content, under the block its prefix continues, with its tokens' text (token ids without a
+    tokenizer); the stream says nothing of holders, hits or the eviction order."""
+    s = KVEventsState()
+    s.apply(decode_frames(frames(0, [stored_map([H1, H2], tokens=[1, 2, 3, 4]), stored_map([H1], tokens=[1, 2]),
+                                     stored_map([H3], parent=H1, tokens=[9, 8])])))
+    page = render(s.forests["GPU"], text=lambda n: block_text(n, None))
+    assert page.count('class="id"') == 3 and page.count('class="row"') == 3  # a root row, two branches
+    assert page.index('title="hash 1111222233334444') < page.index('<div class="kids">') < page.index("&#x27;9 8&#x27;")
+    assert '<span class="tx">3 4</span>' in page and "×2 copies" in page and "4 physical blocks" in page
+    assert "unknown (the source does not say)" in page and "next evicted" not in page and " victim" not in page
+    assert page.count(f"--c:{STATE_COLORS[UNKNOWN]}") == 3 and "hits" not in page.split("</div>", 1)[1]
 
 
 def test_endpoints_parse_topic_and_replay_and_refuse_other_urls():
@@ -151,6 +169,12 @@ class Publisher:
         self.ctx.term()
 
 
+def cached(sub: KVEventsSubscriber) -> set[str]:
+    """The hashes it holds cached on the GPU."""
+    with sub.lock:  # its thread changes the forests
+        return set(sub.state.forests["GPU"].nodes) if "GPU" in sub.state.forests else set()
+
+
 def test_a_late_subscriber_catches_up_through_replay_then_follows_the_live_stream():
     pub = Publisher()
     try:
@@ -158,12 +182,15 @@ def test_a_late_subscriber_catches_up_through_replay_then_follows_the_live_strea
         pub.send(1, [stored_map([H2], parent=H1)])
         sub = KVEventsSubscriber(f"tcp://127.0.0.1:{pub.port}?topic=kv&replay=tcp://127.0.0.1:{pub.replay_port}")
         try:
-            wait(lambda: len(sub.state.blocks) == 2, 10, "the replayed batches")
-            wait(lambda: (pub.send(2, [stored_map([H3])]), len(sub.state.blocks) == 3)[1], 10, "a live batch")
+            wait(lambda: cached(sub) == {hash_hex(H1), hash_hex(H2)}, 10, "the replayed batches")
+            wait(lambda: (pub.send(2, [stored_map([H3])]), hash_hex(H3) in cached(sub))[1], 10, "a live batch")
             pub.send(99, [], raw=[b"kv", (100).to_bytes(8, "big"), b"\xc1 not msgpack"])
+            # after every copy of H3 sent before it: one PUB-SUB connection keeps the order
             wait(lambda: sub.state.bad_frames == 1, 10, "the garbage frame to be counted")
-            pub.send(101, [{"type": "BlockRemoved", "block_hashes": [H3], "medium": "GPU"}])
-            wait(lambda: len(sub.state.blocks) == 2, 10, "the thread to go on after garbage")
+            with sub.lock:
+                copies = sub.state.forests["GPU"].nodes[hash_hex(H3)].copies
+            pub.send(101, [{"type": "BlockRemoved", "block_hashes": [H3] * copies, "medium": "GPU"}])
+            wait(lambda: cached(sub) == {hash_hex(H1), hash_hex(H2)}, 10, "the thread to go on after garbage")
             assert sub.state.unknown_events == 0 and "not msgpack" in sub.state.errors[-1]
         finally:
             sub.close()
@@ -179,8 +206,8 @@ def test_a_topic_filter_ignores_other_topics():
             for seq in range(20):  # PUB drops until the subscription lands: send a few
                 pub.send(seq, [stored_map([seq + 1])])
             pub.topic = b"kv"
-            wait(lambda: (pub.send(100, [stored_map([H1])]), sub.state.blocks)[1], 10, "a kv batch")
-            assert list(sub.state.blocks) == [("GPU", hash_hex(H1))]
+            wait(lambda: (pub.send(100, [stored_map([H1])]), cached(sub))[1], 10, "a kv batch")
+            assert cached(sub) == {hash_hex(H1)} and list(sub.state.forests) == ["GPU"]
         finally:
             sub.close()
     finally:

@@ -17,7 +17,8 @@ from engine.replay import Playback, Recording
 from app.client import EngineClient
 from app.follow import Follower
 from app.prefix_events import ForestBuilder
-from app.prefix_tree import CACHED_ONLY, IN_USE, UNKNOWN, PrefixForest, render
+from app.prefix_tree import render
+from engine.contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, PrefixForest
 from tests.waiting import wait
 
 
@@ -42,15 +43,19 @@ def test_the_model_keeps_chains_branches_holders_and_eviction_order():
     f.store("b", "a", " a tutor", holders=0, at=9)  # computed and cached again: re-attached, a new entry
     assert [n.key for n in f.kids(f.nodes["a"])] == ["b"] and f.nodes["b"].hits == 0
     f.hit("b")
-    f.store("b", "a", " a tutor", holders=1, at=10)  # stored while present (a source that repeats): hits kept
-    assert f.nodes["b"].hits == 1 and f.nodes["b"].stored == 10
-    assert f.stats() == {"blocks": 4, "roots": 1, "in use": 2, "cached only": 2, "hits": 3, "leaves": 2}
-    f.store("z", None, medium="CPU")  # a source that does not know holders (vLLM's KV events)
-    assert f.nodes["z"].state == UNKNOWN and f.victim == "d"
+    f.store("b", "a", " a tutor", holders=1, at=10)  # stored while present: a second copy, hits kept
+    assert f.nodes["b"].hits == 1 and f.nodes["b"].stored == 10 and f.nodes["b"].copies == 2
+    assert f.stats() == {"blocks": 4, "copies": 5, "roots": 1, "in use": 2, "cached only": 2, "hits": 3,
+                         "leaves": 2}
     html = render(f, highlight={7})
     assert "You are" in html and "next evicted" in html and "<b>3</b>" not in html
     assert '<span class="h">2 hits</span>' in html and '<span class="h">1 hit</span>' in html
     assert html.count(' victim"') == 1 and "3 hits" in html  # one victim chip; the total
+    assert '<span class="h">×2 copies</span>' in html and "5 physical blocks" in html
+    assert f.remove("b") and f.nodes["b"].copies == 1 and [n.key for n in f.kids(f.nodes["a"])] == ["b"]
+    assert not f.remove("nowhere")
+    f.store("z", None, medium="CPU", tokens=[5, 6])  # a source that does not know holders (vLLM's KV events)
+    assert f.nodes["z"].state == UNKNOWN and f.victim == "d" and f.nodes["z"].tokens == [5, 6]
     f.clear()
     assert not f.nodes and f.victim is None and "empty" in render(f)
 

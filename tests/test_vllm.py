@@ -148,6 +148,12 @@ def test_c_a_small_pool_preempts_readmits_and_finishes_every_request_once(vllm, 
     compare_live_snapshot(c)
 
 
+def stored_hashes(sub) -> set[str]:
+    """The hashes a KV-event subscriber holds cached, on any medium."""
+    with sub.lock:  # its thread changes the forests
+        return {h for forest in sub.state.forests.values() for h in forest.nodes}
+
+
 def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm, c):
     from integrations.kv_events.subscriber import KVEventsSubscriber
 
@@ -158,17 +164,19 @@ def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm, c):
     late = KVEventsSubscriber(vllm.kv_events)  # with the replay socket: catches up from the start
     try:
         deep = {h for h in c.state.hashes if h is not None}
-        wait(lambda: {h for _, h in late.state.blocks} == deep, 30, "the replayed stream to match the pool")
+        wait(lambda: stored_hashes(late) == deep, 30, "the replayed stream to match the pool")
         with late.lock:
             assert late.state.per_medium() == {"GPU": sum(1 for h in c.state.hashes if h)}
             assert late.state.bad_frames == 0 and late.state.unknown_events == 0
-            forest = late.state.forest()
-            assert sum(len(v) for v in forest.values()) == len(deep)
-            assert all(len(b.token_ids) == 32 for b in late.state.blocks.values())
-        with live.lock:
-            stored = {h for _, h in live.state.blocks}
+            forest = late.state.forests["GPU"]
+            drawn, todo = [], forest.roots()  # every cached block hangs in the forest once
+            while todo:
+                drawn.append(todo.pop())
+                todo += forest.kids(drawn[-1])
+            assert len(drawn) == len(set(n.key for n in drawn)) == len(deep)
+            assert all(len(n.tokens) == 32 for n in drawn)
         ours = {e.hash for e in c.events if isinstance(e, p.Cached)}
-        assert ours and ours <= stored, "every block the plugin saw cached, the live stream stored"
+        assert ours and ours <= stored_hashes(live), "every block the plugin saw cached, the live stream stored"
     finally:
         live.close()
         late.close()
@@ -247,8 +255,8 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
     cached = [h for h in c.state.hashes if h]  # vLLM may cache the same content in two blocks
     wait(lambda: any(m.label == "cached on GPU" and m.value == str(len(cached)) for m in at.run().metric), 60,
          "the page to count vLLM's cached blocks")
-    forest = next(h.value for h in at.html if 'class="kvf"' in h.value)
-    assert forest.count("<li>") == len(set(cached)) and not at.exception
+    forest = next(h.value for h in at.html if 'class="pt"' in h.value)  # the prefix tree's view
+    assert forest.count('class="id"') == len(set(cached)) and not at.exception  # a chip per content
     assert "librarian who answers every question" in forest  # a block's text, on hover
 
 

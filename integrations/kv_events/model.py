@@ -1,23 +1,16 @@
-"""What a KV-event stream can show, as plain data: the cached blocks per medium, the prefix
-forest they form by parent hash, stored / removed / cleared counts over time, and the frames
-that could not be read. No block ids, ref counts or request tables: the stream has none.
+"""What a KV-event stream can show, as plain data: per medium, the prefix forest its cached
+blocks form by parent hash (engine/contract/prefix_forest.py, each node with its token ids and
+its copies: vLLM does not de-duplicate, so two physical blocks may cache the same content),
+stored / removed / cleared counts over time, and the frames that could not be read. No block
+ids, ref counts or request tables: the stream has none.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
+from engine.contract.prefix_forest import PrefixForest
 from integrations.kv_events.decode import Batch, Cleared, Removed, Stored
-
-
-@dataclass
-class CachedBlock:
-    hash: str
-    parent: str | None
-    token_ids: list[int]
-    medium: str
-    stored_at: float
-    copies: int = 1  # vLLM does not de-duplicate: two physical blocks may cache the same content
 
 
 @dataclass
@@ -32,7 +25,7 @@ class Point:
 
 @dataclass
 class KVEventsState:
-    blocks: dict[tuple[str, str], CachedBlock] = field(default_factory=dict)  # (medium, hash)
+    forests: dict[str, PrefixForest] = field(default_factory=dict)  # medium -> its cached blocks
     stored: int = 0
     removed: int = 0
     cleared: int = 0
@@ -53,60 +46,38 @@ class KVEventsState:
         for ev in batch.events:
             match ev:
                 case Stored():
-                    self._store(ev, batch.ts)
+                    self._store(ev)
                 case Removed():
+                    forest = self.forests.get(ev.medium)
                     for h in ev.hashes:
-                        self._remove((ev.medium, h))
+                        self.removed += 1
+                        if forest is None or not forest.remove(h):
+                            self.removed_unknown += 1
                 case Cleared():
-                    gone = [k for k in self.blocks if ev.medium is None or k[0] == ev.medium]
-                    for k in gone:
-                        del self.blocks[k]
+                    for medium, forest in self.forests.items():
+                        if ev.medium is None or medium == ev.medium:
+                            forest.clear()
                     self.cleared += 1
         self.unknown_events += len(batch.unknown)
         self.errors.extend(batch.unknown)
         self.batches += 1
         self.points.append(Point(batch.ts, self.stored, self.removed, self.cleared, self.num_cached()))
 
-    def _store(self, ev: Stored, ts: float) -> None:
-        parent = ev.parent
+    def _store(self, ev: Stored) -> None:
+        forest = self.forests.setdefault(ev.medium, PrefixForest())
+        parent, size = ev.parent, ev.block_size
         for i, h in enumerate(ev.hashes):
-            if (b := self.blocks.get((ev.medium, h))) is not None:
-                b.copies += 1
-            else:
-                tokens = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
-                self.blocks[(ev.medium, h)] = CachedBlock(h, parent, tokens, ev.medium, ts)
+            self.stored += 1  # the clock of the forest: blocks stored so far
+            forest.store(h, parent, medium=ev.medium, at=self.stored, tokens=ev.token_ids[i * size:(i + 1) * size])
             parent = h
-            self.stored += 1
-
-    def _remove(self, key: tuple[str, str]) -> None:
-        self.removed += 1
-        b = self.blocks.get(key)
-        if b is None:
-            self.removed_unknown += 1
-        elif b.copies > 1:
-            b.copies -= 1
-        else:
-            del self.blocks[key]
 
     def bad_frame(self, why: str) -> None:
         self.bad_frames += 1
         self.errors.append(why)
 
     def num_cached(self) -> int:
-        return sum(b.copies for b in self.blocks.values())
+        return sum(self.per_medium().values())
 
     def per_medium(self) -> dict[str, int]:
         """Cached physical blocks per medium (copies of the same content counted)."""
-        n: Counter = Counter()
-        for (medium, _), b in self.blocks.items():
-            n[medium] += b.copies
-        return dict(n)
-
-    def forest(self, medium: str | None = None) -> dict[str | None, list[CachedBlock]]:
-        """Children by parent hash; a block whose parent is not cached hangs from None (a root)."""
-        blocks = [b for b in self.blocks.values() if medium is None or b.medium == medium]
-        present = {b.hash for b in blocks}
-        kids: dict[str | None, list[CachedBlock]] = {}
-        for b in sorted(blocks, key=lambda b: b.stored_at):
-            kids.setdefault(b.parent if b.parent in present else None, []).append(b)
-        return kids
+        return {m: n for m, f in self.forests.items() if (n := f.copies())}
