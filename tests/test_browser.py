@@ -159,6 +159,6 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
         one.get_by_test_id("stMain").get_by_role("button", name="Restart engine", exact=True).click()
         for page in (one, two):
             page.wait_for_function("window.__kvscope_grid.connected && window.__kvscope_grid.n === 512",
-                                   timeout=120_000)
+                                   timeout=240_000)  # a new engine process loads the model again
         assert not errors, errors
         browser.close()
