@@ -55,13 +55,17 @@ class Hosted:
         view = self.client.view() if self.client else None
         return (view.mirror.config if view else None), (self.client.loop.step_delay_ms if self.client else 0.0)
 
-    def restart(self) -> None:
-        """Start the child again; an engine keeps its last pool config and pace."""
+    def restart(self, dead: ServerProcess | None = None) -> None:
+        """Start the child again; an engine keeps its last pool config and pace. `dead`: restart
+        only if that process is still the current one (a click that arrives twice, or from two
+        tabs, restarts once: a second restart would start before any config is known)."""
         with self._lock:
+            if dead is not None and dead is not self.process:
+                return
             config, pace = self.last_config()
-            args = self.args
+            args = tuple(self.process.args)  # before a snapshot: what the current child was given
             if self.module == "engine.server" and config is not None:
-                args += ("--pool", p.encode(config).decode(), "--step-delay-ms", f"{pace:g}")
+                args = self.args + ("--pool", p.encode(config).decode(), "--step-delay-ms", f"{pace:g}")
             self.close()
             self.client, self.restarts = None, self.restarts + 1
             self.process = self._spawn(args)
@@ -90,9 +94,10 @@ def resolve(source: Source) -> tuple[EngineClient | None, Hosted | None]:
     return h.ready_client(), h
 
 
-def restart(source: Source) -> None:
-    """Start the child server of `source` again (attached engines: reconnect afresh)."""
+def restart(source: Source, dead: ServerProcess | None = None) -> None:
+    """Start the child server of `source` again (attached engines: reconnect afresh); `dead`:
+    only if that process is still its child."""
     if source.kind == "attach":
         attached.clear(source.url, source.token)
     else:
-        hosted(*source.server_args()).restart()
+        hosted(*source.server_args()).restart(dead)

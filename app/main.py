@@ -115,7 +115,7 @@ def died(source: Source, hosted: Hosted) -> None:
                  "below; Restart starts it again with the pool config and pace it last had.",
                  icon=":material/heart_broken:")
         c = st.columns([1, 4])
-        c[0].button("Restart engine", type="primary", key="restart_dead", on_click=restart, args=(source,))
+        c[0].button("Restart engine", type="primary", key="restart_dead", on_click=restart, args=(source, proc))
         with c[1].expander("Its last lines"):
             st.code("\n".join(proc.tail(30)) or "(no output)")
 
@@ -220,7 +220,7 @@ def loading(source: Source, hosted: Hosted) -> None:
     if proc.state == "exited":
         st.error(f"The {source.label} stopped before it was ready ({proc.exit_reason()}). Its last lines:")
         st.code("\n".join(proc.tail(30)) or "(no output)")
-        st.button("Retry", type="primary", on_click=restart, args=(source,))
+        st.button("Retry", type="primary", on_click=restart, args=(source, proc))
         return
 
     @st.fragment(run_every=0.5)

@@ -484,6 +484,9 @@ def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monk
     assert h.process is dead  # nothing restarts it behind the user's back
     at.button(key="restart_dead").click().run()
     assert h.process is not dead and "--pool" in h.process.args
+    restarted = h.process
+    h.restart(dead)  # the same click again (a second tab, a double click): nothing more starts
+    assert h.process is restarted
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, 90, "the restarted engine")
     assert (data["n"], data["bs"]) == (512, 8)
     st.cache_resource.clear()
