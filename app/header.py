@@ -128,5 +128,5 @@ def reservation_card(view: View) -> None:
             '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
             'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
     st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
-            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {holding} sequences holding memory'
+            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {holding} sequence{"" if holding == 1 else "s"} holding memory'
             f' · {cfg.bytes_per_block:,} bytes per block of {cfg.block_size} token{"" if cfg.block_size == 1 else "s"}{body}</div>')

@@ -1,10 +1,11 @@
-"""Take the documentation's screenshots of the Lessons mode and the Lab in a real browser:
-`streamlit run app/main.py` on the embedded engine, Debian's chromium through playwright.
+"""Take the documentation's screenshots in a real browser: `streamlit run app/main.py` on the
+embedded engine, Debian's chromium through playwright.
 
     python -m app.shoot_docs [--model smollm2] [--out assets]
 
-Writes lesson.png (the prefix caching lesson at its prefix hit, with the prefix tree open) and
-lab.png (the long and short mixed preset at block sizes 4, 16 and 64).
+Writes screenshot.png (the README's: a shared system prompt, then parallel sampling up to its
+first copy-on-write), lesson.png (the prefix caching lesson at its prefix hit, with the prefix
+tree open) and lab.png (the long and short mixed preset at block sizes 4, 16 and 64).
 """
 from __future__ import annotations
 
@@ -76,6 +77,29 @@ def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000) -> 
             raise AssertionError(f"stop {i + 1} not reached; the page says: {page.inner_text('body')[:2500]}") from e
 
 
+def shoot_explore(page, path: Path) -> None:
+    """Two scenarios on one paused pool: four requests share a system prompt, four samples of one
+    prompt fork; run from key event to key event up to the first copy-on-write, which the page
+    then explains with its blocks ringed."""
+    side = page.get_by_test_id("stSidebar")
+    side.get_by_role("button", name="Pause", exact=True).click()
+    side.get_by_role("button", name="Resume", exact=True).wait_for(timeout=30_000)
+    side.get_by_role("button", name="Shared system prompt", exact=True).click()
+    page.wait_for_function("document.body.innerText.includes('sys1-4')", timeout=60_000)
+    side.get_by_text("Start from a clean slate").click()  # keep the first scenario's blocks in view
+    side.get_by_role("button", name="Parallel sampling (n=4)", exact=True).click()
+    page.wait_for_function("document.body.innerText.includes('par2')", timeout=60_000)
+    for _ in range(40):
+        side.get_by_role("button", name="Run to the next key event", exact=True).click()
+        page.wait_for_timeout(1500)
+        page.wait_for_function("!document.body.innerText.includes('running until')", timeout=120_000)
+        if page.evaluate("/Copy-on-write\\s+[1-9]/.test(document.body.innerText)"):
+            break
+    time.sleep(3)
+    page.evaluate(TOP)
+    page.screenshot(path=str(path))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -86,6 +110,9 @@ def main() -> int:
     app, url = start_app(args.model)
     try:
         with sync_playwright() as pw:
+            browser, page, _ = open_dashboard(pw, url, height=1250)
+            shoot_explore(page, args.out / "screenshot.png")
+            browser.close()
             browser, page, _ = open_dashboard(pw, url, height=1700)
             walk_lesson(page, "4. Prefix caching", 2)
             page.get_by_text("Prefix tree", exact=True).click()
@@ -103,7 +130,7 @@ def main() -> int:
     finally:
         os.killpg(app.pid, signal.SIGTERM)
         app.wait(timeout=30)
-    print(f"wrote {args.out / 'lesson.png'} and {args.out / 'lab.png'}")
+    print(f"wrote screenshot.png, lesson.png and lab.png in {args.out}")
     return 0
 
 
