@@ -12,12 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from app.shoot_docs import CHROMIUM, FLAGS, ROOT
 from tests.waiting import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOT = ROOT / "out" / "test_browser.png"
 
 
