@@ -27,7 +27,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny")
+    return load_model("tiny", dtype="float32")  # the exact reference: tokens equal transformers'
 
 
 def make(loaded, **pool) -> LLMEngine:
@@ -225,7 +225,7 @@ def test_reset_keeps_the_model_and_rebuilds_the_pools(tiny):
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_generate():
-    loaded = load_model("smollm2")
+    loaded = load_model("smollm2", dtype="float32")
     engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), loaded)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs, _ = run_with_events(engine, PROMPTS[:5], params)
@@ -235,3 +235,21 @@ def test_smollm2_greedy_matches_transformers_generate():
     engine.add_request(messages=[{"role": "user", "content": "Say hello."}], params=SamplingParams(max_tokens=64))
     (out,) = run_to_end(engine)  # the real model ends its answer with its EOS token
     assert out.finish_reason == "stop" and out.token_ids[-1] in loaded.eos_token_ids and len(out.token_ids) < 64
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_engine_stays_close_to_fp32_transformers():
+    """bf16 (the default on CPUs with AVX512-BF16 or AMX) against the fp32 reference: the same
+    next token after each prompt, and logits within bf16's precision."""
+    bf16, ref = load_model("smollm2", dtype="bfloat16"), load_model("smollm2", dtype="float32")
+    engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), bf16)
+    for prompt in PROMPTS[:5]:
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        batch = engine.scheduler.schedule()
+        logits = engine.runner.execute(batch)[0]
+        engine.abort(batch.rows[0].seq.request_id)
+        with torch.inference_mode():
+            expected = ref.model(torch.tensor([ids])).logits[0, -1].float()
+        assert logits.argmax() == expected.argmax(), prompt
+        assert torch.nn.functional.cosine_similarity(logits, expected, dim=0) > 0.995, prompt

@@ -1,0 +1,309 @@
+// CPU kernels of the engine's decoder step, registered as torch.ops.kvscope.*.
+//
+// Built once per machine by kernels/cpu_build.py (g++ -O3 -march=native). Each op does in one
+// pass what the torch path does in several, with the same arithmetic: every intermediate that
+// the Hugging Face model rounds to the model's dtype is rounded here too (rnd<T>), so fp32
+// runs stay token-identical to transformers and bf16 runs stay as close as torch's own ops.
+//
+//   decode_attention  one query token per sequence, K/V read straight from the blocks through
+//                     the block table: no gather copy, no padding (replaces gather + SDPA)
+//   rope_store        rotary embedding of q and k in place, then k and v into their cache slots
+//   rms_norm          out = w * norm(x)
+//   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place)
+//   silu_and_mul      out = silu(gate) * up, gate and up the two halves of one [T, 2I] tensor
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Below this many elements of work an op runs on one thread: a parallel region costs a few
+// microseconds on an idle machine and far more when other processes hold the cores.
+constexpr int64_t kParallelWork = 32768;
+
+// T -> float, and float rounded to T and back (identity for float)
+template <typename T> inline float f32(T x) { return static_cast<float>(x); }
+template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// exp(x) as Cephes' expf (within 2 ulp on [-87, 88]; the result is 2^n * exp(x - n ln 2)) in
+// plain arithmetic, so that loops calling it vectorize; std::exp would stay scalar
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_cpu(const char* what, std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    TORCH_CHECK(t->device().is_cpu(), "kvscope: ", what, " must be CPU tensors");
+    TORCH_CHECK(t->stride(-1) == 1, "kvscope: ", what, " must be contiguous in their last dimension");
+  }
+}
+
+// f(T{}) for the tensor's dtype; the kernels are templates on T
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "kvscope: ", op, " takes float32, bfloat16 or float16, not ", dtype);
+  }
+}
+
+// ---------------------------------------------------------------------------- decode attention
+// query/out [T, H, D] (rows strided), caches [num_blocks, block_size, KVH, D] contiguous,
+// block_tables [B, W] int32, seq_lens [B] int32, rows [B] int64: query row of sequence b.
+// One task per (sequence, KV head): its G = H / KVH query heads share every K and V row read.
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& rows, double scale) {
+  const int64_t B = seq_lens.size(0), H = query.size(1), D = query.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t c_blk = k_cache.stride(0), c_tok = k_cache.stride(1), c_head = k_cache.stride(2);
+  const int64_t bt_row = block_tables.stride(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const T* q = query.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  const int64_t tasks = B * KVH;
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += int64_t(lens[b]) * H * D;
+  // dynamic: sequences differ in length, so equal halves of the task list are not equal work
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && work > kParallelWork)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / KVH, h = task % KVH, L = lens[b];
+    const int32_t* table = tables + b * bt_row;
+    std::vector<float> qf(G * D), acc(G * D, 0.f), s(G * L);
+    for (int64_t g = 0; g < G; ++g) {
+      const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]) * sc;
+    }
+    for (int64_t t = 0; t < L; ++t) {
+      const T* k = kc + table[t / bs] * c_blk + (t % bs) * c_tok + h * c_head;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf.data() + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(k[d]);
+        s[g * L + t] = dot;
+      }
+    }
+    std::vector<float> denom(G);
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s.data() + g * L;
+      float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+      #pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
+      denom[g] = sum;
+    }
+    for (int64_t t = 0; t < L; ++t) {
+      const T* v = vc + table[t / bs] * c_blk + (t % bs) * c_tok + h * c_head;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * L + t];
+        float* a = acc.data() + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * f32(v[d]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
+      const float inv = 1.f / denom[g];
+      for (int64_t d = 0; d < D; ++d) og[d] = static_cast<T>(acc[g * D + d] * inv);
+    }
+  }
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      const at::Tensor& rows, double scale) {
+  check_cpu("query, out and the caches", {&out, &query, &k_cache, &v_cache});
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.strides() == v_cache.strides(),
+              "kvscope: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  rows.scalar_type() == at::kLong && block_tables.stride(1) == 1,
+              "kvscope: block_tables and seq_lens must be int32, rows int64");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "kvscope: query, out and the caches must share a dtype");
+  dispatch(query.scalar_type(), "decode_attention", [&](auto tag) {
+    decode_attention_impl<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+  });
+}
+
+// ---------------------------------------------------------------------------- rotary + store
+// q [T, H, D], k/v [T, KVH, D] (rows may be strided: views of one fused qkv output);
+// cos/sin [T, D] in the model dtype (the HF rotary module's output); slots [T] int64, -1 = skip.
+// As HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
+template <typename T>
+void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t T_ = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), half = D / 2;
+  const int64_t c_slot = k_cache.stride(1), c_head = k_cache.stride(2), bs = k_cache.size(1),
+                c_blk = k_cache.stride(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (T_ * (H + KVH) * D > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* c = cos.data_ptr<T>() + t * cos.stride(0);
+    const T* s = sin.data_ptr<T>() + t * sin.stride(0);
+    float x[512];
+    auto rotate = [&](T* row) {
+      for (int64_t d = 0; d < D; ++d) x[d] = f32(row[d]);
+      for (int64_t d = 0; d < D; ++d) {
+        const float r = d < half ? -x[d + half] : x[d - half];
+        row[d] = static_cast<T>(rnd<T>(x[d] * f32(c[d])) + rnd<T>(r * f32(s[d])));
+      }
+    };
+    for (int64_t h = 0; h < H; ++h) rotate(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1));
+    const int64_t dst = slot[t] < 0 ? -1 : (slot[t] / bs) * c_blk + (slot[t] % bs) * c_slot;
+    for (int64_t h = 0; h < KVH; ++h) {
+      T* kr = k.data_ptr<T>() + t * k.stride(0) + h * k.stride(1);
+      rotate(kr);
+      if (dst < 0) continue;
+      const T* vr = v.data_ptr<T>() + t * v.stride(0) + h * v.stride(1);
+      for (int64_t d = 0; d < D; ++d) {
+        kc[dst + h * c_head + d] = kr[d];
+        vc[dst + h * c_head + d] = vr[d];
+      }
+    }
+  }
+}
+
+void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  check_cpu("q, k, v, cos, sin and the caches", {&q, &k, &v, &cos, &sin, &k_cache, &v_cache});
+  TORCH_CHECK(q.size(2) <= 512 && q.size(2) % 2 == 0, "kvscope: head_dim must be even and at most 512");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong,
+              "kvscope: contiguous caches and int64 slots expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == q.scalar_type(),
+              "kvscope: q, k, v, cos, sin and the caches must share a dtype");
+  dispatch(q.scalar_type(), "rope_store", [&](auto tag) {
+    rope_store_impl<decltype(tag)>(q, k, v, cos, sin, k_cache, v_cache, slots);
+  });
+}
+
+// ---------------------------------------------------------------------------- RMSNorm
+// As HF's LlamaRMSNorm: in float32, x * rsqrt(mean(x^2) + eps), rounded to the dtype, times w.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(f32(w[i]) * rnd<T>(f32(x[i]) * r));
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
+  const int64_t T_ = x.size(0), n = x.size(1);
+  const T* w = weight.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (T_ * n > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t)
+    norm_row<T>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, eps);
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu("out and x", {&out, &x});
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
+                  out.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "kvscope: rms_norm wants out and x [T, hidden] and a weight of their dtype");
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) { rms_norm_impl<decltype(tag)>(out, x, weight, eps); });
+}
+
+// residual = residual + x (rounded to the dtype, as HF's `h = h + out`); x = w * norm(residual)
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t T_ = x.size(0), n = x.size(1);
+  const T* w = weight.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (T_ * n > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t) {
+    T* xr = x.data_ptr<T>() + t * x.stride(0);
+    T* rr = residual.data_ptr<T>() + t * residual.stride(0);
+    for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<T>(f32(rr[i]) + f32(xr[i]));
+    norm_row<T>(rr, w, xr, n, eps);
+  }
+}
+
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_cpu("x and residual", {&x, &residual});
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
+                  residual.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "kvscope: add_rms_norm wants x and residual [T, hidden] and a weight of their dtype");
+  dispatch(x.scalar_type(), "add_rms_norm",
+           [&](auto tag) { add_rms_norm_impl<decltype(tag)>(x, residual, weight, eps); });
+}
+
+// ---------------------------------------------------------------------------- SiLU and multiply
+// out [T, I] = silu(gu[:, :I]) * gu[:, I:], silu rounded to the dtype first (HF: act(gate) * up)
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
+#pragma omp parallel for schedule(static) if (T_ * I > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* g = gate_up.data_ptr<T>() + t * gate_up.stride(0);
+    T* o = out.data_ptr<T>() + t * out.stride(0);
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float x = f32(g[i]);
+      o[i] = static_cast<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + i]));
+    }
+  }
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_cpu("out and gate_up", {&out, &gate_up});
+  TORCH_CHECK(out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1) &&
+                  out.scalar_type() == gate_up.scalar_type(),
+              "kvscope: silu_and_mul wants out [T, I] for gate_up [T, 2I], one dtype");
+  dispatch(out.scalar_type(), "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(out, gate_up); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvscope, m) {
+  m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor rows, float scale) -> ()");
+  m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slots) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rope_store", &rope_store);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
