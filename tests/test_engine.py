@@ -1,6 +1,7 @@
 """The paged engine against transformers, and its events against the reducer."""
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import replace
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+import kernels
+from engine import model_runner
 from engine.contract import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -80,6 +83,18 @@ def test_greedy_matches_transformers_generate(tiny):
     for prompt, (out,) in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(tiny, out.prompt_token_ids, GREEDY.max_tokens), prompt
         assert out.finish_reason == "length"
+
+
+def test_every_cpu_path_gives_the_same_tokens(tiny, monkeypatch):
+    """The C++ kernels (when built), the torch path, and F.linear instead of packed oneDNN
+    GEMMs: the same greedy tokens, so each equals transformers' as the test above shows."""
+    first, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    monkeypatch.setattr(kernels.cpu_build, "_state", {"loaded": False, "why": "this test"})
+    torch_path, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    monkeypatch.setattr(model_runner, "_PREPARED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(model_runner, "choose_backend", lambda layers: "torch")
+    plain_gemms, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    assert token_ids(first) == token_ids(torch_path) == token_ids(plain_gemms)
 
 
 def test_prefix_caching_on_and_off_give_identical_outputs(tiny):

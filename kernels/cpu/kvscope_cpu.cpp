@@ -11,18 +11,24 @@
 //   rms_norm          out = w * norm(x)
 //   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place)
 //   silu_and_mul      out = silu(gate) * up, gate and up the two halves of one [T, 2I] tensor
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -30,10 +36,23 @@ namespace {
 // Below this many elements of work an op runs on one thread: a parallel region costs a few
 // microseconds on an idle machine and far more when other processes hold the cores.
 constexpr int64_t kParallelWork = 32768;
+// torch's thread count (torch.set_num_threads), also on threads OpenMP did not start, such as
+// the engine server's
+inline int threads() { return at::get_num_threads(); }
 
-// T -> float, and float rounded to T and back (identity for float)
+// T -> float; float -> T (round to nearest even, as torch); float rounded to T and back.
+// bf16 by bit operations, NaN as c10 makes it: c10's own conversion has a branch that keeps
+// loops from vectorizing.
 template <typename T> inline float f32(T x) { return static_cast<float>(x); }
-template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <typename T> inline T to(float x) { return static_cast<T>(x); }
+template <> inline c10::BFloat16 to<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint16_t bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(rounded);
+  return c10::BFloat16(bits, c10::BFloat16::from_bits());
+}
+template <typename T> inline float rnd(float x) { return f32(to<T>(x)); }
 
 // exp(x) as Cephes' expf (within 2 ulp on [-87, 88]; the result is 2^n * exp(x - n ln 2)) in
 // plain arithmetic, so that loops calling it vectorize; std::exp would stay scalar
@@ -77,6 +96,147 @@ void dispatch(at::ScalarType dtype, const char* op, F&& f) {
 // query/out [T, H, D] (rows strided), caches [num_blocks, block_size, KVH, D] contiguous,
 // block_tables [B, W] int32, seq_lens [B] int32, rows [B] int64: query row of sequence b.
 // One task per (sequence, KV head): its G = H / KVH query heads share every K and V row read.
+// Scores, then softmax, then the weighted sum of V, all in float32, walking the block table.
+
+// the scores of G query heads against one K row of D elements; qf: G x D float32, pre-scaled
+template <typename T>
+inline void dot_rows(const float* qf, const T* k, int64_t G, int64_t D, float* s, int64_t s_stride) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(k[d]);
+    s[g * s_stride] = dot;
+  }
+}
+
+// acc (D floats) += p * v (one V row)
+template <typename T>
+inline void axpy_row(float* acc, float p, const T* v, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * f32(v[d]);
+}
+
+#if defined(__AVX512F__)
+// 16 elements of T as 16 floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 vectors -> one vector of their 16 horizontal sums: a transpose-and-add tree (45 operations,
+// where 16 separate horizontal sums take about 130, most of them in long dependency chains)
+inline __m512 sum16(const __m512* a) {
+  __m512 s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of each of 4 inputs
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // add the 128-bit lanes pairwise, then again
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores of G heads against n <= 16 K rows (D = 16 * DC): s[g * s_stride + i]
+template <typename T, int DC>
+inline void scores16(const float* qf, const T* rows, int64_t c_tok, int n, int64_t G, float* s, int64_t s_stride) {
+  alignas(64) float buf[16 * 16 * DC];  // rows in float32, converted once for all G heads
+  const float* k = buf;
+  int64_t stride = 16 * DC;
+  if constexpr (std::is_same_v<T, float>) {
+    k = rows;
+    stride = c_tok;
+  } else {
+    for (int i = 0; i < n; ++i)
+      for (int c = 0; c < DC; ++c) _mm512_store_ps(buf + i * 16 * DC + 16 * c, load16(rows + i * c_tok + 16 * c));
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[DC], acc[16];
+    for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qf + g * 16 * DC + 16 * c);
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        acc[i] = _mm512_setzero_ps();
+        continue;
+      }
+      acc[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(k + i * stride));
+      for (int c = 1; c < DC; ++c) acc[i] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + i * stride + 16 * c), acc[i]);
+    }
+    _mm512_mask_storeu_ps(s + g * s_stride, mask, sum16(acc));
+  }
+}
+#endif
+
+// the blocks of a table are scattered over the pool, so the hardware cannot guess the next one:
+// ask for the next block's rows of this head while the current block is computed
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows + i * c_tok) + b);
+}
+
+template <typename T, int DC>
+void decode_task(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
+                 int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc) {
+  // scores s[g * L + t], block by block (no division per token)
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const T* kb = kc + int64_t(table[t0 / bs]) * c_blk;
+    const int64_t n = std::min(bs, L - t0);
+    if (t0 + bs < L) prefetch_rows(kc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+#if defined(__AVX512F__)
+    if constexpr (DC > 0) {
+      for (int64_t i = 0; i < n; i += 16)
+        scores16<T, DC>(qf, kb + i * c_tok, c_tok, int(std::min<int64_t>(16, n - i)), G, s + t0 + i, L);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, kb + i * c_tok, G, D, s + t0 + i, L);
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators; the sum divides at the end
+    float* sg = s + g * L;
+    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
+    const float inv = 1.f / sum;
+    float* a = acc + g * D;
+    std::fill(a, a + D, 0.f);
+#if defined(__AVX512F__)
+    if constexpr (DC > 0) {  // the head's output row stays in registers over the whole context
+      __m512 av[DC];
+      for (int c = 0; c < DC; ++c) av[c] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
+        const int64_t n = std::min(bs, L - t0);
+        if (g == 0 && t0 + bs < L)
+          prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+        for (int64_t i = 0; i < n; ++i) {
+          const __m512 p = _mm512_set1_ps(sg[t0 + i]);
+          for (int c = 0; c < DC; ++c) av[c] = _mm512_fmadd_ps(p, load16(vb + i * c_tok + 16 * c), av[c]);
+        }
+      }
+      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(av[c], _mm512_set1_ps(inv)));
+      continue;
+    }
+#endif
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
+      const int64_t n = std::min(bs, L - t0);
+      for (int64_t i = 0; i < n; ++i) axpy_row<T>(a, sg[t0 + i], vb + i * c_tok, D);
+    }
+    for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+  }
+}
+
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -95,50 +255,29 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   T* o = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const int64_t tasks = B * KVH;
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += int64_t(lens[b]) * H * D;
+  int64_t work = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    work += int64_t(lens[b]) * H * D;
+    longest = std::max<int64_t>(longest, lens[b]);
+  }
+  auto task_fn = D == 64 ? decode_task<T, 4> : D == 128 ? decode_task<T, 8> : decode_task<T, 0>;
   // dynamic: sequences differ in length, so equal halves of the task list are not equal work
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && work > kParallelWork)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t b = task / KVH, h = task % KVH, L = lens[b];
-    const int32_t* table = tables + b * bt_row;
-    std::vector<float> qf(G * D), acc(G * D, 0.f), s(G * L);
-    for (int64_t g = 0; g < G; ++g) {
-      const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
-      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]) * sc;
-    }
-    for (int64_t t = 0; t < L; ++t) {
-      const T* k = kc + table[t / bs] * c_blk + (t % bs) * c_tok + h * c_head;
+#pragma omp parallel num_threads(threads()) if (tasks > 1 && work > kParallelWork)
+  {
+    std::vector<float> qf(G * D), acc(G * D), s(G * longest);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf.data() + g * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(k[d]);
-        s[g * L + t] = dot;
+        const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]) * sc;
       }
-    }
-    std::vector<float> denom(G);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s.data() + g * L;
-      float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
-      for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-      #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
-      denom[g] = sum;
-    }
-    for (int64_t t = 0; t < L; ++t) {
-      const T* v = vc + table[t / bs] * c_blk + (t % bs) * c_tok + h * c_head;
+      task_fn(qf.data(), kc + h * c_head, vc + h * c_head, tables + b * bt_row, lens[b], bs, c_blk, c_tok, G, D,
+              s.data(), acc.data());
       for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * L + t];
-        float* a = acc.data() + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * f32(v[d]);
+        T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
+        for (int64_t d = 0; d < D; ++d) og[d] = to<T>(acc[g * D + d]);
       }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
-      const float inv = 1.f / denom[g];
-      for (int64_t d = 0; d < D; ++d) og[d] = static_cast<T>(acc[g * D + d] * inv);
     }
   }
 }
@@ -172,7 +311,7 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
   const int64_t* slot = slots.data_ptr<int64_t>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-#pragma omp parallel for schedule(static) if (T_ * (H + KVH) * D > kParallelWork)
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * (H + KVH) * D > kParallelWork)
   for (int64_t t = 0; t < T_; ++t) {
     const T* c = cos.data_ptr<T>() + t * cos.stride(0);
     const T* s = sin.data_ptr<T>() + t * sin.stride(0);
@@ -181,7 +320,7 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
       for (int64_t d = 0; d < D; ++d) x[d] = f32(row[d]);
       for (int64_t d = 0; d < D; ++d) {
         const float r = d < half ? -x[d + half] : x[d - half];
-        row[d] = static_cast<T>(rnd<T>(x[d] * f32(c[d])) + rnd<T>(r * f32(s[d])));
+        row[d] = to<T>(rnd<T>(x[d] * f32(c[d])) + rnd<T>(r * f32(s[d])));
       }
     };
     for (int64_t h = 0; h < H; ++h) rotate(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1));
@@ -220,14 +359,14 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(f32(w[i]) * rnd<T>(f32(x[i]) * r));
+  for (int64_t i = 0; i < n; ++i) out[i] = to<T>(f32(w[i]) * rnd<T>(f32(x[i]) * r));
 }
 
 template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
   const int64_t T_ = x.size(0), n = x.size(1);
   const T* w = weight.data_ptr<T>();
-#pragma omp parallel for schedule(static) if (T_ * n > kParallelWork)
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
   for (int64_t t = 0; t < T_; ++t)
     norm_row<T>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, eps);
 }
@@ -245,11 +384,11 @@ template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
   const int64_t T_ = x.size(0), n = x.size(1);
   const T* w = weight.data_ptr<T>();
-#pragma omp parallel for schedule(static) if (T_ * n > kParallelWork)
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
   for (int64_t t = 0; t < T_; ++t) {
     T* xr = x.data_ptr<T>() + t * x.stride(0);
     T* rr = residual.data_ptr<T>() + t * residual.stride(0);
-    for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<T>(f32(rr[i]) + f32(xr[i]));
+    for (int64_t i = 0; i < n; ++i) rr[i] = to<T>(f32(rr[i]) + f32(xr[i]));
     norm_row<T>(rr, w, xr, n, eps);
   }
 }
@@ -268,14 +407,14 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
-#pragma omp parallel for schedule(static) if (T_ * I > kParallelWork)
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * I > kParallelWork)
   for (int64_t t = 0; t < T_; ++t) {
     const T* g = gate_up.data_ptr<T>() + t * gate_up.stride(0);
     T* o = out.data_ptr<T>() + t * out.stride(0);
 #pragma omp simd
     for (int64_t i = 0; i < I; ++i) {
       const float x = f32(g[i]);
-      o[i] = static_cast<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + i]));
+      o[i] = to<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + i]));
     }
   }
 }
