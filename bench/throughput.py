@@ -127,11 +127,12 @@ class TransformersSide:
         return seconds, out[:, width:].tolist()
 
 
-VLLM_MODES = {  # mode: (side name, extra flags, extra environment)
-    "default": ("vllm", [], {}),
-    "eager": ("vllm eager", ["--eager"], {}),
-    # vLLM's CPU worker keeps one core for its front end by default: on 2 cores it computes on one
-    "all-cores": ("vllm 2 cores", [], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+VLLM_MODES = {  # mode: (side name, extra flags, environment; None removes a variable)
+    "default": ("vllm", [], {"OMP_WAIT_POLICY": None}),
+    "eager": ("vllm eager", ["--eager"], {"OMP_WAIT_POLICY": None}),
+    # vLLM's CPU worker keeps one core for its front end by default: on 2 cores it computes on one.
+    # On every core, its OpenMP threads wait asleep, as this engine's do (engine/__init__.py).
+    "all-cores": ("vllm 2 cores", [], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
 }
 
 
@@ -141,7 +142,7 @@ class VLLMSide:
     def __init__(self, python: Path, folder: Path, dtype: torch.dtype, mode: str, log: Path,
                  in_process: bool = False):
         self.name, flags, extra = VLLM_MODES[mode]
-        env = dict(os.environ, **extra)
+        env = {k: v for k, v in {**os.environ, **extra}.items() if v is not None}
         if in_process:  # its torch profiler then sees the engine core's work
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cmd = [str(python), str(VLLM_SIDE), "--model", str(folder), "--dtype", str(dtype).removeprefix("torch.")] + flags
@@ -230,8 +231,9 @@ def report(jobs: list[Job], sides: list, res: Results, dtype_name: str) -> str:
             cells.append(f"{statistics.median(figs):.1f} ({min(figs):.1f}-{max(figs):.1f})")
         ratios = []
         for n in names[1:]:
-            per_round = [b / a if job.unit == "ms" else a / b  # > 1: kvscope is faster
-                         for a, b in zip(res.seconds[(job.name, names[0])], res.seconds[(job.name, n)])]
+            # the same round's times: > 1 means kvscope took less time
+            per_round = [theirs / ours for ours, theirs in zip(res.seconds[(job.name, names[0])],
+                                                              res.seconds[(job.name, n)])]
             ratios.append(f"**{statistics.median(per_round):.2f}x** ({min(per_round):.2f}-{max(per_round):.2f})")
         lines.append(f"| {dtype_name} | {job.name} ({job.unit}) | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
