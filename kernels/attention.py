@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels import cpu_build
 from kernels.metadata import AttentionMetadata, DecodeBatch
 
 
@@ -51,13 +52,21 @@ def _decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, d: DecodeBatch, met
 
 
 def _prefills(out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-              scale: float, key: Tensor | None, value: Tensor | None) -> None:
+              scale: float, key: Tensor | None, value: Tensor | None, native: bool = False) -> None:
     """Prefill chunks one SDPA call each. A chunk with no cached prefix attends only to its own
-    new K/V: given `key`/`value` (the step's fresh rows, already stored), read them in place."""
+    new K/V: given `key`/`value` (the step's fresh rows, already stored), read them in place,
+    all such chunks in one call of the C++ kernel when `native`."""
     T, H, D = query.shape
     kvh = k_cache.shape[2]
     g = H // kvh
-    for p in meta.prefills:
+    chunks = meta.prefills
+    if native and key is not None:
+        fresh = [p for p in chunks if p.end - p.start == p.seq_len]
+        if fresh:
+            spans = torch.tensor([(p.start, p.end) for p in fresh], dtype=torch.int64)
+            torch.ops.kvscope.prefill_attention(out, query, key, value, spans, scale)
+            chunks = [p for p in chunks if p.end - p.start != p.seq_len]
+    for p in chunks:
         # q [kvh, g, q_len, d] is a view; K/V [kvh, 1 -> g, L, d] broadcast with stride 0 (no copy)
         ql, L = p.end - p.start, p.seq_len
         q = query[p.start:p.end].view(ql, kvh, g, D).permute(1, 2, 0, 3)
@@ -86,11 +95,13 @@ def paged_attention_torch(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta:
 def paged_attention_cpu(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                         scale: float, key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
     """Decode rows through the C++ kernel (K/V read in place through the block tables), prefill
-    chunks as in the torch path. Needs kernels.cpu_build loaded."""
+    chunks without a cached prefix through the C++ prefill kernel (on AVX-512), the rest as in
+    the torch path. Needs kernels.cpu_build loaded."""
     out = query.new_empty(query.shape)
     if (d := meta.decode_rows) is not None:
         torch.ops.kvscope.decode_attention(out, query, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, scale)
-    _prefills(out, query, k_cache, v_cache, meta, scale, key, value)
+    _prefills(out, query, k_cache, v_cache, meta, scale, key, value,
+              native=cpu_build.has_avx512() and query.shape[-1] in (64, 128))
     return out
 
 

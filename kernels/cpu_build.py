@@ -103,6 +103,11 @@ def load(build_dir: Path, progress: Callable[[str], None] = lambda _: None) -> b
     return ok
 
 
+def has_avx512() -> bool:
+    """The library was built with AVX-512 kernels (-march=native on a CPU that has it)."""
+    return loaded() and "avx512f" in _cpu_flags().split()
+
+
 def loaded() -> bool:
     return bool(_state.get("loaded"))
 

@@ -42,6 +42,26 @@ def test_cpu_attention_reads_fresh_keys_for_uncached_prefills():
         close(impl(query, kv[0, 0], kv[0, 1], meta, 0.3, key, value), expected)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_prefill_kernel_matches_naive(head_dim, dtype):
+    """Prompt chunks with no cached prefix go to the C++ prefill kernel (head_dim 64 or 128 on
+    AVX-512), the others to SDPA, decode rows to the decode kernel, all in one batch."""
+    specs = [(0, 37), (5, 1), (0, 16), (0, 1), (9, 4), (0, 33), (0, 2)]
+    query, kv, meta, fk, fv = make_batch(specs, 16, 3, 3, head_dim=head_dim, dtype=dtype)
+    key = torch.cat([k[p:] for k, (p, _) in zip(fk, specs)])
+    value = torch.cat([v[p:] for v, (p, _) in zip(fv, specs)])
+    expected = naive_attention(query, fk, fv, specs, 3, head_dim ** -0.5)
+    out = kernels.paged_attention_cpu(query, kv[0, 0], kv[0, 1], meta, head_dim ** -0.5, key, value)
+    close(out, expected, dtype)
+    direct = torch.zeros_like(query)  # the kernel alone, on the four fresh chunks
+    spans = torch.tensor([(p.start, p.end) for p in meta.prefills if p.end - p.start == p.seq_len])
+    assert spans.tolist() == [[0, 37], [38, 54], [59, 92], [92, 94]]
+    torch.ops.kvscope.prefill_attention(direct, query, key, value, spans, head_dim ** -0.5)
+    for a, b in spans.tolist():
+        close(direct[a:b], expected[a:b], dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_attention_half(dtype):
     query, kv, meta, fk, fv = make_batch(MIXED, 16, 1, 3, dtype=dtype)

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -312,6 +313,154 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
   });
 }
 
+// ---------------------------------------------------------------------------- prefill attention
+// Causal attention of prompt chunks that have no cached prefix, straight from the step's new
+// q/k/v rows ([T, H, D] and [T, KVH, D], rows strided): chunk c is rows spans[c][0]..spans[c][1].
+// Flash-attention style, in float32: one task per (chunk, KV head, tile of 16 positions); keys
+// come 16 at a time, transposed once per tile and used by the G query heads of the KV head, so
+// both products are register-blocked FMAs with no horizontal sums; softmax runs online.
+#if defined(__AVX512F__)
+// fast_exp on 16 lanes (the same polynomial as above)
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+template <typename T, int DC>
+void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t k_row, const T* v, int64_t v_row,
+                  int64_t kv_head, T* o, int64_t o_row, int64_t o_head, int64_t start, int64_t len, int64_t i0,
+                  int64_t h, int64_t G, float sc) {
+  constexpr int D = 16 * DC, R = 8;  // R query rows at a time: R independent FMA chains
+  const int64_t n = std::min<int64_t>(16, len - i0);  // query positions i0..i0+n-1 of the chunk
+  alignas(64) float kt[D * 16], vf[16 * D], p[16 * 16];
+  std::vector<float> qf(G * 16 * D), acc(G * 16 * D, 0.f), m(G * 16, -std::numeric_limits<float>::infinity()),
+      l(G * 16, 0.f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < 16; ++i)
+      for (int c = 0; c < DC; ++c)
+        _mm512_storeu_ps(qf.data() + (g * 16 + i) * D + 16 * c,
+                         i < n ? _mm512_mul_ps(load16(q + (start + i0 + i) * q_row + (h * G + g) * q_head + 16 * c),
+                                               _mm512_set1_ps(sc))
+                               : _mm512_setzero_ps());
+  for (int64_t j0 = 0; j0 < i0 + n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, len - j0);
+    // this tile's keys transposed [D][16] and values [16][D], float32, zeros past the chunk
+    for (int64_t j = 0; j < 16; ++j) {
+      const T* kr = k + (start + j0 + j) * k_row + h * kv_head;
+      const T* vr = v + (start + j0 + j) * v_row + h * kv_head;
+      for (int d = 0; d < D; ++d) kt[d * 16 + j] = j < nk ? f32(kr[d]) : 0.f;
+      for (int c = 0; c < DC; ++c)
+        _mm512_store_ps(vf + j * D + 16 * c, j < nk ? load16(vr + 16 * c) : _mm512_setzero_ps());
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * 16 * D;
+      float* ag = acc.data() + g * 16 * D;
+      for (int64_t r0 = 0; r0 < n; r0 += R) {
+        __m512 srow[R];
+        for (int r = 0; r < R; ++r) srow[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const __m512 kd = _mm512_load_ps(kt + d * 16);
+          for (int r = 0; r < R; ++r) srow[r] = _mm512_fmadd_ps(_mm512_set1_ps(qg[(r0 + r) * D + d]), kd, srow[r]);
+        }
+        for (int r = 0; r < R && r0 + r < n; ++r) {
+          const int64_t i = r0 + r;
+          const int64_t visible = std::min<int64_t>(nk, i0 + i - j0 + 1);  // causal: keys up to position i0 + i
+          const __mmask16 keep = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(visible, 0)) - 1u);
+          const __m512 s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), srow[r]);
+          float& mi = m[g * 16 + i];
+          const float m_new = std::max(mi, _mm512_reduce_max_ps(s));
+          const __m512 e = _mm512_maskz_mov_ps(keep, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          const float alpha = std::isinf(mi) ? 0.f : fast_exp(mi - m_new);
+          l[g * 16 + i] = l[g * 16 + i] * alpha + _mm512_reduce_add_ps(e);
+          mi = m_new;
+          _mm512_store_ps(p + i * 16, e);
+          float* arow = ag + i * D;
+          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(arow + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * c), _mm512_set1_ps(alpha)));
+        }
+      }
+      for (int64_t i = 0; i < n; i += 2) {  // P V, two rows at a time: 2 * DC chains
+        const bool two = i + 1 < n;
+        __m512 a0[DC], a1[DC];
+        for (int c = 0; c < DC; ++c) {
+          a0[c] = _mm512_loadu_ps(ag + i * D + 16 * c);
+          a1[c] = two ? _mm512_loadu_ps(ag + (i + 1) * D + 16 * c) : _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          const __m512 p0 = _mm512_set1_ps(p[i * 16 + j]), p1 = _mm512_set1_ps(two ? p[(i + 1) * 16 + j] : 0.f);
+          for (int c = 0; c < DC; ++c) {
+            const __m512 vj = _mm512_load_ps(vf + j * D + 16 * c);
+            a0[c] = _mm512_fmadd_ps(p0, vj, a0[c]);
+            a1[c] = _mm512_fmadd_ps(p1, vj, a1[c]);
+          }
+        }
+        for (int c = 0; c < DC; ++c) {
+          _mm512_storeu_ps(ag + i * D + 16 * c, a0[c]);
+          if (two) _mm512_storeu_ps(ag + (i + 1) * D + 16 * c, a1[c]);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i) {
+      T* orow = o + (start + i0 + i) * o_row + (h * G + g) * o_head;
+      const float inv = 1.f / l[g * 16 + i];
+      for (int d = 0; d < D; ++d) orow[d] = to<T>(acc[(g * 16 + i) * D + d] * inv);
+    }
+}
+#endif
+
+void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& spans, double scale) {
+  check_cpu("out, query, key and value", {&out, &query, &key, &value});
+  const int64_t H = query.size(1), D = query.size(2), KVH = key.size(1);
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
+              "kvscope: spans must be int64 [chunks, 2] (first row, end row)");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && value.scalar_type() == key.scalar_type() &&
+                  out.scalar_type() == query.scalar_type() && H % KVH == 0,
+              "kvscope: query, key, value and out must share a dtype; heads a multiple of KV heads");
+#if defined(__AVX512F__)
+  TORCH_CHECK(D == 64 || D == 128, "kvscope: prefill_attention takes head_dim 64 or 128");
+  TORCH_CHECK(key.stride(1) == value.stride(1), "kvscope: key and value must share their head stride");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t chunks = spans.size(0), G = H / KVH;
+  std::vector<std::array<int64_t, 3>> tasks;  // (chunk, kv head, first position of the tile)
+  int64_t work = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t len = sp[2 * c + 1] - sp[2 * c];
+    work += len * len * H * D / 2;
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < len; i0 += 16) tasks.push_back({c, h, i0});
+  }
+  const int64_t ntasks = int64_t(tasks.size());
+  const float sc = float(scale);
+  dispatch(query.scalar_type(), "prefill_attention", [&](auto tag) {
+    using T = decltype(tag);
+    auto fn = D == 64 ? prefill_task<T, 4> : prefill_task<T, 8>;
+    const T* q = query.data_ptr<T>();
+    const T* k = key.data_ptr<T>();
+    const T* v = value.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+#pragma omp parallel for num_threads(threads()) schedule(dynamic, 1) if (ntasks > 1 && work > kParallelWork)
+    for (int64_t t = 0; t < ntasks; ++t) {
+      const auto [c, h, i0] = tasks[t];
+      fn(q, query.stride(0), query.stride(1), k, key.stride(0), v, value.stride(0), key.stride(1), o, out.stride(0),
+         out.stride(1), sp[2 * c], sp[2 * c + 1] - sp[2 * c], i0, h, G, sc);
+    }
+  });
+#else
+  TORCH_CHECK(false, "kvscope: prefill_attention needs AVX-512; the torch path handles this machine");
+#endif
+}
+
 // ---------------------------------------------------------------------------- rotary + store
 // q [T, H, D], k/v [T, KVH, D] (rows may be strided: views of one fused qkv output);
 // cos/sin [T, D] in the model dtype (the HF rotary module's output); slots [T] int64, -1 = skip.
@@ -446,6 +595,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 TORCH_LIBRARY(kvscope, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor rows, float scale) -> ()");
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor spans, float scale) -> ()");
   m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor slots) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
@@ -455,6 +605,7 @@ TORCH_LIBRARY(kvscope, m) {
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("rope_store", &rope_store);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
