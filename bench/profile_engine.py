@@ -23,7 +23,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.throughput import VLLMSide, default_vllm_python, make_engine, make_prompts, model_folder
+from bench.prompts import make_prompts
+from bench.throughput import VLLMSide, default_vllm_python, make_engine, model_folder
 from engine.model_loader import load_model
 from engine.sequence import SamplingParams
 

@@ -9,10 +9,11 @@ Jobs (greedy, EOS ignored), per dtype:
 Sides: this engine ("kvscope"), transformers `generate()` (batched, left padded, sdpa), and,
 when a vLLM venv exists, vLLM CPU in a subprocess run by that venv's python (bench/vllm_side.py)
 with its defaults (torch.compile; on this 2-core machine vLLM computes on one core and keeps
-the other for its front end), with enforce_eager, and with its defaults on every core. Each round runs every job on every side
-(A B C D, order rotated per round), so all sides see the same machine load; the report gives
-medians over rounds, the spread (min..max), and KVScope's speed-up over each side as the median
-of its per-round ratios. The machine may be shared: compare only within one run.
+the other for its front end), with enforce_eager, and with its defaults on every core. Every job
+runs on every side in rounds, A B C, B C A, ... (bench/rounds.py), so the sides see the same
+machine load; the report gives medians over rounds, the spread (min..max), and KVScope's speed-up
+over each side as the median of its per-round time ratios. The machine may be shared: compare
+only within one run.
 
     python -m bench.throughput [--dtypes bfloat16,float32] [--rounds 3] [--vllm-python PATH | --no-vllm]
 """
@@ -32,6 +33,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from bench.prompts import make_prompts
+from bench.rounds import interleave, ratios, spread
 from engine.config import EngineConfig
 from engine.contract import protocol as p
 from engine.engine import LLMEngine
@@ -40,20 +43,6 @@ from engine.sequence import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
-TEXT = ("PagedAttention stores the keys and values of each sequence in fixed-size blocks that "
-        "can live anywhere in one big pool, the way an operating system maps virtual pages to "
-        "physical frames. A block table maps each logical block of a sequence to a physical "
-        "block. Blocks are allocated on demand as tokens arrive, shared between sequences with "
-        "the same prefix, copied on write when a shared block is modified, and swapped to host "
-        "memory when the pool runs out. ")
-
-
-def make_prompts(tokenizer, count: int) -> list[list[int]]:
-    base = tokenizer.encode(TEXT * 40, add_special_tokens=False)
-    lengths = [round(16 + i * (256 - 16) / max(1, count - 1)) for i in range(count)]
-    return [base[7 * i: 7 * i + n] for i, n in enumerate(lengths)]  # distinct starts: no sharing
-
-
 @dataclass
 class Job:
     name: str
@@ -214,34 +203,33 @@ class Results:
 
 
 def run_rounds(jobs: list[Job], sides: list, rounds: int, say=print) -> Results:
+    """Each job on every side, interleaved round by round (bench/rounds.py)."""
     res = Results()
-    for r in range(rounds):
-        for job in jobs:
-            order = sides[r % len(sides):] + sides[:r % len(sides)]  # rotate: nobody always goes first
-            for side in order:
+    for job in jobs:
+        def timed(side):
+            def run() -> float:
                 seconds, tokens = side.run(job)
-                res.add(job, side.name, seconds, tokens)
-                say(f"  round {r + 1} {job.name:<11} {side.name:<13} {job.figure(seconds):9.1f} {job.unit}")
+                res.tokens[(job.name, side.name)] = tokens
+                say(f"  {job.name} | {side.name} | {job.figure(seconds):.1f} {job.unit}")
+                return seconds
+            return run
+        for name, seconds in interleave({side.name: timed(side) for side in sides}, rounds).items():
+            res.seconds[(job.name, name)] = seconds
     return res
 
 
 def report(jobs: list[Job], sides: list, res: Results, dtype_name: str) -> str:
+    """Medians (min..max) over rounds; `kvscope / X`: X's time over KVScope's, round by round
+    (> 1: KVScope is faster)."""
     names = [s.name for s in sides]
-    head = (f"| dtype | job | " + " | ".join(names) + " | "
-            + " | ".join(f"kvscope / {n}" for n in names[1:]) + " |")
-    lines = [head, "|" + "---|" * (2 + 2 * len(names) - 1)]
+    lines = ["| dtype | job | " + " | ".join(names) + " | " + " | ".join(f"kvscope / {n}" for n in names[1:]) + " |",
+             "|" + "---|" * (1 + 2 * len(names))]
     for job in jobs:
-        cells = []
-        for n in names:
-            figs = [job.figure(s) for s in res.seconds[(job.name, n)]]
-            cells.append(f"{statistics.median(figs):.1f} ({min(figs):.1f}-{max(figs):.1f})")
-        ratios = []
-        for n in names[1:]:
-            # the same round's times: > 1 means kvscope took less time
-            per_round = [theirs / ours for ours, theirs in zip(res.seconds[(job.name, names[0])],
-                                                              res.seconds[(job.name, n)])]
-            ratios.append(f"**{statistics.median(per_round):.2f}x** ({min(per_round):.2f}-{max(per_round):.2f})")
-        lines.append(f"| {dtype_name} | {job.name} ({job.unit}) | " + " | ".join(cells + ratios) + " |")
+        ours = res.seconds[(job.name, names[0])]
+        cells = [spread([job.figure(t) for t in res.seconds[(job.name, n)]]) for n in names]
+        cells += ["**" + spread(ratios(ours, res.seconds[(job.name, n)]), ".2f").replace(" (", "x** (", 1)
+                  for n in names[1:]]
+        lines.append(f"| {dtype_name} | {job.name} ({job.unit}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

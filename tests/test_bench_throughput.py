@@ -18,8 +18,8 @@ def test_rounds_interleave_and_the_report_reads_right(tiny):
     sides = [tp.KVScopeSide(tiny), tp.TransformersSide(tiny)]
     said = []
     res = tp.run_rounds(jobs, sides, rounds=2, say=said.append)
-    ran = [line.split()[4] for line in said]  # "round 1 batch 4 kvscope 123.4 tok/s"
-    assert ran == ["kvscope", "transformers"] * 2 + ["transformers", "kvscope"] * 2  # A B, then B A
+    ran = [line.split(" | ")[1] for line in said]  # "  batch 4 | kvscope | 123.4 tok/s"
+    assert ran == ["kvscope", "transformers", "transformers", "kvscope"] * 2  # A B, then B A, per job
     assert all(len(v) == 2 for v in res.seconds.values())
     text = tp.report(jobs, sides, res, "float32")
     assert text.count("\n") == 1 + len(jobs) and "kvscope / transformers" in text
@@ -38,6 +38,6 @@ def test_ratio_is_how_many_times_faster_kvscope_is():
             res.add(job, "kvscope", ours, [[0]])
             res.add(job, "other", theirs, [[0]])
     rows = tp.report(jobs, [Side("kvscope"), Side("other")], res, "bf16").splitlines()[2:]
-    assert "20.0 (10.0-20.0)" in rows[0]            # 20 tokens in 1, 2, 1 s: median 20 tok/s
-    assert "**2.50x** (2.00-3.00)" in rows[0]       # per-round time ratios 3, 2, 2.5
-    assert "1000.0 (1000.0-2000.0)" in rows[1] and "**2.50x**" in rows[1]  # TTFT in ms, same ratio
+    assert "20.0 (10.0..20.0)" in rows[0]           # 20 tokens in 1, 2, 1 s: median 20 tok/s
+    assert "**2.50x** (2.00..3.00)" in rows[0]      # per-round time ratios 3, 2, 2.5
+    assert "1000.0 (1000.0..2000.0)" in rows[1] and "**2.50x**" in rows[1]  # TTFT in ms, same ratio
