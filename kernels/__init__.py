@@ -1,21 +1,31 @@
-"""Paged KV-cache kernels: Triton on CUDA tensors, the torch implementation everywhere else.
+"""Paged KV-cache kernels and the decoder step's fused ops: Triton on CUDA tensors, C++ on CPU
+tensors once `cpu_build.load` succeeded, the torch implementation everywhere else.
 
 Each implementation is also importable directly (`*_triton`, `*_torch`) for tests and benchmarks.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from kernels import cpu_build
 from kernels.block_copy import (block_copy_triton, copy_blocks_torch, copy_blocks_triton,
                                 swap_blocks_torch, swap_blocks_triton)
 from kernels.metadata import AttentionMetadata, build_attention_metadata
-from kernels.attention import paged_attention_torch, paged_attention_triton
+from kernels.attention import paged_attention_cpu, paged_attention_torch, paged_attention_triton
+from kernels.pointwise import add_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
 from kernels.store import store_kv_torch, store_kv_triton
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "store_kv", "paged_attention", "copy_blocks",
-           "swap_blocks", "store_kv_torch", "store_kv_triton", "paged_attention_torch",
-           "paged_attention_triton", "copy_blocks_torch", "copy_blocks_triton", "swap_blocks_torch",
-           "swap_blocks_triton", "block_copy_triton"]
+           "swap_blocks", "rms_norm", "add_rms_norm", "rope_store", "silu_and_mul", "store_kv_torch",
+           "store_kv_triton", "paged_attention_torch", "paged_attention_triton", "paged_attention_cpu",
+           "copy_blocks_torch", "copy_blocks_triton", "swap_blocks_torch", "swap_blocks_triton",
+           "block_copy_triton", "rms_norm_torch", "add_rms_norm_torch", "rope_torch", "silu_and_mul_torch"]
+
+
+def _native(t: Tensor) -> bool:
+    """The C++ CPU kernels take this tensor."""
+    return not t.is_cuda and cpu_build.loaded()
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -23,9 +33,42 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 
 def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                    scale: float) -> Tensor:
-    impl = paged_attention_triton if query.is_cuda else paged_attention_torch
-    return impl(query, k_cache, v_cache, meta, scale)
+                    scale: float, key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
+    """key/value: this step's new K/V rows (optional): prefill chunks without a cached prefix read them
+    instead of gathering the same values back from the cache."""
+    impl = paged_attention_triton if query.is_cuda else paged_attention_cpu if _native(query) else paged_attention_torch
+    return impl(query, k_cache, v_cache, meta, scale, key, value)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if _native(x):
+        out = torch.empty_like(x)
+        torch.ops.kvscope.rms_norm(out, x, weight, eps)
+        return out
+    return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """residual += x, then x = norm(residual) * weight; both in place."""
+    (torch.ops.kvscope.add_rms_norm if _native(x) else add_rms_norm_torch)(x, residual, weight, eps)
+
+
+def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+               slot_mapping: Tensor) -> None:
+    """Rotary embedding of q [T, H, D] and k [T, KVH, D] in place (cos/sin [T, D]), then k and v
+    into the cache slots."""
+    if _native(q):
+        return torch.ops.kvscope.rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    rope_torch(q, k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    if _native(gate_up):
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        torch.ops.kvscope.silu_and_mul(out, gate_up)
+        return out
+    return silu_and_mul_torch(gate_up)
 
 
 def copy_blocks(kv_cache: Tensor, pairs: list[tuple[int, int]]) -> None:

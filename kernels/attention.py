@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels import cpu_build
 from kernels.metadata import AttentionMetadata, DecodeBatch
 
 
@@ -50,24 +51,57 @@ def _decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, d: DecodeBatch, met
                                           attn_mask=meta.cast(d.mask, q.dtype), scale=scale)
 
 
-def paged_attention_torch(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                          scale: float) -> Tensor:
+def _prefills(out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+              scale: float, key: Tensor | None, value: Tensor | None, native: bool = False) -> None:
+    """Prefill chunks one SDPA call each. A chunk with no cached prefix attends only to its own
+    new K/V: given `key`/`value` (the step's fresh rows, already stored), read them in place,
+    all such chunks in one call of the C++ kernel when `native`."""
     T, H, D = query.shape
     kvh = k_cache.shape[2]
     g = H // kvh
+    chunks = meta.prefills
+    if native and key is not None:
+        fresh = [p for p in chunks if p.end - p.start == p.seq_len]
+        if fresh:
+            spans = torch.tensor([(p.start, p.end) for p in fresh], dtype=torch.int64)
+            torch.ops.kvscope.prefill_attention(out, query, key, value, spans, scale)
+            chunks = [p for p in chunks if p.end - p.start != p.seq_len]
+    for p in chunks:
+        # q [kvh, g, q_len, d] is a view; K/V [kvh, 1 -> g, L, d] broadcast with stride 0 (no copy)
+        ql, L = p.end - p.start, p.seq_len
+        q = query[p.start:p.end].view(ql, kvh, g, D).permute(1, 2, 0, 3)
+        if key is not None and ql == L:
+            kv = key[p.start:p.end], value[p.start:p.end]
+        else:
+            kv = (x[0] for x in _gather(k_cache, v_cache, p.blocks, 1, L))
+        k, v = (x.permute(1, 0, 2)[:, None].expand(kvh, g, L, D) for x in kv)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.cast(p.mask, q.dtype),
+                                           is_causal=p.mask is None, scale=scale)
+        out[p.start:p.end].view(ql, kvh, g, D).copy_(o.permute(2, 0, 1, 3))
+
+
+def paged_attention_torch(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                          scale: float, key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
+    T, H, D = query.shape
     if len(meta.decodes) == 1 and not meta.prefills and isinstance(meta.decodes[0].rows, slice):
         return _decode(query, k_cache, v_cache, meta.decodes[0], meta, scale).view(T, H, D)  # no copy
     out = query.new_empty(T, H, D)
     for d in meta.decodes:
         out[d.rows] = _decode(query, k_cache, v_cache, d, meta, scale).view(-1, H, D)
-    for p in meta.prefills:
-        # q [kvh, g, q_len, d] is a view; K/V [kvh, 1 -> g, L, d] broadcast with stride 0 (no copy)
-        ql, L = p.end - p.start, p.seq_len
-        q = query[p.start:p.end].view(ql, kvh, g, D).permute(1, 2, 0, 3)
-        k, v = (x[0].permute(1, 0, 2)[:, None].expand(kvh, g, L, D) for x in _gather(k_cache, v_cache, p.blocks, 1, L))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.cast(p.mask, q.dtype),
-                                           is_causal=p.mask is None, scale=scale)
-        out[p.start:p.end].view(ql, kvh, g, D).copy_(o.permute(2, 0, 1, 3))
+    _prefills(out, query, k_cache, v_cache, meta, scale, key, value)
+    return out
+
+
+def paged_attention_cpu(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                        scale: float, key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
+    """Decode rows through the C++ kernel (K/V read in place through the block tables), prefill
+    chunks without a cached prefix through the C++ prefill kernel (on AVX-512), the rest as in
+    the torch path. Needs kernels.cpu_build loaded."""
+    out = query.new_empty(query.shape)
+    if (d := meta.decode_rows) is not None:
+        torch.ops.kvscope.decode_attention(out, query, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, scale)
+    _prefills(out, query, k_cache, v_cache, meta, scale, key, value,
+              native=cpu_build.has_avx512() and query.shape[-1] in (64, 128))
     return out
 
 
@@ -119,7 +153,8 @@ def _paged_attention_kernel(
 
 
 def paged_attention_triton(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                           scale: float, block_m: int | None = None, block_n: int = 32) -> Tensor:
+                           scale: float, key: Tensor | None = None, value: Tensor | None = None,
+                           block_m: int | None = None, block_n: int = 32) -> Tensor:
     T, H, D = query.shape
     kvh = k_cache.shape[2]
     assert query.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1

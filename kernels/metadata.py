@@ -39,6 +39,14 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeRows:
+    """The decode rows as the C++ kernel reads them (no sorting, no padding, no gather)."""
+    rows: Tensor               # [n] int64 query rows
+    block_tables: Tensor       # [n, max_blocks] int32
+    seq_lens: Tensor           # [n] int32
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: Tensor       # [T] int64, slot of each new token; -1 = do not store
     query_start_loc: Tensor    # [B+1] int32
@@ -49,6 +57,19 @@ class AttentionMetadata:
     block_size: int
     host: tuple = field(repr=False)  # (query_lens, seq_lens, query starts, CPU block table): the plan's input
     _cast: dict = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def decode_rows(self) -> DecodeRows | None:
+        """Rows with one query token; an all-decode batch reuses the step's tensors as they are."""
+        query_lens, _, starts, _ = self.host
+        idx = [i for i, q in enumerate(query_lens) if q == 1]
+        if not idx:
+            return None
+        rows = torch.tensor([starts[i] for i in idx], dtype=torch.int64, device=self.slot_mapping.device)
+        if len(idx) == len(query_lens):
+            return DecodeRows(rows, self.block_tables, self.seq_lens)
+        sel = torch.tensor(idx, device=self.slot_mapping.device)
+        return DecodeRows(rows, self.block_tables[sel], self.seq_lens[sel])
 
     @cached_property
     def decodes(self) -> list[DecodeBatch]:

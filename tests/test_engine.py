@@ -1,6 +1,7 @@
 """The paged engine against transformers, and its events against the reducer."""
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import replace
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+import kernels
+from engine import model_runner
 from engine.contract import protocol as p
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -27,7 +30,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny")
+    return load_model("tiny", dtype="float32")  # the exact reference: tokens equal transformers'
 
 
 def make(loaded, **pool) -> LLMEngine:
@@ -80,6 +83,18 @@ def test_greedy_matches_transformers_generate(tiny):
     for prompt, (out,) in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(tiny, out.prompt_token_ids, GREEDY.max_tokens), prompt
         assert out.finish_reason == "length"
+
+
+def test_every_cpu_path_gives_the_same_tokens(tiny, monkeypatch):
+    """The C++ kernels (when built), the torch path, and F.linear instead of packed oneDNN
+    GEMMs: the same greedy tokens, so each equals transformers' as the test above shows."""
+    first, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    monkeypatch.setattr(kernels.cpu_build, "_state", {"loaded": False, "why": "this test"})
+    torch_path, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    monkeypatch.setattr(model_runner, "_PREPARED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(model_runner, "choose_backend", lambda layers: "torch")
+    plain_gemms, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    assert token_ids(first) == token_ids(torch_path) == token_ids(plain_gemms)
 
 
 def test_prefix_caching_on_and_off_give_identical_outputs(tiny):
@@ -225,7 +240,7 @@ def test_reset_keeps_the_model_and_rebuilds_the_pools(tiny):
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_generate():
-    loaded = load_model("smollm2")
+    loaded = load_model("smollm2", dtype="float32")
     engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), loaded)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs, _ = run_with_events(engine, PROMPTS[:5], params)
@@ -235,3 +250,21 @@ def test_smollm2_greedy_matches_transformers_generate():
     engine.add_request(messages=[{"role": "user", "content": "Say hello."}], params=SamplingParams(max_tokens=64))
     (out,) = run_to_end(engine)  # the real model ends its answer with its EOS token
     assert out.finish_reason == "stop" and out.token_ids[-1] in loaded.eos_token_ids and len(out.token_ids) < 64
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_engine_stays_close_to_fp32_transformers():
+    """bf16 (the default on CPUs with AVX512-BF16 or AMX) against the fp32 reference: the same
+    next token after each prompt, and logits within bf16's precision."""
+    bf16, ref = load_model("smollm2", dtype="bfloat16"), load_model("smollm2", dtype="float32")
+    engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), bf16)
+    for prompt in PROMPTS[:5]:
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        batch = engine.scheduler.schedule()
+        logits = engine.runner.execute(batch)[0]
+        engine.abort(batch.rows[0].seq.request_id)
+        with torch.inference_mode():
+            expected = ref.model(torch.tensor([ids])).logits[0, -1].float()
+        assert logits.argmax() == expected.argmax(), prompt
+        assert torch.nn.functional.cosine_similarity(logits, expected, dim=0) > 0.995, prompt

@@ -12,6 +12,7 @@ from engine import model_loader as ml
 from engine.model_loader import ModelLoadError, apply_chat_template, default_cache_dir, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CPU_DTYPE = torch.bfloat16 if ml.cpu_has_bf16() else torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,8 @@ def test_tiny_dims(tiny: ml.LoadedModel) -> None:
     assert c.vocab_size == len(lm.tokenizer) == 49152
     assert lm.model.get_input_embeddings().weight[lm.eos_token_ids].abs().sum(-1).min() > 0  # no zeroed pad row
     assert c._attn_implementation == "sdpa"
-    assert (lm.name, lm.device, lm.dtype) == ("tiny-llama", torch.device("cpu"), torch.float32)
-    assert next(lm.model.parameters()).dtype == torch.float32
+    assert (lm.name, lm.device, lm.dtype) == ("tiny-llama", torch.device("cpu"), DEFAULT_CPU_DTYPE)
+    assert next(lm.model.parameters()).dtype == DEFAULT_CPU_DTYPE
 
 
 def test_tiny_deterministic_and_leaves_global_rng_alone(tiny: ml.LoadedModel) -> None:
@@ -81,6 +82,16 @@ def test_chat_without_template_falls_back_to_plain_text() -> None:
     tok = load_model("tiny", device="cpu").tokenizer
     tok.chat_template = None
     assert apply_chat_template(tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == tok.encode("a\nb")
+
+
+def test_default_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 where the CPU has AVX512-BF16 or AMX, fp32 elsewhere; a flag keeps fp32 anywhere."""
+    for has, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert ml._resolve_dtype(None, torch.device("cpu")) == expected
+        assert ml._resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert ml._resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
 
 
 def test_dtype_and_progress() -> None:
@@ -154,7 +165,7 @@ def test_smollm2(monkeypatch: pytest.MonkeyPatch) -> None:
     lm = load_model("smollm2", device="cpu")  # converts into the user's cache on the first run
     c = lm.model.config
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
-    assert (lm.name, lm.dtype, lm.eos_token_ids) == ("SmolLM2-135M-Instruct", torch.float32, [2, 0])
+    assert (lm.name, lm.dtype, lm.eos_token_ids) == ("SmolLM2-135M-Instruct", DEFAULT_CPU_DTYPE, [2, 0])
     assert getattr(lm.model, "hf_quantizer", None) is None and c._attn_implementation == "sdpa"
     tok = lm.tokenizer
     ids = tok("The capital of France is", return_tensors="pt")

@@ -1,0 +1,613 @@
+// CPU kernels of the engine's decoder step, registered as torch.ops.kvscope.*.
+//
+// Built once per machine by kernels/cpu_build.py (g++ -O3 -march=native). Each op does in one
+// pass what the torch path does in several, with the same arithmetic: every intermediate that
+// the Hugging Face model rounds to the model's dtype is rounded here too (rnd<T>), so fp32
+// runs stay token-identical to transformers and bf16 runs stay as close as torch's own ops.
+//
+//   decode_attention  one query token per sequence, K/V read straight from the blocks through
+//                     the block table: no gather copy, no padding (replaces gather + SDPA)
+//   rope_store        rotary embedding of q and k in place, then k and v into their cache slots
+//   rms_norm          out = w * norm(x)
+//   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place)
+//   silu_and_mul      out = silu(gate) * up, gate and up the two halves of one [T, 2I] tensor
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Below this many elements of work an op runs on one thread: a parallel region costs a few
+// microseconds on an idle machine and far more when other processes hold the cores.
+constexpr int64_t kParallelWork = 32768;
+// torch's thread count (torch.set_num_threads), also on threads OpenMP did not start, such as
+// the engine server's
+inline int threads() { return at::get_num_threads(); }
+
+// T -> float; float -> T (round to nearest even, as torch); float rounded to T and back.
+// bf16 by bit operations, NaN as c10 makes it: c10's own conversion has a branch that keeps
+// loops from vectorizing.
+template <typename T> inline float f32(T x) { return static_cast<float>(x); }
+template <typename T> inline T to(float x) { return static_cast<T>(x); }
+template <> inline c10::BFloat16 to<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint16_t bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(rounded);
+  return c10::BFloat16(bits, c10::BFloat16::from_bits());
+}
+template <typename T> inline float rnd(float x) { return f32(to<T>(x)); }
+
+// exp(x) as Cephes' expf (within 2 ulp on [-87, 88]; the result is 2^n * exp(x - n ln 2)) in
+// plain arithmetic, so that loops calling it vectorize; std::exp would stay scalar
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_cpu(const char* what, std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    TORCH_CHECK(t->device().is_cpu(), "kvscope: ", what, " must be CPU tensors");
+    TORCH_CHECK(t->stride(-1) == 1, "kvscope: ", what, " must be contiguous in their last dimension");
+  }
+}
+
+// f(T{}) for the tensor's dtype; the kernels are templates on T
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "kvscope: ", op, " takes float32, bfloat16 or float16, not ", dtype);
+  }
+}
+
+// ---------------------------------------------------------------------------- decode attention
+// query/out [T, H, D] (rows strided), caches [num_blocks, block_size, KVH, D] contiguous,
+// block_tables [B, W] int32, seq_lens [B] int32, rows [B] int64: query row of sequence b.
+// One task per (sequence, KV head): its G = H / KVH query heads share every K and V row read.
+// Scores, then softmax, then the weighted sum of V, all in float32, walking the block table.
+
+// the scores of G query heads against one K row of D elements, times sc; qf: G x D float32
+template <typename T>
+inline void dot_rows(const float* qf, float sc, const T* k, int64_t G, int64_t D, float* s, int64_t s_stride) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(k[d]);
+    s[g * s_stride] = dot * sc;
+  }
+}
+
+// acc (D floats) += p * v (one V row)
+template <typename T>
+inline void axpy_row(float* acc, float p, const T* v, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * f32(v[d]);
+}
+
+#if defined(__AVX512F__)
+// 16 elements of T as 16 floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 vectors -> one vector of their 16 horizontal sums: a transpose-and-add tree (45 operations,
+// where 16 separate horizontal sums take about 130, most of them in long dependency chains)
+inline __m512 sum16(const __m512* a) {
+  __m512 s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of each of 4 inputs
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // add the 128-bit lanes pairwise, then again
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores of G heads against n <= 16 K rows (D = 16 * DC): s[g * s_stride + i] = sc * q_g . k_i
+template <typename T, int DC>
+inline void scores16(const float* qf, float sc, const T* rows, int64_t c_tok, int n, int64_t G, float* s,
+                     int64_t s_stride) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+  __m512 acc[16];
+  alignas(64) float buf[16 * 16 * DC];  // rows in float32, converted once for all G heads
+  const float* k = buf;
+  int64_t stride = 16 * DC;
+  if constexpr (std::is_same_v<T, float>) {
+    k = rows;
+    stride = c_tok;
+  } else {
+    for (int i = 0; i < n; ++i)
+      for (int c = 0; c < DC; ++c) _mm512_store_ps(buf + i * 16 * DC + 16 * c, load16(rows + i * c_tok + 16 * c));
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[DC];
+    for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qf + g * 16 * DC + 16 * c);
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        acc[i] = _mm512_setzero_ps();
+        continue;
+      }
+      acc[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(k + i * stride));
+      for (int c = 1; c < DC; ++c) acc[i] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + i * stride + 16 * c), acc[i]);
+    }
+    _mm512_mask_storeu_ps(s + g * s_stride, mask, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+  }
+}
+#endif
+
+// the blocks of a table are scattered over the pool, so the hardware cannot guess the next one:
+// ask for the next block's rows of this head while the current block is computed
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows + i * c_tok) + b);
+}
+
+template <typename T, int DC>
+void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
+                 int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc) {
+  // scores s[g * L + t], block by block (no division per token)
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const T* kb = kc + int64_t(table[t0 / bs]) * c_blk;
+    const int64_t n = std::min(bs, L - t0);
+    if (t0 + bs < L) prefetch_rows(kc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+#if defined(__AVX512F__)
+    if constexpr (DC > 0) {
+      for (int64_t i = 0; i < n; i += 16)
+        scores16<T, DC>(qf, sc, kb + i * c_tok, c_tok, int(std::min<int64_t>(16, n - i)), G, s + t0 + i, L);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, sc, kb + i * c_tok, G, D, s + t0 + i, L);
+  }
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators; the sum divides at the end
+    float* sg = s + g * L;
+    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
+    inv[g] = 1.f / sum;
+  }
+#if defined(__AVX512F__)
+  constexpr int GM = DC > 0 ? 16 / DC : 0;  // heads whose output rows fit in 16 registers at once
+  if constexpr (DC > 0) {
+    if (G <= GM) {  // each V row is loaded once for all G heads; their outputs stay in registers
+      __m512 av[GM > 0 ? GM : 1][DC > 0 ? DC : 1];
+      for (int g = 0; g < GM; ++g)
+        for (int c = 0; c < DC; ++c) av[g][c] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
+        const int64_t n = std::min(bs, L - t0);
+        if (t0 + bs < L) prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+        for (int64_t i = 0; i < n; ++i) {
+          __m512 v[DC];
+          for (int c = 0; c < DC; ++c) v[c] = load16(vb + i * c_tok + 16 * c);
+          for (int g = 0; g < GM; ++g) {
+            if (g >= G) break;
+            const __m512 p = _mm512_set1_ps(s[g * L + t0 + i]);
+            for (int c = 0; c < DC; ++c) av[g][c] = _mm512_fmadd_ps(p, v[c], av[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < GM && g < G; ++g)
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(av[g][c], _mm512_set1_ps(inv[g])));
+      return;
+    }
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {  // any number of heads: one head at a time
+    float* a = acc + g * D;
+    std::fill(a, a + D, 0.f);
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
+      const int64_t n = std::min(bs, L - t0);
+      for (int64_t i = 0; i < n; ++i) axpy_row<T>(a, s[g * L + t0 + i], vb + i * c_tok, D);
+    }
+    for (int64_t d = 0; d < D; ++d) a[d] *= inv[g];
+  }
+}
+
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& rows, double scale) {
+  const int64_t B = seq_lens.size(0), H = query.size(1), D = query.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t c_blk = k_cache.stride(0), c_tok = k_cache.stride(1), c_head = k_cache.stride(2);
+  const int64_t bt_row = block_tables.stride(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const T* q = query.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  const int64_t tasks = B * KVH;
+  int64_t work = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    work += int64_t(lens[b]) * H * D;
+    longest = std::max<int64_t>(longest, lens[b]);
+  }
+  auto task_fn = D == 64 ? decode_task<T, 4> : D == 128 ? decode_task<T, 8> : decode_task<T, 0>;
+  // dynamic: sequences differ in length, so equal halves of the task list are not equal work
+#pragma omp parallel num_threads(threads()) if (tasks > 1 && work > kParallelWork)
+  {
+    std::vector<float> qf(G * D), acc(G * D), s(G * longest);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);  // scaled after the dot, as SDPA does
+      }
+      task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, lens[b], bs, c_blk, c_tok, G, D,
+              s.data(), acc.data());
+      for (int64_t g = 0; g < G; ++g) {
+        T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
+        for (int64_t d = 0; d < D; ++d) og[d] = to<T>(acc[g * D + d]);
+      }
+    }
+  }
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      const at::Tensor& rows, double scale) {
+  check_cpu("query, out and the caches", {&out, &query, &k_cache, &v_cache});
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.strides() == v_cache.strides(),
+              "kvscope: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  rows.scalar_type() == at::kLong && block_tables.stride(1) == 1,
+              "kvscope: block_tables and seq_lens must be int32, rows int64");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "kvscope: query, out and the caches must share a dtype");
+  dispatch(query.scalar_type(), "decode_attention", [&](auto tag) {
+    decode_attention_impl<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+  });
+}
+
+// ---------------------------------------------------------------------------- prefill attention
+// Causal attention of prompt chunks that have no cached prefix, straight from the step's new
+// q/k/v rows ([T, H, D] and [T, KVH, D], rows strided): chunk c is rows spans[c][0]..spans[c][1].
+// Flash-attention style, in float32: one task per (chunk, KV head, tile of 16 positions); keys
+// come 16 at a time, transposed once per tile and used by the G query heads of the KV head, so
+// both products are register-blocked FMAs with no horizontal sums; softmax runs online.
+#if defined(__AVX512F__)
+// fast_exp on 16 lanes (the same polynomial as above)
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+template <typename T, int DC>
+void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t k_row, const T* v, int64_t v_row,
+                  int64_t kv_head, T* o, int64_t o_row, int64_t o_head, int64_t start, int64_t len, int64_t i0,
+                  int64_t h, int64_t G, float sc) {
+  constexpr int D = 16 * DC, R = 8;  // R query rows at a time: R independent FMA chains
+  const int64_t n = std::min<int64_t>(16, len - i0);  // query positions i0..i0+n-1 of the chunk
+  alignas(64) float kt[D * 16], vf[16 * D], p[16 * 16];
+  std::vector<float> qf(G * 16 * D), acc(G * 16 * D, 0.f), m(G * 16, -std::numeric_limits<float>::infinity()),
+      l(G * 16, 0.f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < 16; ++i)
+      for (int c = 0; c < DC; ++c)
+        _mm512_storeu_ps(qf.data() + (g * 16 + i) * D + 16 * c,
+                         i < n ? _mm512_mul_ps(load16(q + (start + i0 + i) * q_row + (h * G + g) * q_head + 16 * c),
+                                               _mm512_set1_ps(sc))
+                               : _mm512_setzero_ps());
+  for (int64_t j0 = 0; j0 < i0 + n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, len - j0);
+    // this tile's keys transposed [D][16] and values [16][D], float32, zeros past the chunk
+    for (int64_t j = 0; j < 16; ++j) {
+      const T* kr = k + (start + j0 + j) * k_row + h * kv_head;
+      const T* vr = v + (start + j0 + j) * v_row + h * kv_head;
+      for (int d = 0; d < D; ++d) kt[d * 16 + j] = j < nk ? f32(kr[d]) : 0.f;
+      for (int c = 0; c < DC; ++c)
+        _mm512_store_ps(vf + j * D + 16 * c, j < nk ? load16(vr + 16 * c) : _mm512_setzero_ps());
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * 16 * D;
+      float* ag = acc.data() + g * 16 * D;
+      for (int64_t r0 = 0; r0 < n; r0 += R) {
+        __m512 srow[R];
+        for (int r = 0; r < R; ++r) srow[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const __m512 kd = _mm512_load_ps(kt + d * 16);
+          for (int r = 0; r < R; ++r) srow[r] = _mm512_fmadd_ps(_mm512_set1_ps(qg[(r0 + r) * D + d]), kd, srow[r]);
+        }
+        for (int r = 0; r < R && r0 + r < n; ++r) {
+          const int64_t i = r0 + r;
+          const int64_t visible = std::min<int64_t>(nk, i0 + i - j0 + 1);  // causal: keys up to position i0 + i
+          const __mmask16 keep = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(visible, 0)) - 1u);
+          const __m512 s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), srow[r]);
+          float& mi = m[g * 16 + i];
+          const float m_new = std::max(mi, _mm512_reduce_max_ps(s));
+          const __m512 e = _mm512_maskz_mov_ps(keep, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          const float alpha = std::isinf(mi) ? 0.f : fast_exp(mi - m_new);
+          l[g * 16 + i] = l[g * 16 + i] * alpha + _mm512_reduce_add_ps(e);
+          mi = m_new;
+          _mm512_store_ps(p + i * 16, e);
+          float* arow = ag + i * D;
+          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(arow + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * c), _mm512_set1_ps(alpha)));
+        }
+      }
+      for (int64_t i = 0; i < n; i += 2) {  // P V, two rows at a time: 2 * DC chains
+        const bool two = i + 1 < n;
+        __m512 a0[DC], a1[DC];
+        for (int c = 0; c < DC; ++c) {
+          a0[c] = _mm512_loadu_ps(ag + i * D + 16 * c);
+          a1[c] = two ? _mm512_loadu_ps(ag + (i + 1) * D + 16 * c) : _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          const __m512 p0 = _mm512_set1_ps(p[i * 16 + j]), p1 = _mm512_set1_ps(two ? p[(i + 1) * 16 + j] : 0.f);
+          for (int c = 0; c < DC; ++c) {
+            const __m512 vj = _mm512_load_ps(vf + j * D + 16 * c);
+            a0[c] = _mm512_fmadd_ps(p0, vj, a0[c]);
+            a1[c] = _mm512_fmadd_ps(p1, vj, a1[c]);
+          }
+        }
+        for (int c = 0; c < DC; ++c) {
+          _mm512_storeu_ps(ag + i * D + 16 * c, a0[c]);
+          if (two) _mm512_storeu_ps(ag + (i + 1) * D + 16 * c, a1[c]);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i) {
+      T* orow = o + (start + i0 + i) * o_row + (h * G + g) * o_head;
+      const float inv = 1.f / l[g * 16 + i];
+      for (int d = 0; d < D; ++d) orow[d] = to<T>(acc[(g * 16 + i) * D + d] * inv);
+    }
+}
+#endif
+
+void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& spans, double scale) {
+  check_cpu("out, query, key and value", {&out, &query, &key, &value});
+  const int64_t H = query.size(1), D = query.size(2), KVH = key.size(1);
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
+              "kvscope: spans must be int64 [chunks, 2] (first row, end row)");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && value.scalar_type() == key.scalar_type() &&
+                  out.scalar_type() == query.scalar_type() && H % KVH == 0,
+              "kvscope: query, key, value and out must share a dtype; heads a multiple of KV heads");
+#if defined(__AVX512F__)
+  TORCH_CHECK(D == 64 || D == 128, "kvscope: prefill_attention takes head_dim 64 or 128");
+  TORCH_CHECK(key.stride(1) == value.stride(1), "kvscope: key and value must share their head stride");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t chunks = spans.size(0), G = H / KVH;
+  std::vector<std::array<int64_t, 3>> tasks;  // (chunk, kv head, first position of the tile)
+  int64_t work = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t len = sp[2 * c + 1] - sp[2 * c];
+    work += len * len * H * D / 2;
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < len; i0 += 16) tasks.push_back({c, h, i0});
+  }
+  const int64_t ntasks = int64_t(tasks.size());
+  const float sc = float(scale);
+  dispatch(query.scalar_type(), "prefill_attention", [&](auto tag) {
+    using T = decltype(tag);
+    auto fn = D == 64 ? prefill_task<T, 4> : prefill_task<T, 8>;
+    const T* q = query.data_ptr<T>();
+    const T* k = key.data_ptr<T>();
+    const T* v = value.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+#pragma omp parallel for num_threads(threads()) schedule(dynamic, 1) if (ntasks > 1 && work > kParallelWork)
+    for (int64_t t = 0; t < ntasks; ++t) {
+      const auto [c, h, i0] = tasks[t];
+      fn(q, query.stride(0), query.stride(1), k, key.stride(0), v, value.stride(0), key.stride(1), o, out.stride(0),
+         out.stride(1), sp[2 * c], sp[2 * c + 1] - sp[2 * c], i0, h, G, sc);
+    }
+  });
+#else
+  TORCH_CHECK(false, "kvscope: prefill_attention needs AVX-512; the torch path handles this machine");
+#endif
+}
+
+// ---------------------------------------------------------------------------- rotary + store
+// q [T, H, D], k/v [T, KVH, D] (rows may be strided: views of one fused qkv output);
+// cos/sin [T, D] in the model dtype (the HF rotary module's output); slots [T] int64, -1 = skip.
+// As HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
+template <typename T>
+void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t T_ = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), half = D / 2;
+  const int64_t c_slot = k_cache.stride(1), c_head = k_cache.stride(2), bs = k_cache.size(1),
+                c_blk = k_cache.stride(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * (H + KVH) * D > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* c = cos.data_ptr<T>() + t * cos.stride(0);
+    const T* s = sin.data_ptr<T>() + t * sin.stride(0);
+    float x[512];
+    auto rotate = [&](T* row) {
+      for (int64_t d = 0; d < D; ++d) x[d] = f32(row[d]);
+      for (int64_t d = 0; d < D; ++d) {
+        const float r = d < half ? -x[d + half] : x[d - half];
+        row[d] = to<T>(rnd<T>(x[d] * f32(c[d])) + rnd<T>(r * f32(s[d])));
+      }
+    };
+    for (int64_t h = 0; h < H; ++h) rotate(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1));
+    const int64_t dst = slot[t] < 0 ? -1 : (slot[t] / bs) * c_blk + (slot[t] % bs) * c_slot;
+    for (int64_t h = 0; h < KVH; ++h) {
+      T* kr = k.data_ptr<T>() + t * k.stride(0) + h * k.stride(1);
+      rotate(kr);
+      if (dst < 0) continue;
+      const T* vr = v.data_ptr<T>() + t * v.stride(0) + h * v.stride(1);
+      for (int64_t d = 0; d < D; ++d) {
+        kc[dst + h * c_head + d] = kr[d];
+        vc[dst + h * c_head + d] = vr[d];
+      }
+    }
+  }
+}
+
+void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  check_cpu("q, k, v, cos, sin and the caches", {&q, &k, &v, &cos, &sin, &k_cache, &v_cache});
+  TORCH_CHECK(q.size(2) <= 512 && q.size(2) % 2 == 0, "kvscope: head_dim must be even and at most 512");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong,
+              "kvscope: contiguous caches and int64 slots expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == q.scalar_type(),
+              "kvscope: q, k, v, cos, sin and the caches must share a dtype");
+  dispatch(q.scalar_type(), "rope_store", [&](auto tag) {
+    rope_store_impl<decltype(tag)>(q, k, v, cos, sin, k_cache, v_cache, slots);
+  });
+}
+
+// ---------------------------------------------------------------------------- RMSNorm
+// As HF's LlamaRMSNorm: in float32, x * rsqrt(mean(x^2) + eps), rounded to the dtype, times w.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = to<T>(f32(w[i]) * rnd<T>(f32(x[i]) * r));
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
+  const int64_t T_ = x.size(0), n = x.size(1);
+  const T* w = weight.data_ptr<T>();
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t)
+    norm_row<T>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, eps);
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu("out and x", {&out, &x});
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
+                  out.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "kvscope: rms_norm wants out and x [T, hidden] and a weight of their dtype");
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) { rms_norm_impl<decltype(tag)>(out, x, weight, eps); });
+}
+
+// residual = residual + x (rounded to the dtype, as HF's `h = h + out`); x = w * norm(residual)
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t T_ = x.size(0), n = x.size(1);
+  const T* w = weight.data_ptr<T>();
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t) {
+    T* xr = x.data_ptr<T>() + t * x.stride(0);
+    T* rr = residual.data_ptr<T>() + t * residual.stride(0);
+    for (int64_t i = 0; i < n; ++i) rr[i] = to<T>(f32(rr[i]) + f32(xr[i]));
+    norm_row<T>(rr, w, xr, n, eps);
+  }
+}
+
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_cpu("x and residual", {&x, &residual});
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
+                  residual.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "kvscope: add_rms_norm wants x and residual [T, hidden] and a weight of their dtype");
+  dispatch(x.scalar_type(), "add_rms_norm",
+           [&](auto tag) { add_rms_norm_impl<decltype(tag)>(x, residual, weight, eps); });
+}
+
+// ---------------------------------------------------------------------------- SiLU and multiply
+// out [T, I] = silu(gu[:, :I]) * gu[:, I:], silu rounded to the dtype first (HF: act(gate) * up)
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+  const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * I > kParallelWork)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* g = gate_up.data_ptr<T>() + t * gate_up.stride(0);
+    T* o = out.data_ptr<T>() + t * out.stride(0);
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float x = f32(g[i]);
+      o[i] = to<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + i]));
+    }
+  }
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  check_cpu("out and gate_up", {&out, &gate_up});
+  TORCH_CHECK(out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1) &&
+                  out.scalar_type() == gate_up.scalar_type(),
+              "kvscope: silu_and_mul wants out [T, I] for gate_up [T, 2I], one dtype");
+  dispatch(out.scalar_type(), "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(out, gate_up); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvscope, m) {
+  m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor rows, float scale) -> ()");
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor spans, float scale) -> ()");
+  m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slots) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("rope_store", &rope_store);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
