@@ -54,9 +54,16 @@ class Client:
                 return msg
 
     def until(self, cond, timeout: float = 60) -> None:
-        """Read and apply messages until `cond()` holds (it may hold already)."""
-        if not cond():
-            self.sync(lambda m: cond(), timeout)
+        """Read and apply messages until `cond()` holds (it may hold already, or turn true on the
+        server's side after its last message: so it is checked again while none arrives)."""
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not true after {timeout:.0f} s")
+            try:
+                self.take(self.recv(timeout=0.2))
+            except TimeoutError:
+                pass
 
     def request(self, **cmd) -> dict:
         """Send a command and wait for its ack or error (applying events meanwhile)."""
