@@ -5,7 +5,10 @@ million-block snapshot is encoded beside the engine and the other clients, never
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from websockets.sync.client import connect
@@ -15,6 +18,8 @@ from engine.contract import protocol as p
 from engine.contract.state import PoolState, check_invariants
 from engine.server import start_in_thread
 from bench.synthetic import SyntheticEngine
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def synthetic(blocks: int, live: int, fill: float = 0.0, **pool) -> SyntheticEngine:
@@ -141,3 +146,31 @@ def test_hashes_in_any_form_round_trip_through_the_reducer_and_both_snapshots():
         ev.seq = i
         st.apply(ev)
     assert st.hash_of(1) is None and not st.odd_hashes
+
+
+def test_the_synthetic_load_drives_the_real_allocator_without_torch():
+    """bench/synthetic.py is the engine core (scheduler, block manager, prefix cache, forks) with
+    random tokens: no torch imported, and its events replayed by the reducer give its snapshot."""
+    script = """
+import sys
+from collections import Counter
+from engine.contract import protocol as p
+from engine.contract.state import PoolState, check_invariants
+from tests.test_scale import synthetic
+engine = synthetic(2048, live=24, seqs=16, host=256, block_size=16)
+start = PoolState.from_snapshot(engine.snapshot())
+kinds = Counter()
+for _ in range(300):
+    engine.step()
+    for ev in engine.drain_events():
+        start.apply(ev)
+        kinds[type(ev).__name__] += 1
+check_invariants(start)
+assert start.snapshot() == engine.snapshot(), "replaying the events does not give the snapshot"
+assert type(engine.block_manager).__module__ == "engine.block_manager"
+assert all(kinds[k] for k in ("Alloc", "Cached", "PrefixHit", "Fork", "Free", "Finish")), kinds
+assert "torch" not in sys.modules, "the synthetic load imported torch"
+print("ok", dict(kinds))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
