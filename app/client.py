@@ -24,7 +24,7 @@ from app.mirror import Mirror
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
 MAX_BACKOFF_S = 5.0
-FEATURES = ("loop",)  # optional protocol features this client asks for
+FEATURES = ("loop", "columnar")  # optional protocol features this client asks for
 MAX_REPLIES_KEPT = 500  # answers to commands, by id, until the session that sent them reads them
 MAX_VIEWS_CACHED = 8    # views (states at an event) shared by every session: live plus a few travelled to
 MAX_NOTICES = 50
@@ -66,7 +66,7 @@ class View:
 
 
 class EngineClient:
-    def __init__(self, url: str, token: str | None = None, *, max_events: int = 100_000):
+    def __init__(self, url: str, token: str | None = None, *, max_events: int = 1_000_000):
         self.url, self.token, self.max_events = url, token or None, max_events
         self.lock = threading.RLock()
         self.status = Status(url=url)

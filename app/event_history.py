@@ -7,6 +7,12 @@ the stream (a resync after a gap) becomes a checkpoint too, so travel never cros
 The history is cut into segments, each starting at a `reset` or at a clean slate (a mark of
 this client's: the counters start again there, the pool is untouched); the timeline draws
 the segment of the viewed event.
+
+Memory is bounded: at most `max_events` events (a million), packed (app/event_store.py:
+about 100 bytes each, plus 16 chunks of 4,096 kept as objects), checkpoints worth at most
+`checkpoint_bytes` (384 MiB: when they would take more, every other one goes and the spacing
+doubles, so a big pool gets fewer, farther checkpoints), 20,000 timeline points and 5,000
+markers. docs/benchmarks.md measures it with a million events at 131,072 blocks.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 
 from engine.contract import protocol as p
 from engine.contract.kinds import MARKER_KINDS, kind_of
+from app.event_store import EventStore
 from app.mirror import Mirror
 
 MAX_STEP_POINTS = 20_000  # timeline points kept (one per engine step)
@@ -47,10 +54,12 @@ class Marker:
 
 
 class EventHistory:
-    def __init__(self, snap: p.Snapshot, max_events: int = 100_000, checkpoint_every: int = 500):
+    def __init__(self, snap: p.Snapshot, max_events: int = 1_000_000, checkpoint_every: int = 500,
+                 checkpoint_bytes: int = 384 << 20):
         self.max_events, self.checkpoint_every = max_events, checkpoint_every
+        self.checkpoint_bytes = checkpoint_bytes
         self.live = Mirror.from_snapshot(snap)
-        self.events: list[p.AnyEvent] = []
+        self.events = EventStore()
         self.checkpoints: list[Mirror] = [self.live.clone()]
         self.points: deque[StepPoint] = deque(maxlen=MAX_STEP_POINTS)
         self.markers: deque[Marker] = deque(maxlen=MAX_MARKERS)
@@ -75,6 +84,7 @@ class EventHistory:
                 tl.hit_rate, tl.tokens_per_s(ev.t)))
         if ev.seq - self.checkpoints[-1].last_event >= self.checkpoint_every:
             self.checkpoints.append(self.live.clone())
+            self._thin()
         if len(self.events) > self.max_events * 1.1:  # trim in chunks: O(1) amortised
             del self.events[:len(self.events) - self.max_events]
             # checkpoints before the first retained event can no longer be replayed forward
@@ -99,12 +109,22 @@ class EventHistory:
         if (since := self.clean_slates.get(mirror.last_event)) and mirror.tally.since != since:
             mirror.start_tally(since)
 
+    def _thin(self) -> None:
+        """Every other checkpoint goes (never the first or the last) while they take more than
+        `checkpoint_bytes` (each one about the size of the live state and its table origins);
+        the spacing of new ones doubles."""
+        each = self.live.state.nbytes() + 60 * sum(map(len, self.live.origins.values()))
+        while len(self.checkpoints) > 2 and len(self.checkpoints) * each > self.checkpoint_bytes:
+            self.checkpoints[1:-1] = self.checkpoints[2:-1:2]
+            self.checkpoint_every *= 2
+
     def resync(self, snap: p.Snapshot) -> None:
         """A snapshot in mid-stream: it becomes the live state and a checkpoint, keeping the
         counters and the history before it."""
         old = self.live
         self.live = Mirror.from_snapshot(snap)
         self.live.tally, self.live.finished, self.live.t = old.tally, old.finished, old.t
+        self.live.texts = old.texts
         self.live.origins = {k: v for k, v in old.origins.items() if k in self.live.state.seqs}
         while self.checkpoints and self.checkpoints[-1].last_event >= snap.seq:
             self.checkpoints.pop()
@@ -122,7 +142,7 @@ class EventHistory:
 
     def _index(self, seq: int) -> int:
         """Position of the first retained event numbered >= seq."""
-        return bisect.bisect_left(self.events, seq, key=lambda e: e.seq)
+        return self.events.bisect_left(seq)
 
     def at(self, n: int) -> Mirror:
         """A copy of the state right after event n (clamped to what is retained)."""
@@ -149,11 +169,15 @@ class EventHistory:
         end = self._index(n + 1)
         if not end:
             return []
-        step, i = self.events[end - 1].step, end - 1
-        while (i > 0 and end - i < limit and self.events[i - 1].step == step
-               and not isinstance(self.events[i], p.Reset)):
-            i -= 1
-        return self.events[i:end]
+        size = 256
+        while True:  # windows that grow until they hold the step's start (never before a reset)
+            window = self.events[max(0, end - size):end]
+            step, i = window[-1].step, len(window) - 1
+            while i > 0 and window[i - 1].step == step and not isinstance(window[i], p.Reset):
+                i -= 1
+            if i > 0 or len(window) == end or size >= limit:
+                return window[i:][-limit:]
+            size *= 4
 
     def step_edge(self, n: int, forward: bool) -> int:
         """Forward: the last event of n's step, or of the next step if n already ends its own.

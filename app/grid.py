@@ -1,12 +1,23 @@
-"""The pool grid: the state of every device and host block, packed into a few base64 arrays
-and drawn on a canvas by a components.v2 component (assets/grid.js) several times a second.
+"""The pool grid at any size: an overview of every block and a zoomed region with the full
+per-block detail, drawn on canvases by a components.v2 component (assets/grid.js).
 
-Per device block: state (free/cached/used/shared/reserved), ref count, latest-step touch, tokens held,
-owner (index into `seqs`, 0 = none) and the first 32 bits of the prefix hash.
+The server builds a *frame* per view: 16 bytes per device block (holder key when the block
+has one holder, the first 32 bits of its hash, ref count, tokens held, state, latest-step
+touch) and 8 per host block, plus the live sequences by key. Frames are kept, by token, in a
+store shared by every session. The browser holds the last frame it drew and asks for the next
+(its `sync` state: the token it holds and the block under the pointer) once it has drawn;
+the answer is a delta from exactly that frame (the blocks whose drawing changed), or the
+whole frame, compressed, when the server no longer knows it. So a redraw costs what changed,
+not the size of the pool.
 """
 from __future__ import annotations
 
-import base64
+import itertools
+import json
+import threading
+import zlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -14,87 +25,228 @@ import numpy as np
 import streamlit as st
 
 from engine.contract import protocol as p
-from engine.contract.kinds import KINDS, TOUCH_KINDS, kind_of, touched_blocks
-from engine.contract.state import table_entries
+from engine.contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
 from app.client import View
-from app.palette import CACHED, FREE, RESERVED, SEQ_COLORS
+from app.palette import CACHED, FREE, RESERVED, SEQ_COLORS, SHARED
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
+DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
+                ("state", "u1"), ("touch", "u1"), ("pad", "<u2")])
+HOST = np.dtype([("owner", "<u4"), ("tokens", "<u2"), ("touch", "u1"), ("pad", "u1")])
+MAGIC = b"KVG1"
+COMPRESS_ABOVE = 256 * 1024  # whole frames larger than this go deflated
+
+
+_BY_TYPE = {t: _CODE[t.__struct_config__.tag] for t in p.AnyEvent.__args__ if t.__struct_config__.tag in _CODE}
+_ONE_BLOCK = (p.Alloc, p.Free, p.PrefixHit, p.Evict)
 
 
 def touched(events: list[p.AnyEvent]) -> tuple[dict[int, int], dict[int, int]]:
     """Device and host blocks touched by `events`: block -> touch code (1 + TOUCH_KINDS index),
     the most telling kind winning when a block saw several."""
+    dev, host, _ = step_touches(events)
+    return dev, host
+
+
+def step_touches(events: list[p.AnyEvent]) -> tuple[dict[int, int], dict[int, int], Counter]:
+    """`touched`, and how many events of each touching kind there were."""
     dev: dict[int, int] = {}
     host: dict[int, int] = {}
+    kinds: Counter = Counter()
     for ev in events:
-        code = _CODE.get(kind_of(ev))
+        code = _BY_TYPE.get(type(ev))
         if code is None:
+            continue
+        kinds[code] += 1
+        if type(ev) in _ONE_BLOCK:  # most of a step: one block each
+            b = ev.block_id
+            if dev.get(b, 0) < code:
+                dev[b] = code
             continue
         for where, blocks in zip((dev, host), touched_blocks(ev)):
             for b in blocks:
                 if where.get(b, 0) < code:
                     where[b] = code
-    return dev, host
+    return dev, host, Counter({TOUCH_KINDS[c - 1]: n for c, n in kinds.items()})
 
 
-@lru_cache(maxsize=65536)
-def _hash32(h: str) -> int:
-    return int(h[:8], 16)
+def _touch_column(size: int, touch: dict[int, int]) -> np.ndarray:
+    col = np.zeros(size, np.uint8)
+    if touch:
+        ids = np.fromiter(touch, np.int64, len(touch))
+        codes = np.fromiter(touch.values(), np.uint8, len(touch))
+        keep = (ids >= 0) & (ids < size)  # a step's events may name blocks of a pool since reset
+        col[ids[keep]] = codes[keep]
+    return col
 
 
-def _b64(*arrays: np.ndarray) -> str:
-    return base64.b64encode(b"".join(a.tobytes() for a in arrays)).decode()
+@dataclass(eq=False)
+class Frame:
+    """What the canvas draws for one view."""
+    token: int
+    shape: tuple[int, int, int]  # device blocks, host blocks, block size
+    dev: np.ndarray              # DEV per device block
+    host: np.ndarray             # HOST per host block
+    seqs: dict[int, list]        # key -> [seq_id, colour index, status]
+    info: dict                   # event number, live, step, counts, what the step touched
+
+    @property
+    def nbytes(self) -> int:
+        return self.dev.nbytes + self.host.nbytes
 
 
-def payload(view: View, colors: dict[str, int]) -> dict:
-    """Everything the canvas needs to draw `view`, as compact JSON."""
+_tokens = itertools.count(1)
+
+
+def build(view: View, colors: dict[str, int]) -> Frame:
+    """The frame of `view`: every block's drawing, vectorised over the reducer's columns."""
     st_, cfg = view.mirror.state, view.mirror.config
     n, m = len(st_.ref_counts), len(st_.host_owner)
-    seqs = list(st_.seqs.values())
-    index = {s.seq_id: i + 1 for i, s in enumerate(seqs)}
-    ref = np.asarray(st_.ref_counts, dtype=np.int64)
-    state = st_.block_states()
-    hash32 = np.fromiter((_hash32(h) if h else 0 for h in st_.hashes), np.uint32, n)
-    dev_tokens, host_tokens = st_.block_tokens()
-    flat, holder, _ = table_entries([s.block_table for s in seqs], [s.num_tokens for s in seqs], cfg.block_size)
-    first = np.full(n, len(seqs) + 1)
-    np.minimum.at(first, flat, holder)
-    owner = np.where(first > len(seqs), 0, first).astype(np.uint16)
-    shared: dict[int, list[int]] = {}
-    many = ref[flat] >= 2
-    for b, i in zip(flat[many].tolist(), holder[many].tolist()):
-        shared.setdefault(b, []).append(i)
-    dev_touch, host_touch = touched(view.step_events)
-    touch = np.zeros(n, np.uint8)
-    if dev_touch:
-        touch[list(dev_touch)] = list(dev_touch.values())
-    host_touch_arr = np.zeros(m, np.uint8)
-    if host_touch:
-        host_touch_arr[list(host_touch)] = list(host_touch.values())
-    host_owner = np.fromiter((index.get(o, 0) if o else 0 for o in st_.host_owner), np.uint16, m)
-    kinds = {}
-    for code in list(dev_touch.values()) + list(host_touch.values()):
-        kinds[TOUCH_KINDS[code - 1]] = kinds.get(TOUCH_KINDS[code - 1], 0) + 1
+    ref = st_.ref_counts
+    dev = np.zeros(n, DEV)
+    dev["owner"] = np.where(ref == 1, st_.holder, 0)
+    dev["hash"] = st_.hash32
+    dev["ref"] = np.minimum(ref, 0xFFFF)
+    dev["tokens"] = st_.tokens
+    dev["state"] = states = st_.block_states()
+    dev_touch, host_touch, events = step_touches(view.step_events)
+    dev["touch"] = _touch_column(n, dev_touch)
+    host = np.zeros(m, HOST)
+    host["owner"] = st_.host_holder
+    host["tokens"] = st_.host_tokens
+    host["touch"] = _touch_column(m, host_touch)
+    palette = len(SEQ_COLORS)
+    seqs = {s.key: [s.seq_id, colors.get(s.seq_id, s.key) % palette, s.status] for s in st_.seqs.values()}
+    blocks = Counter(TOUCH_KINDS[c - 1] for c in itertools.chain(dev_touch.values(), host_touch.values()))
     last = view.step_events[-1] if view.step_events else None
-    return {
-        "seq": view.event, "live": view.live, "step": last.step if last else 0,
-        "n": n, "m": m, "bs": cfg.block_size,
-        # device: owner u16 | tokens u16 | hash u32 | state u8 | ref u8 | touch u8 (aligned)
-        "dev": _b64(owner, np.asarray(dev_tokens, np.uint16), hash32, state,
-                    np.minimum(ref, 255).astype(np.uint8), touch),
-        # host: owner u16 | tokens u16 | touch u8
-        "host": _b64(host_owner, np.asarray(host_tokens, np.uint16), host_touch_arr),
-        "seqs": [[s.seq_id, colors.get(s.seq_id, i) % len(SEQ_COLORS), s.status]
-                 for i, s in enumerate(seqs)],
-        "shared": {str(b): o for b, o in shared.items()},
-        "touched": kinds,
-        "counts": st_.counts()._asdict(),
-    }
+    info = {"seq": view.event, "live": view.live, "step": last.step if last else 0,
+            "counts": st_.counts(states)._asdict(),
+            "touched": {k: [events[k], blocks[k]] for k in TOUCH_KINDS if blocks[k] or events[k]}}
+    return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info)
 
 
-STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "reserved": RESERVED,
+class FrameStore:
+    """Frames by token, newest last, bounded in count and bytes: the bases of deltas."""
+
+    def __init__(self, max_frames: int = 48, max_bytes: int = 256 << 20):
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self.frames: OrderedDict[int, Frame] = OrderedDict()
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, frame: Frame) -> None:
+        with self.lock:
+            self.frames[frame.token] = frame
+            self.nbytes += frame.nbytes
+            while len(self.frames) > 1 and (len(self.frames) > self.max_frames or self.nbytes > self.max_bytes):
+                self.nbytes -= self.frames.popitem(last=False)[1].nbytes
+
+    def get(self, token) -> Frame | None:
+        with self.lock:
+            f = self.frames.get(token) if isinstance(token, int) else None
+            if f is not None:
+                self.frames.move_to_end(token)
+            return f
+
+
+FRAMES = FrameStore()
+
+
+def frame_of(view: View, colors: dict[str, int]) -> Frame:
+    """The view's frame, built once and shared by every session drawing it."""
+    f = view.memo.get("grid_frame")
+    if f is None:
+        f = view.memo["grid_frame"] = build(view, colors)
+        FRAMES.add(f)
+    return f
+
+
+def _changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Indices whose records differ (records compared as 64-bit words)."""
+    a, b = new.view("<u8").reshape(len(new), -1), old.view("<u8").reshape(len(old), -1)
+    diff = a[:, 0] != b[:, 0]
+    for k in range(1, a.shape[1]):
+        diff |= a[:, k] != b[:, k]
+    return np.flatnonzero(diff).astype("<u4")
+
+
+def _align(buf: bytearray, to: int = 16) -> None:
+    buf.extend(b"\0" * (-len(buf) % to))
+
+
+def message(frame: Frame, base: Frame | None, extra: dict | None = None) -> bytes:
+    """The bytes the canvas gets: a delta from `base` when it has the frame's shape, else the
+    whole frame. Layout: MAGIC, u32 header length, header JSON, then 16-byte aligned parts
+    that the header locates ([offset, count] from the start of the body)."""
+    head = {**frame.info, **(extra or {}), "token": frame.token, "n": frame.shape[0],
+            "m": frame.shape[1], "bs": frame.shape[2]}
+    body, parts = bytearray(), {}
+
+    def part(name: str, arr: np.ndarray) -> None:
+        parts[name] = [len(body), len(arr)]
+        body.extend(arr.tobytes())
+        _align(body)
+
+    if base is not None and base.shape == frame.shape:
+        head |= {"kind": "delta", "base": base.token, "gone": [k for k in base.seqs if k not in frame.seqs],
+                 "seqs": [[k, *v] for k, v in frame.seqs.items() if base.seqs.get(k) != v]}
+        if base is not frame:
+            d, h = _changed(frame.dev, base.dev), _changed(frame.host, base.host)
+            part("devIdx", d)
+            part("dev", frame.dev[d])
+            part("hostIdx", h)
+            part("host", frame.host[h])
+    else:
+        head |= {"kind": "full", "seqs": [[k, *v] for k, v in frame.seqs.items()]}
+        part("dev", frame.dev)
+        part("host", frame.host)
+    if len(body) > COMPRESS_ABOVE:
+        body, head["deflated"] = bytearray(zlib.compress(bytes(body), 1)), True
+    head["parts"] = parts
+    header = json.dumps(head, separators=(",", ":")).encode()
+    out = bytearray(MAGIC + len(header).to_bytes(4, "little") + header)
+    _align(out)
+    return bytes(out + body)
+
+
+def read(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """A message taken apart again, as the canvas does: (header, parts as arrays)."""
+    if data[:4] != MAGIC:
+        raise ValueError("not a grid message")
+    size = int.from_bytes(data[4:8], "little")
+    head = json.loads(data[8:8 + size])
+    body = data[-(-(8 + size) // 16) * 16:]
+    if head.get("deflated"):
+        body = zlib.decompress(body)
+    kinds = {"dev": DEV, "host": HOST, "devIdx": np.dtype("<u4"), "hostIdx": np.dtype("<u4")}
+    return head, {k: np.frombuffer(body, kinds[k], n, off) for k, (off, n) in head["parts"].items()}
+
+
+# ------------------------------------------------------------------------------- hover
+def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | None:
+    """The block under the pointer, said in full: its holders and the start of its text.
+    Computed once per view and block."""
+    key = ("grid_focus", block, host)
+    if key in view.memo:
+        return view.memo[key]
+    st_, palette = view.mirror.state, len(SEQ_COLORS)
+    size = len(st_.host_owner) if host else len(st_.ref_counts)
+    if not 0 <= block < size:
+        return None
+    holders = [(s.seq_id, (s.host_table if host else s.block_table).index(block))
+               for s in st_.seqs.values() if block in (s.host_table if host else s.block_table)]
+    texts = view.mirror.texts
+    text = (texts.text(*holders[0]) if holders else None) if host else texts.of_block(st_, block, holders)
+    out = {"b": block, "host": host, "text": text,
+           "holders": [[sid, colors.get(sid, 0) % palette, i] for sid, i in holders[:64]],
+           "more": max(0, len(holders) - 64)}
+    view.memo[key] = out
+    return out
+
+
+# ------------------------------------------------------------------------------- streamlit
+STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": SHARED, "reserved": RESERVED,
          "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
          "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
 
@@ -106,7 +258,32 @@ def _component():
         css=(ASSETS / "grid.css").read_text(), js=(ASSETS / "grid.js").read_text())
 
 
-def draw(data: dict, key: str = "pool_grid", on_block=None):
-    """Mount (or update) the grid; `data` is `payload(...)`. `on_block` runs when a block is
-    clicked, with its id in st.session_state[key]["block"]."""
-    return _component()(data={**data, "style": STYLE}, key=key, on_block_change=on_block or (lambda: None))
+def _sync(key: str) -> dict:
+    """What the browser said it holds: {"have": token, "pull": n, "focus": [block, host]}."""
+    try:
+        state = st.session_state[key]
+    except KeyError:
+        return {}
+    sync = state.get("sync") if hasattr(state, "get") else None
+    return sync if isinstance(sync, dict) else {}
+
+
+def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval_s: float = 0.1,
+         on_block=None, extra: dict | None = None) -> None:
+    """Mount (or update) the grid with a delta from the frame the browser holds. `on_block`
+    runs when a block is clicked, with its id in st.session_state[key]["block"]. `extra`
+    goes to the canvas as is: `connected` (False: say the stream stopped), `highlight`
+    (blocks to ring)."""
+    sync = _sync(key)
+    frame = frame_of(view, colors)
+    extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
+    if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
+        extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
+    if "style" not in sync:
+        extra["style"] = STYLE
+    data = message(frame, FRAMES.get(sync.get("have")), extra)
+    _component()(data=data, key=key, on_block_change=on_block or _nothing, on_sync_change=_nothing)
+
+
+def _nothing() -> None:
+    pass

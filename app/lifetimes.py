@@ -37,12 +37,11 @@ class Lifetimes:
     def from_state(cls, state: PoolState) -> Lifetimes:
         """Blocks already out of the free list count from this state's first step on."""
         lt = cls(state.clone())
-        for b, (ref, h) in enumerate(zip(state.ref_counts, state.hashes)):
-            if ref or h is not None:
-                lt.born[b] = 0
-            if h is not None:
+        for b in np.flatnonzero((state.ref_counts > 0) | state.has_hash).tolist():
+            lt.born[b] = 0
+            if state.has_hash[b]:
                 lt.used[b] = 0
-                if not ref:
+                if not state.ref_counts[b]:
                     lt.released[b] = 0
         return lt
 
@@ -78,7 +77,7 @@ class Lifetimes:
                     blocks.clear()
         for b, ref in zip(_blocks(ev), before):  # releases: the free list, or the cache
             if ref and not st.ref_counts[b]:
-                if st.hashes[b] is None:
+                if not st.has_hash[b]:
                     self._sample("lifetime", step, step - self.born.pop(b, step))
                 else:
                     self.released[b] = step

@@ -27,9 +27,11 @@ from app.source import Source, from_command_line
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
 # that costs ~60 ms, ten times a second. Python's own generational GC still runs.
 st_config.set_option("runner.postScriptGC", False)
-# Intervals between grid reruns: the browser starts the next one only after the last one's round
-# trip (30-40 ms on a busy 2-core machine), so "10 per second" asks for a rerun every 60 ms.
-REFRESH = {"10 per second": 0.06, "5 per second": 0.15, "2 per second": 0.45}
+# Live views redraw when the browser has drawn the last grid frame and asks for the next (app/grid.py):
+# this long after it asked for the last one, or once it has drawn it when that takes longer; 80 ms,
+# so that round trips that vary still give 10 per second.
+REFRESH = {"10 per second": 0.08, "5 per second": 0.2, "2 per second": 0.5}
+HEARTBEAT_S = 2.0  # the live views redraw at least this often, should the browser not ask
 LOG_SCAN_EVENTS = 50_000  # the event log filters at most this many of the latest events
 LOG_ROWS = 300            # and lists at most this many of those that pass
 MODES = {"Explore": ":material/explore: Explore", "Lessons": ":material/school: Lessons",
@@ -90,11 +92,9 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
         st.info(f"**Paused at event {client.loop.stopped_at:,}** · {key.text}", icon=":material/fast_forward:")
     header.metrics(view, client)
     travel.bar(client, view, connected)
-    if "grid" not in view.memo:
-        view.memo["grid"] = grid.payload(view, client.colors)
-    grid.draw({**view.memo["grid"], "connected": connected,
-               "highlight": lesson if lesson is not None else key.blocks if key else []},
-              on_block=_filter_log_by_block)
+    grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
+              on_block=_filter_log_by_block, extra={
+                  "connected": connected, "highlight": lesson if lesson is not None else key.blocks if key else []})
 
 
 def stopped_at(client: EngineClient, view: View):
@@ -136,10 +136,8 @@ def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) ->
     header.reservation_card(view)
     live_tab, done_tab = st.tabs(["Block tables", "Finished requests"])
     lit = lessons_view.highlight() if mode() == "Lessons" else []
-    if view.memo.get("tables_lit") != lit or "tables" not in view.memo:
-        view.memo["tables"], view.memo["tables_lit"] = tables.render(view, client.colors, highlight=set(lit)), lit
-    with live_tab, st.container(height=640, border=False):  # scrolls, so the history stays in reach
-        st.html(view.memo["tables"])
+    with live_tab:
+        tables.panel(view, client.colors, highlight=set(lit))
     with done_tab, st.container(height=640, border=False):
         st.html(tables.render_finished(list(view.mirror.finished), client.colors))
 
@@ -281,8 +279,8 @@ def main() -> None:
         return lab_view.page(client)
     left, right = st.columns([3, 2], gap="medium")
     with left:
-        st.fragment(fragment_of(live_views), run_every=REFRESH[st.session_state.get("refresh", "10 per second")],
-                    key="live")(source)
+        # run by the grid: the browser asks for the next frame when it has drawn the last
+        st.fragment(fragment_of(live_views), run_every=HEARTBEAT_S, key="live")(source)
     with right:
         st.fragment(fragment_of(block_tables), run_every=0.5, key="tables")(source)
     st.fragment(fragment_of(timeline_or_log), run_every=2.0, key="panel")(source)

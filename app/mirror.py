@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.contract import protocol as p
 from engine.contract.state import PoolState
+from app.block_text import BlockTexts
 
 RATE_WINDOW_S = 3.0  # tokens/s is averaged over this much engine time
 FINISHED_KEPT = 12   # finished requests listed in the tables view
@@ -71,11 +72,12 @@ class Mirror:
     origins: dict[str, dict[int, str]] = field(default_factory=dict)
     finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))  # Finished, newest last
     t: float = 0.0  # engine time of the last event applied
+    texts: BlockTexts = field(default_factory=BlockTexts)  # shared by every copy: see block_text.py
 
     @classmethod
     def from_snapshot(cls, snap: p.Snapshot) -> Mirror:
         since = f"you attached (event {snap.seq:,})" if snap.seq else "engine start"
-        return cls(PoolState.from_snapshot(snap), Tally(since=since))
+        return cls(PoolState.from_snapshot(snap), Tally(since=since), texts=BlockTexts(snap.config.block_size, snap.seq))
 
     def start_tally(self, since: str) -> None:
         """Count from here on (a clean slate); the pool itself is untouched."""
@@ -103,6 +105,7 @@ class Mirror:
         text = before.text if before else ""
         looked_up = self.state.prefix_lookup(ev)
         self.state.apply(ev)
+        self.texts.apply(ev, self.state)
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
         tl.looked_up_tokens += looked_up

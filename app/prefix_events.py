@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.contract import protocol as p
 from engine.contract.prefix_forest import PrefixForest
 from engine.contract.state import PoolState
@@ -25,9 +27,9 @@ class ForestBuilder:
         """Start from a state whose history is unknown: its cached blocks become roots (their
         parents were stored before this client saw the stream)."""
         b = cls(state.clone())
-        for block, h in enumerate(b.state.hashes):
-            if h is not None:
-                b.forest.store(h, None, block=block, holders=int(b.state.ref_counts[block]), at=state.last_event)
+        for block in np.flatnonzero(b.state.has_hash).tolist():
+            b.forest.store(b.state.hash_of(block), None, block=block, holders=int(b.state.ref_counts[block]),
+                           at=state.last_event)
         return b
 
     @property
@@ -70,7 +72,7 @@ class ForestBuilder:
                 self.texts.clear()
 
     def _hold(self, block: int) -> None:
-        h = self.state.hashes[block]
+        h = self.state.hash_of(block)
         if h is not None:
             self.forest.hold(h, int(self.state.ref_counts[block]))
 

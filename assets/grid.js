@@ -1,263 +1,648 @@
-// KVScope pool grid: one canvas cell per block of the device pool and of the host swap pool.
-// Python sends compact base64 arrays (app/grid.py); this draws them, explains a block on
-// hover, and reports a clicked block. Called again with new data on every redraw: the canvas,
-// listeners and last data live on the root element between calls.
+// KVScope pool grid at any size. Python (app/grid.py) sends binary frames: a whole frame or a
+// delta from the frame this browser holds. This keeps the columns, draws an overview of the
+// whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
+// clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
+// token it holds and the block under the pointer). State lives on the root element between calls.
 
 const STATE = ["free", "cached", "used", "shared", "reserved"];
+const DEV = 16, HOST = 8;         // bytes per device / host block (app/grid.py DEV, HOST)
+const MIN_COUNT = 64;             // the most zoomed-in region
+const DETAIL = 5;                 // cells at least this wide get per-block detail
+const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+const fmt = (x) => Number(x).toLocaleString("en-US");
 
-function b64bytes(s) {
-  const bin = atob(s), out = new Uint8Array(bin.length);
-  for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
-  return out.buffer;
+// ------------------------------------------------------------------ frames
+function columnsDev(buf) {
+  return { buf, u8: new Uint8Array(buf), u16: new Uint16Array(buf), u32: new Uint32Array(buf) };
+}
+const owner = (c, i) => c.u32[4 * i], hash = (c, i) => c.u32[4 * i + 1], ref = (c, i) => c.u16[8 * i + 4],
+  tokens = (c, i) => c.u16[8 * i + 5], state = (c, i) => c.u8[16 * i + 12], touch = (c, i) => c.u8[16 * i + 13];
+const hOwner = (c, i) => c.u32[2 * i], hTokens = (c, i) => c.u16[4 * i + 2], hTouch = (c, i) => c.u8[8 * i + 6];
+
+async function inflate(bytes) {
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+  return new Uint8Array(await new Response(stream).arrayBuffer());
 }
 
-function decode(d) {
-  const n = d.n, m = d.m, dev = b64bytes(d.dev), host = b64bytes(d.host);
-  return {
-    ...d,
-    owner: new Uint16Array(dev, 0, n), tokens: new Uint16Array(dev, 2 * n, n),
-    hash: new Uint32Array(dev, 4 * n, n), state: new Uint8Array(dev, 8 * n, n),
-    ref: new Uint8Array(dev, 9 * n, n), touch: new Uint8Array(dev, 10 * n, n),
-    hOwner: new Uint16Array(host, 0, m), hTokens: new Uint16Array(host, 2 * m, m),
-    hTouch: new Uint8Array(host, 4 * m, m),
+async function parse(bytes) {
+  const dv = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  if (String.fromCharCode(...bytes.subarray(0, 4)) !== "KVG1") throw new Error("not a KVScope grid frame");
+  const hlen = dv.getUint32(4, true);
+  const head = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + hlen)));
+  let body = bytes.subarray(Math.ceil((8 + hlen) / 16) * 16);
+  if (head.deflated) body = await inflate(body);
+  const buf = body.buffer.slice(body.byteOffset, body.byteOffset + body.byteLength);  // aligned, owned
+  const part = (name, size) => {
+    const p = head.parts[name];
+    return p ? buf.slice(p[0], p[0] + p[1] * size) : new ArrayBuffer(0);
   };
+  return { head, part };
 }
 
-function tint(hex, a) {
+function apply(s, { head, part }) {
+  if (head.style) s.style = head.style;
+  if (head.kind === "full") {
+    s.dev = columnsDev(part("dev", DEV));
+    s.host = columnsDev(part("host", HOST));
+    s.seqs = new Map(head.seqs.map(([k, ...v]) => [k, v]));
+  } else {
+    if (head.base !== s.token || !s.dev) return false;  // not from the frame held here: ask again
+    patch(s.dev.u32, new Uint32Array(part("devIdx", 4)), new Uint32Array(part("dev", DEV)), DEV / 4, head.n);
+    patch(s.host.u32, new Uint32Array(part("hostIdx", 4)), new Uint32Array(part("host", HOST)), HOST / 4, head.m);
+    for (const k of head.gone) s.seqs.delete(k);
+    for (const [k, ...v] of head.seqs) s.seqs.set(k, v);
+  }
+  s.token = head.token;
+  s.data = head;
+  if (head.focus) s.focus = head.focus;
+  s.touchList = [];
+  for (let i = 0; i < head.n; i++) if (touch(s.dev, i)) s.touchList.push(i);
+  s.hostTouchList = [];
+  for (let i = 0; i < head.m; i++) if (hTouch(s.host, i)) s.hostTouchList.push(i);
+  return true;
+}
+
+function patch(dst, idx, rows, words, size) {
+  for (let j = 0; j < idx.length; j++) {
+    const i = idx[j];
+    if (i < size) dst.set(rows.subarray(j * words, (j + 1) * words), i * words);
+  }
+}
+
+// ------------------------------------------------------------------ colours
+function rgb(hex) {
   const v = parseInt(hex.slice(1), 16);
-  return `rgba(${v >> 16},${(v >> 8) & 255},${v & 255},${a})`;
+  return [v >> 16, (v >> 8) & 255, v & 255];
+}
+const rgba = (hex, a) => { const [r, g, b] = rgb(hex); return `rgba(${r},${g},${b},${a})`; };
+
+function palette(s) {
+  if (s.pal && s.pal.style === s.style) return s.pal;
+  const st = s.style;
+  s.pal = { style: st, free: rgb(st.free), cached: rgb(st.cached), shared: rgb(st.shared), used: rgb(st.palette[0]),
+    reserved: rgb(st.reserved),
+    seq: st.palette.map(rgb), tint: st.palette.map((h) => rgba(h, 0.3)), sharedTint: rgba(st.shared, 0.45) };
+  return s.pal;
 }
 
-// Cell size and columns so that `count` cells fill the width within about `maxH` pixels.
-function layout(count, width, maxH, maxCell) {
-  if (!count) return { c: 0, cols: 0, rows: 0, h: 0 };
-  let c = Math.floor(Math.sqrt((width * maxH) / count));
-  c = Math.max(3, Math.min(maxCell, c));
-  let cols = Math.max(1, Math.min(count, Math.floor(width / c)));
-  const rows = Math.ceil(count / cols);
-  return { c, cols, rows, h: rows * c };
+// The colour of device block i in the overview: by state, or by sequence.
+function devRGB(s, i, pal) {
+  const stt = state(s.dev, i);
+  if (stt === 0) return pal.free;
+  if (stt === 1) return pal.cached;
+  if (stt === 3) return pal.shared;
+  if (stt === 4) return pal.reserved;
+  if (s.mode === "state") return pal.used;
+  const q = s.seqs.get(owner(s.dev, i));
+  return q ? pal.seq[q[1]] : pal.used;
+}
+function hostRGB(s, i, pal) {
+  const o = hOwner(s.host, i);
+  if (!o) return pal.free;
+  const q = s.seqs.get(o);
+  return s.mode === "state" || !q ? pal.used : pal.seq[q[1]];
 }
 
-function el(tag, cls, parent) {
+// ------------------------------------------------------------------ layout and painting
+// Where `count` blocks from `start` go in a width x maxH box: cells of c pixels in `cols`
+// columns, or (c < 1) k blocks averaged into each pixel.
+function geometry(start, count, width, maxH) {
+  const c0 = Math.sqrt((width * maxH) / Math.max(1, count));
+  if (c0 >= 1) {
+    const c = Math.max(1, Math.min(56, Math.floor(c0)));
+    const cols = Math.max(1, Math.min(count, Math.floor(width / c)));
+    const rows = Math.ceil(count / cols);
+    return { start, count, c, cols, rows, k: 1, w: cols * c, h: rows * c };
+  }
+  const k = Math.ceil(count / (width * maxH)), cols = width, rows = Math.ceil(count / (k * cols));
+  return { start, count, c: 1, cols, rows, k, w: cols, h: rows };
+}
+
+// Block position -> pixel rectangle [x, y, size] (the pixel for k > 1).
+function place(g, i) {
+  const j = Math.floor((i - g.start) / g.k);
+  return [(j % g.cols) * g.c, Math.floor(j / g.cols) * g.c, g.c];
+}
+
+function prepare(canvas, ctx, w, h) {
+  const dpr = window.devicePixelRatio || 1;
+  const W = Math.max(1, Math.round(w * dpr)), H = Math.max(1, Math.round(h * dpr));
+  if (canvas.width !== W || canvas.height !== H) {
+    canvas.width = W; canvas.height = H;
+    canvas.style.width = `${w}px`; canvas.style.height = `${h}px`;
+  }
+  ctx.setTransform(1, 0, 0, 1, 0, 0);
+  ctx.clearRect(0, 0, W, H);
+  return dpr;
+}
+
+// Pixels: each block a c x c square, or k blocks averaged into one pixel (a density heat).
+function paintPixels(canvas, ctx, g, colour) {
+  const dpr = prepare(canvas, ctx, g.w, g.h);
+  const img = ctx.createImageData(g.w, g.h), px = img.data;
+  const end = g.start + g.count;
+  if (g.k === 1) {
+    for (let i = g.start; i < end; i++) {
+      const [r, gr, b] = colour(i), j = i - g.start;
+      const x0 = (j % g.cols) * g.c, y0 = Math.floor(j / g.cols) * g.c;
+      for (let y = y0; y < y0 + g.c; y++) {
+        let o = (y * g.w + x0) * 4;
+        for (let x = 0; x < g.c; x++, o += 4) { px[o] = r; px[o + 1] = gr; px[o + 2] = b; px[o + 3] = 255; }
+      }
+    }
+  } else {
+    for (let p = 0, i = g.start; i < end; p++) {
+      let r = 0, gr = 0, b = 0, n = 0;
+      for (const stop = Math.min(end, i + g.k); i < stop; i++, n++) {
+        const c = colour(i); r += c[0]; gr += c[1]; b += c[2];
+      }
+      const o = p * 4;
+      px[o] = r / n; px[o + 1] = gr / n; px[o + 2] = b / n; px[o + 3] = 255;
+    }
+  }
+  ctx.putImageData(img, 0, 0);
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);  // what is drawn next is in CSS pixels
+  // ImageData ignores the transform: stretch what was put to the CSS size
+  if (dpr !== 1) { ctx.imageSmoothingEnabled = false; ctx.drawImage(canvas, 0, 0, g.w, g.h, 0, 0, g.w, g.h); }
+}
+
+// Detail: one cell per block with its fill, ref count, id and outline.
+function paintCells(canvas, ctx, s, g, host) {
+  const dpr = prepare(canvas, ctx, g.w, g.h);
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  const pal = palette(s), end = g.start + g.count;
+  for (let i = g.start; i < end; i++) {
+    const j = i - g.start;
+    cell(ctx, s, pal, (j % g.cols) * g.c, Math.floor(j / g.cols) * g.c, g.c, i, host);
+  }
+}
+
+function cell(ctx, s, pal, x, y, c, i, host) {
+  const gap = c >= 10 ? 2 : c >= 5 ? 1 : 0, z = c - gap, sty = s.style, bs = s.data.bs;
+  const stt = host ? (hOwner(s.host, i) ? 2 : 0) : state(s.dev, i);
+  if (stt === 0) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, z, z); }
+  else if (stt === 4) {  // reserved: dark, crossed out
+    ctx.fillStyle = sty.reserved; ctx.fillRect(x, y, z, z);
+    if (z >= 6) {
+      ctx.strokeStyle = "rgba(255,255,255,0.6)"; ctx.lineWidth = 1; ctx.beginPath();
+      ctx.moveTo(x, y); ctx.lineTo(x + z, y + z); ctx.moveTo(x, y + z); ctx.lineTo(x + z, y); ctx.stroke();
+    }
+  } else if (stt === 1) {
+    ctx.fillStyle = sty.cached; ctx.fillRect(x, y, z, z);
+    if (z >= 8) {
+      ctx.strokeStyle = "rgba(255,255,255,0.7)"; ctx.lineWidth = 1;
+      ctx.beginPath(); ctx.moveTo(x, y + z); ctx.lineTo(x + z, y); ctx.stroke();
+    }
+  } else {
+    const tok = host ? hTokens(s.host, i) : tokens(s.dev, i), fh = Math.round(z * Math.min(1, tok / bs));
+    let full, part;
+    if (stt === 3) { full = sty.shared; part = pal.sharedTint; }  // shared: a style of its own
+    else {
+      const q = s.seqs.get(host ? hOwner(s.host, i) : owner(s.dev, i)), ci = q ? q[1] : 0;
+      full = s.mode === "state" ? sty.palette[0] : sty.palette[ci];
+      part = s.mode === "state" ? pal.tint[0] : pal.tint[ci];
+    }
+    if (fh < z) { ctx.fillStyle = part; ctx.fillRect(x, y, z, z - fh); }
+    ctx.fillStyle = full; ctx.fillRect(x, y + z - fh, z, fh);
+    if (stt === 3) {
+      ctx.fillStyle = "#fff";
+      if (z >= 14) {
+        ctx.font = `bold ${Math.round(z * 0.45)}px system-ui, sans-serif`;
+        ctx.textAlign = "center"; ctx.textBaseline = "middle";
+        ctx.fillText(`×${ref(s.dev, i)}`, x + z / 2, y + z / 2 + 1);
+      } else if (z >= 4) {
+        const t = Math.max(2, Math.round(z * 0.5));
+        ctx.beginPath(); ctx.moveTo(x + z - t, y); ctx.lineTo(x + z, y); ctx.lineTo(x + z, y + t); ctx.fill();
+      }
+    }
+  }
+  if (z >= 26 && stt !== 3 && stt !== 4) {
+    ctx.fillStyle = stt >= 2 ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";
+    ctx.font = "9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
+    ctx.fillText(String(i), x + 2, y + 2);
+  }
+  const t = host ? hTouch(s.host, i) : touch(s.dev, i);
+  if (t && z >= 7) {
+    const lw = z >= 16 ? 3 : 2;
+    ctx.strokeStyle = sty.touch[t - 1]; ctx.lineWidth = lw;
+    ctx.strokeRect(x + lw / 2, y + lw / 2, z - lw, z - lw);
+  }
+}
+
+// The latest step's touched blocks, visible at every size: a mark at least 4 px wide.
+function paintTouched(ctx, s, g, list, host) {
+  const end = g.start + g.count, sty = s.style;
+  if (g.c >= 7) return;  // cells draw their own outlines
+  for (const i of list) {
+    if (i < g.start || i >= end) continue;
+    const t = host ? hTouch(s.host, i) : touch(s.dev, i), [x, y, c] = place(g, i);
+    const z = Math.max(4, c), ox = x + c / 2 - z / 2, oy = y + c / 2 - z / 2;
+    ctx.fillStyle = "#fff"; ctx.fillRect(ox - 1, oy - 1, z + 2, z + 2);
+    ctx.fillStyle = sty.touch[t - 1]; ctx.fillRect(ox, oy, z, z);
+  }
+}
+
+// Blocks a paused run-to-next-key-event points at: a thick dark ring on top of everything,
+// or a dark mark at least 6 px wide where cells are small.
+function paintHighlight(ctx, g, list) {
+  const end = g.start + g.count;
+  ctx.strokeStyle = ctx.fillStyle = "#0f172a";
+  for (const i of list) {
+    if (i < g.start || i >= end) continue;
+    const [x, y, c] = place(g, i);
+    if (g.k === 1 && c >= 8) {
+      const w = Math.max(2, Math.round(c / 6));
+      ctx.lineWidth = w;
+      ctx.strokeRect(x + w / 2, y + w / 2, c - w, c - w);
+    } else {
+      const z = Math.max(6, c);
+      ctx.fillRect(x + c / 2 - z / 2, y + c / 2 - z / 2, z, z);
+    }
+  }
+}
+
+function paint(canvas, ctx, s, g, host) {
+  const pal = palette(s);
+  if (g.k === 1 && g.c >= DETAIL) paintCells(canvas, ctx, s, g, host);
+  else paintPixels(canvas, ctx, g, host ? (i) => hostRGB(s, i, pal) : (i) => devRGB(s, i, pal));
+  paintTouched(ctx, s, g, host ? s.hostTouchList : s.touchList, host);
+}
+
+// ------------------------------------------------------------------ the views
+function el(tag, cls, parent, html) {
   const e = document.createElement(tag);
   if (cls) e.className = cls;
+  if (html !== undefined) e.innerHTML = html;
   if (parent) parent.appendChild(e);
   return e;
 }
 
-function setup(root, setTriggerValue) {
-  const s = { root, draws: 0 };
+function setup(root) {
+  const s = { root, draws: 0, token: null, pulls: 0, lastPull: 0, lastMsg: 0, mode: "sequence", hover: null,
+    range: null, queue: Promise.resolve() };
   s.head = el("div", "head", root);
-  s.canvas = el("canvas", "grid", root);
+  s.bar = el("div", "bar", root);
+  s.over = el("canvas", "grid overview", root);
+  s.canvas = el("canvas", "grid main", root);
   s.hostHead = el("div", "head host-head", root);
   s.hostCanvas = el("canvas", "grid", root);
   s.legend = el("div", "legend", root);
   s.tip = el("div", "tip", root);
+  s.err = el("div", "err", root);
+  s.octx = s.over.getContext("2d");
   s.ctx = s.canvas.getContext("2d");
   s.hctx = s.hostCanvas.getContext("2d");
-  const hit = (canvas, geo, count, ev) => {
-    const r = canvas.getBoundingClientRect();
-    const x = ev.clientX - r.left, y = ev.clientY - r.top;
-    if (!geo || !geo.c) return -1;
-    const col = Math.floor(x / geo.c), row = Math.floor(y / geo.c);
-    const i = row * geo.cols + col;
-    return col >= 0 && col < geo.cols && row >= 0 && i < count ? i : -1;
-  };
-  const move = (host) => (ev) => {
-    const d = s.data;
-    if (!d) return;
-    const canvas = host ? s.hostCanvas : s.canvas;
-    const i = hit(canvas, host ? s.hgeo : s.geo, host ? d.m : d.n, ev);
-    if (i < 0) { s.tip.style.display = "none"; return; }
-    s.tip.innerHTML = host ? hostTip(d, i) : deviceTip(d, i);
-    s.tip.style.display = "block";
-    const rr = root.getBoundingClientRect();
-    let x = ev.clientX - rr.left + 14, y = ev.clientY - rr.top + 14;
-    if (x + s.tip.offsetWidth > rr.width) x = ev.clientX - rr.left - s.tip.offsetWidth - 10;
-    s.tip.style.left = `${Math.max(0, x)}px`;
-    s.tip.style.top = `${y}px`;
-  };
-  s.canvas.addEventListener("mousemove", move(false));
-  s.hostCanvas.addEventListener("mousemove", move(true));
-  for (const c of [s.canvas, s.hostCanvas]) c.addEventListener("mouseleave", () => (s.tip.style.display = "none"));
-  s.canvas.addEventListener("click", (ev) => {
-    const i = s.data ? hit(s.canvas, s.geo, s.data.n, ev) : -1;
-    if (i >= 0) s.setTrigger("block", i);
+  root.tabIndex = 0;
+  s.bar.innerHTML = '<button data-z="all" title="Show the whole pool (Home)">Whole pool</button>' +
+    '<button data-z="out" title="Zoom out (−, or the wheel)">−</button><button data-z="in" title="Zoom in (+, or the wheel)">+</button>' +
+    '<span class="range"></span><span class="sp"></span>colour by <button data-m="sequence">sequence</button><button data-m="state">state</button>' +
+    '<span class="hint">wheel zooms · drag pans · keys + − ↑ ↓ PgUp PgDn Home</span>';
+  s.bar.addEventListener("click", (ev) => {
+    const b = ev.target.closest("button");
+    if (!b) return;
+    if (b.dataset.m) { s.mode = b.dataset.m; draw(s); }
+    if (b.dataset.z === "all") setRange(s, 0, s.data.n);
+    if (b.dataset.z === "in") zoomAt(s, center(s), 0.5);
+    if (b.dataset.z === "out") zoomAt(s, center(s), 2);
   });
-  s.setTrigger = setTriggerValue;
-  new ResizeObserver(() => draw(s)).observe(root);
+  wireMain(s);
+  wireOverview(s);
+  s.hostCanvas.addEventListener("mousemove", (ev) => hoverAt(s, ev, s.hgeo, true));
+  for (const c of [s.canvas, s.over, s.hostCanvas]) c.addEventListener("mouseleave", () => setHover(s, null));
+  root.addEventListener("keydown", (ev) => key(s, ev));
+  new ResizeObserver(() => s.data && draw(s)).observe(root);
+  setInterval(() => {  // a lost answer never stops the redraws
+    const now = performance.now();
+    if (s.data && now - s.lastPull > 3000 && now - s.lastMsg > 3000) pull(s);
+  }, 1000);
   return s;
 }
 
-const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+const center = (s) => s.range.start + s.range.count / 2;
 
-function ownerName(d, o) {
-  return o ? d.seqs[o - 1][0] : "";
+function setRange(s, start, count) {
+  const n = s.data.n;
+  count = Math.round(Math.max(Math.min(MIN_COUNT, n), Math.min(n, count)));
+  start = Math.round(Math.max(0, Math.min(n - count, start)));
+  s.range = { start, count, n };
+  draw(s);
 }
 
-function swatch(d, o) {
-  if (!o) return "";
-  const col = d.style.palette[d.seqs[o - 1][1]];
-  return `<span class="sw" style="background:${col}"></span>`;
+function zoomAt(s, block, factor, frac = 0.5) {
+  const count = s.range.count * factor;
+  setRange(s, block - frac * count, count);
 }
 
-function deviceTip(d, i) {
-  const st = STATE[d.state[i]], ref = d.ref[i];
-  const owners = d.shared[i] || (d.owner[i] ? [d.owner[i]] : []);
-  const lines = [`<b>Block ${i}</b> · ${st}${ref ? ` · ref count ${ref}` : ""}`];
-  if (owners.length) lines.push(`held by ${owners.map((o) => swatch(d, o) + esc(ownerName(d, o))).join(", ")}`);
-  if (ref || st === "cached") lines.push(`${d.tokens[i]} / ${d.bs} tokens`);
+function pan(s, blocks) {
+  setRange(s, s.range.start + blocks, s.range.count);
+}
+
+function key(s, ev) {
+  if (!s.range) return;
+  const g = s.geo, row = g ? g.cols * g.k : 1, page = s.range.count;
+  const act = { "+": () => zoomAt(s, center(s), 0.5), "=": () => zoomAt(s, center(s), 0.5), "-": () => zoomAt(s, center(s), 2),
+    ArrowDown: () => pan(s, row), ArrowUp: () => pan(s, -row), PageDown: () => pan(s, page), PageUp: () => pan(s, -page),
+    Home: () => setRange(s, 0, s.data.n), End: () => setRange(s, s.data.n - s.range.count, s.range.count) }[ev.key];
+  if (act) { act(); ev.preventDefault(); }
+}
+
+function blockAt(g, canvas, ev) {
+  const r = canvas.getBoundingClientRect(), x = ev.clientX - r.left, y = ev.clientY - r.top;
+  if (!g || x < 0 || y < 0 || x >= g.w || y >= g.h) return -1;
+  const j = Math.floor(y / g.c) * g.cols + Math.floor(x / g.c), i = g.start + j * g.k;
+  return j >= 0 && i < g.start + g.count ? i : -1;
+}
+
+function wireMain(s) {
+  const c = s.canvas;
+  let drag = null;
+  c.addEventListener("wheel", (ev) => {
+    if (!s.geo) return;
+    ev.preventDefault();
+    const i = blockAt(s.geo, c, ev), at = i >= 0 ? i : center(s);
+    const frac = (at - s.range.start) / s.range.count;
+    zoomAt(s, at, ev.deltaY < 0 ? 0.8 : 1.25, frac);
+  }, { passive: false });
+  c.addEventListener("mousedown", (ev) => { drag = { y: ev.clientY, start: s.range.start, moved: false }; });
+  window.addEventListener("mouseup", () => setTimeout(() => (drag = null), 0));
+  c.addEventListener("mousemove", (ev) => {
+    if (drag && ev.buttons & 1) {
+      const dy = ev.clientY - drag.y, g = s.geo;
+      if (Math.abs(dy) > 3) drag.moved = true;
+      if (drag.moved) setRange(s, drag.start - Math.round(dy / g.c) * g.cols * g.k, s.range.count);
+      return;
+    }
+    hoverAt(s, ev, s.geo, false);
+  });
+  c.addEventListener("click", (ev) => {
+    if (drag && drag.moved) return;
+    const i = blockAt(s.geo, c, ev);
+    if (i >= 0 && s.geo.k === 1) s.setTrigger("block", i);
+  });
+}
+
+function wireOverview(s) {
+  const o = s.over;
+  const go = (ev) => {
+    const i = blockAt(s.ogeo, o, ev);
+    if (i >= 0) setRange(s, i - s.range.count / 2, s.range.count);
+  };
+  o.addEventListener("mousedown", go);
+  o.addEventListener("mousemove", (ev) => {
+    if (ev.buttons & 1) go(ev);
+    else hoverAt(s, ev, s.ogeo, false);
+  });
+}
+
+// ------------------------------------------------------------------ hover
+function setHover(s, h) {
+  s.hover = h;
+  if (!h) { s.tip.style.display = "none"; return; }
+  clearTimeout(s.hoverTimer);
+  if (!s.focus || s.focus.b !== h.b || s.focus.host !== h.host) s.hoverTimer = setTimeout(() => pull(s), 80);
+}
+
+function hoverAt(s, ev, g, host) {
+  if (!s.data || !g) return;
+  const canvas = ev.currentTarget, i = blockAt(g, canvas, ev);
+  if (i < 0) return setHover(s, null);
+  if (g.k > 1) {  // a pixel of many blocks: what it sums up
+    s.hover = null;
+    showTip(s, ev, rangeTip(s, i, Math.min(g.k, g.start + g.count - i)));
+    return;
+  }
+  if (!s.hover || s.hover.b !== i || s.hover.host !== host) setHover(s, { b: i, host });
+  s.tipAt = ev;
+  showTip(s, ev, host ? hostTip(s, i) : deviceTip(s, i));
+}
+
+function showTip(s, ev, html) {
+  s.tip.innerHTML = html;
+  s.tip.style.display = "block";
+  const rr = s.root.getBoundingClientRect();
+  let x = ev.clientX - rr.left + 14;
+  const y = ev.clientY - rr.top + 14;
+  if (x + s.tip.offsetWidth > rr.width) x = ev.clientX - rr.left - s.tip.offsetWidth - 10;
+  s.tip.style.left = `${Math.max(0, x)}px`;
+  s.tip.style.top = `${y}px`;
+}
+
+function refreshTip(s) {
+  const h = s.hover;
+  if (h && s.tipAt && s.tip.style.display === "block") s.tip.innerHTML = h.host ? hostTip(s, h.b) : deviceTip(s, h.b);
+}
+
+function swatch(s, ci) {
+  return `<span class="sw" style="background:${s.style.palette[ci]}"></span>`;
+}
+
+function focusLines(s, i, host) {
+  const f = s.focus;
+  if (!f || f.b !== i || f.host !== host) return ['<span class="dim">…</span>'];
+  const lines = [];
+  if (f.holders.length > 1 || (f.holders.length && host)) {
+    lines.push("held by " + f.holders.map(([id, ci, li]) => `${swatch(s, ci)}${esc(id)} <span class="dim">#${li}</span>`).join(", ") +
+      (f.more ? ` and ${f.more} more` : ""));
+  }
+  if (f.text !== null && f.text !== undefined) lines.push(`<span class="txt">“${esc(f.text)}${f.text.length >= 40 ? "…" : ""}”</span>`);
+  else lines.push('<span class="dim">text not known to this dashboard</span>');
+  return lines;
+}
+
+function deviceTip(s, i) {
+  const d = s.dev, st = STATE[state(d, i)], r = ref(d, i);
+  const lines = [`<b>Block ${fmt(i)}</b> · ${st}${r ? ` · ref count ${r}` : ""}`];
+  if (r === 1) {
+    const q = s.seqs.get(owner(d, i));
+    if (q) lines.push(`held by ${swatch(s, q[1])}${esc(q[0])}`);
+  }
+  if (r || st === "cached") lines.push(`${tokens(d, i)} / ${s.data.bs} tokens`);
   if (st === "cached") lines.push("no holder: evictable, still hit-able");
   if (st === "reserved") lines.push("never handed out: the engine's placeholder (vLLM's null block)");
-  if (d.hash[i] || st === "cached") lines.push(`hash ${(d.hash[i] >>> 0).toString(16).padStart(8, "0")}…`);
-  if (d.touch[i]) lines.push(`<span class="tk" style="border-color:${d.style.touch[d.touch[i] - 1]}"></span>${d.style.touchLabels[d.touch[i] - 1]} in step ${d.step}`);
+  if (st !== "free" && st !== "reserved") lines.push(...focusLines(s, i, false));
+  if (hash(d, i) || st === "cached") lines.push(`<span class="dim">hash ${(hash(d, i) >>> 0).toString(16).padStart(8, "0")}…</span>`);
+  const t = touch(d, i);
+  if (t) lines.push(`<span class="tk" style="border-color:${s.style.touch[t - 1]}"></span>${s.style.touchLabels[t - 1]} in step ${s.data.step}`);
   return lines.join("<br>");
 }
 
-function hostTip(d, i) {
-  const o = d.hOwner[i];
-  const lines = [`<b>Host block ${i}</b> · ${o ? "holds a swapped-out block" : "free"}`];
-  if (o) lines.push(`of ${swatch(d, o)}${esc(ownerName(d, o))} · ${d.hTokens[i]} / ${d.bs} tokens`);
-  if (d.hTouch[i]) lines.push(`${d.style.touchLabels[d.hTouch[i] - 1]} in step ${d.step}`);
+function hostTip(s, i) {
+  const o = hOwner(s.host, i), q = o ? s.seqs.get(o) : null;
+  const lines = [`<b>Host block ${fmt(i)}</b> · ${o ? "holds a swapped-out block" : "free"}`];
+  if (q) lines.push(`of ${swatch(s, q[1])}${esc(q[0])} · ${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
+  const t = hTouch(s.host, i);
+  if (t) lines.push(`${s.style.touchLabels[t - 1]} in step ${s.data.step}`);
   return lines.join("<br>");
 }
 
-function prepareCanvas(canvas, ctx, width, height) {
-  const dpr = window.devicePixelRatio || 1;
-  const w = Math.round(width * dpr), h = Math.round(height * dpr);
-  if (canvas.width !== w || canvas.height !== h) {
-    canvas.width = w; canvas.height = h;
-    canvas.style.width = `${width}px`; canvas.style.height = `${height}px`;
-  }
-  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  ctx.clearRect(0, 0, width, height);
+function rangeTip(s, i, k) {
+  const n = [0, 0, 0, 0, 0];
+  for (let j = i; j < i + k; j++) n[state(s.dev, j)]++;
+  return `<b>Blocks ${fmt(i)}–${fmt(i + k - 1)}</b> (one pixel)<br>${n[2] + n[3]} used (${n[3]} shared) · ${n[1]} cached · ${n[0]} free` +
+    (n[4] ? ` · ${n[4]} reserved` : "") +
+    '<br><span class="dim">zoom in for each block</span>';
 }
 
-// One cell: background by state, the filled fraction in the owner's colour, then marks.
-function cell(ctx, d, x, y, c, stt, owner, tokens, ref, touch, id, tints) {
-  const g = c >= 10 ? 2 : c >= 5 ? 1 : 0, s = c - g;
-  const sty = d.style;
-  if (stt === 0) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, s, s); }
-  else if (stt === 4) {  // reserved: dark, crossed out
-    ctx.fillStyle = sty.reserved; ctx.fillRect(x, y, s, s);
-    if (s >= 6) {
-      ctx.strokeStyle = "rgba(255,255,255,0.6)"; ctx.lineWidth = 1; ctx.beginPath();
-      ctx.moveTo(x, y); ctx.lineTo(x + s, y + s); ctx.moveTo(x, y + s); ctx.lineTo(x + s, y); ctx.stroke();
-    }
-  } else if (stt === 1) {
-    ctx.fillStyle = sty.cached; ctx.fillRect(x, y, s, s);
-    if (s >= 8) {
-      ctx.strokeStyle = "rgba(255,255,255,0.7)"; ctx.lineWidth = 1;
-      ctx.beginPath(); ctx.moveTo(x, y + s); ctx.lineTo(x + s, y); ctx.stroke();
-    }
-  } else {
-    const ci = owner ? d.seqs[owner - 1][1] : 0;
-    const frac = Math.min(1, tokens / d.bs), fh = Math.round(s * frac);
-    if (fh < s) { ctx.fillStyle = tints[ci]; ctx.fillRect(x, y, s, s - fh); }
-    ctx.fillStyle = sty.palette[ci]; ctx.fillRect(x, y + s - fh, s, fh);
-    if (stt === 3) {
-      if (s >= 14) {
-        ctx.fillStyle = "#fff"; ctx.font = `bold ${Math.round(s * 0.5)}px system-ui, sans-serif`;
-        ctx.textAlign = "center"; ctx.textBaseline = "middle";
-        ctx.fillText(`×${ref}`, x + s / 2, y + s / 2 + 1);
-      } else {
-        const t = Math.max(3, Math.round(s * 0.5));
-        ctx.fillStyle = "#fff"; ctx.beginPath();
-        ctx.moveTo(x + s - t, y); ctx.lineTo(x + s, y); ctx.lineTo(x + s, y + t); ctx.fill();
-      }
-    }
-  }
-  if (s >= 26 && stt !== 3) {
-    ctx.fillStyle = stt >= 2 ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";  // reserved too
-    ctx.font = "9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
-    ctx.fillText(String(id), x + 2, y + 2);
-  }
-  if (touch) {
-    ctx.strokeStyle = sty.touch[touch - 1];
-    if (s < 7) { ctx.fillStyle = sty.touch[touch - 1]; ctx.fillRect(x, y, s, s); return; }
-    const lw = s >= 16 ? 3 : 2;
-    ctx.lineWidth = lw; ctx.strokeRect(x + lw / 2, y + lw / 2, s - lw, s - lw);
-  }
-}
-
+// ------------------------------------------------------------------ drawing
 function draw(s) {
   const d = s.data;
   if (!d) return;
   const t0 = performance.now();
-  const width = Math.max(120, s.root.clientWidth);
-  const maxCell = d.n <= 64 ? 56 : 44;
-  s.geo = layout(d.n, width, d.n > 2048 ? 520 : 400, maxCell);
-  s.hgeo = layout(d.m, width, 90, Math.max(6, Math.min(Math.round(s.geo.c * 0.6), 22)));
-  const tints = d.style.palette.map((h) => tint(h, 0.3));
-  const { c, cols } = s.geo;
-  prepareCanvas(s.canvas, s.ctx, cols * c, s.geo.h);
-  let used = 0;
-  for (let i = 0; i < d.n; i++) {
-    const stt = d.state[i];
-    used += stt === 2 || stt === 3;
-    cell(s.ctx, d, (i % cols) * c, Math.floor(i / cols) * c, c, stt, d.owner[i], d.tokens[i], d.ref[i], d.touch[i], i, tints);
+  const width = Math.max(120, s.root.clientWidth), mainH = d.n > 2048 ? 520 : 400;
+  const all = geometry(0, d.n, width, mainH);
+  const small = all.k === 1 && all.c >= 8;  // the whole pool fits with room for detail
+  if (!s.range || s.range.n !== d.n) {
+    const count = small ? d.n : Math.min(d.n, Math.floor((width * mainH) / (14 * 14)));
+    s.range = { start: 0, count, n: d.n };
   }
-  // blocks a paused run-to-next-key-event points at: a thick dark ring, on top of everything
-  for (const i of d.highlight || []) {
-    if (i >= d.n) continue;
-    const x = (i % cols) * c, y = Math.floor(i / cols) * c, w = Math.max(2, Math.round(c / 6));
-    s.ctx.strokeStyle = "#0f172a"; s.ctx.lineWidth = w;
-    s.ctx.strokeRect(x + w / 2, y + w / 2, c - w, c - w);
+  s.range.n = d.n;
+  if (s.range.start + s.range.count > d.n) s.range.start = Math.max(0, d.n - s.range.count);
+  const whole = s.range.count >= d.n;
+  s.over.style.display = whole ? "none" : "";
+  s.bar.style.display = small && whole ? "none" : "";
+  if (!whole) {
+    s.ogeo = geometry(0, d.n, width, d.n > 65536 ? 160 : 110);
+    paint(s.over, s.octx, s, s.ogeo, false);
+    paintHighlight(s.octx, s.ogeo, d.highlight || []);
+    viewport(s);
   }
-  const hg = s.hgeo;
-  prepareCanvas(s.hostCanvas, s.hctx, hg.cols * hg.c, hg.h);
-  for (let i = 0; i < d.m; i++) {
-    const o = d.hOwner[i];
-    cell(s.hctx, d, (i % hg.cols) * hg.c, Math.floor(i / hg.cols) * hg.c, hg.c, o ? 2 : 0, o, d.hTokens[i], 1, d.hTouch[i], i, tints);
-  }
-  const k = d.counts;
-  const mode = !d.live ? `<span class="past">◀ time travel: event ${d.seq}</span>`
-    : d.connected === false ? `<span class="past">● not connected: event ${d.seq}, the last received</span>`
-    : '<span class="live">● live</span>';
-  s.head.innerHTML = `${mode} <b>Device pool</b> · ${d.n} blocks × ${d.bs} tokens · step ${d.step}` +
-    ` · <span class="num">${k.used}</span> used (${k.shared} shared) · ${k.cached} cached · ${k.free} free`;
-  s.hostHead.innerHTML = `<b>Host swap pool</b> · ${d.m} blocks · <span class="num">${k.host_used}</span> hold swapped-out blocks`;
-  s.hostHead.style.display = s.hostCanvas.style.display = d.m ? "" : "none";
-  s.legend.innerHTML = legend(d);
+  s.geo = geometry(s.range.start, s.range.count, width, mainH);
+  paint(s.canvas, s.ctx, s, s.geo, false);
+  paintHighlight(s.ctx, s.geo, d.highlight || []);
+  s.hgeo = geometry(0, d.m, width, 90);
+  if (s.hgeo.k === 1) s.hgeo = geometry(0, d.m, width, Math.min(90, s.hgeo.rows * Math.max(6, Math.min(22, Math.round(s.geo.c * 0.6)))));
+  paint(s.hostCanvas, s.hctx, s, s.hgeo, true);
+  header(s, whole);
+  s.legend.innerHTML = legend(s);
+  refreshTip(s);
   s.draws++;
   // for tests and the latency bench: what was drawn, when (wall clock) and how long it took
-  const now = Date.now(), ms = performance.now() - t0;
-  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used, n: d.n, live: d.live,
-    connected: d.connected !== false, highlight: (d.highlight || []).length, drawMs: ms };
+  const now = Date.now(), ms = performance.now() - t0, k = d.counts;
+  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used: k.used, n: d.n, live: d.live, drawMs: ms,
+    token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k,
+    touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length };
   const log = (window.__kvscope_draws ||= []);
   log.push([d.seq, now, ms]);
   if (log.length > 20000) log.splice(0, 10000);
   s.root.dataset.seq = d.seq;
-  s.root.dataset.used = used;
+  s.root.dataset.used = k.used;
 }
 
-function legend(d) {
-  const sty = d.style, k = d.counts, pal = sty.palette;
+function viewport(s) {
+  const g = s.ogeo, ctx = s.octx, r = s.range;
+  const [x0, y0] = place(g, r.start), [x1, y1, c] = place(g, Math.min(r.start + r.count, s.data.n) - 1);
+  ctx.save();
+  ctx.strokeStyle = "#d97706"; ctx.lineWidth = 2;
+  ctx.fillStyle = "rgba(217,119,6,0.12)";
+  if (y0 === y1) { ctx.fillRect(x0, y0, x1 + c - x0, c); ctx.strokeRect(x0, y0 - 1, x1 + c - x0, c + 2); }
+  else { ctx.fillRect(0, y0, g.w, y1 + c - y0); ctx.strokeRect(1, y0 - 1, g.w - 2, y1 + c - y0 + 2); }
+  ctx.restore();
+}
+
+function header(s, whole) {
+  const d = s.data, k = d.counts, g = s.geo;
+  const mode = !d.live ? `<span class="past">◀ time travel: event ${fmt(d.seq)}</span>`
+    : d.connected === false ? `<span class="past">● not connected: event ${fmt(d.seq)}, the last received</span>`
+    : '<span class="live">● live</span>';
+  s.head.innerHTML = `${mode} <b>Device pool</b> · ${fmt(d.n)} blocks × ${d.bs} tokens · step ${fmt(d.step)}` +
+    ` · <span class="num">${fmt(k.used)}</span> used (${fmt(k.shared)} shared) · ${fmt(k.cached)} cached · ${fmt(k.free)} free`;
+  const r = s.range, scale = g.k > 1 ? `${g.k} blocks per pixel` : g.c >= DETAIL ? `${g.c} px per block` : `${g.c} px per block, zoom in for detail`;
+  s.bar.querySelector(".range").textContent = whole ? `whole pool · ${scale}` :
+    `blocks ${fmt(r.start)}–${fmt(r.start + r.count - 1)} of ${fmt(d.n)} · ${scale}`;
+  for (const b of s.bar.querySelectorAll("button[data-m]")) b.classList.toggle("on", b.dataset.m === s.mode);
+  s.hostHead.innerHTML = `<b>Host swap pool</b> · ${fmt(d.m)} blocks · <span class="num">${fmt(k.host_used)}</span> hold swapped-out blocks`;
+  s.hostHead.style.display = s.hostCanvas.style.display = d.m ? "" : "none";
+}
+
+function legend(s) {
+  const d = s.data, sty = s.style, k = d.counts, pal = sty.palette;
   const box = (bg, extra = "") => `<span class="box" style="background:${bg}">${extra}</span>`;
+  const used = s.mode === "state" ? `${box(pal[0])}used ${fmt(k.used - k.shared)}` :
+    `${box(`linear-gradient(to top, ${pal[0]} 60%, ${rgba(pal[0], 0.3)} 60%)`)}used ${fmt(k.used - k.shared)}: colour = sequence, fill = tokens in block`;
   const parts = [
-    `${box(sty.free)}free ${k.free}`,
-    `${box(sty.cached, '<i class="hatch"></i>')}cached ${k.cached} <small>(no holder: evictable, still hit-able)</small>`,
-    `${box(`linear-gradient(to top, ${pal[0]} 60%, ${tint(pal[0], 0.3)} 60%)`)}used: colour = sequence, fill = tokens in block`,
-    `${box(pal[0], '<b class="ref">×2</b>')}shared: ref count`,
+    `${box(sty.free)}free ${fmt(k.free)}`,
+    `${box(sty.cached, '<i class="hatch"></i>')}cached ${fmt(k.cached)} <small>(no holder: evictable, still hit-able)</small>`,
+    used,
+    `${box(sty.shared, '<b class="ref">×2</b>')}shared ${fmt(k.shared)} <small>(held by several: ×ref count)</small>`,
   ];
   const reserved = d.n - k.free - k.cached - k.used;
-  if (reserved > 0) parts.push(`${box(sty.reserved)}reserved ${reserved} <small>(never handed out)</small>`);
+  if (reserved > 0) parts.push(`${box(sty.reserved)}reserved ${fmt(reserved)} <small>(never handed out)</small>`);
   const touched = sty.touchKinds.map((kind, i) => [kind, i]).filter(([kind]) => d.touched[kind])
-    .map(([kind, i]) => `<span class="box ring" style="border-color:${sty.touch[i]}"></span>${sty.touchLabels[i]} ${d.touched[kind]}`);
-  const seqs = d.seqs.slice(0, 24).map(([id, ci, status]) =>
+    .map(([kind, i]) => {
+      const [events, blocks] = d.touched[kind];
+      return `<span class="box ring" style="border-color:${sty.touch[i]}"></span>${sty.touchLabels[i]} ` +
+        `<span class="num">${events}</span> <small>event${events === 1 ? "" : "s"}, ${blocks} block${blocks === 1 ? "" : "s"} outlined</small>`;
+    });
+  const seqs = [...s.seqs.values()].slice(0, 24).map(([id, ci, status]) =>
     `<span class="chip" style="background:${pal[ci]}" title="${esc(status)}">${esc(id)}${status === "swapped" ? " ⇣" : status === "waiting" ? " …" : ""}</span>`);
-  if (d.seqs.length > 24) seqs.push(`+${d.seqs.length - 24} more`);
+  if (s.seqs.size > 24) seqs.push(`+${fmt(s.seqs.size - 24)} more`);
   return `<div>${parts.join(" ")}</div>` +
-    `<div><span class="lbl">step ${d.step}:</span> ${touched.length ? touched.join(" ") : "<small>no block touched</small>"}</div>` +
+    `<div><span class="lbl">step ${fmt(d.step)}:</span> ${touched.length ? touched.join(" ") : "<small>no block touched</small>"}</div>` +
     (seqs.length ? `<div><span class="lbl">sequences:</span> ${seqs.join(" ")}</div>` : "");
 }
 
+// ------------------------------------------------------------------ the exchange with Python
+function pull(s) {
+  clearTimeout(s.pullTimer);
+  s.pullTimer = null;
+  s.lastPull = performance.now();
+  const h = s.hover;
+  s.setState("sync", { have: s.token, pull: ++s.pulls, focus: h ? [h.b, h.host ? 1 : 0] : null, style: s.style ? 1 : 0 });
+}
+
+function schedulePull(s, interval) {
+  if (s.pullTimer) return;
+  const wait = Math.max(0, s.lastPull + interval - performance.now());
+  s.pullTimer = setTimeout(() => pull(s), wait);
+}
+
+async function receive(s, bytes) {
+  s.lastMsg = performance.now();
+  const msgs = (window.__kvscope_msgs ||= []);  // for the bench: when each frame came, and its size
+  msgs.push([Date.now(), bytes.length]);
+  if (msgs.length > 20000) msgs.splice(0, 10000);
+  try {
+    const frame = await parse(bytes);
+    if (apply(s, frame)) {
+      draw(s);
+      s.err.style.display = "none";
+    }
+    schedulePull(s, frame.head.interval || 100);
+  } catch (e) {
+    s.err.textContent = `The grid could not draw this frame: ${e}`;
+    s.err.style.display = "block";
+    console.error(e);
+    schedulePull(s, 1000);
+  }
+}
+
+// For tests: blocks whose state (0-3) or latest-step touch kind matches, and where block i
+// is on screen once the zoomed view shows it (client coordinates of its cell's centre).
+function testApi(s) {
+  return {
+    find(what, most = 1) {
+      const code = s.style.touchKinds.indexOf(what) + 1, out = [];
+      for (let i = 0; i < s.data.n && out.length < most; i++) if (code ? touch(s.dev, i) === code : state(s.dev, i) === what) out.push(i);
+      return out;
+    },
+    locate(i) {
+      if (i < s.range.start || i >= s.range.start + s.range.count) setRange(s, i - s.range.count / 2, s.range.count);
+      const [x, y, c] = place(s.geo, i), r = s.canvas.getBoundingClientRect();
+      return { x: r.left + x + c / 2, y: r.top + y + c / 2 };
+    },
+  };
+}
+
 export default function (component) {
-  const { data, parentElement, setTriggerValue } = component;
+  const { data, parentElement, setStateValue, setTriggerValue } = component;
   const root = parentElement.querySelector(".kv");
   if (!root || !data) return;
-  const s = root.__kv || (root.__kv = setup(root, setTriggerValue));
+  const s = root.__kv || (root.__kv = setup(root));
+  window.__kvscope_grid_api = testApi(s);
+  s.setState = setStateValue;
   s.setTrigger = setTriggerValue;
-  s.data = decode(data);
-  draw(s);
+  if (data === s.lastBytes) return;
+  s.lastBytes = data;
+  const bytes = data instanceof Uint8Array ? data : new Uint8Array(data);
+  s.queue = s.queue.then(() => receive(s, bytes));  // frames apply in the order they came
 }

@@ -1,20 +1,26 @@
-"""Dashboard cost: server-side work per grid redraw, and event-to-screen latency in a browser.
+"""Dashboard cost at production sizes: server work and bytes per grid redraw, the history's
+memory and time travel, and redraws/s and event-to-screen latency in a real browser.
 
-1. Server side, per redraw of the pool grid at 1k/4k/8k/16k blocks: the state a view needs
-   (a copy of the mirror), the packed grid arrays, and the JSON Streamlit sends; pools filled
-   by the real block manager (shared prefixes, forks, cached and swapped blocks).
-2. In the browser (Debian chromium, playwright): the app attached to a real engine (tiny
-   model) with an 8,192-block pool under load; a second WebSocket client stamps each events
-   frame on arrival, the canvas stamps each draw (wall clock, same machine), and latency is
-   the time from a frame's arrival to the first draw that shows it. Also redraws per second,
-   the canvas's own draw time, and Streamlit's CPU per redraw.
+Pools are filled and kept busy by the real engine with random logits (bench/synthetic.py):
+shared system prompts, parallel samples, a steady stream of requests.
 
-    python -m bench.dashboard [--browser-blocks 8192] [--seconds 15] [--write]
+1. Server side, per grid redraw in steady state: the view (a copy of the mirror), the frame
+   (every block's drawing) and the delta from the frame before, two engine steps apart (what
+   a browser asking every 80 ms sees from an engine doing ~25 steps/s); plus the whole frame
+   a browser gets when it first loads. Sizes interleaved, `--rounds` rounds of 20 redraws.
+2. History: a million events into the dashboard's history at 131,072 blocks: memory, and
+   time travel (the state at a random retained event, its frame, the delta from live).
+3. In the browser (Debian chromium, playwright): the app attached to a synthetic server; a
+   second WebSocket client stamps each events frame on arrival, the canvas stamps each draw
+   (wall clock, same machine): latency is from a frame's arrival to the first draw showing
+   it. Also redraws/s, bytes per redraw, the canvas's draw time, Streamlit's CPU.
+
+    python -m bench.dashboard [--sizes 8192,131072,1048576] [--rounds 3] [--seconds 15] [--write]
 """
 from __future__ import annotations
 
 import argparse
-import json
+import gc
 import os
 import random
 import re
@@ -25,92 +31,164 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.contract import protocol as p
-from engine.block_manager import BlockManager
-from engine.events import EventLog
-from engine.sequence import SamplingParams, Sequence
-from app import grid, tables
+from app import grid
 from app.client import View
 from app.event_history import EventHistory
 from app.launcher import ServerProcess
+from bench.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LOAD = dict(live=512, max_num_seqs=256)  # requests in the engine, running at once
+
+
+def spread(xs: list[float]) -> str:
+    """median (min–max)"""
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
+
+
+def engine_for(blocks: int, fill: float = 0.8) -> SyntheticEngine:
+    cfg = EngineConfig(model="synthetic", max_num_batched_tokens=4096, pool=p.PoolConfig(
+        num_device_blocks=blocks, num_host_blocks=min(blocks // 4, 1 << 18), max_num_seqs=LOAD["max_num_seqs"]))
+    engine = SyntheticEngine(cfg, LOAD["live"])
+    engine.fill(fill)
+    engine.warm()
+    return engine
+
+
+def over_the_wire(engine: SyntheticEngine) -> list[p.AnyEvent]:
+    """One step's events as the dashboard gets them (encoded, decoded)."""
+    engine.step()
+    return p.decode_server_message(p.encode(p.Events(events=engine.drain_events()))).events
 
 
 # ------------------------------------------------------------------------ 1. server side
-def filled_history(num_blocks: int, seed: int = 0) -> History:
-    """A pool about 80% used by the real block manager: shared prefixes, forks, cached and
-    swapped-out blocks, as the dashboard would mirror it."""
-    rng, log = random.Random(seed), EventLog()
-    bm = BlockManager(p.PoolConfig(num_device_blocks=num_blocks, num_host_blocks=num_blocks // 4), log)
-    first = bm.state([]).snapshot()
-    prefixes = [[rng.randrange(50_000) for _ in range(128)] for _ in range(4)]
-    seqs: list[Sequence] = []
-    while bm.num_allocatable_blocks > num_blocks * 0.2:
-        i = len(seqs)
-        log.step += 1  # one admission per engine step, as the scheduler would batch them
-        prompt = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(rng.randint(8, 600))]
-        seq = Sequence(f"r{i}", f"r{i}", prompt, SamplingParams(max_tokens=256))
-        log.emit(p.RequestAdded(request_id=seq.request_id, seq_id=seq.seq_id, prompt_tokens=len(prompt)))
-        if not bm.can_allocate(seq):
-            break
-        seq.num_computed_tokens = bm.allocate(seq)
-        bm.cache_full_blocks(seq, len(seq))
-        seq.num_computed_tokens = len(seq)
-        log.emit(p.Append(seq_id=seq.seq_id, num_tokens=len(seq)))
-        seqs.append(seq)
-        if i % 10 == 3:  # parallel samples share everything
-            child = Sequence(f"r{i}.1", seq.request_id, list(seq.token_ids), seq.params)
-            child.num_computed_tokens = seq.num_computed_tokens
-            bm.fork(seq, child)
-            seqs.append(child)
-    for seq in seqs[::7]:  # some finish: their hashed blocks stay cached
-        if seq.seq_id.endswith(".1") or not bm.can_swap_out(seq):
-            continue
-        bm.free(seq)
-        log.emit(p.Finish(seq_id=seq.seq_id, reason="stop"))
-    h = EventHistory(first)
-    for ev in log.drain():
-        h.append(ev)
-    return h
+class Steady:
+    """A filled pool, its dashboard history, and the frame a browser holds."""
+
+    def __init__(self, blocks: int):
+        self.blocks, self.engine = blocks, engine_for(blocks)
+        snap = p.decode_server_message(p.encode_snapshot(self.engine.capture().state().columnar_snapshot()))
+        self.history = EventHistory(snap)
+        self.colors: dict[str, int] = {}
+        t0 = time.perf_counter()
+        self.first = self.frame()
+        self.full_ms = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        self.full_kib = len(grid.message(self.first, None)) / 1024
+        self.full_ms += (time.perf_counter() - t0) * 1000
+        self.held = self.first
+
+    def frame(self) -> grid.Frame:
+        h = self.history
+        return grid.build(View(h.at(h.last_event), True, 1, h.last_step_events(h.last_event)), self.colors)
+
+    def redraws(self, count: int, steps: int = 2) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"view_ms": [], "frame_ms": [], "delta_ms": [], "total_ms": [], "kib": [], "events": []}
+        for _ in range(count):
+            n = 0
+            for _ in range(steps):
+                for ev in over_the_wire(self.engine):
+                    self.history.append(ev)
+                    n += 1
+            h = self.history
+            t0 = time.perf_counter()
+            view = View(h.at(h.last_event), True, 1, h.last_step_events(h.last_event))
+            t1 = time.perf_counter()
+            frame = grid.build(view, self.colors)
+            t2 = time.perf_counter()
+            data = grid.message(frame, self.held)
+            t3 = time.perf_counter()
+            self.held = frame
+            for k, v in (("view_ms", t1 - t0), ("frame_ms", t2 - t1), ("delta_ms", t3 - t2), ("total_ms", t3 - t0)):
+                out[k].append(v * 1000)
+            out["kib"].append(len(data) / 1024)
+            out["events"].append(n)
+        return out
 
 
-def timed(fn, repeat: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat * 1000
-
-
-def server_side(sizes: list[int]) -> list[dict]:
+def server_side(sizes: list[int], rounds: int) -> list[dict]:
+    pools = [Steady(n) for n in sizes]
+    results = {n: {} for n in sizes}
+    for _ in range(rounds):  # sizes interleaved, each round's median kept
+        for s in pools:
+            for k, v in s.redraws(20).items():
+                results[s.blocks].setdefault(k, []).append(statistics.median(v))
     rows = []
-    for n in sizes:
-        h = filled_history(n)
-        colors = {s: i for i, s in enumerate(h.live.state.seqs)}
-        view = View(h.at(h.last_event), True, 1, h.last_step_events(h.last_event))
-        data = {**grid.payload(view, colors), "style": grid.STYLE}
-        repeat = max(5, 20_000 // n)
-        clone = timed(lambda: h.live.clone(), repeat)
-        pack = timed(lambda: grid.payload(view, colors), repeat)
-        dump = timed(lambda: json.dumps(data), repeat)
-        html = timed(lambda: tables.render(view, colors), repeat)
-        used = view.mirror.state.counts().used
-        rows.append(dict(blocks=n, used=used, seqs=len(view.mirror.state.seqs), clone_ms=clone, payload_ms=pack,
-                         json_ms=dump, per_redraw_ms=clone + pack + dump, tables_ms=html,
-                         kib=len(json.dumps(data)) / 1024))
+    for s in pools:
+        counts = s.history.live.state.counts()
+        rows.append(dict(blocks=s.blocks, used=counts.used, cached=counts.cached, seqs=len(s.history.live.state.seqs),
+                         full_ms=s.full_ms, full_kib=s.full_kib, **results[s.blocks]))
     return rows
 
 
-# ------------------------------------------------------------------------ 2. in the browser
+# ------------------------------------------------------------------------ 2. history
+def history(blocks: int = 131072, events: int = 1_000_000, travels: int = 30) -> dict:
+    """The events are made first and kept as the frames the wire carries; then the engine
+    goes, and the history alone is measured taking them in."""
+    engine = engine_for(blocks)
+    snap = p.encode_snapshot(engine.capture().state().columnar_snapshot())
+    frames, made = [], 0
+    while made < events:
+        engine.step()
+        evs = engine.drain_events()
+        frames.append(p.encode(p.Events(events=evs)))
+        made += len(evs)
+    del engine
+    gc.collect()
+    tracemalloc.start()  # counts numpy's arrays too; the events are taken in again, timed, without it
+    h = EventHistory(p.decode_server_message(snap))
+    for frame in frames:
+        for ev in p.decode_server_message(frame).events:
+            h.append(ev)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] / 2**20
+    tracemalloc.stop()
+    h = EventHistory(p.decode_server_message(snap))
+    apply_s = 0.0
+    for frame in frames:
+        t0 = time.perf_counter()
+        for ev in p.decode_server_message(frame).events:
+            h.append(ev)
+        apply_s += time.perf_counter() - t0
+    applied = made
+    live = grid.build(View(h.at(h.last_event), True, 1, h.last_step_events(h.last_event)), {})
+    times = []
+    for n in random.Random(0).sample(range(h.first_event, h.last_event), travels):
+        t0 = time.perf_counter()
+        frame = grid.build(View(h.at(n), False, 1, h.last_step_events(n)), {})
+        grid.message(frame, live)
+        times.append((time.perf_counter() - t0) * 1000)
+    t0 = time.perf_counter()
+    recent = h.recent(h.last_event, 50_000)  # what the event log reads
+    log_ms = (time.perf_counter() - t0) * 1000
+    return dict(blocks=blocks, events=len(h.events), held_mib=held, store_mib=h.events.nbytes / 2**20,
+                checkpoints=len(h.checkpoints), every=h.checkpoint_every, state_mib=h.live.state.nbytes() / 2**20,
+                budget_mib=h.checkpoint_bytes / 2**20, apply_us=apply_s / applied * 1e6,
+                travel_p50=statistics.median(times), travel_max=max(times), log_ms=log_ms, log_events=len(recent))
+
+
+# ------------------------------------------------------------------------ 3. in the browser
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"streamlit did not listen on port {port}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -124,103 +202,136 @@ class Stamper(threading.Thread):
     def __init__(self, url: str):
         super().__init__(daemon=True)
         from websockets.sync.client import connect
-        self.ws = connect(url, max_size=None, compression=None)
+        self.ws = connect(url + "?features=columnar", max_size=None, max_queue=None, compression=None)
         self.arrivals: list[tuple[float, int]] = []  # (wall time, last event number in the frame)
         self.start()
 
     def run(self) -> None:
-        for frame in self.ws:
-            msg = p.decode_server_message(frame)
-            if isinstance(msg, p.Events) and msg.events:
-                self.arrivals.append((time.time() * 1000, msg.events[-1].seq))
+        try:
+            for frame in self.ws:
+                msg = p.decode_server_message(frame)
+                if isinstance(msg, p.Events) and msg.events:
+                    self.arrivals.append((time.time() * 1000, msg.events[-1].seq))
+        except Exception:
+            pass  # the server went away: the measurement is over
 
-    def send(self, cmd: p.Command) -> None:
-        self.ws.send(p.encode(cmd).decode())
 
-
-def in_browser(num_blocks: int, seconds: float, step_delay_ms: float = 0) -> dict:
+def in_browser(blocks: int, seconds: float, step_delay_ms: float = 50, app_dir: Path = ROOT) -> dict:
+    """One measurement; `app_dir`: the checkout whose dashboard is measured (with its .venv)."""
     from playwright.sync_api import sync_playwright
 
-    eng = ServerProcess("engine.server", ["--model", "tiny", "--port", "0", "--num-device-blocks",
-                                          str(num_blocks), "--num-host-blocks", "256",
-                                          "--step-delay-ms", str(step_delay_ms)]).start()
-    assert eng.wait_ready(120), "\n".join(eng.tail())
+    eng = ServerProcess("bench.synthetic", [
+        "--port", "0", "--num-device-blocks", str(blocks), "--num-host-blocks", str(min(blocks // 4, 1 << 18)),
+        "--live", str(LOAD["live"]), "--max-num-seqs", str(LOAD["max_num_seqs"]), "--fill", "0.8",
+        "--step-delay-ms", str(step_delay_ms)]).start()
+    assert eng.wait_ready(900), "\n".join(eng.tail())
     port = free_port()
-    app = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true",
-                            "--server.port", str(port), "--browser.gatherUsageStats", "false", "--",
-                            "--engine", eng.url], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    python = sys.executable if app_dir == ROOT else str(app_dir / ".venv" / "bin" / "python")
+    app = subprocess.Popen([python, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true",
+                            "--server.port", str(port), "--server.fileWatcherType", "none",
+                            "--browser.gatherUsageStats", "false", "--", "--engine", eng.url],
+                           cwd=app_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stamper = Stamper(eng.url)
     try:
+        wait_listening(port, app)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=FLAGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1200})
+            t0 = time.time()
             page.goto(f"http://127.0.0.1:{port}")
-            page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n === {num_blocks}",
-                                   timeout=120_000)
-            time.sleep(2)
-            for i in range(12):  # a steady stream of events: 12 long generations
-                stamper.send(p.Submit(prompt=f"load {i} " + "word " * 300, max_tokens=4000, ignore_eos=True,
-                                      request_id=f"bench{i}"))
-            time.sleep(2)
-            page.evaluate("window.__kvscope_draws = []")
+            page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n === {blocks}", timeout=300_000)
+            load_s = time.time() - t0
+            time.sleep(3)
+            page.evaluate("window.__kvscope_draws = []; window.__kvscope_msgs = []")
             arrivals_from, cpu0, t0 = len(stamper.arrivals), cpu_seconds(app.pid), time.time() * 1000
             time.sleep(seconds)
             t1, cpu1 = time.time() * 1000, cpu_seconds(app.pid)
-            draws = page.evaluate("window.__kvscope_draws")
+            draws, msgs = page.evaluate("window.__kvscope_draws"), page.evaluate("window.__kvscope_msgs") or []
             browser.close()
-        for i in range(12):
-            stamper.send(p.Abort(request_id=f"bench{i}"))
     finally:
+        stamper.ws.close()
         app.send_signal(signal.SIGTERM)
-        app.wait(timeout=20)
+        app.wait(timeout=30)
         eng.stop()
     frames = [a for a in stamper.arrivals[arrivals_from:] if t0 <= a[0] <= t1 - 1000]
-    distinct = [d for i, d in enumerate(draws) if i == 0 or d[0] != draws[i - 1][0]]
     lat = []
     for at, seq in frames:
         shown = next((d for d in draws if d[0] >= seq and d[1] >= at - 5), None)
         if shown:
             lat.append(shown[1] - at)
     q = statistics.quantiles(lat, n=20) if len(lat) >= 20 else [float("nan")] * 19
-    return dict(blocks=num_blocks, seconds=seconds, step_delay_ms=step_delay_ms, frames=len(frames), redraws_per_s=len(draws) / seconds,
-                new_state_redraws_per_s=len(distinct) / seconds, latency_p50_ms=statistics.median(lat) if lat else None,
-                latency_p95_ms=q[18], latency_max_ms=max(lat) if lat else None,
-                draw_ms_p50=statistics.median(d[2] for d in draws) if draws else None,
-                streamlit_cpu_ms_per_redraw=(cpu1 - cpu0) * 1000 / max(1, len(draws)),
+    sizes = [m[1] for m in msgs]
+    return dict(blocks=blocks, app=app_dir.name, load_s=load_s, redraws_per_s=len(draws) / seconds,
+                frames_per_s=len(msgs) / seconds, kib_p50=statistics.median(sizes) / 1024 if sizes else float("nan"),
+                kib_max=max(sizes) / 1024 if sizes else float("nan"),
+                latency_p50_ms=statistics.median(lat) if lat else float("nan"), latency_p95_ms=q[18],
+                draw_ms_p50=statistics.median(d[2] for d in draws) if draws else float("nan"),
                 streamlit_cpu_share=(cpu1 - cpu0) / seconds)
 
 
+def browser_rounds(sizes: list[int], rounds: int, seconds: float, compare: Path | None = None) -> list[dict]:
+    """Sizes interleaved, round after round; with `compare`, that checkout's dashboard too,
+    right after this one's, at the sizes its protocol allows."""
+    runs = []
+    for _ in range(rounds):
+        for n in sizes:
+            runs.append(in_browser(n, seconds))
+            if compare and n <= 65536:
+                runs.append(in_browser(n, seconds, app_dir=compare))
+    out = []
+    for app in dict.fromkeys(r["app"] for r in runs):
+        for n in sizes:
+            mine = [r for r in runs if r["blocks"] == n and r["app"] == app]
+            if mine:
+                out.append({"blocks": n, "app": app, **{k: [r[k] for r in mine] for k in mine[0] if k not in ("blocks", "app")}})
+    return out
+
+
 # ------------------------------------------------------------------------ report
-def report(server: list[dict], browser: list[dict]) -> str:
-    cpu = os.cpu_count()
+def load_average() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: int) -> str:
     lines = ["## Dashboard", "",
-             f"`python -m bench.dashboard` on this machine ({cpu} cores, CPU only, other jobs running), "
-             "Streamlit 1.67, Debian chromium headless.", "",
-             "Server-side work per grid redraw (a copy of the mirror for the view, the packed arrays, the JSON "
-             "Streamlit sends), on pools about 80% used by the real block manager:", "",
-             "| blocks | used | sequences | copy (ms) | arrays (ms) | JSON (ms) | per redraw (ms) | payload (KiB) | block tables HTML (ms) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"`python -m bench.dashboard` on this machine ({os.cpu_count()} cores, CPU only, shared with other jobs: "
+             f"load average {load_average()} at the end), Streamlit 1.67, Debian chromium headless. Pools filled to "
+             f"80% (used or cached) and kept busy by the real engine with random logits (`bench/synthetic.py`: "
+             f"{LOAD['live']} requests in flight, {LOAD['max_num_seqs']} running, shared system prompts, parallel "
+             f"samples). Figures: median (min–max) over {rounds} rounds, sizes interleaved.", "",
+             "Server work per grid redraw in steady state (two engine steps apart): the view (a copy of the mirror), "
+             "the frame (every block's drawing), the delta from the frame the browser holds; and the whole frame a "
+             "browser gets when it loads:", "",
+             "| blocks | used / cached | sequences | events per redraw | view (ms) | frame (ms) | delta (ms) | **per redraw (ms)** | **bytes per redraw (KiB)** | whole frame (ms, KiB) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in server:
-        lines.append(f"| {r['blocks']:,} | {r['used']:,} | {r['seqs']} | {r['clone_ms']:.2f} | {r['payload_ms']:.2f} | "
-                     f"{r['json_ms']:.2f} | **{r['per_redraw_ms']:.2f}** | {r['kib']:.0f} | {r['tables_ms']:.2f} |")
-    lines += ["", "The copy and the arrays are made once per event number and shared by every session; "
-              "each redraw of each session pays the JSON and Streamlit's own protobuf and WebSocket work.", ""]
+        lines.append(f"| {r['blocks']:,} | {r['used']:,} / {r['cached']:,} | {r['seqs']} | {statistics.median(r['events']):.0f} | "
+                     f"{spread(r['view_ms'])} | {spread(r['frame_ms'])} | {spread(r['delta_ms'])} | **{spread(r['total_ms'])}** | "
+                     f"**{spread(r['kib'])}** | {r['full_ms']:.0f}, {r['full_kib']:,.0f} |")
+    lines += ["", "The view and the frame are made once per event number and shared by every session; the delta is "
+              "per browser (from the frame it holds). A redraw's bytes are the blocks whose drawing changed, 20 bytes "
+              "each, plus the sequences that changed; whole frames go deflated.", ""]
+    if hist:
+        lines += [f"History: {hist['events']:,} events into the dashboard's history at {hist['blocks']:,} blocks "
+                  f"({hist['apply_us']:.1f} µs per event applied). Memory it holds: **{hist['held_mib']:,.0f} MiB** "
+                  f"(events packed: {hist['store_mib']:,.0f} MiB; {hist['checkpoints']} checkpoints, one every "
+                  f"{hist['every']:,} events, of about {hist['state_mib']:.1f} MiB each, within their budget of "
+                  f"{hist['budget_mib']:,.0f} MiB). Time travel to a random retained event, its frame and the delta "
+                  f"from live: **{hist['travel_p50']:.0f} ms** median, {hist['travel_max']:.0f} ms at most. The event "
+                  f"log's read of the newest {hist['log_events']:,} events: {hist['log_ms']:.0f} ms.", ""]
     if browser:
-        lines += ["In the browser: the app attached to a real engine (tiny model) under load (12 long generations), "
-                  "grid refresh set to 10 per second. Latency: from an events frame's arrival at a second client "
-                  "of the engine to the first canvas draw showing it (same machine clock).", "",
-                  "| blocks | engine | redraws/s | with new state/s | latency p50 (ms) | p95 (ms) | max (ms) | canvas draw (ms) | Streamlit CPU per grid redraw, all views (ms) | Streamlit CPU share |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["In the browser: the app attached to the synthetic server (50 ms between steps), grid at \"10 per "
+                  "second\". Latency: from an events frame's arrival at a second client of the engine to the first "
+                  "canvas draw showing it (same machine clock).", "",
+                  "| dashboard | blocks | page load (s) | **redraws/s** | grid frames/s | **grid KiB per frame** p50 (max) | **latency p50 (ms)** | p95 (ms) | canvas draw (ms) | Streamlit CPU share |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in browser:
-            pace = f"{r['step_delay_ms']:g} ms between steps" if r["step_delay_ms"] else "full speed"
-            lines.append(f"| {r['blocks']:,} | {pace} | {r['redraws_per_s']:.1f} | {r['new_state_redraws_per_s']:.1f} | "
-                         f"{r['latency_p50_ms']:.0f} | {r['latency_p95_ms']:.0f} | {r['latency_max_ms']:.0f} | "
-                         f"{r['draw_ms_p50']:.1f} | {r['streamlit_cpu_ms_per_redraw']:.1f} | {r['streamlit_cpu_share']:.0%} |")
-        lines += ["", "The browser asks for the next grid rerun 60 ms after the last one's round trip ends (the "
-                  "\"10 per second\" setting), so about 50 ms of the latency is the expected wait; the rest is the "
-                  "rerun, the transfer and the draw. At full speed the tiny engine keeps one of the two cores busy "
-                  "and chromium and Streamlit share the other: the round trip grows and the grid holds about 10 "
-                  "redraws/s; with the engine paced, it redraws faster than asked."]
+            lines.append(f"| {r['app']} | {r['blocks']:,} | {spread(r['load_s'])} | **{spread(r['redraws_per_s'])}** | {spread(r['frames_per_s'])} | "
+                         f"**{spread(r['kib_p50'])}** ({max(r['kib_max']):,.0f}) | **{spread(r['latency_p50_ms'])}** | "
+                         f"{spread(r['latency_p95_ms'])} | {spread(r['draw_ms_p50'])} | {statistics.median(r['streamlit_cpu_share']):.0%} |")
+        lines += ["", "Frames are what the browser received (each answers its request for the next); redraws also "
+                  "count the draws that hovering, zooming and the page's own resizing cause. The first frame is the whole pool; "
+                  "the max column is that one."]
     return "\n".join(lines) + "\n"
 
 
@@ -234,16 +345,23 @@ def write_section(text: str, path: Path = ROOT / "docs" / "benchmarks.md") -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="1024,4096,8192,16384")
-    ap.add_argument("--browser-blocks", default="1024,8192", help="pool sizes for the browser part ('' skips it)")
+    ap.add_argument("--sizes", default="8192,131072,1048576")
+    ap.add_argument("--browser-sizes", default=None, help="default: --sizes ('' skips the browser)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=15)
-    ap.add_argument("--step-delay-ms", default="0,30", help="engine paces to measure at (0 = full speed)")
+    ap.add_argument("--history-events", type=int, default=1_000_000, help="0 skips the history part")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="another checkout (with its .venv) whose dashboard is measured beside this one")
     ap.add_argument("--write", action="store_true", help="write the results into docs/benchmarks.md")
     args = ap.parse_args()
-    server = server_side([int(s) for s in args.sizes.split(",")])
-    browser = [in_browser(int(n), args.seconds, float(d)) for n in args.browser_blocks.split(",") if n
-               for d in args.step_delay_ms.split(",")]
-    text = report(server, browser)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    bsizes = sizes if args.browser_sizes is None else [int(s) for s in args.browser_sizes.split(",") if s]
+    server = server_side(sizes, args.rounds)
+    print(report(server, None, [], args.rounds), flush=True)
+    hist = history(events=args.history_events) if args.history_events else None
+    print(hist, flush=True)
+    browser = browser_rounds(bsizes, args.rounds, args.seconds, args.compare) if bsizes else []
+    text = report(server, hist, browser, args.rounds)
     print(text)
     if args.write:
         write_section(text)

@@ -7,7 +7,10 @@ LRU (an OrderedDict), and prefix lookups go through a dict keyed by chained bloc
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Iterable
+
+import numpy as np
 
 from engine.contract import protocol as p
 from engine.events import EventLog
@@ -18,8 +21,11 @@ NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
 WATERMARK = 0.01  # share of device blocks admission leaves free, so running sequences can grow
 
 
+MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
 def hash_hex(h: int) -> str:
-    return f"{h & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+    return f"{h & MASK64:016x}"
 
 
 class NoFreeBlocks(RuntimeError):
@@ -124,7 +130,7 @@ class BlockManager:
                 self.hashes[b], self.hash_to_block[h] = h, b
                 self.tokens[b] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 parent = hash_hex(seq.block_hashes[i - 1]) if i else None
-                self.log.emit(p.Cached(block_id=b, hash=hash_hex(h), parent_hash=parent))
+                self.log.emit(p.Cached(block_id=b, hash=hash_hex(h), parent_hash=parent, seq_id=seq.seq_id))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def clear_prefix_cache(self) -> int:
@@ -249,16 +255,30 @@ class BlockManager:
         return mapping
 
     # ------------------------------------------------------------------ observation
+    def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
+        """A copy of the pools, given every live sequence (in creation order): cheap enough to
+        take between steps even for a million blocks; `state()` does the rest anywhere."""
+        return PoolCapture(self.config, self.log.seq, self.ref_counts[:], self.hashes[:], [
+            SeqState(s.seq_id, s.request_id, s.status.value, list(s.block_table), list(s.host_table),
+                     s.num_computed_tokens, s.num_prompt_tokens, s.num_output_tokens,
+                     s.params.max_tokens, s.text) for s in seqs])
+
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
-        st = PoolState.empty(self.config, self.log.seq)
-        st.ref_counts = list(self.ref_counts)
-        st.hashes = [None if h is None else hash_hex(h) for h in self.hashes]
-        for s in seqs:
-            st.seqs[s.seq_id] = SeqState(
-                s.seq_id, s.request_id, s.status.value, list(s.block_table), list(s.host_table),
-                s.num_computed_tokens, s.num_prompt_tokens, s.num_output_tokens,
-                s.params.max_tokens, s.text)
-            for h in s.host_table:
-                st.host_owner[h] = s.seq_id
-        return st
+        return self.capture(seqs).state()
+
+
+@dataclass
+class PoolCapture:
+    config: p.PoolConfig
+    last_event: int
+    ref_counts: list[int]
+    hashes: list[int | None]
+    seqs: list[SeqState]
+
+    def state(self) -> PoolState:
+        """The reducer's state: each hash's `hash_hex` digits as the number they spell."""
+        has = np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
+        values = np.zeros(len(self.hashes), np.uint64)
+        values[has] = np.fromiter((h & MASK64 for h in self.hashes if h is not None), np.uint64)
+        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs)

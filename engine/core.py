@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.contract import protocol as p
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, PoolCapture
 from engine.events import EventLog
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence, SeqStatus
@@ -47,6 +48,7 @@ class EngineCore:
         self.block_manager = BlockManager(pool, self.log, watermark)
         self.scheduler = Scheduler(self.block_manager, self.log, max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}  # live sequences, in creation order
+        self.live_requests: Counter[str] = Counter()  # request id -> its live sequences
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ hooks
@@ -63,9 +65,14 @@ class EngineCore:
     def _detokenize(self, seq: Sequence) -> str:
         return ""
 
+    def _token_texts(self, ids: list[int]) -> list[str] | None:
+        """The text of each prompt token, for `request_added` (None: not known)."""
+        return None
+
     def _track(self, seq: Sequence, index: int) -> None:
         """A new sequence, sample `index` of its request."""
         self.seqs[seq.seq_id] = seq
+        self.live_requests[seq.request_id] += 1
 
     # ------------------------------------------------------------------ observation
     @property
@@ -73,7 +80,12 @@ class EngineCore:
         return self.block_manager.config
 
     def snapshot(self) -> p.Snapshot:
-        return self.block_manager.state(self.seqs.values()).snapshot()
+        return self.capture().state().snapshot()
+
+    def capture(self) -> PoolCapture:
+        """The pools now, copied cheaply; `.state()` turns it into the reducer's PoolState on any
+        thread (the server encodes snapshots off the engine thread)."""
+        return self.block_manager.capture(self.seqs.values())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -94,7 +106,7 @@ class EngineCore:
             raise p.CommandError("invalid_argument", "the prompt has no tokens")
         if request_id is None:
             request_id = next(f"r{i}" for i in self._ids if f"r{i}" not in self.seqs)
-        elif any(s.request_id == request_id for s in self.seqs.values()):
+        elif self.live_requests[request_id]:
             raise p.CommandError("duplicate_id", f"request {request_id!r} is still running; "
                                  "pick another request_id or leave it out")
         bm = self.block_manager
@@ -108,7 +120,8 @@ class EngineCore:
         seq = Sequence(request_id, request_id, list(ids), params)
         self._track(seq, index=0)
         self.log.emit(p.RequestAdded(request_id=request_id, seq_id=request_id, prompt_tokens=len(ids),
-                                     n=params.n, max_tokens=params.max_tokens, prompt_token_ids=list(ids)))
+                                     n=params.n, max_tokens=params.max_tokens, prompt_token_ids=list(ids),
+                                     prompt_token_texts=self._token_texts(ids)))
         self.scheduler.add(seq)
         return [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
 
@@ -122,6 +135,7 @@ class EngineCore:
     def _reset_pools(self, pool: p.PoolConfig) -> None:
         """Drop every request and rebuild both pools."""
         self.seqs.clear()
+        self.live_requests.clear()
         self.scheduler = Scheduler(self.block_manager, self.log, self.max_num_batched_tokens)
         self.block_manager.reset(pool)
 
@@ -198,6 +212,10 @@ class EngineCore:
         self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         del self.seqs[seq.seq_id]
+        if (left := self.live_requests[seq.request_id] - 1) > 0:
+            self.live_requests[seq.request_id] = left
+        else:
+            self.live_requests.pop(seq.request_id, None)
         self.log.emit(p.Finish(seq_id=seq.seq_id, reason=reason))
         return Output(seq.seq_id, seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
                       seq.text, reason)

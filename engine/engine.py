@@ -76,6 +76,9 @@ class LLMEngine(EngineCore):
     def _detokenize(self, seq: Sequence) -> str:
         return seq.detokenizer.step(self.tokenizer, seq.token_ids)
 
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.batch_decode(list(zip(ids)))  # one token each (2 µs a token)
+
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
                  ) -> list[list[Output]]:

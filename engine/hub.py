@@ -4,6 +4,9 @@ Both the live engine server and the replay of a recording serve through a Hub. E
 has its own bounded outbox: events go out once per step batch, encoded once; a client whose
 outbox overflows drops its queued events and is resynchronised with a fresh snapshot, while
 the producer and the other clients go on. Replies (ack, error) are never dropped.
+Snapshots take their place in the outboxes at once and are encoded by a worker thread, at
+most once per encoding (v1, or `columnar` for clients that asked for it), so a pool of a
+million blocks stalls neither the producer nor the loop.
 No torch here: a replay must start without it.
 """
 from __future__ import annotations
@@ -16,9 +19,10 @@ import queue
 import socket
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Union
 from urllib.parse import parse_qs, urlsplit
 
 import msgspec
@@ -28,8 +32,11 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from engine.contract import protocol as p
+from engine.contract.state import PoolState
 
 log = logging.getLogger("kvscope")
+# The pools at one point of the stream: taken there, turned into frames later, off the loop.
+SnapshotSource = Union[p.Snapshot, PoolState, Callable[[], PoolState]]
 
 
 class Backend(Protocol):
@@ -45,7 +52,8 @@ class Backend(Protocol):
 
     def request_snapshot(self) -> None:
         """Arrange for `Hub.deliver_snapshot` to be called on the loop, after every event
-        published so far and before any later one."""
+        published so far and before any later one, with the state at that point (a cheap
+        copy: the hub encodes it on a worker thread)."""
 
     def handle(self, cmd: p.AnyCommand, client: Client) -> None:
         """Carry out a command; answer it with `Hub.reply` (possibly later)."""
@@ -121,11 +129,35 @@ class Pacing:
         return msgspec.structs.replace(hello, paused=self.paused, step_delay_ms=self.step_delay_ms)
 
 
+class SnapshotJob:
+    """One snapshot on its way to clients: encoded once per encoding, on the hub's worker."""
+
+    def __init__(self, source: SnapshotSource):
+        self.source = source
+        self.frames: dict[bool, asyncio.Future] = {}
+
+    def state(self) -> PoolState:
+        if callable(self.source):
+            self.source = self.source()
+        return PoolState.from_snapshot(self.source) if isinstance(self.source, p.Snapshot) else self.source
+
+    def encode(self, columnar: bool) -> bytes:
+        if isinstance(self.source, p.Snapshot) and not columnar:
+            return p.encode_snapshot(self.source)
+        state = self.state()
+        return p.encode_snapshot(state.columnar_snapshot() if columnar else state.snapshot())
+
+    def frame(self, columnar: bool, loop: asyncio.AbstractEventLoop, worker: ThreadPoolExecutor) -> asyncio.Future:
+        if columnar not in self.frames:
+            self.frames[columnar] = loop.run_in_executor(worker, self.encode, columnar)
+        return self.frames[columnar]
+
+
 @dataclass(eq=False)
 class Client:
     ws: ServerConnection
     features: frozenset[str] = frozenset()  # optional features granted at connect (`?features=`)
-    outbox: deque[tuple[str, bytes]] = field(default_factory=deque)  # (kind, frame)
+    outbox: deque[tuple[str, bytes | SnapshotJob]] = field(default_factory=deque)  # (kind, frame)
     queued_events: int = 0
     synced: bool = False  # False while waiting for a snapshot: events are not queued meanwhile
     wants_snapshot: bool = False  # asked for once the writer is idle: a stalled client costs nothing
@@ -133,7 +165,7 @@ class Client:
     resyncs: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def push(self, frame: bytes, kind: str = REPLY) -> None:
+    def push(self, frame: bytes | SnapshotJob, kind: str = REPLY) -> None:
         self.outbox.append((kind, frame))
         self.queued_events += kind == EVENTS
         self.wake.set()
@@ -155,6 +187,7 @@ class Hub:
         self.send_buffer = send_buffer  # a small kernel buffer, so a client that stalls is noticed
         self.clients: set[Client] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="kvscope-snapshots")
         self._recording = open(record, "ab") if record else None
         self._record_snapshot = record is not None  # the recording starts with hello + snapshot
 
@@ -174,14 +207,16 @@ class Hub:
             else:
                 c.push(frame, EVENTS)
 
-    def deliver_snapshot(self, snap: p.Snapshot, everyone: bool = False) -> None:
-        frame = p.encode(snap)
-        if everyone or self._record_snapshot:
-            self._record(frame)
+    def deliver_snapshot(self, source: SnapshotSource, everyone: bool = False) -> None:
+        """The state after every event published so far, to the clients waiting for one
+        (everyone: to all); it takes its place in their outboxes now and is encoded later."""
+        job = SnapshotJob(source)
+        if (everyone or self._record_snapshot) and self._recording:
+            self._record(job.encode(columnar=False))  # in stream order: only when recording
             self._record_snapshot = False
         for c in self.clients:
             if everyone or not c.synced:
-                c.push(frame, SNAPSHOT)
+                c.push(job, SNAPSHOT)
                 c.synced = True
 
     def reply(self, client: Client, msg: p.Ack | p.Error) -> None:
@@ -274,6 +309,13 @@ class Hub:
                     kind, frame = client.outbox.popleft()
                     client.queued_events -= kind == EVENTS
                     client.sending = True
+                    if isinstance(frame, SnapshotJob):
+                        try:
+                            frame = await frame.frame("columnar" in client.features, self.loop, self.worker)
+                        except Exception:  # the client asks again when the next events do not follow
+                            log.exception("a snapshot could not be encoded")
+                            client.sending = False
+                            continue
                     await client.ws.send(frame, text=True)
                     client.sending = False
                 if client.wants_snapshot:
@@ -299,6 +341,7 @@ class Hub:
                 await (stop if stop is not None else asyncio.Future())
             finally:
                 self.backend.stop()
+                self.worker.shutdown(wait=False, cancel_futures=True)
         if self._recording:
             self._recording.close()
 

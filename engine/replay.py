@@ -81,7 +81,7 @@ class Playback:
         return self.pacing.stamp(self.rec.hello)
 
     def request_snapshot(self) -> None:
-        self.hub.deliver_snapshot(self.state.snapshot())  # same loop: after every event so far
+        self.hub.deliver_snapshot(self.state.clone())  # same loop: after every event so far
 
     def handle(self, cmd: p.AnyCommand, client: Client) -> None:
         if not self.pacing.handle(cmd):
@@ -132,7 +132,7 @@ class Playback:
                 step, t = batch[-1].step, batch[-1].t
                 self._play(batch)
                 if any(isinstance(ev, p.Reset) for ev in batch):
-                    self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
+                    self.hub.deliver_snapshot(self.state.clone(), everyone=True)
                 self.batches_played += 1
             if not self.loop:
                 return
@@ -143,7 +143,7 @@ class Playback:
             self._play([reset])
             self.state = PoolState.from_snapshot(self.rec.start)
             self.state.last_event = reset.seq
-            self.hub.deliver_snapshot(self.state.snapshot(), everyone=True)
+            self.hub.deliver_snapshot(self.state.clone(), everyone=True)
 
 
 def main(argv: list[str] | None = None) -> int:

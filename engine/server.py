@@ -24,7 +24,7 @@ from engine.metrics import EngineMetrics
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvscope")
-MAX_WAITING = 1024  # requests queued beyond this are refused with `busy`
+MAX_WAITING = p.MAX_NUM_SEQS  # requests queued beyond this are refused with `busy`
 IDLE_WAIT_S = 0.1         # with nothing to run, wait this long for a command before checking for stop
 NOTHING_RAN_WAIT_S = 0.01  # a step that could schedule nothing: wait before trying again, not spin
 PACE_SLICE_S = 0.05       # while pacing, commands are still answered at least this often
@@ -100,7 +100,7 @@ class EngineLoop:
             kind, cmd, client = item
             if kind == "snapshot":
                 self._publish()
-                self.hub.call(self.hub.deliver_snapshot, self.engine.snapshot())
+                self.hub.call(self.hub.deliver_snapshot, self.engine.capture().state)
             else:
                 try:
                     extra = self._execute(cmd) or {}
@@ -108,7 +108,7 @@ class EngineLoop:
                                                                 id=cmd.id, **extra))
                     if isinstance(cmd, p.ResetCmd):  # the ack, the `reset` event, then a snapshot to all
                         self._publish()
-                        self.hub.call(self.hub.deliver_snapshot, self.engine.snapshot(), True)
+                        self.hub.call(self.hub.deliver_snapshot, self.engine.capture().state, True)
                 except p.CommandError as e:
                     e.op, e.id = cmd.__struct_config__.tag, cmd.id
                     self.hub.call(self.hub.reply, client, e.to_message())

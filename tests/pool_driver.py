@@ -6,6 +6,8 @@ samples the next token from the caller.
 """
 from __future__ import annotations
 
+import random
+
 from engine.contract import protocol as p
 from engine.block_manager import BlockManager
 from engine.events import EventLog
@@ -50,8 +52,42 @@ class PoolDriver:
         seq = Sequence(rid, rid, list(tokens), SamplingParams(max_tokens=max_tokens))
         self.seqs[rid] = seq
         self.log.emit(p.RequestAdded(request_id=rid, seq_id=rid, prompt_tokens=len(tokens),
-                                     max_tokens=max_tokens))
+                                     max_tokens=max_tokens, prompt_token_texts=[f"<{t}>" for t in tokens]))
         return seq
+
+    def random_op(self, rng: random.Random, prefixes: list[list[int]], vocab: int = 4) -> None:
+        """One operation of a random trace: admit a request (often starting with a shared
+        prefix), decode (swapping out or recomputing when the pool is full), fork, finish,
+        bring back a swapped or waiting sequence, or clear the prefix cache."""
+        running = self.with_status(SeqStatus.RUNNING)
+        roll = rng.random()
+        if roll < 0.15 or not running:
+            prefix = prefixes[rng.randrange(len(prefixes))][:rng.randrange(33)]
+            seq = self.add(prefix + [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))])
+            if not self.admit(seq):
+                waiting = self.with_status(SeqStatus.WAITING)
+                if len(waiting) > 4:
+                    self.finish(waiting[0], "abort")
+        elif roll < 0.70:
+            seq = rng.choice(running)
+            if self.bm.can_append(seq):
+                self.decode(seq, rng.randrange(vocab))
+            elif self.bm.can_swap_out(seq):
+                self.swap_out(seq)
+            else:
+                self.recompute(seq)
+        elif roll < 0.75:
+            self.fork(rng.choice(running))
+        elif roll < 0.88:
+            self.finish(rng.choice(running))
+        elif roll < 0.95:
+            for seq in self.with_status(SeqStatus.SWAPPED)[:1]:
+                if self.bm.can_swap_in(seq):
+                    self.swap_in(seq)
+            for seq in self.with_status(SeqStatus.WAITING)[:1]:
+                self.admit(seq, rng.randrange(vocab))
+        else:
+            self.bm.clear_prefix_cache()
 
     def admit(self, seq: Sequence, next_token: int = 1) -> bool:
         """Allocate a waiting sequence (prefix hits first) and run its prefill."""

@@ -15,6 +15,7 @@ from streamlit import dataframe_util
 from streamlit.testing.v1 import AppTest
 
 from engine.contract import protocol as p
+from app import grid
 from app.client import EngineClient
 from app.launcher import ServerProcess
 from tests.waiting import wait
@@ -66,9 +67,10 @@ def at(engine, observer, monkeypatch):
 
 
 def grid_data(at: AppTest, name: str = "kvscope_grid") -> dict | None:
+    """The header of the grid's last frame (app/grid.py), as the canvas reads it."""
     for el in at.get("bidi_component"):
         if el.proto.component_name == name:
-            return json.loads(el.proto.json)
+            return grid.read(el.proto.bytes)[0]
     return None
 
 
@@ -110,7 +112,7 @@ def test_prompt_pause_step_resume_and_every_view(at, observer):
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["counts"]["used"] and d, what="used blocks")
     truth = observer.view().mirror
     assert data["live"] and data["counts"]["used"] == truth.state.counts().used == len(allocs)
-    assert data["touched"].get("alloc") == len(allocs)  # the step's allocations are highlighted
+    assert data["touched"].get("alloc") == [len(allocs), len(allocs)]  # the step's allocations: events, blocks outlined
     assert metric(at, "Pool usage") == f"{len(allocs) / 256:.0%}"
     tables = html_with(at, 'class="bt"')
     assert rid in tables and "running" in tables and f"{added.prompt_tokens} prompt" in tables

@@ -1,15 +1,13 @@
 """The dashboard's state layer on a real engine's events (tiny model, in process): the
-mirror's derived numbers, time travel over a bounded history, the grid's packed arrays,
-the event log's filters, the scenario presets and the command line."""
+mirror's derived numbers, time travel over a bounded history, the event log's filters, the
+scenario presets and the command line (the grid's frames: tests/test_grid.py)."""
 from __future__ import annotations
 
-import base64
 import random
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from engine.contract import protocol as p
@@ -19,7 +17,6 @@ from engine.model_loader import load_model
 from engine.sequence import SamplingParams
 from engine.contract.state import PoolState
 from app import eventlog, grid
-from app.client import View
 from app.event_history import EventHistory
 from app.mirror import Mirror
 from app.scenarios import SCENARIOS
@@ -184,45 +181,6 @@ def test_resync_after_a_gap_keeps_counters_and_travel_stops_at_the_gap(recorded)
     assert h.live.tally.requests == before
     assert h.at(last.seq).state.snapshot() == PoolState.from_snapshot(last).snapshot()
     assert h.at(events[half - 1].seq).last_event == events[half - 1].seq
-
-
-def decode(data: dict) -> dict[str, np.ndarray]:
-    n, m = data["n"], data["m"]
-    dev, host = base64.b64decode(data["dev"]), base64.b64decode(data["host"])
-    return {"owner": np.frombuffer(dev, np.uint16, n, 0), "tokens": np.frombuffer(dev, np.uint16, n, 2 * n),
-            "hash": np.frombuffer(dev, np.uint32, n, 4 * n), "state": np.frombuffer(dev, np.uint8, n, 8 * n),
-            "ref": np.frombuffer(dev, np.uint8, n, 9 * n), "touch": np.frombuffer(dev, np.uint8, n, 10 * n),
-            "h_owner": np.frombuffer(host, np.uint16, m, 0), "h_tokens": np.frombuffer(host, np.uint16, m, 2 * m)}
-
-
-def test_grid_payload_packs_every_block(recorded):
-    first, events, _ = recorded
-    h = EventHistory(first)
-    for ev in events:
-        h.append(ev)
-    for ev in events:  # a moment with a swapped sequence and shared blocks
-        m = h.at(ev.seq)
-        if any(s.status == "swapped" for s in m.state.seqs.values()) and max(m.state.ref_counts) > 1:
-            break
-    view = View(m, False, 1, h.last_step_events(m.last_event))
-    data = grid.payload(view, {})
-    a, st = decode(data), m.state
-    assert list(a["ref"]) == st.ref_counts
-    assert list(a["tokens"]) == st.block_tokens()[0].tolist()
-    names = [s[0] for s in data["seqs"]]
-    for b, r in enumerate(st.ref_counts):
-        holders = [s.seq_id for s in st.seqs.values() if b in s.block_table]
-        assert a["state"][b] == (3 if r > 1 else 2 if r else 1 if st.hashes[b] else 0)
-        assert (names[a["owner"][b] - 1] if a["owner"][b] else None) == (holders[0] if holders else None)
-        if r > 1:
-            assert sorted(names[i - 1] for i in data["shared"][str(b)]) == sorted(holders)
-        if st.hashes[b]:
-            assert a["hash"][b] == int(st.hashes[b][:8], 16)
-    assert [names[o - 1] if o else None for o in a["h_owner"]] == st.host_owner
-    assert list(a["h_tokens"]) == st.block_tokens()[1].tolist()
-    touched_dev, _ = grid.touched(view.step_events)
-    assert {b for b in range(data["n"]) if a["touch"][b]} == set(touched_dev)
-    assert data["counts"]["used"] == sum(1 for r in st.ref_counts if r)
 
 
 def test_touched_picks_the_most_telling_kind():

@@ -104,39 +104,8 @@ TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=60, de
 def test_random_trace_of_100k_operations_replays_to_the_snapshot():
     rng = random.Random(1234)
     d = PoolDriver(p.PoolConfig(block_size=4, num_device_blocks=64, num_host_blocks=32))
-    ops = 0
-    while ops < 100_000:
-        running = d.with_status(SeqStatus.RUNNING)
-        roll = rng.random()
-        if roll < 0.15 or not running:
-            prefix = PREFIXES[rng.randrange(3)][:rng.randrange(33)]
-            tokens = prefix + [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
-            seq = d.add(tokens)
-            if not d.admit(seq):
-                waiting = d.with_status(SeqStatus.WAITING)
-                if len(waiting) > 4:
-                    d.finish(waiting[0], "abort")
-        elif roll < 0.70:
-            seq = rng.choice(running)
-            if d.bm.can_append(seq):
-                d.decode(seq, rng.randrange(4))
-            elif d.bm.can_swap_out(seq):
-                d.swap_out(seq)
-            else:
-                d.recompute(seq)
-        elif roll < 0.75:
-            d.fork(rng.choice(running))
-        elif roll < 0.88:
-            d.finish(rng.choice(running))
-        elif roll < 0.95:
-            for seq in d.with_status(SeqStatus.SWAPPED)[:1]:
-                if d.bm.can_swap_in(seq):
-                    d.swap_in(seq)
-            for seq in d.with_status(SeqStatus.WAITING)[:1]:
-                d.admit(seq, rng.randrange(4))
-        else:
-            d.bm.clear_prefix_cache()
-        ops += 1
+    for _ in range(100_000):
+        d.random_op(rng, PREFIXES)
     d.drain()
     kinds = {ev.__struct_config__.tag for ev in d.events}
     assert {"prefix_hit", "cached", "evict", "cow", "swap_out", "swap_in", "fork"} <= kinds

@@ -29,6 +29,16 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def open_grid(browser, url: str, blocks: int, errors: list[str], width: int = 1500, height: int = 1400):
+    """A page of the app at `url`, once its grid has drawn a pool of `blocks`; the page's
+    errors go to `errors`."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n === {blocks}", timeout=300_000)
+    return page
+
+
 @pytest.fixture
 def app_url(tmp_path):
     if not os.access(CHROMIUM, os.X_OK):
@@ -55,12 +65,8 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
     url, streamlit = app_url
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1400})
         errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(url)
-        # the embedded engine starts, then the grid draws the empty pool
-        page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n === 256", timeout=120_000)
+        page = open_grid(browser, url, 256, errors)  # the embedded engine starts, then the grid draws the empty pool
         assert page.evaluate("window.__kvscope_grid.used") == 0
         sidebar = page.get_by_test_id("stSidebar")
         sidebar.get_by_label("Prompt").fill("Tell me how a paged KV cache hands out blocks.")
@@ -77,7 +83,7 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
 
         # the event log lists the allocations; clicking block 0 filters the log to it
         page.wait_for_function("window.__kvscope_grid.used === 0", timeout=60_000)  # finished: blocks freed
-        canvas = page.locator("canvas.grid").first
+        canvas = page.locator("canvas.main").first
         box = canvas.bounding_box()
         page.mouse.click(box["x"] + 4, box["y"] + 4)  # block 0: the first one allocated
         page.wait_for_function("[...document.querySelectorAll('input[aria-label=Block]')]"

@@ -11,6 +11,7 @@ import json
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from engine.contract import protocol as p
@@ -96,7 +97,7 @@ def test_a_mirror_equals_vllms_own_snapshot_mid_run_and_at_the_end(vllm, c):
     check_invariants(c.state)
     compare_live_snapshot(c)
     assert not c.state.seqs and c.snapshots == snapshots + 2, "no snapshot was pushed: no divergence"
-    assert c.state.ref_counts[0] == 0 and c.state.hashes[0] is None  # the null block, reserved
+    assert c.state.ref_counts[0] == 0 and c.state.hash_of(0) is None  # the null block, reserved
     counts = c.state.counts()
     assert counts.free + counts.cached == BLOCKS - 1
     assert not [r for r in c.replies if r["type"] == "error"]
@@ -163,10 +164,10 @@ def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm, c):
     finishes(c, 1)
     late = KVEventsSubscriber(vllm.kv_events)  # with the replay socket: catches up from the start
     try:
-        deep = {h for h in c.state.hashes if h is not None}
+        deep = set(c.state.hash_strings(np.flatnonzero(c.state.has_hash)))
         wait(lambda: stored_hashes(late) == deep, 30, "the replayed stream to match the pool")
         with late.lock:
-            assert late.state.per_medium() == {"GPU": sum(1 for h in c.state.hashes if h)}
+            assert late.state.per_medium() == {"GPU": int(c.state.has_hash.sum())}
             assert late.state.bad_frames == 0 and late.state.unknown_events == 0
             forest = late.state.forests["GPU"]
             drawn, todo = [], forest.roots()  # every cached block hangs in the forest once
@@ -243,7 +244,7 @@ def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_res
     assert data["counts"]["free"] + data["counts"]["cached"] == BLOCKS - 1  # block 0 is neither
     c.request(op="submit", prompt=long_prompt(3, 200), max_tokens=60, ignore_eos=True, request_id="seen")
     data = wait(lambda: (d := grid_data(at.run())) and d["counts"]["used"] and d, 120, "used blocks in the grid")
-    assert any(s[0].startswith("cmpl-seen-0-") for s in data["seqs"]) and not at.exception
+    assert any(s[1].startswith("cmpl-seen-0-") for s in data["seqs"]) and not at.exception  # [key, id, colour, status]
     finishes(c, 1)
 
 
@@ -252,7 +253,7 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
                                      {"role": "user", "content": QUESTIONS[2]}], max_tokens=4)
     finishes(c, 1)
     at = dashboard(KVSCOPE_KV_EVENTS=vllm.kv_events, KVSCOPE_TOKENIZER=str(BUNDLED))
-    cached = [h for h in c.state.hashes if h]  # vLLM may cache the same content in two blocks
+    cached = c.state.hash_strings(np.flatnonzero(c.state.has_hash))  # vLLM may cache the same content in two blocks
     wait(lambda: any(m.label == "cached on GPU" and m.value == str(len(cached)) for m in at.run().metric), 60,
          "the page to count vLLM's cached blocks")
     forest = next(h.value for h in at.html if 'class="pt"' in h.value)  # the prefix tree's view

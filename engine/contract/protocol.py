@@ -6,6 +6,7 @@ torch, so the dashboard and outside tools can use it.
 """
 from __future__ import annotations
 
+import base64
 import json
 from typing import Annotated, Any, Literal, Union
 
@@ -25,7 +26,7 @@ ErrorCode = Literal["bad_json", "unknown_op", "invalid_argument", "too_long", "d
                     "not_found", "busy", "unsupported"]
 
 # Bounds a client may ask for; the engine may refuse more (memory) with its own message.
-MAX_BLOCK_SIZE, MAX_DEVICE_BLOCKS, MAX_HOST_BLOCKS, MAX_NUM_SEQS = 256, 65536, 65536, 256
+MAX_BLOCK_SIZE, MAX_DEVICE_BLOCKS, MAX_HOST_BLOCKS, MAX_NUM_SEQS = 256, 1 << 20, 1 << 18, 4096
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 NumDeviceBlocks = Annotated[int, Meta(ge=1, le=MAX_DEVICE_BLOCKS)]
 NumHostBlocks = Annotated[int, Meta(ge=0, le=MAX_HOST_BLOCKS)]
@@ -73,6 +74,9 @@ class RequestAdded(Event, tag="request_added"):
     # Addition: the prompt's token ids, so a recording's requests can be run again (the lab);
     # omitted by producers that do not send them.
     prompt_token_ids: list[int] | None = None
+    # Addition: the text of each prompt token, so a client without the tokenizer can say
+    # what a block holds (omitted by producers that do not know it).
+    prompt_token_texts: list[str] | None = None
 
 
 class Fork(Event, tag="fork"):
@@ -99,6 +103,7 @@ class Cached(Event, tag="cached"):
     block_id: int
     hash: str
     parent_hash: str | None = None
+    seq_id: str | None = None  # addition: the sequence whose tokens the block holds
 
 
 class Evict(Event, tag="evict"):
@@ -225,12 +230,32 @@ class LoopState(Struct, tag_field="type", tag="loop", kw_only=True):
     stopped_at: int | None = None  # the event a run_until stopped at (the first of its kinds)
 
 
-class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True):
+class SnapshotColumns(Struct, kw_only=True, omit_defaults=True):
+    """A snapshot's pools and tables as packed little-endian arrays (base64 on the wire): the
+    `columnar` feature. `block_tables` and `host_tables` are every sequence's tables
+    concatenated in `seqs` order, cut by the `*_lengths` (one per sequence)."""
+    ref_count: bytes            # int32 per device block
+    num_tokens: bytes           # uint16 per device block (derived, as in `device_blocks`)
+    hash_block_ids: bytes       # int32: the device blocks that carry a hash, ascending
+    hashes: bytes               # uint64 each: their hashes' 16 hex digits as a number, in that order
+    odd_hashes: list[tuple[int, str]] = []  # [block, hash] for any hash not in that form, as given
+    host_seq: bytes             # int32 per host block: 1 + index in `seqs` of its holder, 0 = free
+    host_num_tokens: bytes      # uint16 per host block
+    block_tables: bytes         # int32
+    block_table_lengths: bytes  # int32 per sequence
+    host_tables: bytes          # int32
+    host_table_lengths: bytes   # int32 per sequence
+
+
+class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defaults=True):
     seq: int
     config: PoolConfig
     device_blocks: list[DeviceBlock]
     host_blocks: list[HostBlock]
     seqs: list[SeqInfo]
+    # Addition, only to clients that asked for `columnar`: the pools and tables as arrays;
+    # `device_blocks`, `host_blocks` and every `block_table` / `host_table` are then empty.
+    columns: SnapshotColumns | None = None
 
 
 class Events(Struct, tag_field="type", tag="events"):
@@ -252,7 +277,7 @@ class Error(Struct, tag_field="type", tag="error", kw_only=True):
 
 
 ServerMessage = Union[Hello, Snapshot, Events, Ack, Error, LoopState]
-FEATURES = ("loop",)  # optional features a client may ask for (`?features=...`)
+FEATURES = ("loop", "columnar")  # optional features a client may ask for (`?features=...`)
 
 
 # ------------------------------------------------------------------------ client commands
@@ -390,6 +415,24 @@ _event_decoder = msgspec.json.Decoder(AnyEvent)
 
 def encode(msg: Struct) -> bytes:
     return _encoder.encode(msg)
+
+
+def encode_snapshot(snap: Snapshot, piece: int = 8192) -> bytes:
+    """`encode(snap)`, built from pieces of at most `piece` list items: encoding a snapshot of a
+    million blocks then never holds the GIL for more than a few milliseconds at a time, so the
+    server's engine and loop threads go on meanwhile."""
+    def items(xs: list) -> bytes:
+        return b"[" + b",".join(_encoder.encode(xs[i:i + piece])[1:-1] for i in range(0, len(xs), piece)) + b"]"
+
+    out = [b'{"type":"snapshot","seq":', encode(snap.seq), b',"config":', encode(snap.config),
+           b',"device_blocks":', items(snap.device_blocks), b',"host_blocks":', items(snap.host_blocks),
+           b',"seqs":', items(snap.seqs)]
+    if (c := snap.columns) is not None:
+        fields = [b'"%s":%s' % (name.encode(), b'"%s"' % base64.b64encode(v) if isinstance(v, bytes) else encode(v))
+                  for name in c.__struct_fields__ if (v := getattr(c, name)) is not None]
+        out += [b',"columns":{', b",".join(fields), b"}"]
+    out.append(b"}")
+    return b"".join(out)
 
 
 def decode_server_message(data: str | bytes) -> Hello | Snapshot | Events | Ack | Error | LoopState:

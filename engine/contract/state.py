@@ -4,10 +4,18 @@
 engine's next snapshot describes (protocol invariant 1). The server, the dashboard, replay,
 time travel and the tests all use this one reducer. No torch, no I/O, no clock: `apply` only
 mutates the state it is called on, and `clone()` gives checkpoints for scrubbing.
+
+Per-block state lives in numpy arrays, so a pool of a million blocks clones in milliseconds
+and every view reads it vectorised. Besides what the wire carries (ref count, hash, host
+owner) the reducer keeps two derived columns up to date, O(1) per block an event touches:
+the tokens each block holds (the rule of docs/protocol.md) and `holder`, the XOR of the keys
+of the sequences that hold a block, which is the one holder's key when `ref_count == 1`.
+Sequences are copied on write: a clone shares them until either side changes one.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -18,6 +26,7 @@ from engine.contract import protocol as p
 # A device block's state, as the views colour it (see docs/protocol.md, snapshot). RESERVED:
 # a block the allocator never hands out (`PoolConfig.reserved_blocks`), counted in no state.
 FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
+TOKENS = np.uint16  # tokens per block (block_size <= 256)
 
 
 class InvariantError(ValueError):
@@ -36,6 +45,8 @@ class SeqState:
     output_tokens: int = 0
     max_tokens: int = p.DEFAULT_MAX_TOKENS
     text: str = ""
+    key: int = 0  # this state's small integer name for the sequence (1, 2, ... in creation order)
+    added: float | None = None  # engine time of its request_added or fork (None: before a snapshot)
 
     def clone(self) -> SeqState:
         c = copy.copy(self)
@@ -56,6 +67,50 @@ def held_tokens(num_tokens: int, index: int, block_size: int) -> int:
     return min(block_size, max(0, num_tokens - index * block_size))
 
 
+def hash_value(h: str) -> tuple[int, bool]:
+    """A block hash as a 64-bit number, and whether it is the protocol's 16 lowercase hex
+    digits (then the number gives it back exactly; any other string gets a digest)."""
+    if len(h) == 16:
+        try:
+            v = int(h, 16)
+        except ValueError:
+            v = -1
+        if v >= 0 and f"{v:016x}" == h:
+            return v, True
+    return int.from_bytes(hashlib.blake2b(h.encode(), digest_size=8).digest(), "big"), False
+
+
+_HEX = np.full(256, 255, np.uint8)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
+
+
+def hash_columns(hashes) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """Per block hash (str or None) -> (has a hash, `hash_value`, {block: the unusual ones}),
+    vectorised for the protocol's 16 hex digits."""
+    hashes = list(hashes)
+    has = np.fromiter((h is not None for h in hashes), bool, len(hashes))
+    ids = np.flatnonzero(has)
+    given = [hashes[i] for i in ids.tolist()]
+    values, odd = np.zeros(len(hashes), np.uint64), {}
+    try:
+        raw = np.array(given, dtype="S16").reshape(len(given))
+    except UnicodeEncodeError:
+        raw = None
+    if raw is not None and len(given):
+        nibbles = _HEX[raw.view(np.uint8).reshape(len(given), 16)]
+        values[ids] = ((nibbles[:, 0::2] << 4) | nibbles[:, 1::2]).copy().view(">u8").ravel()
+        lens = np.fromiter(map(len, given), np.int64, len(given))
+        unusual = np.flatnonzero((lens != 16) | (nibbles == 255).any(axis=1)).tolist()
+    else:
+        unusual = range(len(given))
+    for j in unusual:
+        b, h = int(ids[j]), given[j]
+        values[b], canonical = hash_value(h)
+        if not canonical:
+            odd[b] = h
+    return has, values, odd
+
+
 def table_entries(tables: list[list[int]], num_tokens: list[int], block_size: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every entry of many block tables at once: (block id, holder index from 1, tokens held),
@@ -72,67 +127,124 @@ def table_entries(tables: list[list[int]], num_tokens: list[int], block_size: in
 class PoolState:
     config: p.PoolConfig
     last_event: int = 0  # the number (`seq`) of the last event applied
-    ref_counts: list[int] = field(default_factory=list)
-    hashes: list[str | None] = field(default_factory=list)
-    host_owner: list[str | None] = field(default_factory=list)
+    ref_counts: np.ndarray = None   # int32 per device block
+    has_hash: np.ndarray = None     # bool per device block
+    hash64: np.ndarray = None       # uint64 per device block: `hash_value` of its hash, 0 without
+    odd_hashes: dict = field(default_factory=dict)  # block -> a hash not in the protocol's form, as given
+    tokens: np.ndarray = None       # TOKENS per device block (derived, see `block_tokens`)
+    holder: np.ndarray = None       # int32 per device block: XOR of its holders' keys
+    host_owner: np.ndarray = None   # object (seq_id | None) per host block
+    host_holder: np.ndarray = None  # int32 per host block: its holder's key, 0 when free
+    host_tokens: np.ndarray = None  # TOKENS per host block
     seqs: dict[str, SeqState] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)  # key -> seq_id of every live sequence
+    next_key: int = 1
+    _mine: set = field(default_factory=set, repr=False, compare=False)  # seq_ids not shared with a clone
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def empty(cls, config: p.PoolConfig, last_event: int = 0) -> PoolState:
-        return cls(config=config, last_event=last_event, ref_counts=[0] * config.num_device_blocks,
-                   hashes=[None] * config.num_device_blocks,
-                   host_owner=[None] * config.num_host_blocks)
+        n, m = config.num_device_blocks, config.num_host_blocks
+        return cls(config=config, last_event=last_event, ref_counts=np.zeros(n, np.int32),
+                   has_hash=np.zeros(n, bool), hash64=np.zeros(n, "<u8"), tokens=np.zeros(n, TOKENS),
+                   holder=np.zeros(n, np.int32), host_owner=np.full(m, None, object),
+                   host_holder=np.zeros(m, np.int32), host_tokens=np.zeros(m, TOKENS))
+
+    @classmethod
+    def build(cls, config: p.PoolConfig, last_event: int, ref_counts, hashes, seqs: list[SeqState]
+              ) -> PoolState:
+        """A state from the wire's columns (ref counts; hashes: `hash_columns` of them) and
+        every live sequence in creation order; host owners and the derived columns follow
+        from the tables."""
+        st = cls.empty(config, last_event)
+        st.ref_counts[:] = ref_counts
+        st.has_hash[:], st.hash64[:], odd = hashes
+        st.odd_hashes = dict(odd)
+        for s in seqs:
+            st._add_seq(s)
+        bs, nums = config.block_size, [s.num_tokens for s in seqs]
+        keys = np.fromiter((s.key for s in seqs), np.int32, len(seqs))
+        flat, who, held = table_entries([s.block_table for s in seqs], nums, bs)
+        tokens = np.where(st.has_hash, bs, 0)
+        np.maximum.at(tokens, flat, held)
+        st.tokens[:] = tokens
+        np.bitwise_xor.at(st.holder, flat, keys[who - 1])
+        hflat, hwho, hheld = table_entries([s.host_table for s in seqs], nums, bs)
+        st.host_tokens[hflat] = hheld
+        st.host_holder[hflat] = keys[hwho - 1]
+        for s in seqs:
+            st.host_owner[s.host_table] = s.seq_id
+        return st
 
     @classmethod
     def from_snapshot(cls, snap: p.Snapshot) -> PoolState:
-        state = cls.empty(snap.config, snap.seq)
+        if snap.columns is not None:
+            return _from_columns(snap)
+        n = snap.config.num_device_blocks
+        ref, hashes = np.zeros(n, np.int32), [None] * n
         for b in snap.device_blocks:
-            state.ref_counts[b.id], state.hashes[b.id] = b.ref_count, b.hash
-        for h in snap.host_blocks:
-            state.host_owner[h.id] = h.seq_id
-        for s in snap.seqs:
-            state.seqs[s.seq_id] = SeqState(
-                s.seq_id, s.request_id, s.status, list(s.block_table), list(s.host_table),
-                s.num_tokens, s.prompt_tokens, s.output_tokens, s.max_tokens, s.text)
-        return state
+            ref[b.id], hashes[b.id] = b.ref_count, b.hash
+        seqs = [SeqState(s.seq_id, s.request_id, s.status, list(s.block_table), list(s.host_table),
+                         s.num_tokens, s.prompt_tokens, s.output_tokens, s.max_tokens, s.text)
+                for s in snap.seqs]
+        return cls.build(snap.config, snap.seq, ref, hash_columns(hashes), seqs)
 
     def clone(self) -> PoolState:
-        """A deep copy, fast (copy.deepcopy is ~20x slower at 8k blocks)."""
+        """A deep copy in O(blocks) memcpy: sequences are shared until one side changes one."""
         c = copy.copy(self)
-        c.ref_counts, c.hashes, c.host_owner = self.ref_counts[:], self.hashes[:], self.host_owner[:]
-        c.seqs = {k: s.clone() for k, s in self.seqs.items()}
+        for name in _ARRAYS:
+            setattr(c, name, getattr(self, name).copy())
+        c.seqs, c.names, c.odd_hashes = dict(self.seqs), dict(self.names), dict(self.odd_hashes)
+        self._mine, c._mine = set(), set()
         return c
+
+    def nbytes(self) -> int:
+        """About what a copy of this state holds on its own once the original has moved on: its
+        arrays, and its sequences (their tables' entries at 8 bytes, and the objects)."""
+        entries = sum(len(s.block_table) + len(s.host_table) for s in self.seqs.values())
+        return sum(getattr(self, a).nbytes for a in _ARRAYS) + 8 * entries + 600 * len(self.seqs)
 
     # ------------------------------------------------------------------ derived views
     def hashed(self) -> np.ndarray:
-        return np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
+        return self.has_hash
+
+    def hash_of(self, b: int) -> str | None:
+        if not self.has_hash[b]:
+            return None
+        return self.odd_hashes.get(b) or f"{int(self.hash64[b]):016x}"
+
+    def hash_strings(self, ids: np.ndarray) -> list[str]:
+        """The hashes of blocks `ids` (which all have one), vectorised."""
+        digits = self.hash64[ids].astype(">u8").tobytes().hex()
+        out = [digits[i:i + 16] for i in range(0, len(digits), 16)]
+        for j, b in enumerate(ids.tolist()) if self.odd_hashes else ():
+            out[j] = self.odd_hashes.get(b, out[j])
+        return out
+
+    @property
+    def hash32(self) -> np.ndarray:
+        """The first 32 bits of each block's hash (uint32; 0 without one): a view."""
+        return self.hash64.view("<u4")[1::2]
 
     def block_states(self) -> np.ndarray:
         """FREE, CACHED, USED, SHARED or RESERVED per device block (uint8)."""
-        ref = np.asarray(self.ref_counts, np.int64)
-        states = np.where(ref >= 2, SHARED, np.where(ref == 1, USED, np.where(self.hashed(), CACHED, FREE))
-                          ).astype(np.uint8)
-        states[self.config.reserved_blocks] = RESERVED
-        return states
+        ref = self.ref_counts
+        out = np.where(self.has_hash, CACHED, FREE).astype(np.uint8)
+        out[ref == 1] = USED
+        out[ref >= 2] = SHARED
+        out[self.config.reserved_blocks] = RESERVED
+        return out
 
-    def counts(self) -> BlockCounts:
-        n = np.bincount(self.block_states(), minlength=5)
-        return BlockCounts(int(n[FREE]), int(n[CACHED]), int(n[USED] + n[SHARED]), int(n[SHARED]),
-                           sum(o is not None for o in self.host_owner))
+    def counts(self, states: np.ndarray | None = None) -> BlockCounts:
+        """`states`: this state's `block_states()`, when the caller has them already."""
+        states = self.block_states() if states is None else states
+        n = [int(np.count_nonzero(states == k)) for k in (FREE, CACHED, USED, SHARED)]
+        return BlockCounts(n[FREE], n[CACHED], n[USED] + n[SHARED], n[SHARED], int(np.count_nonzero(self.host_holder)))
 
     def block_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens held per device block and per host block (derived, see protocol.md): a
         shared block shows the most among its holders, a cached block with no holder is full."""
-        bs, seqs = self.config.block_size, list(self.seqs.values())
-        nums = [s.num_tokens for s in seqs]
-        dev = np.where(self.hashed(), bs, 0)
-        flat, _, held = table_entries([s.block_table for s in seqs], nums, bs)
-        np.maximum.at(dev, flat, held)
-        host = np.zeros(len(self.host_owner), np.int64)
-        hflat, _, hheld = table_entries([s.host_table for s in seqs], nums, bs)
-        host[hflat] = hheld
-        return dev, host
+        return self.tokens.astype(np.int64), self.host_tokens.astype(np.int64)
 
     def tokens_in_used_blocks(self) -> int:
         """Tokens stored in the device blocks some sequence holds, a shared block once: over
@@ -152,17 +264,35 @@ class PoolState:
         return s.prompt_tokens + s.output_tokens if s is not None and s.status == "waiting" else 0
 
     def snapshot(self) -> p.Snapshot:
-        dev, host = (a.tolist() for a in self.block_tokens())
+        """The wire's snapshot, one object per block (protocol v1)."""
         return p.Snapshot(
             seq=self.last_event, config=self.config,
-            device_blocks=[p.DeviceBlock(i, r, h, n) for i, (r, h, n)
-                           in enumerate(zip(self.ref_counts, self.hashes, dev))],
-            host_blocks=[p.HostBlock(i, o, n) for i, (o, n) in enumerate(zip(self.host_owner, host))],
-            seqs=[p.SeqInfo(seq_id=s.seq_id, request_id=s.request_id, status=s.status,
-                            block_table=list(s.block_table), host_table=list(s.host_table),
-                            num_tokens=s.num_tokens, prompt_tokens=s.prompt_tokens,
-                            output_tokens=s.output_tokens, max_tokens=s.max_tokens, text=s.text)
-                  for s in self.seqs.values()])
+            device_blocks=[p.DeviceBlock(i, r, h, n) for i, (r, h, n) in enumerate(zip(
+                self.ref_counts.tolist(), self._hash_list(), self.tokens.tolist()))],
+            host_blocks=[p.HostBlock(i, o, n) for i, (o, n)
+                         in enumerate(zip(self.host_owner.tolist(), self.host_tokens.tolist()))],
+            seqs=self.seq_infos(with_tables=True))
+
+    def _hash_list(self) -> list[str | None]:
+        out: list[str | None] = [None] * len(self.has_hash)
+        ids = np.flatnonzero(self.has_hash)
+        for b, h in zip(ids.tolist(), self.hash_strings(ids)):
+            out[b] = h
+        return out
+
+    def seq_infos(self, with_tables: bool) -> list[p.SeqInfo]:
+        return [p.SeqInfo(seq_id=s.seq_id, request_id=s.request_id, status=s.status,
+                          block_table=list(s.block_table) if with_tables else [],
+                          host_table=list(s.host_table) if with_tables else [],
+                          num_tokens=s.num_tokens, prompt_tokens=s.prompt_tokens,
+                          output_tokens=s.output_tokens, max_tokens=s.max_tokens, text=s.text)
+                for s in self.seqs.values()]
+
+    def columnar_snapshot(self) -> p.Snapshot:
+        """The same snapshot with its pools and tables as packed arrays (feature `columnar`)."""
+        return p.Snapshot(seq=self.last_event, config=self.config, device_blocks=[], host_blocks=[],
+                          seqs=self.seq_infos(with_tables=False),
+                          columns=_pack_columns(self))
 
     # ------------------------------------------------------------------ the reducer
     def apply(self, ev: p.AnyEvent) -> None:
@@ -178,24 +308,70 @@ class PoolState:
                                  f"block or sequence: {e!r}") from None
         self.last_event = ev.seq
 
-    def _seq(self, seq_id: str) -> SeqState:
+    def _live(self, seq_id: str) -> SeqState:
         s = self.seqs.get(seq_id)
         if s is None:
             raise InvariantError(f"no live sequence {seq_id!r}")
         return s
 
+    def _seq(self, seq_id: str) -> SeqState:
+        """The live sequence, ready to change: copied first if a clone shares it."""
+        s = self._live(seq_id)
+        if seq_id not in self._mine:
+            s = self.seqs[seq_id] = s.clone()
+            self._mine.add(seq_id)
+        return s
+
+    def _add_seq(self, s: SeqState) -> None:
+        if s.seq_id in self.seqs:
+            raise InvariantError(f"sequence {s.seq_id!r} already exists")
+        s.key, self.next_key = self.next_key, self.next_key + 1
+        self.seqs[s.seq_id], self.names[s.key] = s, s.seq_id
+        self._mine.add(s.seq_id)
+
     def _check_block(self, b: int) -> None:
         if not 0 <= b < len(self.ref_counts):
             raise InvariantError(f"device block {b} is outside the pool of {len(self.ref_counts)}")
 
-    def _take_free(self, b: int) -> None:
+    def _check_host(self, h: int) -> None:
+        if not 0 <= h < len(self.host_owner):
+            raise InvariantError(f"host block {h} is outside the host pool of {len(self.host_owner)}")
+
+    def _take_free(self, b: int, s: SeqState, index: int) -> None:
         self._check_block(b)
         if b in self.config.reserved_blocks:
             raise InvariantError(f"block {b} is reserved: the allocator never hands it out")
-        if self.ref_counts[b] or self.hashes[b] is not None:
+        if self.ref_counts[b] or self.has_hash[b]:
             raise InvariantError(f"block {b} is not free (ref_count {self.ref_counts[b]}, "
-                                 f"hash {self.hashes[b]})")
+                                 f"hash {self.hash_of(b)})")
         self.ref_counts[b] = 1
+        self.holder[b] = s.key
+        self.tokens[b] = held_tokens(s.num_tokens, index, self.config.block_size)
+
+    def _join(self, b: int, s: SeqState) -> None:
+        """`s` becomes one more holder of block b (its tokens: the holders agree on them)."""
+        self.ref_counts[b] += 1
+        self.holder[b] ^= s.key
+
+    def _leave(self, b: int, s: SeqState, index: int) -> None:
+        """`s` stops holding block b (logical `index` of its table, where every holder has it)."""
+        self.ref_counts[b] -= 1
+        self.holder[b] ^= s.key
+        self._settle(b, held_tokens(s.num_tokens, index, self.config.block_size), index)
+
+    def _settle(self, b: int, gone: int, index: int) -> None:
+        """Block b's tokens after a holder that showed `gone` of them left or emptied it: full
+        when hashed; else the most among the holders left. Several holders write a block only
+        after copying it on write, so they agree with each other: only a partly filled block
+        whose count came from the one that left needs a look at the others."""
+        bs, ref = self.config.block_size, self.ref_counts[b]
+        if self.has_hash[b]:
+            self.tokens[b] = bs
+        elif ref <= 1:
+            self.tokens[b] = ref and held_tokens(self.seqs[self.names[self.holder[b]]].num_tokens, index, bs)
+        elif gone == self.tokens[b] and gone < bs:
+            self.tokens[b] = max((held_tokens(t.num_tokens, index, bs) for t in self.seqs.values()
+                                  if index < len(t.block_table) and t.block_table[index] == b), default=0)
 
     def _set_table(self, s: SeqState, index: int, b: int) -> None:
         if index == len(s.block_table):
@@ -207,74 +383,82 @@ class PoolState:
                                  f"table of {len(s.block_table)}")
 
     def _request_added(self, ev: p.RequestAdded) -> None:
-        if ev.seq_id in self.seqs:
-            raise InvariantError(f"sequence {ev.seq_id!r} already exists")
-        self.seqs[ev.seq_id] = SeqState(ev.seq_id, ev.request_id, prompt_tokens=ev.prompt_tokens,
-                                        max_tokens=ev.max_tokens)
+        self._add_seq(SeqState(ev.seq_id, ev.request_id, prompt_tokens=ev.prompt_tokens,
+                               max_tokens=ev.max_tokens, added=ev.t))
 
     def _fork(self, ev: p.Fork) -> None:
-        parent = self._seq(ev.parent_seq_id)
-        if ev.seq_id in self.seqs:
-            raise InvariantError(f"sequence {ev.seq_id!r} already exists")
+        parent = self._live(ev.parent_seq_id)
         if ev.block_ids != parent.block_table:
             raise InvariantError(f"block_ids {ev.block_ids} are not {parent.seq_id}'s table "
                                  f"{parent.block_table}")
-        for b in ev.block_ids:
-            self.ref_counts[b] += 1
-        self.seqs[ev.seq_id] = SeqState(
-            ev.seq_id, ev.request_id, parent.status, list(parent.block_table), [],
-            parent.num_tokens, parent.prompt_tokens, parent.output_tokens, parent.max_tokens,
-            parent.text)
+        child = SeqState(ev.seq_id, ev.request_id, parent.status, list(parent.block_table), [],
+                         parent.num_tokens, parent.prompt_tokens, parent.output_tokens,
+                         parent.max_tokens, parent.text, added=ev.t)
+        self._add_seq(child)
+        ids = np.asarray(ev.block_ids, np.int64)
+        self.ref_counts[ids] += 1
+        self.holder[ids] ^= child.key
 
     def _alloc(self, ev: p.Alloc) -> None:
         s = self._seq(ev.seq_id)
-        self._take_free(ev.block_id)
+        if ev.logical_index > len(s.block_table):
+            self._set_table(s, ev.logical_index, ev.block_id)  # raises: skips past the end
+        self._take_free(ev.block_id, s, ev.logical_index)
         self._set_table(s, ev.logical_index, ev.block_id)
 
     def _prefix_hit(self, ev: p.PrefixHit) -> None:
         s = self._seq(ev.seq_id)
         self._check_block(ev.block_id)
-        if self.hashes[ev.block_id] != ev.hash:
-            raise InvariantError(f"block {ev.block_id} carries hash {self.hashes[ev.block_id]}, "
-                                 f"not {ev.hash}")
-        self.ref_counts[ev.block_id] += 1
+        if (have := self.hash_of(ev.block_id)) != ev.hash:
+            raise InvariantError(f"block {ev.block_id} carries hash {have}, not {ev.hash}")
         self._set_table(s, ev.logical_index, ev.block_id)
+        self._join(ev.block_id, s)
 
     def _cached(self, ev: p.Cached) -> None:
-        self._check_block(ev.block_id)
-        if not self.ref_counts[ev.block_id]:
-            raise InvariantError(f"block {ev.block_id} is cached while no sequence holds it")
-        self.hashes[ev.block_id] = ev.hash
+        b = ev.block_id
+        self._check_block(b)
+        if not self.ref_counts[b]:
+            raise InvariantError(f"block {b} is cached while no sequence holds it")
+        self.hash64[b], canonical = hash_value(ev.hash)
+        self.has_hash[b], self.tokens[b] = True, self.config.block_size
+        if not canonical:
+            self.odd_hashes[b] = ev.hash
+        elif self.odd_hashes:
+            self.odd_hashes.pop(b, None)
 
     def _evict(self, ev: p.Evict) -> None:
         b = ev.block_id
         self._check_block(b)
-        if self.ref_counts[b] or self.hashes[b] != ev.hash:
+        if self.ref_counts[b] or self.hash_of(b) != ev.hash:
             raise InvariantError(f"block {b} is not a cached block with hash {ev.hash} "
-                                 f"(ref_count {self.ref_counts[b]}, hash {self.hashes[b]})")
-        self.hashes[b] = None
+                                 f"(ref_count {self.ref_counts[b]}, hash {self.hash_of(b)})")
+        self.hash64[b], self.has_hash[b], self.tokens[b] = 0, False, 0
+        if self.odd_hashes:
+            self.odd_hashes.pop(b, None)
 
     def _cow(self, ev: p.Cow) -> None:
         s = self._seq(ev.seq_id)
-        if ev.logical_index >= len(s.block_table) or s.block_table[ev.logical_index] != ev.src_block_id:
-            raise InvariantError(f"{s.seq_id} does not hold block {ev.src_block_id} at index "
-                                 f"{ev.logical_index}")
-        if self.ref_counts[ev.src_block_id] < 2:
-            raise InvariantError(f"copy-on-write of block {ev.src_block_id}, which is not shared")
-        self._take_free(ev.dst_block_id)
-        self.ref_counts[ev.src_block_id] -= 1
-        s.block_table[ev.logical_index] = ev.dst_block_id
+        i, src = ev.logical_index, ev.src_block_id
+        if i >= len(s.block_table) or s.block_table[i] != src:
+            raise InvariantError(f"{s.seq_id} does not hold block {src} at index {i}")
+        if self.ref_counts[src] < 2:
+            raise InvariantError(f"copy-on-write of block {src}, which is not shared")
+        self._take_free(ev.dst_block_id, s, i)
+        s.block_table[i] = ev.dst_block_id
+        self._leave(src, s, i)
 
     def _free(self, ev: p.Free) -> None:
         s = self._seq(ev.seq_id)
-        b = ev.block_id
-        if s.block_table and s.block_table[-1] == b:
-            s.block_table.pop()
-        elif b in s.block_table:
-            s.block_table.remove(b)
+        b, table = ev.block_id, s.block_table
+        if table and table[-1] == b:
+            index = len(table) - 1
+            table.pop()
+        elif b in table:
+            index = table.index(b)
+            del table[index]
         else:
             raise InvariantError(f"{s.seq_id} does not hold block {b}")
-        self.ref_counts[b] -= 1
+        self._leave(b, s, index)
         if self.ref_counts[b] != ev.ref_count:
             raise InvariantError(f"block {b} has ref_count {self.ref_counts[b]} after the free, "
                                  f"the event says {ev.ref_count}")
@@ -283,19 +467,26 @@ class PoolState:
         s = self._seq(ev.seq_id)
         if ev.mode == "swap":
             s.status = "swapped"
-        else:
-            s.status, s.num_tokens = "waiting", 0
+            return
+        before, bs = s.num_tokens, self.config.block_size
+        s.status, s.num_tokens = "waiting", 0
+        for i, b in enumerate(s.block_table):  # its blocks no longer show its tokens
+            self._settle(b, held_tokens(before, i, bs), i)
 
     def _swap_out(self, ev: p.SwapOut) -> None:
         s = self._seq(ev.seq_id)
         if [d for d, _ in ev.mapping] != s.block_table:
             raise InvariantError(f"mapping {ev.mapping} does not cover {s.seq_id}'s table "
                                  f"{s.block_table} in logical order")
-        for d, h in ev.mapping:
+        for _, h in ev.mapping:
+            self._check_host(h)
             if self.host_owner[h] is not None:
                 raise InvariantError(f"host block {h} is already held by {self.host_owner[h]}")
-            self.host_owner[h] = s.seq_id
-            self.ref_counts[d] -= 1
+        bs = self.config.block_size
+        for i, (d, h) in enumerate(ev.mapping):
+            self.host_owner[h], self.host_holder[h] = s.seq_id, s.key
+            self.host_tokens[h] = held_tokens(s.num_tokens, i, bs)
+            self._leave(d, s, i)
         s.host_table = [h for _, h in ev.mapping]
         s.block_table = []
 
@@ -304,22 +495,34 @@ class PoolState:
         if [h for h, _ in ev.mapping] != s.host_table:
             raise InvariantError(f"mapping {ev.mapping} does not cover {s.seq_id}'s host table "
                                  f"{s.host_table} in logical order")
-        for h, d in ev.mapping:
-            self._take_free(d)
-            self.host_owner[h] = None
+        for i, (h, d) in enumerate(ev.mapping):
+            self._take_free(d, s, i)
+            self.host_owner[h], self.host_holder[h], self.host_tokens[h] = None, 0, 0
         s.block_table = [d for _, d in ev.mapping]
         s.host_table = []
         s.status = "running"
 
     def _append(self, ev: p.Append) -> None:
         s = self._seq(ev.seq_id)
-        bs = self.config.block_size
-        if ev.num_tokens > len(s.block_table) * bs:
+        bs, table = self.config.block_size, s.block_table
+        if ev.num_tokens > len(table) * bs:
             raise InvariantError(f"{s.seq_id} holds {ev.num_tokens} tokens in "
-                                 f"{len(s.block_table)} blocks of {bs}")
+                                 f"{len(table)} blocks of {bs}")
+        before = s.num_tokens
         s.num_tokens = ev.num_tokens
         s.output_tokens += len(ev.token_ids)
         s.text += ev.text
+        lo, hi = sorted((before, ev.num_tokens))
+        for i in range(lo // bs, min(len(table), -(-hi // bs))):  # the blocks whose count moved
+            b, held = table[i], held_tokens(ev.num_tokens, i, bs)
+            if self.has_hash[b]:
+                self.tokens[b] = bs
+            elif self.ref_counts[b] == 1:
+                self.tokens[b] = held
+            elif ev.num_tokens > before:
+                self.tokens[b] = max(held, self.tokens[b])
+            else:
+                self._settle(b, held_tokens(before, i, bs), i)
 
     def _status(self, ev: p.StatusChange) -> None:
         self._seq(ev.seq_id).status = ev.status
@@ -329,17 +532,71 @@ class PoolState:
         if s.block_table:
             raise InvariantError(f"{s.seq_id} finishes still holding blocks {s.block_table}")
         for h in s.host_table:  # a swapped sequence's host copies go with it
-            self.host_owner[h] = None
-        del self.seqs[ev.seq_id]
+            self.host_owner[h], self.host_holder[h], self.host_tokens[h] = None, 0, 0
+        del self.seqs[ev.seq_id], self.names[s.key]
+        self._mine.discard(ev.seq_id)
 
     def _step(self, ev: p.StepDone) -> None:
         pass
 
     def _reset(self, ev: p.Reset) -> None:
         fresh = PoolState.empty(ev.config, self.last_event)
-        self.config, self.ref_counts, self.hashes = fresh.config, fresh.ref_counts, fresh.hashes
-        self.host_owner, self.seqs = fresh.host_owner, fresh.seqs
+        for name in ("config", *_ARRAYS):
+            setattr(self, name, getattr(fresh, name))
+        self.seqs, self.names, self._mine = {}, {}, set()
 
+
+I32, U16 = np.dtype("<i4"), np.dtype("<u2")
+
+
+def _tables(tables: list[list[int]]) -> tuple[bytes, bytes]:
+    lens = np.fromiter(map(len, tables), I32, len(tables))
+    return np.fromiter((b for t in tables for b in t), I32, int(lens.sum())).tobytes(), lens.tobytes()
+
+
+def _untables(flat: bytes, lens: bytes) -> list[list[int]]:
+    cuts = np.cumsum(np.frombuffer(lens, I32))[:-1]
+    return [t.tolist() for t in np.split(np.frombuffer(flat, I32), cuts)] if lens else []
+
+
+def _pack_columns(st: PoolState) -> p.SnapshotColumns:
+    seqs = list(st.seqs.values())
+    index = {s.key: i + 1 for i, s in enumerate(seqs)}
+    host_seq = np.fromiter((index.get(k, 0) for k in st.host_holder.tolist()), I32, len(st.host_holder))
+    hashed = np.flatnonzero(st.has_hash)
+    tables, lengths = _tables([s.block_table for s in seqs])
+    host_tables, host_lengths = _tables([s.host_table for s in seqs])
+    return p.SnapshotColumns(
+        ref_count=st.ref_counts.astype(I32).tobytes(), num_tokens=st.tokens.astype(U16).tobytes(),
+        hash_block_ids=hashed.astype(I32).tobytes(), hashes=st.hash64[hashed].astype("<u8").tobytes(),
+        odd_hashes=sorted(st.odd_hashes.items()),
+        host_seq=host_seq.tobytes(), host_num_tokens=st.host_tokens.astype(U16).tobytes(),
+        block_tables=tables, block_table_lengths=lengths, host_tables=host_tables,
+        host_table_lengths=host_lengths)
+
+
+def _from_columns(snap: p.Snapshot) -> PoolState:
+    c, n = snap.columns, snap.config.num_device_blocks
+    ref = np.frombuffer(c.ref_count, I32)
+    if len(ref) != n:
+        raise ValueError(f"columnar snapshot: {len(ref)} ref counts for {n} device blocks")
+    ids = np.frombuffer(c.hash_block_ids, I32)
+    has, values = np.zeros(n, bool), np.zeros(n, np.uint64)
+    has[ids], values[ids] = True, np.frombuffer(c.hashes, "<u8")
+    odd = dict(c.odd_hashes)
+    for b, h in odd.items():
+        values[b] = hash_value(h)[0]
+    hashes = (has, values, odd)
+    tables = _untables(c.block_tables, c.block_table_lengths)
+    host_tables = _untables(c.host_tables, c.host_table_lengths)
+    seqs = [SeqState(s.seq_id, s.request_id, s.status, tables[i] if tables else [],
+                     host_tables[i] if host_tables else [], s.num_tokens, s.prompt_tokens,
+                     s.output_tokens, s.max_tokens, s.text) for i, s in enumerate(snap.seqs)]
+    return PoolState.build(snap.config, snap.seq, ref, hashes, seqs)
+
+
+_ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_owner",
+           "host_holder", "host_tokens")
 
 _HANDLERS = {
     p.RequestAdded: PoolState._request_added, p.Fork: PoolState._fork, p.Alloc: PoolState._alloc,
@@ -352,21 +609,35 @@ _HANDLERS = {
 
 
 def check_invariants(state: PoolState) -> None:
-    """Invariants 2-4 of the protocol; raises InvariantError naming the first that fails."""
-    holders = [0] * len(state.ref_counts)
-    for s in state.seqs.values():
-        for b in s.block_table:
-            holders[b] += 1
-    for b, (r, n) in enumerate(zip(state.ref_counts, holders)):
-        if r != n:
-            raise InvariantError(f"block {b}: ref_count {r} but {n} sequences hold it")
-        if r < 0:
-            raise InvariantError(f"block {b}: negative ref_count {r}")
+    """Invariants 2-4 of the protocol, and the derived columns against a fresh derivation;
+    raises InvariantError naming the first that fails."""
+    seqs = list(state.seqs.values())
+    n = len(state.ref_counts)
+    flat, _, _ = table_entries([s.block_table for s in seqs], [s.num_tokens for s in seqs], 1)
+    holders = np.bincount(flat, minlength=n)
+    if (state.ref_counts < 0).any():
+        b = int(np.flatnonzero(state.ref_counts < 0)[0])
+        raise InvariantError(f"block {b}: negative ref_count {state.ref_counts[b]}")
+    if (bad := np.flatnonzero(holders != state.ref_counts)).size:
+        b = int(bad[0])
+        raise InvariantError(f"block {b}: ref_count {state.ref_counts[b]} but {holders[b]} sequences hold it")
     owners: dict[int, str] = {}
-    for s in state.seqs.values():
+    for s in seqs:
         for h in s.host_table:
             if h in owners or state.host_owner[h] != s.seq_id:
                 raise InvariantError(f"host block {h} is held by more than one sequence")
             owners[h] = s.seq_id
-    if sum(o is not None for o in state.host_owner) != len(owners):
+    if int(np.count_nonzero(state.host_owner != None)) != len(owners):  # noqa: E711
         raise InvariantError("a host block is marked held by no live sequence")
+    fresh = PoolState.build(state.config, state.last_event, state.ref_counts,
+                            (state.has_hash, state.hash64, state.odd_hashes), [s.clone() for s in seqs])
+    for name in ("tokens", "host_tokens"):
+        if (bad := np.flatnonzero(getattr(fresh, name) != getattr(state, name))).size:
+            raise InvariantError(f"{name} of block {int(bad[0])} is {getattr(state, name)[bad[0]]}, "
+                                 f"derived afresh {getattr(fresh, name)[bad[0]]}")
+    xor = np.zeros(n, np.int32)  # in this state's keys (a fresh build numbers them anew)
+    for s in seqs:
+        xor[s.block_table] ^= s.key
+    if (bad := np.flatnonzero(xor != state.holder)).size:
+        raise InvariantError(f"holder of block {int(bad[0])} is {state.holder[bad[0]]}, "
+                             f"its holders' keys XOR to {xor[bad[0]]}")

@@ -28,8 +28,10 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from engine.contract import protocol as p
-from engine.contract.state import PoolState, SeqState
+from engine.contract.state import PoolState, SeqState, hash_columns
 from engine.events import EventLog
 from vllm.v1.request import RequestStatus
 from integrations.kv_events.decode import hash_hex
@@ -299,17 +301,12 @@ class PoolObserver:
         for blk in pool.blocks:
             if blk.block_hash is not None and not blk.is_null:
                 hashes[blk.block_id] = _block_hash(blk.block_hash)
-        state = PoolState(config=config, last_event=self.log.seq, ref_counts=ref, hashes=hashes,
-                          host_owner=[])
         tables = self.manager.req_to_blocks
-        for rid, req in s.requests.items():
-            if rid not in self.tables:
-                continue
-            state.seqs[rid] = SeqState(
-                rid, request_group(rid), "running" if req.status == RequestStatus.RUNNING else "waiting",
-                [blk.block_id for blk in tables.get(rid, ())], [], self._processed(req),
-                req.num_prompt_tokens, len(req.output_token_ids), req.max_tokens)
-        return state
+        seqs = [SeqState(rid, request_group(rid), "running" if req.status == RequestStatus.RUNNING else "waiting",
+                         [blk.block_id for blk in tables.get(rid, ())], [], self._processed(req),
+                         req.num_prompt_tokens, len(req.output_token_ids), req.max_tokens)
+                for rid, req in s.requests.items() if rid in self.tables]
+        return PoolState.build(config, self.log.seq, ref, hash_columns(hashes), seqs)
 
     def rebase(self, state: PoolState) -> None:
         """Take `state` (vLLM's, from `live_state`) as what the clients now hold: after a
@@ -318,7 +315,7 @@ class PoolObserver:
         self.tokens = {rid: s.num_tokens for rid, s in state.seqs.items()}
         self.outputs = {rid: s.output_tokens for rid, s in state.seqs.items()}
         self.running = {rid for rid, s in state.seqs.items() if s.status == "running"}
-        self.hashes = {b: h for b, h in enumerate(state.hashes) if h is not None}
+        self.hashes = {b: state.hash_of(b) for b in np.flatnonzero(state.has_hash).tolist()}
         self.cached_free = sum(1 for b in self.hashes if state.ref_counts[b] == 0)
         self.diverged = False
 
