@@ -279,7 +279,7 @@ def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval
     extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
     if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
         extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
-    if "style" not in sync:
+    if not sync.get("style"):  # a grid mounted afresh (a full rerun) has none yet, whatever the old one said
         extra["style"] = STYLE
     data = message(frame, FRAMES.get(sync.get("have")), extra)
     _component()(data=data, key=key, on_block_change=on_block or _nothing, on_sync_change=_nothing)

@@ -166,7 +166,7 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
         side(one).get_by_text("Reset pool").click()
         side(one).get_by_label("Device blocks").fill("512")
         side(one).get_by_role("button", name="Reset engine", exact=True).click()
-        expect(side(two).get_by_text("Pool: 512 blocks × 16 tokens")).to_be_visible(timeout=15_000)
+        expect(side(two).get_by_text("Pool: 512 blocks × 16 tokens")).to_be_visible(timeout=30_000)
         two.wait_for_function("window.__kvscope_grid.n === 512", timeout=15_000)
 
         os.kill(engine_of(streamlit.pid), signal.SIGKILL)
@@ -174,8 +174,8 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
             expect(page.get_by_text("died", exact=False).first).to_be_visible(timeout=15_000)
             page.wait_for_function("window.__kvscope_grid.connected === false", timeout=15_000)
         one.get_by_test_id("stMain").get_by_role("button", name="Restart engine", exact=True).click()
-        for page in (one, two):
+        for page in (one, two):  # a new engine process loads the model again; the grids mount afresh
             page.wait_for_function("window.__kvscope_grid.connected && window.__kvscope_grid.n === 512",
-                                   timeout=240_000)  # a new engine process loads the model again
+                                   timeout=240_000)
         assert not errors, errors
         browser.close()
