@@ -68,6 +68,7 @@ SORTS = {
 }
 ALL_CARDS = 12     # this many matching sequences or fewer: every one as a card, no list
 CARDS = 5          # otherwise the first few in the chosen order
+PLAIN = 32         # tables up to this many blocks show every block (runs are for long ones)
 MAX_RUNS = 64      # chips per card before "+N more"
 MAX_OPEN = 256     # blocks shown when a run opens
 
@@ -132,7 +133,7 @@ class _Card:
         shared = 0 if self.host else int((self.st.ref_counts[lo:hi + 1] > 1).sum())
         origins = {self.origins[j] for j in range(i, i + n) if j in self.origins}
         mark = KINDS["prefix_hit"].color if "prefix_hit" in origins else KINDS["cow"].color if origins else ""
-        label = ("H" if self.host else "") + f"{first}–{last}" + (f"<sup>×{shared}</sup>" if shared else "")
+        label = ("H" if self.host else "") + f"{first}–{last}"  # ×n means a ref count elsewhere: not here
         title = (f"logical {i}–{i + n - 1} → {'host' if self.host else 'physical'} blocks {first}–{last}: {n} blocks, "
                  f"{self.held(i, n)}/{n * self.bs} tokens" + (f", {shared} shared" if shared else ""))
         chip = _chip(self.color, label, i, 0 if self.host else self.held(i, n) / (n * self.bs), self.prompt(i, n),
@@ -145,6 +146,8 @@ class _Card:
         return f'<div class="opened">{chip}{inner}{more}</div>'
 
     def chips(self) -> str:
+        if len(self.table) <= PLAIN:
+            return "".join(self.block(j) for j in range(len(self.table)))
         parts = runs(self.table)
         out = [self.run(i, n) for i, n in parts[:MAX_RUNS]]
         if len(parts) > MAX_RUNS:

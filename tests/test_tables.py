@@ -69,3 +69,21 @@ def test_a_few_sequences_are_all_cards():
     view = many_sequences(6)
     html = tables.render(view, {})
     assert html.count('class="seq') == 6
+
+
+def test_a_short_table_shows_every_block_with_its_ref_count():
+    """Runs are for long tables: a demo's eight blocks are eight chips, and `×n` is always a
+    block's ref count (a run never borrows the mark)."""
+    d = PoolDriver(p.PoolConfig(block_size=4, num_device_blocks=64, num_host_blocks=0))
+    h = EventHistory(d.first)
+    prompt = list(range(30))  # 8 blocks: 7 full ones are cached and shared by the second request
+    for seq in (d.add(prompt), d.add(prompt)):
+        d.admit(seq)
+    for ev in d.drain():
+        h.append(ev)
+    view = View(h.at(h.last_event), True, 1, [])
+    second = tables.chosen(view, sort="age")[1]
+    html = tables.render(view, {}, [second])
+    assert len(second.block_table) == 8 and 'class="ch run' not in html
+    assert all(re.search(rf"</span>{blk}(<sup>×2</sup>)?(<span|</span>)", html) for blk in second.block_table)
+    assert html.count("<sup>×2</sup>") == 7
