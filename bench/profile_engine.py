@@ -10,12 +10,14 @@ With --vllm, the same jobs through vLLM CPU instead (bench/vllm_side.py, its eng
 the profiled process): the prefill table is the 32 prompts with one new token each, the decode
 tables are whole jobs of 128 new tokens (so they include the prefill, about a tenth of them).
 
-    python -m bench.profile_engine [--dtype bfloat16] [--decode-steps 24] [--rows 14] [--vllm]
+    python -m bench.profile_engine [--dtype bfloat16] [--decode-steps 24] [--rows 14] [--no-profiler] [--vllm]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import time
 from pathlib import Path
 from collections import defaultdict
@@ -46,23 +48,32 @@ def phase_table(events, wall_s: float, steps: int, rows: int) -> str:
     return "\n".join(lines)
 
 
-def profile_job(loaded, prompts, new_tokens: int, decode_steps: int, rows: int) -> None:
+def profile_job(loaded, prompts, new_tokens: int, decode_steps: int, rows: int, profiled: bool = True) -> None:
+    """profiled=False: no profiler, each step timed on its own (the profiler's own cost per
+    operator falls outside operators; this gives the step time without it)."""
     engine = make_engine(loaded, prompts, new_tokens, max_num_seqs=len(prompts))
     for x in prompts:
         engine.add_request(x, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     for phase in ("prefill", "decode"):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0, steps = time.perf_counter(), 0
+        times = []
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
+            t0 = time.perf_counter()
             while engine.has_unfinished():
                 prefilling = any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values())
-                if (phase == "prefill") != prefilling or (phase == "decode" and steps == decode_steps):
+                if (phase == "prefill") != prefilling or (phase == "decode" and len(times) == decode_steps):
                     break
+                t = time.perf_counter()
                 engine.step()
-                steps += 1
+                times.append(time.perf_counter() - t)
             wall = time.perf_counter() - t0
         engine.log.drain()
-        print(f"{phase}: {steps} steps, {wall / max(steps, 1) * 1e3:.1f} ms per step (under the profiler)")
-        print(phase_table(prof.key_averages(), wall, max(steps, 1), rows), flush=True)
+        steps = max(len(times), 1)
+        if not profiled:
+            print(f"{phase}: {len(times)} steps, median {statistics.median(times or [0]) * 1e3:.2f} ms per step "
+                  f"({min(times or [0]) * 1e3:.2f}..{max(times or [0]) * 1e3:.2f}, no profiler)", flush=True)
+            continue
+        print(f"{phase}: {len(times)} steps, {wall / steps * 1e3:.1f} ms per step (under the profiler)")
+        print(phase_table(prof.key_averages(), wall, steps, rows), flush=True)
 
 
 def profile_vllm(args, prompts, dtype: torch.dtype) -> None:
@@ -91,6 +102,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=24, help="decode steps to profile per job")
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--no-profiler", action="store_true", help="only time each step (median, min..max)")
     ap.add_argument("--vllm", action="store_true", help="profile vLLM CPU on the same jobs instead")
     ap.add_argument("--vllm-eager", action="store_true")
     ap.add_argument("--vllm-python", type=Path, default=default_vllm_python())
@@ -105,7 +117,7 @@ def main() -> None:
     warm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     for label, batch in ((f"batch {len(prompts)}", prompts), ("batch 1", [prompts[len(prompts) // 2]])):
         print(f"\n== {label}")
-        profile_job(loaded, batch, args.new_tokens, args.decode_steps, args.rows)
+        profile_job(loaded, batch, args.new_tokens, args.decode_steps, args.rows, not args.no_profiler)
 
 
 if __name__ == "__main__":

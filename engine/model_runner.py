@@ -50,6 +50,7 @@ class LayerWeights:
     gate_up: Linear | None    # None: the MLP's activation is not SiLU; `mlp` runs as HF wrote it
     down: Linear
     attn: torch.nn.Module     # for q_norm / k_norm (Qwen3) and the scaling
+    qk_norm: bool             # attn has q_norm / k_norm (looked up once: a miss on a Module is slow)
     mlp: torch.nn.Module
 
 
@@ -72,7 +73,7 @@ def _prepare(model: torch.nn.Module) -> tuple[list[LayerWeights], Linear]:
             input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
             eps=layer.input_layernorm.variance_epsilon, qkv=Linear(qkv, backend), o=Linear([attn.o_proj], backend),
             gate_up=Linear(gate_up, backend) if silu else None, down=Linear([mlp.down_proj], backend),
-            attn=attn, mlp=mlp))
+            attn=attn, qk_norm=hasattr(attn, "q_norm"), mlp=mlp))
     return layers, Linear([model.lm_head], choose_backend([model.lm_head]))
 
 
@@ -174,7 +175,7 @@ class ModelRunner:
             if i:  # the residual add of the previous layer's MLP, fused into this layer's norm
                 kernels.add_rms_norm(x, residual, w.input_norm, w.eps)
             q, k, v = w.qkv(x).view(n, -1, d).split([w.qkv.out_features // d - 2 * kvh, kvh, kvh], dim=1)
-            if hasattr(w.attn, "q_norm"):  # Qwen3 normalises q and k per head
+            if w.qk_norm:  # Qwen3 normalises q and k per head
                 q, k = w.attn.q_norm(q), w.attn.k_norm(k)
             kernels.rope_store(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
             o = kernels.paged_attention(q, kv[0], kv[1], meta, w.attn.scaling, key=k, value=v)

@@ -100,8 +100,9 @@ def paged_attention_cpu(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
     out = query.new_empty(query.shape)
     if (d := meta.decode_rows) is not None:
         torch.ops.kvscope.decode_attention(out, query, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, scale)
-    _prefills(out, query, k_cache, v_cache, meta, scale, key, value,
-              native=cpu_build.has_avx512() and query.shape[-1] in (64, 128))
+    if meta.max_query_len > 1:
+        _prefills(out, query, k_cache, v_cache, meta, scale, key, value,
+                  native=cpu_build.has_avx512() and query.shape[-1] in (64, 128))
     return out
 
 

@@ -10,6 +10,7 @@ torch path instead (same results, slower).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -30,6 +31,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", 
 _state: dict[str, object] = {}
 
 
+@functools.cache  # read once: the attention asks on every layer of every step
 def _cpu_flags() -> str:
     try:
         return next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
@@ -105,7 +107,12 @@ def load(build_dir: Path, progress: Callable[[str], None] = lambda _: None) -> b
 
 def has_avx512() -> bool:
     """The library was built with AVX-512 kernels (-march=native on a CPU that has it)."""
-    return loaded() and "avx512f" in _cpu_flags().split()
+    return loaded() and _flag("avx512f")
+
+
+@functools.cache
+def _flag(name: str) -> bool:
+    return name in _cpu_flags().split()
 
 
 def loaded() -> bool:
