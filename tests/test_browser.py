@@ -69,12 +69,23 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
         page = open_grid(browser, url, 256, errors)  # the embedded engine starts, then the grid draws the empty pool
         assert page.evaluate("window.__kvscope_grid.used") == 0
         sidebar = page.get_by_test_id("stSidebar")
+        # Paused, so the blocks stay in use until the test has seen them (a busy machine may
+        # pull grid frames more slowly than the tiny model finishes a request)
+        sidebar.get_by_role("button", name="Pause", exact=True).click()
+        sidebar.get_by_role("button", name="Resume", exact=True).wait_for(timeout=30_000)
         sidebar.get_by_label("Prompt").fill("Tell me how a paged KV cache hands out blocks.")
         sidebar.get_by_label("max tokens").fill("300")
         sidebar.get_by_text("More", exact=True).click()
         sidebar.get_by_text("Ignore end of text").click()
         sidebar.get_by_role("button", name="Submit").click()
-        page.wait_for_function("window.__kvscope_grid.used > 0 && window.__kvscope_grid.live", timeout=30_000)
+        for attempt in range(10):  # Step runs the prefill once the request is queued: blocks allocated
+            sidebar.get_by_role("button", name="Step", exact=True).click(timeout=90_000)
+            try:
+                page.wait_for_function("window.__kvscope_grid.used > 0 && window.__kvscope_grid.live", timeout=6_000)
+                break
+            except Exception:
+                if attempt == 9:
+                    raise
         grid = page.evaluate("window.__kvscope_grid")
         assert grid["draws"] > 1
         SHOT.parent.mkdir(exist_ok=True)
@@ -82,6 +93,7 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
         assert SHOT.stat().st_size > 20_000
 
         # the event log lists the allocations; clicking block 0 filters the log to it
+        sidebar.get_by_role("button", name="Resume", exact=True).click()
         page.wait_for_function("window.__kvscope_grid.used === 0", timeout=60_000)  # finished: blocks freed
         canvas = page.locator("canvas.main").first
         box = canvas.bounding_box()
