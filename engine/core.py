@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,7 +37,7 @@ class StepResult:
     finished: list[Output]  # sequences that ended in this step
 
 
-class EngineCore:
+class EngineCore(ABC):
     """Subclasses give the tokens: `_execute` runs a batch (one payload per row that completes
     its tokens), `_sample` picks a sequence's next token from its row's payload, `_stops` says
     whether that token ends it, `_track` sets up a new sequence, `_detokenize` gives new text."""
@@ -56,8 +57,9 @@ class EngineCore:
         """One payload per row of `batch` that completes (in row order); None when none does."""
         return None
 
+    @abstractmethod
     def _sample(self, seq: Sequence, payload: Any) -> int:
-        raise NotImplementedError
+        """The sequence's next token from its row's payload (every engine has its own source)."""
 
     def _stops(self, seq: Sequence, token: int) -> bool:
         return False
