@@ -123,11 +123,13 @@ class TransformersSide:
 
 
 VLLM_MODES = {  # mode: (side name, extra flags, environment; None removes a variable)
-    "default": ("vllm", [], {"OMP_WAIT_POLICY": None}),
-    "eager": ("vllm eager", ["--eager"], {"OMP_WAIT_POLICY": None}),
+    # vLLM's own OpenMP settings: this process's (engine/__init__.py) are not passed on
+    "default": ("vllm", [], {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}),
+    "eager": ("vllm eager", ["--eager"], {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}),
     # vLLM's CPU worker keeps one core for its front end by default: on 2 cores it computes on one.
-    # On every core, its OpenMP threads wait asleep, as this engine's do (engine/__init__.py).
-    "all-cores": ("vllm 2 cores", [], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
+    # On every core, its OpenMP threads spin as briefly as this engine's do.
+    "all-cores": ("vllm 2 cores", [], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": None,
+                                       "GOMP_SPINCOUNT": "1000"}),
 }
 
 

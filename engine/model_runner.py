@@ -68,13 +68,13 @@ def _prepare(model: torch.nn.Module) -> tuple[list[LayerWeights], Linear]:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-        backend = choose_backend(qkv + [attn.o_proj] + gate_up + [mlp.down_proj])
+        backend = choose_backend(qkv + [attn.o_proj] + gate_up + [mlp.down_proj])  # (name, gemv)
         layers.append(LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
-            eps=layer.input_layernorm.variance_epsilon, qkv=Linear(qkv, backend), o=Linear([attn.o_proj], backend),
-            gate_up=Linear(gate_up, backend) if silu else None, down=Linear([mlp.down_proj], backend),
+            eps=layer.input_layernorm.variance_epsilon, qkv=Linear(qkv, *backend), o=Linear([attn.o_proj], *backend),
+            gate_up=Linear(gate_up, *backend) if silu else None, down=Linear([mlp.down_proj], *backend),
             attn=attn, qk_norm=hasattr(attn, "q_norm"), mlp=mlp))
-    return layers, Linear([model.lm_head], choose_backend([model.lm_head]))
+    return layers, Linear([model.lm_head], *choose_backend([model.lm_head]))
 
 
 class ModelRunner:

@@ -6,6 +6,10 @@ and re-lays out bf16 weights for oneDNN on every call. oneDNN with the weight re
 here at 1 to 2,048 rows (docs/benchmarks.md). Those ops are private, so `choose_backend` checks
 once per process and dtype that they exist and time faster than `F.linear` on the model's own
 shapes (a few ms), and otherwise keeps `F.linear`.
+
+At one to a few rows (decode at small batch) a linear layer is a stream of its weights, and the
+C++ `kvscope.gemv` streams them faster than either (13-16% on this project's CPU, weights from
+memory); it is chosen the same way, timed on one row.
 """
 from __future__ import annotations
 
@@ -15,8 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_build
+
 PACK_ROWS = 32  # oneDNN's layout hint: the decode batch; the same layout was best up to 2,048 rows
-_choice: dict[tuple, str] = {}
+GEMV_ROWS = 4  # kvscope.gemv takes up to this many rows
+_choice: dict[tuple, tuple[str, bool]] = {}
 
 
 def _onednn_ops() -> bool:
@@ -28,48 +35,61 @@ def _onednn_ops() -> bool:
 class Linear:
     """y = x W^T (+ b) for one weight, or several concatenated along the output (q|k|v, gate|up)."""
 
-    def __init__(self, layers: list[torch.nn.Linear], backend: str = "torch"):
+    def __init__(self, layers: list[torch.nn.Linear], backend: str = "torch", gemv: bool = False):
+        """backend: 'torch' or 'onednn' (packed weights); gemv: kvscope.gemv for up to GEMV_ROWS rows."""
         weights = [layer.weight.detach() for layer in layers]
         biases = [layer.bias for layer in layers]
-        self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.weight = self.plain = weights[0] if len(weights) == 1 else torch.cat(weights)
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         self.out_features = self.weight.shape[0]
-        self.backend = backend
+        self.backend, self.gemv = backend, gemv
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.gemv and x.shape[0] <= GEMV_ROWS:
+            out = x.new_empty(x.shape[0], self.out_features)
+            torch.ops.kvscope.gemv(out, x, self.plain, self.bias)
+            return out
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def choose_backend(layers: list[torch.nn.Linear], rows: int = PACK_ROWS, repeats: int = 5) -> str:
-    """'onednn' if the packed oneDNN path exists and runs these layers faster than F.linear
-    (timed on `rows` rows, best of `repeats`), else 'torch'. Decided once per dtype and shapes."""
+def choose_backend(layers: list[torch.nn.Linear], repeats: int = 5) -> tuple[str, bool]:
+    """(backend, gemv) for Linear: 'onednn' if the packed oneDNN path exists and runs these
+    layers faster than F.linear on PACK_ROWS rows, else 'torch'; gemv if the C++ kernels are
+    loaded and kvscope.gemv runs them faster than that backend on one row. Each the best of
+    `repeats` rounds; decided once per dtype and shapes."""
     w = layers[0].weight
-    if w.device.type != "cpu" or not _onednn_ops():
-        return "torch"
+    if w.device.type != "cpu":
+        return "torch", False
     key = (w.dtype, tuple(tuple(layer.weight.shape) for layer in layers))
     if key not in _choice:
-        _choice[key] = _time_backends(layers, rows, repeats)
+        backend = _fastest(layers, [("torch", False), ("onednn", False)], PACK_ROWS, repeats) \
+            if _onednn_ops() else "torch"
+        gemv = cpu_build.loaded() and _fastest(layers, [(backend, False), (backend, True)], 1, repeats) == backend + "+gemv"
+        _choice[key] = backend, gemv
     return _choice[key]
 
 
 @torch.inference_mode()
-def _time_backends(layers: list[torch.nn.Linear], rows: int, repeats: int) -> str:
+def _fastest(layers: list[torch.nn.Linear], candidates: list[tuple[str, bool]], rows: int, repeats: int) -> str:
+    """The fastest of `candidates` ((backend, gemv) pairs, named 'backend' or 'backend+gemv');
+    the first when another fails (a private op changed, or no gemv kernel for this dtype)."""
+    name = lambda b, g: b + "+gemv" * g
     try:
-        candidates = {b: [Linear([layer], b) for layer in layers] for b in ("torch", "onednn")}
+        lins = {name(b, g): [Linear([layer], b, g) for layer in layers] for b, g in candidates}
         inputs = [torch.randn(rows, layer.in_features, dtype=layer.weight.dtype) for layer in layers]
-        times: dict[str, list[float]] = {b: [] for b in candidates}
-        for i in range(repeats + 1):  # the first round warms both up
-            for b, lins in candidates.items():
+        times: dict[str, list[float]] = {b: [] for b in lins}
+        for i in range(repeats + 1):  # the first round warms each up
+            for b, group in lins.items():
                 t0 = time.perf_counter()
-                for lin, x in zip(lins, inputs):
+                for lin, x in zip(group, inputs):
                     lin(x)
                 if i:
                     times[b].append(time.perf_counter() - t0)
-    except (RuntimeError, AttributeError):  # the private ops changed: keep the public path
-        return "torch"
+    except (RuntimeError, AttributeError):
+        return name(*candidates[0])
     return min(times, key=lambda b: min(times[b]))  # the best round: other processes only ever add time

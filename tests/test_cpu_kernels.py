@@ -160,7 +160,40 @@ def test_linear_backend_is_checked_and_falls_back(monkeypatch):
         expected = torch.cat([layer(x) for layer in layers], dim=1)
         torch.testing.assert_close(fused(x), expected)
         torch.testing.assert_close(linear.Linear(layers, "onednn")(x), expected, atol=1e-5, rtol=1e-5)
-    assert linear.choose_backend(layers) in ("torch", "onednn")
+    assert linear.choose_backend(layers)[0] in ("torch", "onednn")
     monkeypatch.setattr(linear, "_onednn_ops", lambda: False)
     monkeypatch.setattr(linear, "_choice", {})
-    assert linear.choose_backend(layers) == "torch"
+    assert linear.choose_backend(layers)[0] == "torch"
+    odd = [torch.nn.Linear(64, 40)]  # 40 outputs: not blocks of 16, so gemv refuses and is never chosen
+    assert linear.choose_backend(odd) == ("torch", False)
+
+
+GEMV_DTYPES = [torch.float32] + [torch.bfloat16] * cpu_build._flag("avx512_bf16")
+
+
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_the_torch_linear(dtype, rows, bias):
+    """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it."""
+    torch.manual_seed(rows)
+    layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
+    x = torch.randn(8, rows, 576, dtype=dtype)[3]  # rows strided, as the engine's views are
+    with torch.inference_mode():
+        out = linear.Linear(layers, "torch", gemv=True)(x)
+        expected = torch.cat([torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                                         None if layer.bias is None else layer.bias.double())
+                              for layer in layers], dim=1)
+    assert out.dtype == dtype and out.shape == (rows, 1024)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def test_gemv_refuses_what_it_cannot_do():
+    w = torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="M <= 4"):
+        torch.ops.kvscope.gemv(torch.empty(5, 32), torch.randn(5, 64), w, None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.kvscope.gemv(torch.empty(1, 24), torch.randn(1, 64), w[:24], None)
+    with pytest.raises(RuntimeError, match="no kernel for Half"):
+        torch.ops.kvscope.gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None)

@@ -11,6 +11,8 @@
 //   rms_norm          out = w * norm(x)
 //   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place)
 //   silu_and_mul      out = silu(gate) * up, gate and up the two halves of one [T, 2I] tensor
+//   gemv              out = x W^T (+ b) for a few rows of x: the weights streamed once, at the
+//                     memory's speed (decode at small batch reads every weight for one token)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -590,6 +592,107 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
   dispatch(out.scalar_type(), "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(out, gate_up); });
 }
 
+// ---------------------------------------------------------------------------- GEMV
+// out [M, N] = x [M, K] . w [N, K]^T (+ bias [N]) for M <= 4, accumulated in float32. At small M
+// a linear layer is a stream of its weights: every weight row is read once, from memory, and
+// dotted with the M rows of x, which stay in L1. Output rows come in blocks of 16, each block a
+// contiguous run of weights; four weight rows are dotted at a time (four independent FMA chains),
+// and the 16 sums of each x row reduce to one vector with sum16. bf16 weights use AVX512-BF16's
+// dot product of bf16 pairs (as oneDNN does on such CPUs); fp32 weights plain FMAs.
+#if defined(__AVX512F__)
+template <typename T> struct Gemv;  // the weight chunk per step and its dot product into acc
+
+template <> struct Gemv<float> {
+  static constexpr int64_t kChunk = 16;
+  using X = __m512;
+  static X load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 dot(__m512 acc, X w, X x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+#if defined(__AVX512BF16__)
+template <> struct Gemv<c10::BFloat16> {
+  static constexpr int64_t kChunk = 32;
+  using X = __m512bh;
+  static X load(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 dot(__m512 acc, X w, X x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+#endif
+
+constexpr int64_t kAhead = 16;  // rows
+
+template <typename T, int M>
+void gemv_block(const T* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out, int64_t o_row) {
+  using G = Gemv<T>;
+  __m512 part[M][16];
+  for (int i = 0; i < 16; i += 4) {
+    const T* r = w + i * K;
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += G::kChunk) {
+      typename G::X xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = G::load(x + m * x_row + k);
+      for (int j = 0; j < 4; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K), _MM_HINT_T0);
+        const typename G::X wv = G::load(r + j * K + k);
+        for (int m = 0; m < M; ++m) acc[m][j] = G::dot(acc[m][j], wv, xs[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) part[m][i + j] = acc[m][j];
+  }
+  const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) {
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, _mm512_add_ps(sum16(part[m]), b));
+    for (int i = 0; i < 16; ++i) out[m * o_row + i] = to<T>(sums[i]);
+  }
+}
+
+template <typename T, int M>
+void gemv_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const T* bias) {
+  const int64_t N = w.size(0), K = w.size(1), x_row = x.stride(0), o_row = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+#pragma omp parallel for num_threads(threads()) schedule(static) if (N * K > kParallelWork)
+  for (int64_t n = 0; n < N; n += 16)
+    gemv_block<T, M>(xp, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
+}
+
+template <typename T>
+void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  const T* b = bias ? bias->data_ptr<T>() : nullptr;
+  switch (x.size(0)) {
+    case 1: return gemv_rows<T, 1>(out, x, w, b);
+    case 2: return gemv_rows<T, 2>(out, x, w, b);
+    case 3: return gemv_rows<T, 3>(out, x, w, b);
+    default: return gemv_rows<T, 4>(out, x, w, b);
+  }
+}
+#endif
+
+void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_cpu("out, x and w", {&out, &x, &w});
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4 &&
+                  x.size(1) == w.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0) &&
+                  w.is_contiguous() && w.size(0) % 16 == 0 && x.scalar_type() == w.scalar_type() &&
+                  out.scalar_type() == w.scalar_type() && (!bias || (bias->is_contiguous() &&
+                  bias->numel() == w.size(0) && bias->scalar_type() == w.scalar_type())),
+              "kvscope: gemv wants x [M <= 4, K], w [N, K] contiguous with N a multiple of 16, out [M, N], "
+              "one dtype");
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat && w.size(1) % Gemv<float>::kChunk == 0)
+    return gemv_impl<float>(out, x, w, bias);
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && w.size(1) % Gemv<c10::BFloat16>::kChunk == 0)
+    return gemv_impl<c10::BFloat16>(out, x, w, bias);
+#endif
+#endif
+  TORCH_CHECK(false, "kvscope: gemv has no kernel for ", x.scalar_type(), " with K = ", w.size(1),
+              " on this CPU (float32 needs AVX-512 and K % 16 == 0, bfloat16 AVX512-BF16 and K % 32 == 0)");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvscope, m) {
@@ -601,6 +704,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
@@ -610,4 +714,5 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gemv", &gemv);
 }
