@@ -4,6 +4,7 @@ A-vs-B as the median of per-round ratios (each ratio compares runs made moments 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -19,6 +20,32 @@ def interleave(sides: dict[str, Callable[[], T]], rounds: int, say=None) -> dict
             if say:
                 say(f"  round {r + 1}: {name} {out[name][-1]}")
     return out
+
+
+def _busy_and_total() -> tuple[int, int]:
+    """All CPUs' busy and total time so far, in clock ticks (Linux /proc/stat)."""
+    ticks = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
+
+
+def settle(busy_share: float = 0.2, window: float = 0.1, limit: float = 5.0) -> float:
+    """Wait until the machine is idle: the CPUs busy under `busy_share` of their time over one
+    `window`, for at most `limit` seconds; returns the seconds waited. A side's leftovers would
+    otherwise slow the next side's run (vLLM's engine core keeps a core busy for about a second
+    after each request). Without /proc/stat it returns at once."""
+    start = time.monotonic()
+    try:
+        before = _busy_and_total()
+    except OSError:
+        return 0.0
+    while time.monotonic() - start < limit:
+        time.sleep(window)
+        after = _busy_and_total()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total and busy / total < busy_share:
+            break
+        before = after
+    return time.monotonic() - start
 
 
 def spread(xs: list[float], fmt: str = ".1f") -> str:

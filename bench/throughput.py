@@ -11,7 +11,8 @@ when a vLLM venv exists, vLLM CPU in a subprocess run by that venv's python (ben
 with its defaults (torch.compile; on this 2-core machine vLLM computes on one core and keeps
 the other for its front end), with enforce_eager, and with its defaults on every core. Every job
 runs on every side in rounds, A B C, B C A, ... (bench/rounds.py), so the sides see the same
-machine load; the report gives medians over rounds, the spread (min..max), and KVScope's speed-up
+machine load, each run starting once the CPUs are idle (`settle`: vLLM's engine core keeps a core
+busy for about a second after each request, which would slow whichever side comes next); the report gives medians over rounds, the spread (min..max), and KVScope's speed-up
 over each side as the median of its per-round time ratios. The machine may be shared: compare
 only within one run.
 
@@ -34,7 +35,7 @@ import torch
 from transformers import GenerationConfig
 
 from bench.prompts import make_prompts
-from bench.rounds import interleave, ratios, spread
+from bench.rounds import interleave, ratios, settle, spread
 from engine.config import EngineConfig
 from engine.contract import protocol as p
 from engine.engine import LLMEngine
@@ -210,6 +211,7 @@ def run_rounds(jobs: list[Job], sides: list, rounds: int, say=print) -> Results:
     for job in jobs:
         def timed(side):
             def run() -> float:
+                settle()
                 seconds, tokens = side.run(job)
                 res.tokens[(job.name, side.name)] = tokens
                 say(f"  {job.name} | {side.name} | {job.figure(seconds):.1f} {job.unit}")
