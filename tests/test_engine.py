@@ -250,7 +250,7 @@ def test_smollm2_greedy_matches_transformers_generate():
     loaded = load_model("smollm2", dtype="float32")
     engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), loaded)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    outs, _ = run_with_events(engine, PROMPTS[:5], params)
+    outs, _ = run_with_events(engine, PROMPTS[:4], params)  # decode at 4 rows: the C++ GEMV where chosen
     for (out,) in outs:
         assert out.token_ids == hf_greedy(loaded, out.prompt_token_ids, params.max_tokens)
     assert "Paris" in outs[0][0].text
