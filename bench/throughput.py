@@ -11,9 +11,10 @@ when a vLLM venv exists, vLLM CPU in a subprocess run by that venv's python (ben
 with its defaults (torch.compile; on this 2-core machine vLLM computes on one core and keeps
 the other for its front end), with enforce_eager, and with its defaults on every core. Every job
 runs on every side in rounds, A B C, B C A, ... (bench/rounds.py), so the sides see the same
-machine load, each run starting once the CPUs are idle (`settle`: vLLM's engine core keeps a core
-busy for about a second after each request, which would slow whichever side comes next); the report gives medians over rounds, the spread (min..max), and KVScope's speed-up
-over each side as the median of its per-round time ratios. The machine may be shared: compare
+machine load, each run starting once the CPUs are idle (`settle`: vLLM's engine core keeps a
+core busy for about a second after each request, which would slow whichever side comes next);
+the report gives medians over rounds, the spread (min..max), and KVScope's speed-up over each
+side as the median of its per-round time ratios. The machine may be shared: compare
 only within one run.
 
     python -m bench.throughput [--dtypes bfloat16,float32] [--rounds 3] [--vllm-python PATH | --no-vllm]

@@ -8,7 +8,7 @@ once per process and dtype that they exist and time faster than `F.linear` on th
 shapes (a few ms), and otherwise keeps `F.linear`.
 
 At one to a few rows (decode at small batch) a linear layer is a stream of its weights, and the
-C++ `kvscope.gemv` streams them faster than either (13-16% on this project's CPU, weights from
+C++ `kvscope.gemv` streams them faster than either (12-14% on this project's CPU, weights from
 memory); it is chosen the same way, timed on one row.
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ class Linear:
         """backend: 'torch' or 'onednn' (packed weights); gemv: kvscope.gemv for up to GEMV_ROWS rows."""
         weights = [layer.weight.detach() for layer in layers]
         biases = [layer.bias for layer in layers]
-        self.weight = self.plain = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.plain = self.weight if gemv else None  # the GEMV's operand, kept beside oneDNN's packed copy
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         self.out_features = self.weight.shape[0]
@@ -69,7 +70,8 @@ def choose_backend(layers: list[torch.nn.Linear], repeats: int = 5) -> tuple[str
     if key not in _choice:
         backend = _fastest(layers, [("torch", False), ("onednn", False)], PACK_ROWS, repeats) \
             if _onednn_ops() else "torch"
-        gemv = cpu_build.loaded() and _fastest(layers, [(backend, False), (backend, True)], 1, repeats) == backend + "+gemv"
+        gemv = cpu_build.loaded() and (
+            _fastest(layers, [(backend, False), (backend, True)], 1, repeats) == backend + "+gemv")
         _choice[key] = backend, gemv
     return _choice[key]
 

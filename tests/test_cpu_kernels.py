@@ -168,7 +168,7 @@ def test_linear_backend_is_checked_and_falls_back(monkeypatch):
     assert linear.choose_backend(odd) == ("torch", False)
 
 
-GEMV_DTYPES = [torch.float32] + [torch.bfloat16] * cpu_build._flag("avx512_bf16")
+GEMV_DTYPES = [torch.float32] * cpu_build._flag("avx512f") + [torch.bfloat16] * cpu_build._flag("avx512_bf16")
 
 
 @pytest.mark.parametrize("dtype", GEMV_DTYPES)
