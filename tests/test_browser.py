@@ -78,14 +78,16 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
         sidebar.get_by_text("More", exact=True).click()
         sidebar.get_by_text("Ignore end of text").click()
         sidebar.get_by_role("button", name="Submit").click()
-        for attempt in range(10):  # Step runs the prefill once the request is queued: blocks allocated
+        # the engine's ack comes back as a toast "Submit: <sequence id>": the request is queued
+        page.wait_for_function("document.body.innerText.includes('Submit: ')", timeout=60_000)
+        for attempt in range(10):  # Step runs the prefill of the queued request: blocks allocated
             sidebar.get_by_role("button", name="Step", exact=True).click(timeout=90_000)
             try:
                 page.wait_for_function("window.__kvscope_grid.used > 0 && window.__kvscope_grid.live", timeout=6_000)
                 break
             except Exception:
                 if attempt == 9:
-                    raise
+                    raise AssertionError(f"no block in use after 10 steps; the page says:\n{page.inner_text('body')[:3000]}")
         grid = page.evaluate("window.__kvscope_grid")
         assert grid["draws"] > 1
         SHOT.parent.mkdir(exist_ok=True)
