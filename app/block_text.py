@@ -56,7 +56,7 @@ class BlockTexts:
                     s.blocks[i] = (s.blocks[i] + ev.text)[:PREVIEW]
                 s.tokens += len(ids)
             case p.Cached():
-                if (text := self._of_holder(state, ev.block_id, ev.seq_id)) is not None:
+                if (text := self.of_holder(state, ev.block_id, ev.seq_id)) is not None:
                     self.by_hash[ev.hash] = text
             case p.Evict():
                 self.by_hash.pop(ev.hash, None)
@@ -69,7 +69,8 @@ class BlockTexts:
                 self.seqs.clear()
                 self.by_hash.clear()
 
-    def _of_holder(self, state: PoolState, b: int, seq_id: str | None) -> str | None:
+    def of_holder(self, state: PoolState, b: int, seq_id: str | None) -> str | None:
+        """Device block b's text from the sequence that holds it (`seq_id`, else its only holder)."""
         if seq_id is None and state.ref_counts[b] == 1:
             seq_id = state.names.get(int(state.holder[b]))
         s = state.seqs.get(seq_id) if seq_id else None

@@ -23,7 +23,8 @@ def _follower(client: EngineClient, name: str, start) -> Follower:
 
 
 def prefix_tree(client: EngineClient, view: View, highlight: list[int] = ()) -> None:
-    builder = _follower(client, "prefix", ForestBuilder.from_state).at(client, view.event)
+    start = lambda state: ForestBuilder.from_state(state, client.history.live.texts)  # noqa: E731
+    builder = _follower(client, "prefix", start).at(client, view.event)
     if builder is None:
         return
     if not view.mirror.config.enable_prefix_caching:

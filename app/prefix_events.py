@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.block_text import BlockTexts
 from engine.contract import protocol as p
 from engine.contract.prefix_forest import PrefixForest
 from engine.contract.state import PoolState
@@ -20,13 +21,15 @@ from engine.contract.state import PoolState
 class ForestBuilder:
     state: PoolState                 # the reducer, following the same events
     forest: PrefixForest = field(default_factory=PrefixForest)
-    texts: dict[str, list[str]] = field(default_factory=dict)  # seq_id -> text of each token, when known
+    texts: BlockTexts = field(default_factory=BlockTexts)  # what each block's tokens say
 
     @classmethod
-    def from_state(cls, state: PoolState) -> ForestBuilder:
+    def from_state(cls, state: PoolState, texts: BlockTexts | None = None) -> ForestBuilder:
         """Start from a state whose history is unknown: its cached blocks become roots (their
-        parents were stored before this client saw the stream)."""
-        b = cls(state.clone())
+        parents were stored before this client saw the stream). `texts`: the dashboard's store,
+        shared with its mirror (events replayed from history change nothing there); without it
+        the builder keeps its own from the events it applies."""
+        b = cls(state.clone(), texts=texts or BlockTexts(state.config.block_size, state.last_event))
         for block in np.flatnonzero(b.state.has_hash).tolist():
             b.forest.store(b.state.hash_of(block), None, block=block, holders=int(b.state.ref_counts[block]),
                            at=state.last_event)
@@ -44,15 +47,11 @@ class ForestBuilder:
                 self._hold(d)
             return
         st.apply(ev)
+        self.texts.apply(ev, st)
         match ev:
-            case p.RequestAdded():
-                self.texts[ev.seq_id] = list(getattr(ev, "prompt_token_texts", None) or ())
             case p.Fork():
-                self.texts[ev.seq_id] = list(self.texts.get(ev.parent_seq_id, ()))
                 for b in ev.block_ids:
                     self._hold(b)
-            case p.Append() if ev.token_ids:
-                self.texts.setdefault(ev.seq_id, []).extend([ev.text] + [""] * (len(ev.token_ids) - 1))
             case p.Cached():
                 forest.store(ev.hash, ev.parent_hash, self._label(ev), block=ev.block_id,
                              holders=int(st.ref_counts[ev.block_id]), at=ev.seq)
@@ -65,11 +64,8 @@ class ForestBuilder:
                 self._hold(ev.src_block_id)
             case p.Evict():
                 forest.remove(ev.hash)
-            case p.Finish():
-                self.texts.pop(ev.seq_id, None)
             case p.Reset():
                 forest.clear()
-                self.texts.clear()
 
     def _hold(self, block: int) -> None:
         h = self.state.hash_of(block)
@@ -77,14 +73,5 @@ class ForestBuilder:
             self.forest.hold(h, int(self.state.ref_counts[block]))
 
     def _label(self, ev: p.Cached) -> str:
-        """The text of the block's tokens: from the sequence that filled it (the event names it,
-        else any holder), its prompt token texts and sampled texts."""
-        seq_id = getattr(ev, "seq_id", None)
-        seqs = self.state.seqs
-        holder = seqs.get(seq_id) if seq_id else next(
-            (s for s in seqs.values() if ev.block_id in s.block_table), None)
-        if holder is None or ev.block_id not in holder.block_table:
-            return ""
-        texts, bs = self.texts.get(holder.seq_id, []), self.state.config.block_size
-        i = holder.block_table.index(ev.block_id)
-        return "".join(texts[i * bs:(i + 1) * bs])
+        """The start of the text of the block's tokens (from the sequence that filled it)."""
+        return self.texts.by_hash.get(ev.hash) or self.texts.of_holder(self.state, ev.block_id, ev.seq_id) or ""

@@ -114,6 +114,7 @@ def test_prefix_tree_and_lifetimes_panels_follow_the_engine(at, observer):
     tree = html_with(at, 'class="pt"')
     hits = [e for e in events(observer, "prefix_hit")]
     assert hits and f"block {hits[-1].block_id}" in tree and "hits" in tree
+    assert 'class="tx"' in tree and "KVScope" in tree  # cached blocks labelled with their tokens' text
     next(c for c in at.segmented_control if c.label == "History").set_value("Lifetimes").run()
     text = "\n".join(m.value for m in at.markdown)
     assert "block lifetime" in text and "Blocks held per request" in text
