@@ -48,7 +48,7 @@ class Hosted:
         if self.client:
             self.client.close(f"the {self.module.removeprefix('engine.')} process died ({proc.exit_reason()})")
         if self.auto_restart:
-            self.restart()
+            self.restart(proc)
 
     def last_config(self) -> tuple[p.PoolConfig | None, float]:
         """The pool config and pace the child last reported (None before its first snapshot)."""

@@ -1,7 +1,7 @@
 """Dashboard cost at production sizes: server work and bytes per grid redraw, the history's
 memory and time travel, and redraws/s and event-to-screen latency in a real browser.
 
-Pools are filled and kept busy by the real engine with random logits (bench/synthetic.py):
+Pools are filled and kept busy by the real engine with random tokens (bench/synthetic.py):
 shared system prompts, parallel samples, a steady stream of requests.
 
 1. Server side, per grid redraw in steady state: the view (a copy of the mirror), the frame
@@ -296,7 +296,7 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
     lines = ["## Dashboard", "",
              f"`python -m bench.dashboard` on this machine ({os.cpu_count()} cores, CPU only, shared with other jobs: "
              f"load average {load_average()} at the end), Streamlit 1.67, Debian chromium headless. Pools filled to "
-             f"80% (used or cached) and kept busy by the real engine with random logits (`bench/synthetic.py`: "
+             f"80% (used or cached) and kept busy by the real engine with random tokens (`bench/synthetic.py`: "
              f"{LOAD['live']} requests in flight, {LOAD['max_num_seqs']} running, shared system prompts, parallel "
              f"samples). Figures: median (min–max) over {rounds} rounds, sizes interleaved.", "",
              "Server work per grid redraw in steady state (two engine steps apart): the view (a copy of the mirror), "

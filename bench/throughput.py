@@ -211,15 +211,13 @@ def run_rounds(jobs: list[Job], sides: list, rounds: int, say=print) -> Results:
     res = Results()
     for job in jobs:
         def timed(side):
-            def run() -> float:
+            def run() -> None:
                 settle()
                 seconds, tokens = side.run(job)
-                res.tokens[(job.name, side.name)] = tokens
+                res.add(job, side.name, seconds, tokens)
                 say(f"  {job.name} | {side.name} | {job.figure(seconds):.1f} {job.unit}")
-                return seconds
             return run
-        for name, seconds in interleave({side.name: timed(side) for side in sides}, rounds).items():
-            res.seconds[(job.name, name)] = seconds
+        interleave({side.name: timed(side) for side in sides}, rounds)
     return res
 
 

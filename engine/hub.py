@@ -212,8 +212,11 @@ class Hub:
         (everyone: to all); it takes its place in their outboxes now and is encoded later."""
         job = SnapshotJob(source)
         if (everyone or self._record_snapshot) and self._recording:
-            self._record(job.encode(columnar=False))  # in stream order: only when recording
+            frame = job.encode(columnar=False)  # in stream order: only when recording
+            self._record(frame)
             self._record_snapshot = False
+            job.frames[False] = self.loop.create_future()  # v1 clients send the same bytes
+            job.frames[False].set_result(frame)
         for c in self.clients:
             if everyone or not c.synced:
                 c.push(job, SNAPSHOT)

@@ -1,5 +1,6 @@
-"""Paged KV-cache kernels and the decoder step's fused ops: Triton on CUDA tensors, C++ on CPU
-tensors once `cpu_build.load` succeeded, the torch implementation everywhere else.
+"""Paged KV-cache kernels and the decoder step's fused ops: Triton on CUDA tensors (store, paged
+attention, block copies), C++ on CPU tensors once `cpu_build.load` succeeded (attention and the
+fused ops), the torch implementation everywhere else.
 
 Each implementation is also importable directly (`*_triton`, `*_torch`) for tests and benchmarks.
 """

@@ -1,7 +1,8 @@
 """Paged attention over one flat batch mixing prefill chunks (with cached prefixes) and decode rows.
 
 Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1], the last q_len positions of
-its seq_lens[i] context; all K/V is read from the cache through its block table. GQA: query head
+its seq_lens[i] context; K/V is read from the cache through its block table, except that on the
+CPU a prefill chunk with no cached prefix reads the step's own new key/value rows. GQA: query head
 h reads KV head h // group; K/V are never repeated.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ On the CPU, torch's `F.linear` sends fp32 to MKL's sgemm (half speed on this pro
 and re-lays out bf16 weights for oneDNN on every call. oneDNN with the weight reordered once
 (`mkldnn._reorder_linear_weight`, the layout inductor's freezing pass uses) was 1.3-3x faster
 here at 1 to 2,048 rows (docs/benchmarks.md). Those ops are private, so `choose_backend` checks
-once per process and dtype that they exist and time faster than `F.linear` on the model's own
+once per process, dtype and shapes that they exist and time faster than `F.linear` on the model's own
 shapes (a few ms), and otherwise keeps `F.linear`.
 
 At one to a few rows (decode at small batch) a linear layer is a stream of its weights, and the

@@ -3,7 +3,8 @@
 Besides the tensors the Triton kernel reads, it plans (on first use, so CUDA steps never pay for
 it) what the torch path needs so that each layer does only gathers and SDPA calls: the decode
 rows sorted by length and cut into batches of about DECODE_CHUNK_TOKENS context tokens, each
-padded only to its own longest, and per prefill chunk its rows, block ids and causal mask.
+padded only to its own longest, and per prefill chunk its rows, block ids and causal mask; and
+for the C++ CPU kernel, the decode rows with their block tables (`decode_rows`).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A million-block pool in a real browser: the app attached to the real engine with its model
-replaced by random logits (bench/synthetic.py), Debian's chromium driven by playwright. The
+replaced by random tokens (bench/synthetic.py), Debian's chromium driven by playwright. The
 page loads and draws the overview; the zoomed view zooms (wheel, keys, buttons) and pans by
 the overview; hovering a block explains it, its text included; nothing throws."""
 from __future__ import annotations

@@ -99,12 +99,18 @@ def test_a_columnar_client_and_a_v1_client_see_the_same_pool(serve):
         assert fresh.last_event >= mirrored.seq
         check_invariants(fresh)
     srv.backend.pacing.paused = True
-    time.sleep(0.5)
+    mirrored = []
+    for c in (v1, col):  # every event up to the pause applied: each mirror must equal the server's pool
+        try:
+            c.read(lambda m: False, timeout=1.5)
+        except TimeoutError:
+            pass
+        mirrored.append(c.state.snapshot())
     a, b = v1.resync(), col.resync()
-    assert a["seq"] == b["seq"]
-    assert (PoolState.from_snapshot(p.decode_server_message(json.dumps(a))).snapshot()
-            == PoolState.from_snapshot(p.decode_server_message(json.dumps(b))).snapshot())
-    assert v1.state.snapshot() == PoolState.from_snapshot(p.decode_server_message(json.dumps(a))).snapshot()
+    assert a["seq"] == b["seq"] == mirrored[0].seq == mirrored[1].seq
+    fresh = PoolState.from_snapshot(p.decode_server_message(json.dumps(a))).snapshot()
+    assert fresh == PoolState.from_snapshot(p.decode_server_message(json.dumps(b))).snapshot()
+    assert mirrored[0] == fresh and mirrored[1] == fresh
 
 
 @pytest.mark.slow

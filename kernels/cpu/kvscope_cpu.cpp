@@ -7,6 +7,8 @@
 //
 //   decode_attention  one query token per sequence, K/V read straight from the blocks through
 //                     the block table: no gather copy, no padding (replaces gather + SDPA)
+//   prefill_attention causal attention of prompt chunks without a cached prefix, from the step's
+//                     own new K/V rows (flash-attention style)
 //   rope_store        rotary embedding of q and k in place, then k and v into their cache slots
 //   rms_norm          out = w * norm(x)
 //   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place)
@@ -19,7 +21,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
