@@ -26,6 +26,7 @@ class EventStore:
     def __init__(self, keep_decoded: int = 16):
         self.packed: list[bytes] = []        # full chunks, oldest first
         self.numbers: list[np.ndarray] = []  # each packed chunk's event numbers
+        self.firsts: list[int] = []          # each packed chunk's first event number
         self.hot: list[p.AnyEvent] = []      # the newest chunk, as objects
         self.start = 0                       # events of the first chunk already deleted
         self.decoded: OrderedDict[int, list] = OrderedDict()  # by absolute chunk number
@@ -40,6 +41,7 @@ class EventStore:
         if len(self.hot) == CHUNK:
             self.packed.append(_encoder.encode(self.hot))
             self.numbers.append(np.fromiter((e.seq for e in self.hot), np.int64, CHUNK))
+            self.firsts.append(int(self.numbers[-1][0]))
             self.decoded[self.first_chunk + len(self.packed) - 1] = self.hot
             self._trim_decoded()
             self.hot = []
@@ -53,6 +55,7 @@ class EventStore:
         while self.packed and k >= CHUNK:
             self.packed.pop(0)
             self.numbers.pop(0)
+            self.firsts.pop(0)
             self.decoded.pop(self.first_chunk, None)
             self.first_chunk += 1
             k -= CHUNK
@@ -112,8 +115,7 @@ class EventStore:
 
     def bisect_left(self, seq: int) -> int:
         """Index of the first retained event numbered >= seq (numbers rise, with gaps)."""
-        firsts = [int(a[0]) for a in self.numbers]
-        c = bisect.bisect_right(firsts, seq) - 1
+        c = bisect.bisect_right(self.firsts, seq) - 1
         if c >= 0:
             i = c * CHUNK + int(np.searchsorted(self.numbers[c], seq))
             if i < (c + 1) * CHUNK or c + 1 < len(self.numbers):

@@ -61,12 +61,11 @@ def _prefills(out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, meta
     kvh = k_cache.shape[2]
     g = H // kvh
     chunks = meta.prefills
-    if native and key is not None:
-        fresh = [p for p in chunks if p.end - p.start == p.seq_len]
-        if fresh:
-            spans = torch.tensor([(p.start, p.end) for p in fresh], dtype=torch.int64)
+    if native and key is not None:  # planned once per step, not per layer
+        spans, rest = meta.fresh_prefills
+        if spans is not None:
             torch.ops.kvscope.prefill_attention(out, query, key, value, spans, scale)
-            chunks = [p for p in chunks if p.end - p.start != p.seq_len]
+            chunks = rest
     for p in chunks:
         # q [kvh, g, q_len, d] is a view; K/V [kvh, 1 -> g, L, d] broadcast with stride 0 (no copy)
         ql, L = p.end - p.start, p.seq_len

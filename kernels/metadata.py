@@ -60,6 +60,14 @@ class AttentionMetadata:
     _cast: dict = field(default_factory=dict, repr=False)
 
     @cached_property
+    def fresh_prefills(self) -> tuple[Tensor | None, list]:
+        """(spans [n, 2] int64 of the prefill chunks with no cached prefix, or None; the other
+        chunks): the first go to the C++ prefill kernel, which reads the step's new K/V rows."""
+        fresh = [p for p in self.prefills if p.end - p.start == p.seq_len]
+        spans = torch.tensor([(p.start, p.end) for p in fresh], dtype=torch.int64) if fresh else None
+        return spans, [p for p in self.prefills if p.end - p.start != p.seq_len]
+
+    @cached_property
     def decode_rows(self) -> DecodeRows | None:
         """Rows with one query token; an all-decode batch reuses the step's tensors as they are."""
         query_lens, _, starts, _ = self.host

@@ -238,7 +238,7 @@ class PoolState:
     def counts(self, states: np.ndarray | None = None) -> BlockCounts:
         """`states`: this state's `block_states()`, when the caller has them already."""
         states = self.block_states() if states is None else states
-        n = [int(np.count_nonzero(states == k)) for k in (FREE, CACHED, USED, SHARED)]
+        n = np.bincount(states, minlength=RESERVED + 1).tolist()  # one pass: FREE..RESERVED
         return BlockCounts(n[FREE], n[CACHED], n[USED] + n[SHARED], n[SHARED], int(np.count_nonzero(self.host_holder)))
 
     def block_tokens(self) -> tuple[np.ndarray, np.ndarray]:
@@ -249,7 +249,7 @@ class PoolState:
     def tokens_in_used_blocks(self) -> int:
         """Tokens stored in the device blocks some sequence holds, a shared block once: over
         `used * block_size` slots, the slot utilisation (1 - internal fragmentation)."""
-        return int(self.block_tokens()[0][self.block_states() >= USED].sum())
+        return int(self.tokens[self.block_states() >= USED].sum(dtype=np.int64))
 
     def prefix_lookup(self, ev: p.AnyEvent) -> int:
         """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the

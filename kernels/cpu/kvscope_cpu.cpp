@@ -192,7 +192,7 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
 
 template <typename T, int DC>
 void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
-                 int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc) {
+                 int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc, float* inv) {
   // scores s[g * L + t], block by block (no division per token)
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const T* kb = kc + int64_t(table[t0 / bs]) * c_blk;
@@ -207,7 +207,6 @@ void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int3
 #endif
     for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, sc, kb + i * c_tok, G, D, s + t0 + i, L);
   }
-  std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators; the sum divides at the end
     float* sg = s + g * L;
     float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
@@ -282,7 +281,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   // dynamic: sequences differ in length, so equal halves of the task list are not equal work
 #pragma omp parallel num_threads(threads()) if (tasks > 1 && work > kParallelWork)
   {
-    std::vector<float> qf(G * D), acc(G * D), s(G * longest);
+    std::vector<float> qf(G * D), acc(G * D), s(G * longest), inv(G);  // per thread, not per task
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / KVH, h = task % KVH;
@@ -291,7 +290,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);  // scaled after the dot, as SDPA does
       }
       task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, lens[b], bs, c_blk, c_tok, G, D,
-              s.data(), acc.data());
+              s.data(), acc.data(), inv.data());
       for (int64_t g = 0; g < G; ++g) {
         T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
         for (int64_t d = 0; d < D; ++d) og[d] = to<T>(acc[g * D + d]);
