@@ -50,7 +50,7 @@ run: install
 	$(PY) -m streamlit run app/main.py $(STREAMLIT_FLAGS) -- $(ARGS)
 
 bench-dashboard: install $(CHROMIUM)
-	$(PY) -m bench.dashboard --write
+	$(PY) -m bench.dashboard
 
 # ---------------------------------------------------------------------------- vLLM (docs/vllm.md)
 # vLLM pins its own torch and transformers, so it lives in its own virtualenv, with this project

@@ -15,7 +15,10 @@ shared system prompts, parallel samples, a steady stream of requests.
    (wall clock, same machine): latency is from a frame's arrival to the first draw showing
    it. Also redraws/s, bytes per redraw, the canvas's draw time, Streamlit's CPU.
 
-    python -m bench.dashboard [--sizes 8192,131072,1048576] [--rounds 3] [--seconds 15] [--write]
+    python -m bench.dashboard [--sizes 8192,131072,1048576] [--rounds 3] [--seconds 15]
+
+It prints its report as a `## Dashboard` section for docs/benchmarks.md; the section there
+also carries notes and targets written by hand, so it is merged by hand, not overwritten.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ import argparse
 import gc
 import os
 import random
-import re
 import signal
 import socket
 import statistics
@@ -335,14 +337,6 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    """Replace (or append) the `## Dashboard` section, leaving every other section alone."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Dashboard\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
-    path.write_text(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="8192,131072,1048576")
@@ -352,7 +346,6 @@ def main() -> None:
     ap.add_argument("--history-events", type=int, default=1_000_000, help="0 skips the history part")
     ap.add_argument("--compare", type=Path, default=None,
                     help="another checkout (with its .venv) whose dashboard is measured beside this one")
-    ap.add_argument("--write", action="store_true", help="write the results into docs/benchmarks.md")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     bsizes = sizes if args.browser_sizes is None else [int(s) for s in args.browser_sizes.split(",") if s]
@@ -363,8 +356,6 @@ def main() -> None:
     browser = browser_rounds(bsizes, args.rounds, args.seconds, args.compare) if bsizes else []
     text = report(server, hist, browser, args.rounds)
     print(text)
-    if args.write:
-        write_section(text)
 
 
 if __name__ == "__main__":

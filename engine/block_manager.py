@@ -15,17 +15,10 @@ import numpy as np
 from engine.contract import protocol as p
 from engine.events import EventLog
 from engine.sequence import Sequence
-from engine.contract.state import PoolState, SeqState
+from engine.contract.state import MASK64, PoolState, SeqState, hash_hex
 
 NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
 WATERMARK = 0.01  # share of device blocks admission leaves free, so running sequences can grow
-
-
-MASK64 = 0xFFFF_FFFF_FFFF_FFFF
-
-
-def hash_hex(h: int) -> str:
-    return f"{h & MASK64:016x}"
 
 
 class NoFreeBlocks(RuntimeError):

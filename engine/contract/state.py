@@ -27,6 +27,11 @@ from engine.contract import protocol as p
 # a block the allocator never hands out (`PoolConfig.reserved_blocks`), counted in no state.
 FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
 TOKENS = np.uint16  # tokens per block (block_size <= 256)
+MASK64 = (1 << 64) - 1  # a block hash goes on the wire as its low 64 bits, 16 hex digits
+
+
+def hash_hex(h: int) -> str:
+    return f"{h & MASK64:016x}"
 
 
 class InvariantError(ValueError):

@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-MASK64 = (1 << 64) - 1
+from engine.contract.state import hash_hex as int_hash_hex
+
 MEDIUM_GPU = "GPU"
 
 
@@ -29,7 +30,7 @@ def hash_hex(h: Any) -> str:
     if isinstance(h, bool):
         raise FrameError(f"a block hash cannot be {h!r}")
     if isinstance(h, int):
-        return f"{h & MASK64:016x}"
+        return int_hash_hex(h)
     if isinstance(h, (bytes, bytearray, memoryview)):
         return f"{int.from_bytes(bytes(h)[-8:], 'big'):016x}"
     if isinstance(h, str) and h:
