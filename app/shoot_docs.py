@@ -33,19 +33,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(model: str) -> tuple[subprocess.Popen, str]:
+def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.executable,
+                    out=subprocess.DEVNULL, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py -- APP_ARGS`, headless on a free port in a process group of its
+    own, once it listens (a browser that comes too early is refused): (process, url). `out`:
+    where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true", "--server.port",
-         str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--", "--model", model],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # until it listens: a browser that comes too early is refused
+        [python, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true", "--server.port", str(port),
+         "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--", *app_args],
+        cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
+                return proc, f"http://127.0.0.1:{port}"
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.2)
-    return proc, f"http://127.0.0.1:{port}"
+    raise RuntimeError(f"streamlit did not listen on port {port} (exit code {proc.poll()})")
+
+
+def start_app(model: str) -> tuple[subprocess.Popen, str]:
+    return start_streamlit(["--model", model])
 
 
 def open_dashboard(pw, url: str, height: int = 1250, timeout_ms: int = 240_000):

@@ -27,9 +27,7 @@ import gc
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -42,11 +40,10 @@ from app import grid
 from app.client import View
 from app.event_history import EventHistory
 from app.launcher import ServerProcess
+from app.shoot_docs import CHROMIUM, FLAGS, start_streamlit
 from bench.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LOAD = dict(live=512, max_num_seqs=256)  # requests in the engine, running at once
 
 
@@ -177,22 +174,6 @@ def history(blocks: int = 131072, events: int = 1_000_000, travels: int = 30) ->
 
 
 # ------------------------------------------------------------------------ 3. in the browser
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"streamlit did not listen on port {port}")
-
-
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -227,20 +208,15 @@ def in_browser(blocks: int, seconds: float, step_delay_ms: float = 50, app_dir: 
         "--live", str(LOAD["live"]), "--max-num-seqs", str(LOAD["max_num_seqs"]), "--fill", "0.8",
         "--step-delay-ms", str(step_delay_ms)]).start()
     assert eng.wait_ready(900), "\n".join(eng.tail())
-    port = free_port()
     python = sys.executable if app_dir == ROOT else str(app_dir / ".venv" / "bin" / "python")
-    app = subprocess.Popen([python, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true",
-                            "--server.port", str(port), "--server.fileWatcherType", "none",
-                            "--browser.gatherUsageStats", "false", "--", "--engine", eng.url],
-                           cwd=app_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    app, url = start_streamlit(["--engine", eng.url], cwd=app_dir, python=python)
     stamper = Stamper(eng.url)
     try:
-        wait_listening(port, app)
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=FLAGS)
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1200})
             t0 = time.time()
-            page.goto(f"http://127.0.0.1:{port}")
+            page.goto(url)
             page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n === {blocks}", timeout=300_000)
             load_s = time.time() - t0
             time.sleep(3)

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from app.shoot_docs import CHROMIUM, FLAGS, ROOT
-from tests.waiting import free_port
+from app.shoot_docs import CHROMIUM, FLAGS, ROOT, start_streamlit
 
 SHOT = ROOT / "out" / "test_browser.png"
 
@@ -43,15 +40,10 @@ def open_grid(browser, url: str, blocks: int, errors: list[str], width: int = 15
 def app_url(tmp_path):
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
-    port = free_port()
     log = tmp_path / "streamlit.log"
-    # A file, not a pipe: nobody reads a pipe during the test, and a full one blocks Streamlit.
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true",
-             "--server.port", str(port), "--browser.gatherUsageStats", "false", "--", "--model", "tiny"],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
-    yield f"http://127.0.0.1:{port}", proc
+        proc, url = start_streamlit(["--model", "tiny"], out=out)
+    yield url, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)

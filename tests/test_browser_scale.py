@@ -5,15 +5,13 @@ the overview; hovering a block explains it, its text included; nothing throws.""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from app.launcher import ServerProcess
-from tests.test_browser import CHROMIUM, FLAGS, ROOT, open_grid
-from tests.waiting import free_port
+from app.shoot_docs import start_streamlit
+from tests.test_browser import CHROMIUM, FLAGS, open_grid
 
 BLOCKS = 1 << 20
 
@@ -24,12 +22,8 @@ def big_app():
                                             "4096", "--fill", "0.2", "--warm-steps", "0", "--live", "48", "--max-num-seqs", "48",
                                             "--max-tokens", "48", "--step-delay-ms", "100"]).start()
     assert eng.wait_ready(300), "\n".join(eng.tail(30))
-    port = free_port()
-    app = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true",
-                            "--server.port", str(port), "--server.fileWatcherType", "none",
-                            "--browser.gatherUsageStats", "false", "--", "--engine", eng.url],
-                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    yield f"http://127.0.0.1:{port}"
+    app, url = start_streamlit(["--engine", eng.url])
+    yield url
     app.send_signal(signal.SIGTERM)
     app.wait(timeout=30)
     eng.stop()
