@@ -19,6 +19,7 @@ from engine.contract.kinds import DEFAULT_LOG_KINDS
 from app import (controls, eventlog, grid, header, history_panels, kv_events_view, lab_view, lessons_view, tables,
                  timeline, travel)
 from app.client import EngineClient, View
+from app import trace_download
 from app.commands import show_replies
 from app.connection import Hosted, resolve, restart
 from app.key_events import explain
@@ -194,6 +195,7 @@ def event_log(client: EngineClient, view: View) -> None:
                  column_config={"t (s)": st.column_config.NumberColumn(format="%.3f"),
                                 "what happened": st.column_config.TextColumn(width="large")})
     st.caption("Newest first. Select a row to travel to that event; **Live** returns.")
+    trace_download.button(client)
 
 
 def _clear_log_filter() -> None:

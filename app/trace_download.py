@@ -1,0 +1,52 @@
+"""The event log's download button: the history this dashboard holds (live or replayed) as a
+Perfetto trace (engine/export_perfetto.py), made only when clicked."""
+from __future__ import annotations
+
+import streamlit as st
+
+from engine.contract import protocol as p
+from engine.contract.state import PoolState
+from engine.export_perfetto import TraceExport
+from app.event_history import EventHistory
+
+
+def take(history: EventHistory) -> tuple[PoolState, list[p.AnyEvent], dict[int, PoolState]]:
+    """What the trace needs, copied (call it under the client's lock): the state at the first
+    retained event, the events after it, and the state each gap (a resync) starts from."""
+    start = history.at(history.first_event)
+    events = history.events[history.events.bisect_left(start.last_event + 1):]
+    resyncs, last = {}, start.last_event
+    for ev in events:
+        if ev.seq != last + 1:
+            resyncs[ev.seq] = history.at(ev.seq - 1).state.clone()
+        last = ev.seq
+    return start.state, events, resyncs
+
+
+def history_trace(start: PoolState, events: list[p.AnyEvent], resyncs: dict[int, PoolState],
+                  title: str = "KVScope dashboard") -> bytes:
+    trace = TraceExport(start, title)
+    for ev in events:
+        if ev.seq in resyncs:
+            trace.resync(resyncs[ev.seq])
+        trace.feed(ev)
+    return trace.serialize()
+
+
+def button(client) -> None:
+    """The button, for the history of `client` (an app.client.EngineClient)."""
+    with client.lock:
+        h = client.history
+        span = (h.first_event, h.last_event) if h is not None else None
+    if span is None or span[0] == span[1]:
+        return
+
+    def build() -> bytes:  # on Streamlit's thread for downloads, when clicked
+        with client.lock:
+            taken = take(client.history)
+        return history_trace(*taken)
+    st.download_button("Perfetto trace", build, file_name="kvscope.pftrace", mime="application/octet-stream",
+                       icon=":material/download:", key="perfetto_trace", on_click="ignore",
+                       help=f"Events {span[0] + 1:,} to {span[1]:,} as they are when clicked, as a Perfetto "
+                            "trace: requests' phases, pool counters, copy-on-write, evictions, swaps and "
+                            "preemptions. Open it at ui.perfetto.dev (docs/perfetto.md).")
