@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 CHROMIUM := /usr/bin/chromium
+PROMTOOL := /usr/bin/promtool
 PORT ?= 8501
 ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
@@ -34,10 +35,15 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-test: install $(CHROMIUM)
+# the alert rules' checks and the real-Prometheus test use Debian's prometheus (promtool with it)
+$(PROMTOOL):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
+
+test: install $(CHROMIUM) $(PROMTOOL)
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
 
-test-fast: install
+test-fast: install $(PROMTOOL)
 	$(PY) -m pytest -q --timeout=300 -m "not slow" $(PYTEST_ARGS) tests
 
 bench: install

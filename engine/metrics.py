@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from engine.contract import protocol as p
 from engine.contract.state import InvariantError, PoolState
@@ -79,9 +79,11 @@ class EngineMetrics:
 
     # ------------------------------------------------------------------ a scrape
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
-        """The exposition (body, content type), in the format the `Accept` header prefers."""
-        encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        """The exposition (body, content type) in the classic text format, whatever `accept`
+        prefers: prometheus_client's OpenMetrics writer turns the colons of vLLM's names into
+        underscores in the samples (not in HELP and TYPE), so a Prometheus asking for OpenMetrics
+        would store `vllm_kv_cache_usage_perc` (tests/test_prometheus.py scrapes with a real one)."""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
 
     def collect(self) -> Iterator[Metric]:
         """Called by the registry for each scrape: gauges from a clone of the mirror."""

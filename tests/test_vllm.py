@@ -223,6 +223,20 @@ def test_f_what_vllm_cannot_do_answers_unsupported_and_bad_prompts_come_back_as_
     assert c.request(op="submit", prompt="Hi", max_tokens=2, request_id="twice")["code"] == "duplicate_id"
 
 
+def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(vllm):
+    """The board's and the alert rules' vllm: names (tests/test_grafana.py's list) on vLLM's own /metrics."""
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_grafana import ALERTS, VLLM_METRICS
+    with urllib.request.urlopen(vllm.api + "/metrics", timeout=30) as r:
+        served = {s.name for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
+    assert VLLM_METRICS <= served, VLLM_METRICS - served
+    assert set(re.findall(r"vllm:\w+", ALERTS.read_text())) <= served
+
+
 @pytest.fixture
 def dashboard(monkeypatch):
     import streamlit as st
