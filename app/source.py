@@ -94,5 +94,8 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     if args.engine:
         return Source("attach", url=args.engine, token=args.token)
     if args.replay:
-        return Source("replay", path=str(Path(args.replay).expanduser().resolve()), speed=args.speed)
+        path = Path(args.replay).expanduser()
+        bundled = ROOT / "assets" / path.name  # `--replay demo_recording.jsonl` from anywhere (pip install)
+        path = bundled if not path.exists() and bundled.exists() else path
+        return Source("replay", path=str(path.resolve()), speed=args.speed)
     return Source("embedded", model=args.model, engine_args=tuple(rest))
