@@ -164,6 +164,7 @@ class TraceExport:
         self.state.apply(ev)
         match ev:
             case p.RequestAdded():
+                self.requests.pop(ev.request_id, None)  # a request id used again gets a track of its own
                 self._set_phase(sid, self._phase_of(sid))
             case p.Fork():
                 parent = self._seq(ev.parent_seq_id)
