@@ -35,23 +35,27 @@ def history_trace(start: PoolState, events: list[p.AnyEvent], resyncs: dict[int,
 
 def button(client) -> None:
     """Make the trace (a click), then download it (a second click): the event log reruns on a
-    timer, which a download made on click (Streamlit's deferred data) does not survive."""
+    timer, and a download made on the click (Streamlit's deferred data) does not survive one."""
     with client.lock:
         h = client.history
         span = (h.first_event, h.last_event) if h is not None else None
     if span is None or span[0] == span[1]:
         return
     c = st.columns([1, 3])
-    if c[0].button("Perfetto trace", icon=":material/timeline:", key="perfetto_make",
-                   help="The events this dashboard holds, as they are now, as a Perfetto trace: requests' "
-                        "phases, pool counters, copy-on-write, evictions, swaps and preemptions. Open it at "
-                        "ui.perfetto.dev (docs/perfetto.md)."):
-        with client.lock:
-            taken = take(client.history)
-        st.session_state["perfetto_trace"] = (f"events {taken[1][0].seq:,} to {taken[1][-1].seq:,}"
-                                              if taken[1] else "no events", history_trace(*taken))
+    # a callback: it runs before the rerun the click asks for, so a timer's rerun cannot swallow it
+    c[0].button("Perfetto trace", icon=":material/timeline:", key="perfetto_make", on_click=_make, args=(client,),
+                help="The events this dashboard holds, as they are now, as a Perfetto trace: requests' "
+                     "phases, pool counters, copy-on-write, evictions, swaps and preemptions. Open it at "
+                     "ui.perfetto.dev (docs/perfetto.md).")
     if made := st.session_state.get("perfetto_trace"):
         label, data = made
         c[1].download_button(f"Download kvscope.pftrace ({label}, {len(data) / 1024:,.0f} KiB)", data,
                              file_name="kvscope.pftrace", mime="application/octet-stream",
                              icon=":material/download:", key="perfetto_download", on_click="ignore")
+
+
+def _make(client) -> None:
+    with client.lock:
+        taken = take(client.history)
+    st.session_state["perfetto_trace"] = (f"events {taken[1][0].seq:,} to {taken[1][-1].seq:,}"
+                                          if taken[1] else "no events", history_trace(*taken))
