@@ -253,6 +253,22 @@ def test_event_log_filters(at, observer):
     assert all(str(block) in b.split() for b in at.dataframe[0].value["blocks"])
 
 
+def test_the_event_log_downloads_the_history_as_a_perfetto_trace(at, observer):
+    from tests.test_export_perfetto import decode
+
+    start = observer.history.last_event
+    submit(at, "Trace me", prompt_max=8)
+    fin = wait(lambda: events(observer, "finish", start), what="a finished request")[0]
+    show_log(at)
+    at.button(key="perfetto_make").click().run()
+    label, data = at.session_state["perfetto_trace"]
+    (download,) = [d for d in at.get("download_button") if "Download kvscope.pftrace" in d.proto.label]
+    assert label in download.proto.label
+    names, _, evs = decode(data)
+    assert fin.seq_id in names.values()  # the finished request's track, ended with its reason
+    assert any(te.name == f"finished: {fin.reason}" for _, te in evs)
+
+
 def test_abort_clear_prefix_cache_and_pace(at, observer):
     start = observer.history.last_event
     at.select_slider(key="pace").set_value(50)
