@@ -1,0 +1,126 @@
+"""The dashboard's numbers under AppTest against a real engine (tiny model): each is the
+engine's own, the same at an event however it is reached, and every view of one redraw
+agrees with the others (issue 17)."""
+from __future__ import annotations
+
+import time
+
+from tests.test_app import at, delta, engine, events, grid_data, metric, observer, recording, rerun_until, submit  # noqa: F401
+from tests.test_app_teach import start
+from tests.waiting import wait
+
+
+def quiet(c) -> int:
+    """The last event once no more arrive for half a second (a paused engine's last step)."""
+    last = [-1]
+
+    def settled() -> bool:
+        now, last[0] = last[0], c.history.last_event
+        return now == last[0]
+    wait(lambda: time.sleep(0.5) or settled(), what="the engine to go quiet")
+    return last[0]
+
+
+def rate_at(c, since: int, n: int) -> str:
+    """Tokens/s at event n from the raw events: the tokens of the last RATE_STEPS steps after
+    `since`, over their `duration_ms`, as the header formats it."""
+    from app.mirror import RATE_STEPS
+    evs = [e for e in c.history.events if since < e.seq <= n]
+    steps = [e for e in evs if e.__struct_config__.tag == "step"][-RATE_STEPS:]
+    numbers = {e.step for e in steps}
+    tokens = sum(len(e.token_ids) for e in evs if e.__struct_config__.tag == "append" and e.step in numbers)
+    return f"{1000 * tokens / sum(e.duration_ms for e in steps):,.1f}"
+
+
+def test_tokens_per_s_comes_from_step_times_and_holds_while_paused(at, observer):
+    """Item 5: the engine's own step times; live, after a pause (wall time passing), and
+    travelled to, one event shows one rate."""
+    start_ev = observer.history.last_event
+    submit(at, "Count slowly to one hundred.", prompt_max=48, prompt_ignore_eos=True)
+    wait(lambda: len(events(observer, "step", start_ev)) >= 6, 60, "a few decode steps")
+    at.button(key="pause_resume").click().run()
+    wait(lambda: observer.loop.paused, what="the pause")
+    last = quiet(observer)
+    live = rerun_until(at, lambda a: (d := grid_data(a)) and d["seq"] == last and metric(a, "Tokens/s"),
+                       what="the paused live view")
+    assert float(live.replace(",", "")) > 0 and live == rate_at(observer, start_ev, last), live
+    time.sleep(3.5)  # wall time passes; the engine does not run
+    at.run()
+    assert metric(at, "Tokens/s") == live
+    mid = events(observer, "step", start_ev)[3].seq + 2  # inside the fifth step
+    at.session_state["travel"] = mid
+    at.run()
+    assert not grid_data(at)["live"] and metric(at, "Tokens/s") == rate_at(observer, start_ev, mid)
+    at.session_state["travel"] = last
+    at.run()
+    assert not grid_data(at)["live"] and metric(at, "Tokens/s") == live
+
+
+def test_a_lesson_stop_with_decoding_sequences_shows_its_rate(at, observer):
+    start(at, "02_fragmentation", 1)
+    assert at.session_state["lesson"].reached
+    assert float(metric(at, "Tokens/s").replace(",", "")) > 0
+
+
+def test_leaving_a_lesson_says_the_engine_is_on_its_pool_and_restores_the_one_before(at, observer):
+    """Item 11: back in Explore after a lesson, the page says the engine is on the lesson's pool
+    (paused), and one click restores the pool Explore had, running."""
+    start(at, "01_block_tables", 1)
+    cfg = observer.view().mirror.config
+    assert (cfg.num_device_blocks, cfg.block_size) != (256, 16) and observer.loop.paused
+    at.segmented_control(key="mode").set_value("Explore").run()
+    note = next(m.value for m in at.sidebar.markdown if "still on the lesson's pool" in m.value)
+    assert f"{cfg.num_device_blocks} blocks of {cfg.block_size}" in note and "paused" in note
+    assert "256 blocks of 16" in note and "prefix caching on" in note
+    at.button(key="restore_pool").click().run()
+    wait(lambda: (c := observer.view().mirror.config).num_device_blocks == 256 and c.block_size == 16
+         and c.enable_prefix_caching and not observer.loop.paused, what="the pool from before the lesson")
+    at.run()
+    assert not any("still on the lesson's pool" in m.value for m in at.sidebar.markdown)
+
+
+def test_run_to_the_next_key_event_names_the_event_shown_and_a_reset_ends_it(at, observer):
+    """Item 11: 'Paused at event N' names the event the views show (the end of the key event's
+    step); after a reset the explanation goes (its blocks are gone)."""
+    at.button(key="pause_resume").click().run()
+    at.toggle(key="scenario_clean").set_value(False)
+    at.button(key="scenario_parallel").click().run()
+    at.multiselect(key="until_kinds").set_value(["fork"])
+    at.button(key="run_until").click().run()
+    wait(lambda: events(observer, "fork") and observer.loop.paused and not observer.loop.until, what="the fork")
+    last = quiet(observer)
+    info = rerun_until(at, lambda a: grid_data(a)["seq"] == last and next(
+        (i.value for i in a.info if "Paused at event" in i.value), None), what="the explanation")
+    assert f"Paused at event {grid_data(at)['seq']:,}" in info
+    assert f"({observer.loop.stopped_at:,})" in info or grid_data(at)["seq"] == observer.loop.stopped_at
+    from engine.contract import protocol as p
+    from tests.test_app import DEFAULT_POOL
+    observer.wait_reply(observer.send(p.ResetCmd(config=DEFAULT_POOL)))
+    wait(lambda: events(observer, "reset", last), what="the reset")
+    rerun_until(at, lambda a: grid_data(a)["seq"] > last, what="the reset drawn")
+    assert not [i for i in at.info if "Paused at event" in i.value]
+
+
+def test_the_event_logs_block_filter_is_empty_until_one_is_chosen(at, observer):
+    """Item 13: no '-1' in the block filter."""
+    from tests.test_app import show_log
+    show_log(at)
+    box = next(n for n in at.number_input if n.label == "Block")
+    assert box.value is None
+    at.session_state["log_filter"] = ("", 3)
+    at.session_state["log_version"] = 1
+    at.run()
+    assert next(n for n in at.number_input if n.label == "Block").value == 3
+
+
+def test_the_lab_says_which_memory_a_block_size_keeps(at, observer):
+    """Item 13: the Lab's claim names the memory a block size without device blocks keeps (the
+    workload's pool), and a preset run at block sizes 4, 16, 64 uses exactly those pools."""
+    at.segmented_control(key="mode").set_value("Lab").run()
+    text = " ".join(c.value for c in at.caption)
+    assert "not the live engine's" in text and "1,024 × 4, 256 × 16, 64 × 64" in text
+    at.multiselect(key="lab_bs").set_value([4, 16, 64]).run()
+    at.button(key="lab_run").click().run(timeout=300)
+    rows = at.session_state["lab_report"].rows
+    assert sorted((r.config.pool.num_device_blocks, r.config.pool.block_size) for r in rows) == [
+        (64, 64), (256, 16), (1024, 4)]
