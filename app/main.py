@@ -138,7 +138,7 @@ def stopped_at(client: EngineClient, view: View):
     if not client.loop.paused or at is None or not view.live and view.event < at:
         return None
     h = client.history
-    if h is None or h.segment_start(view.event) >= at or at > view.event:  # a reset (or clean slate) since
+    if h is None or h.segment_start(view.event + 1) >= at or at > view.event:  # a reset (or clean slate) since
         return None
     if "key" not in view.memo:
         h = client.history

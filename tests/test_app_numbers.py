@@ -57,9 +57,15 @@ def test_tokens_per_s_comes_from_step_times_and_holds_while_paused(at, observer)
 
 
 def test_a_lesson_stop_with_decoding_sequences_shows_its_rate(at, observer):
+    """Item 5: at a lesson stop (the engine paused there) the rate is the steps', not zero, and
+    stays while the class reads the caption."""
     start(at, "02_fragmentation", 1)
     assert at.session_state["lesson"].reached
-    assert float(metric(at, "Tokens/s").replace(",", "")) > 0
+    shown = metric(at, "Tokens/s")
+    assert float(shown.replace(",", "")) > 0
+    time.sleep(3.5)
+    at.run()
+    assert metric(at, "Tokens/s") == shown
 
 
 def test_leaving_a_lesson_says_the_engine_is_on_its_pool_and_restores_the_one_before(at, observer):
