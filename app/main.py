@@ -1,7 +1,7 @@
 """KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/source.py).
 
 The page is a few fragments that redraw on their own timers from the shared client's state:
-the live views (status, metrics, time travel, the pool grid) redraw together, so their numbers
+the live views (status, metrics, what paging saves, time travel, the pool grid) redraw together, so their numbers
 always describe the same event; the block tables and the timeline or event log follow the
 event the live views last drew (or the one travelled to). An exception in one panel is shown
 in that panel and never removes the others. The sidebar drives the engine.
@@ -126,6 +126,7 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
             f", the end of the step of the key event ({at:,})" if view.event != at else ", the key event")
         st.info(f"{where} · {key.text}", icon=":material/fast_forward:")
     header.metrics(view, client)
+    header.reservation_card(view)  # here, not beside the tables: drawn from the header's state, in its redraw
     travel.bar(client, view, connected)
     grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
               on_block=_filter_log_by_block, extra={
@@ -172,7 +173,6 @@ def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) ->
     view = frame_view(client)
     if view is None:
         return
-    header.reservation_card(view)
     live_tab, done_tab = st.tabs(["Block tables", "Finished requests"])
     lit = lessons_view.highlight() if mode() == "Lessons" else []
     with live_tab:

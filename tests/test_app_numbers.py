@@ -3,8 +3,14 @@ engine's own, the same at an event however it is reached, and every view of one 
 agrees with the others (issue 17)."""
 from __future__ import annotations
 
+import re
 import time
 
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from tests.test_app import MAIN, html_with  # noqa: F401
 from tests.test_app import at, delta, engine, events, grid_data, metric, observer, recording, rerun_until, submit  # noqa: F401
 from tests.test_app_teach import start
 from tests.waiting import wait
@@ -130,3 +136,82 @@ def test_the_lab_says_which_memory_a_block_size_keeps(at, observer):
     rows = at.session_state["lab_report"].rows
     assert sorted((r.config.pool.num_device_blocks, r.config.pool.block_size) for r in rows) == [
         (64, 64), (256, 16), (1024, 4)]
+
+
+@pytest.fixture
+def busy_app(monkeypatch):
+    """The app attached to a busy synthetic pool (the real engine core, random tokens)."""
+    from app.launcher import ServerProcess
+    eng = ServerProcess("bench.synthetic", ["--port", "0", "--num-device-blocks", "65536", "--num-host-blocks", "1024",
+                                            "--fill", "0.3", "--warm-steps", "0", "--live", "64", "--max-tokens", "64",
+                                            "--step-delay-ms", "10"]).start()
+    assert eng.wait_ready(120), "\n".join(eng.tail(30))
+    monkeypatch.setenv("KVSCOPE_ENGINE", eng.url)
+    st.cache_resource.clear()
+    app = AppTest.from_file(MAIN, default_timeout=60)
+    rerun_until(app, grid_data, 60, "the busy pool's grid")
+    yield app
+    st.cache_resource.clear()
+    eng.stop()
+
+
+def test_every_view_of_a_redraw_under_load_shows_one_event(busy_app):
+    """Item 7: a busy pool; on each redraw the time-travel line, the grid's header, the pool
+    usage metric, the running metric and the paging card describe one event, live and travelled to."""
+    at, seen = busy_app, set()
+    for i in range(8):
+        at.run()
+        if i == 6:  # and a travelled-to event, mid-step
+            at.session_state["travel"] = grid_data(at)["seq"] - 3
+            at.run()
+        data = grid_data(at)
+        seen.add(data["seq"])
+        caption = next(c.value for c in at.caption if "event **" in c.value)
+        assert f"event **{data['seq']:,}**" in caption
+        if " · step " in caption:
+            assert f" · step {data['step']} · " in caption
+        k = data["counts"]
+        assert delta(at, "Pool usage") == f"{k['used']:,} / {data['n']:,}"
+        running = sum(1 for _, _, _, status in data["seqs"] if status == "running") if "seqs" in data else None
+        if running is not None:
+            assert metric(at, "Running") == f"{running:,}"
+        card = html_with(at, "What paging saves")
+        slots = int(re.search(r"Paged, blocks held × \d+: <b>([\d,]+)</b>", card).group(1).replace(",", ""))
+        assert slots == k["used"] * data["bs"]
+    assert len(seen) >= 3  # the engine ran between the redraws
+
+
+def test_the_history_before_a_restart_stays_browsable(monkeypatch):
+    """Item 11: kill the embedded engine, restart it; its history up to the kill can still be
+    browsed with time travel (as the page promised), and the page goes back to the live engine."""
+    import os
+    import signal
+    from app.connection import hosted
+    from tests.test_app import reset_pool
+    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30)
+    rerun_until(at, grid_data, 90, "the embedded engine's grid")
+    reset_pool(at, reset_bs=8, reset_dev=512)
+    before = rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8) and d, what="512 x 8")
+    h = hosted("engine.server", ("--model", "tiny", "--port", "0"))
+    old = h.client
+    os.kill(h.process._proc.pid, signal.SIGKILL)
+    banner = rerun_until(at, lambda a: next((e.value for e in a.error if "died" in e.value), None), what="the death")
+    assert "after a restart too" in banner
+    at.button(key="restart_dead").click().run()
+    rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and h.client is not old and d, 90, "the restart")
+    at.button(key="browse_before").click().run()
+    data = grid_data(at)
+    assert data["seq"] == old.bounds()[1] >= before["seq"] and (data["n"], data["bs"]) == (512, 8)
+    assert any("history before the restart" in w.value for w in at.warning)
+    first, last = old.bounds()
+    at.session_state["travel"] = first + (last - first) // 2  # time travel in the old history
+    at.run()
+    assert grid_data(at)["seq"] == first + (last - first) // 2 and not grid_data(at)["live"]
+    at.button(key="browse_live").click().run()
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, what="the live engine again")
+    assert h.client.bounds()[0] <= data["seq"] and not any("history before the restart" in w.value for w in at.warning)
+    st.cache_resource.clear()
