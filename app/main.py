@@ -305,7 +305,7 @@ def main() -> None:
     with st.sidebar:
         controls.unsupported_note(client)
         st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode", default="Explore",
-                             label_visibility="collapsed")
+                             label_visibility="collapsed", on_change=travel.go_live)
         if mode() == "Lessons":
             st.subheader("Lessons")
             st.fragment(fragment_of(lambda c, s, h: lessons_view.sidebar(c)), run_every=0.5, key="lessons")(source)
