@@ -80,7 +80,9 @@ def test_leaving_a_lesson_says_the_engine_is_on_its_pool_and_restores_the_one_be
     start(at, "01_block_tables", 1)
     cfg = observer.view().mirror.config
     assert (cfg.num_device_blocks, cfg.block_size) != (256, 16) and observer.loop.paused
+    at.session_state["travel"] = observer.history.last_event - 2  # as Back leaves it
     at.segmented_control(key="mode").set_value("Explore").run()
+    assert grid_data(at)["live"]  # Explore starts live
     note = next(m.value for m in at.sidebar.markdown if "still on the lesson's pool" in m.value)
     assert f"{cfg.num_device_blocks} blocks of {cfg.block_size}" in note and "paused" in note
     assert "256 blocks of 16" in note and "prefix caching on" in note
