@@ -120,7 +120,7 @@ def build(view: View, colors: dict[str, int]) -> Frame:
     seqs = {s.key: [s.seq_id, colors.get(s.seq_id, s.key) % palette, s.status] for s in st_.seqs.values()}
     blocks = Counter(TOUCH_KINDS[c - 1] for c in itertools.chain(dev_touch.values(), host_touch.values()))
     last = view.step_events[-1] if view.step_events else None
-    info = {"seq": view.event, "live": view.live, "epoch": view.epoch, "step": last.step if last else 0,
+    info = {"seq": view.event, "live": view.live, "step": last.step if last else 0,
             "counts": st_.counts(states)._asdict(),
             "touched": {k: [events[k], blocks[k]] for k in TOUCH_KINDS if blocks[k] or events[k]}}
     return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info)
@@ -278,13 +278,6 @@ def _sync(key: str) -> dict:
         return {}
     sync = state.get("sync") if hasattr(state, "get") else None
     return sync if isinstance(sync, dict) else {}
-
-
-def held(key: str = "pool_grid") -> dict | None:
-    """The info (event, live, epoch, ...) of the frame this session's canvas last said it
-    holds: what it shows until it has drawn the next one."""
-    f = FRAMES.get(_sync(key).get("have"))
-    return f.info if f is not None else None
 
 
 def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval_s: float = 0.1,

@@ -91,19 +91,6 @@ def before_restart(hosted: Hosted | None, client: EngineClient) -> None:
         st.rerun(scope="app")
 
 
-def shown_view(client: EngineClient, view: View) -> View:
-    """What the status line, the metrics and the time-travel bar describe: the event the grid's
-    canvas shows. Live, it draws the newest frame only after the text beside it has arrived
-    (a big pool takes a while to draw): until then, the text names the event the canvas shows, so
-    every view of the page is one state at one event. Travelled to, that event itself."""
-    info = grid.held()
-    if info and view.live and info["live"] and info.get("epoch") == view.epoch and info["seq"] < view.event:
-        shown = client.view(info["seq"], live=True)
-        if shown is not None and shown.event == info["seq"]:
-            return shown
-    return view
-
-
 def live_view(client: EngineClient) -> View | None:
     """What the live views draw: the latest event, or the one travelled to."""
     return client.view(travel.target())
@@ -127,21 +114,20 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     if dead:
         died(source, hosted)
     connected = client.status.state == "connected" and not dead
-    view = live_view(client)  # what the grid draws next
+    view = live_view(client)
     if view is None:
         return
-    text = shown_view(client, view)  # what it shows until then: every other view here describes that
-    st.session_state["frame"] = (text.epoch, text.event)
+    st.session_state["frame"] = (view.epoch, view.event)
     lesson = lessons_view.stage(client) if mode() == "Lessons" else None  # its caption, and its blocks
-    key = stopped_at(client, text) if lesson is None else None
+    key = stopped_at(client, view) if lesson is None else None
     if key:
         at = client.loop.stopped_at
-        where = f"**Paused at event {text.event:,}**" + (
-            f", the end of the step of the key event ({at:,})" if text.event != at else ", the key event")
+        where = f"**Paused at event {view.event:,}**" + (
+            f", the end of the step of the key event ({at:,})" if view.event != at else ", the key event")
         st.info(f"{where} · {key.text}", icon=":material/fast_forward:")
-    header.metrics(text, client)
-    header.reservation_card(text)  # here, not beside the tables: drawn from the header's state, in its redraw
-    travel.bar(client, text, connected)
+    header.metrics(view, client)
+    header.reservation_card(view)  # here, not beside the tables: drawn from the header's state, in its redraw
+    travel.bar(client, view, connected)
     grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
               on_block=_filter_log_by_block, extra={
                   "connected": connected, "highlight": lesson if lesson is not None else key.blocks if key else []})

@@ -181,20 +181,39 @@ def test_every_view_of_a_redraw_under_load_shows_one_event(busy_app):
         slots = int(re.search(r"Paged, blocks held × \d+: <b>([\d,]+)</b>", card).group(1).replace(",", ""))
         assert slots == k["used"] * data["bs"]
     assert len(seen) >= 3  # the engine ran between the redraws
-    at.session_state["travel"] = None
-    at.run()
+
+
+def test_the_history_before_a_restart_stays_browsable(monkeypatch):
+    """Item 11: kill the embedded engine, restart it; its history up to the kill can still be
+    browsed with time travel (as the page promised), and the page goes back to the live engine."""
     import os
-    from app.client import EngineClient
-    obs = EngineClient(os.environ["KVSCOPE_ENGINE"])
-    for _ in range(4):  # the canvas says it holds the last frame; the engine has moved on since
-        drawn = grid_data(at)
-        at.session_state["pool_grid"] = {"sync": {"have": drawn["token"], "pull": 1, "style": 1}}
-        wait(lambda: (b := obs.bounds()) and b[1] > drawn["seq"] + 50, what="the engine to move on")
-        at.run()
-        new = grid_data(at)
-        assert new["seq"] > drawn["seq"] and new["kind"] == "delta" and drawn["token"] in new["bases"]
-        caption = next(c.value for c in at.caption if "event **" in c.value)
-        # until the canvas has drawn the new frame, the views beside it describe the one it shows
-        assert f"event **{drawn['seq']:,}**" in caption, caption
-        assert delta(at, "Pool usage") == f"{drawn['counts']['used']:,} / {drawn['n']:,}"
-    obs.close()
+    import signal
+    from app.connection import hosted
+    from tests.test_app import reset_pool
+    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30)
+    rerun_until(at, grid_data, 90, "the embedded engine's grid")
+    reset_pool(at, reset_bs=8, reset_dev=512)
+    before = rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8) and d, what="512 x 8")
+    h = hosted("engine.server", ("--model", "tiny", "--port", "0"))
+    old = h.client
+    os.kill(h.process._proc.pid, signal.SIGKILL)
+    banner = rerun_until(at, lambda a: next((e.value for e in a.error if "died" in e.value), None), what="the death")
+    assert "after a restart too" in banner
+    at.button(key="restart_dead").click().run()
+    rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and h.client is not old and d, 90, "the restart")
+    at.button(key="browse_before").click().run()
+    data = grid_data(at)
+    assert data["seq"] == old.bounds()[1] >= before["seq"] and (data["n"], data["bs"]) == (512, 8)
+    assert any("history before the restart" in w.value for w in at.warning)
+    first, last = old.bounds()
+    at.session_state["travel"] = first + (last - first) // 2  # time travel in the old history
+    at.run()
+    assert grid_data(at)["seq"] == first + (last - first) // 2 and not grid_data(at)["live"]
+    at.button(key="browse_live").click().run()
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, what="the live engine again")
+    assert h.client.bounds()[0] <= data["seq"] and not any("history before the restart" in w.value for w in at.warning)
+    st.cache_resource.clear()
