@@ -48,6 +48,11 @@ def usage(view: View) -> dict[str, float]:
     return view.memo["usage"]
 
 
+def _short(n: int) -> str:
+    """A pool size that fits a metric's chip: 65,536, 1.05 M."""
+    return f"{n / 1e6:.3g} M" if n >= 1_000_000 else f"{n:,}"
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
 
@@ -62,7 +67,7 @@ def metrics(view: View, client: EngineClient) -> None:
     run, wait, swap = (sum(s.status == k for s in m.state.seqs.values()) for k in ("running", "waiting", "swapped"))
     kw = dict(delta_arrow="off", border=True)
     row = st.columns(4)
-    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']:,} / {u['total']:,}",
+    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']:,} / {_short(u['total'])}",
                   "red" if pool >= POOL_RED else "orange" if pool >= POOL_ORANGE else "gray", **kw,
                   help="Device blocks held by at least one sequence. Cached blocks (no holder, still "
                        f"hit-able) are not counted: an allocation may evict them. Orange from {POOL_ORANGE:.0%}, "
