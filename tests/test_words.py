@@ -43,3 +43,13 @@ def test_step_ticks_are_whole_numbers():
         axes = [layer["encoding"]["x"].get("axis", {}) for layer in spec["layer"] if "x" in layer.get("encoding", {})]
         area = axes[0]
         assert area.get("format") == "d" and area.get("tickMinStep") == 1, axes
+
+
+def test_big_numbers_carry_thousands_separators():
+    from app.eventlog import describe
+    from app.header import _short
+    step = p.StepDone(num_running=251, num_waiting=1259, num_swapped=0, prefill_tokens=4096, decode_tokens=253,
+                      duration_ms=3.3, free_blocks=2, cached_blocks=1_032_419)
+    text = describe(step)[2]
+    assert "1,032,419 cached" in text and "4,096 prefill" in text and "1,259 waiting" in text
+    assert _short(1_048_576) == "1.05 M" and _short(65_536) == "65,536"
