@@ -161,7 +161,7 @@ def left_behind(client: EngineClient) -> None:
         c = st.columns(2)
         c[0].button("Restore it", key="restore_pool", type="primary", width="stretch", on_click=_restore,
                     args=(client, before), help="Reset the engine to the pool it had before the lesson, and its pace")
-        c[1].button("Keep this pool", key="keep_lesson_pool", width="stretch",
+        c[1].button("Keep it", key="keep_lesson_pool", width="stretch",
                     on_click=lambda: st.session_state.pop(BEFORE, None))
 
 
