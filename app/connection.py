@@ -25,6 +25,7 @@ class Hosted:
     args: tuple[str, ...]
     process: ServerProcess = field(init=False)
     client: EngineClient | None = None
+    previous: EngineClient | None = None  # the client of the process before the last restart: its history, browsable
     auto_restart: bool = False
     restarts: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -67,6 +68,8 @@ class Hosted:
             if self.module == "engine.server" and config is not None:
                 args = self.args + ("--pool", p.encode(config).decode(), "--step-delay-ms", f"{pace:g}")
             self.close()
+            if self.client is not None and self.client.view() is not None:
+                self.previous = self.client  # closed, its history kept
             self.client, self.restarts = None, self.restarts + 1
             self.process = self._spawn(args)
 

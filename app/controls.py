@@ -17,6 +17,7 @@ from app.connection import Hosted, restart
 from app.key_events import KEY_KINDS
 from app.scenarios import SCENARIOS
 from app.source import VLLM_PYTHON, Source, recordings
+from app.words import plural
 
 KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
@@ -252,9 +253,8 @@ def engine_panel(client: EngineClient, view: View) -> None:
     st.subheader("Engine")
     pacing(client)
     requests(client, view)
-    tokens = "token" if cfg.block_size == 1 else "tokens"
-    st.caption(f"Pool: {cfg.num_device_blocks:,} blocks × {cfg.block_size} {tokens} · {cfg.num_host_blocks:,} host "
-               f"blocks · prefix caching {'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
+    st.caption(f"Pool: {plural(cfg.num_device_blocks, 'block')} × {plural(cfg.block_size, 'token')} · "
+               f"{plural(cfg.num_host_blocks, 'host block')} · prefix caching {'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
     if client.supports("reset"):
         with st.expander("Reset pool"):
             reset_form(client, cfg)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from engine.contract import protocol as p
 from engine.contract.kinds import MARKER_KINDS, kind_of
+from engine.contract.state import used_blocks
 from app.event_store import EventStore
 from app.mirror import Mirror
 
@@ -79,9 +80,9 @@ class EventHistory:
         elif kind == "step":
             cfg, tl = self.live.config, self.live.tally
             self.points.append(StepPoint(
-                ev.seq, ev.step, ev.t, cfg.num_device_blocks - ev.free_blocks - ev.cached_blocks,
+                ev.seq, ev.step, ev.t, used_blocks(cfg, ev.free_blocks, ev.cached_blocks),
                 ev.cached_blocks, ev.free_blocks, ev.num_running, ev.num_waiting, ev.num_swapped,
-                tl.hit_rate, tl.tokens_per_s(ev.t)))
+                tl.hit_rate, tl.tokens_per_s()))
         if ev.seq - self.checkpoints[-1].last_event >= self.checkpoint_every:
             self.checkpoints.append(self.live.clone())
             self._thin()

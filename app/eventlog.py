@@ -46,9 +46,9 @@ def _words(ev: p.AnyEvent) -> str:
         case p.Finish():
             return f"finished ({ev.reason})"
         case p.StepDone():
-            return (f"step done in {ev.duration_ms:.1f} ms: {ev.prefill_tokens} prefill + {ev.decode_tokens} "
-                    f"decode tokens; {ev.num_running} running, {ev.num_waiting} waiting, "
-                    f"{ev.num_swapped} swapped; {ev.free_blocks} free, {ev.cached_blocks} cached")
+            return (f"step done in {ev.duration_ms:.1f} ms: {ev.prefill_tokens:,} prefill + {ev.decode_tokens:,} "
+                    f"decode tokens; {ev.num_running:,} running, {ev.num_waiting:,} waiting, "
+                    f"{ev.num_swapped:,} swapped; {ev.free_blocks:,} free, {ev.cached_blocks:,} cached")
         case p.Reset():
             c = ev.config
             return (f"engine reset: {c.num_device_blocks} blocks of {c.block_size}, {c.num_host_blocks} host, "

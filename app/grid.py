@@ -171,14 +171,22 @@ def _changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     return np.flatnonzero(diff).astype("<u4")
 
 
+def _union(parts) -> np.ndarray:
+    parts = list(parts)
+    return parts[0] if len(parts) == 1 else np.union1d(parts[0], np.concatenate(parts[1:])).astype("<u4")
+
+
 def _align(buf: bytearray, to: int = 16) -> None:
     buf.extend(b"\0" * (-len(buf) % to))
 
 
-def message(frame: Frame, base: Frame | None, extra: dict | None = None) -> bytes:
+def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: list[Frame] = ()) -> bytes:
     """The bytes the canvas gets: a delta from `base` when it has the frame's shape, else the
-    whole frame. Layout: MAGIC, u32 header length, header JSON, then 16-byte aligned parts
-    that the header locates ([offset, count] from the start of the body)."""
+    whole frame. `also`: other frames the canvas may hold instead of `base` (sent after it, not
+    yet acknowledged): the delta then carries every block that differs from any of them, so it
+    applies to each (`bases`), and the grid never stays behind the views drawn with it.
+    Layout: MAGIC, u32 header length, header JSON, then 16-byte aligned parts that the header
+    locates ([offset, count] from the start of the body)."""
     head = {**frame.info, **(extra or {}), "token": frame.token, "n": frame.shape[0],
             "m": frame.shape[1], "bs": frame.shape[2]}
     body, parts = bytearray(), {}
@@ -188,11 +196,14 @@ def message(frame: Frame, base: Frame | None, extra: dict | None = None) -> byte
         body.extend(arr.tobytes())
         _align(body)
 
-    if base is not None and base.shape == frame.shape:
-        head |= {"kind": "delta", "base": base.token, "gone": [k for k in base.seqs if k not in frame.seqs],
-                 "seqs": [[k, *v] for k, v in frame.seqs.items() if base.seqs.get(k) != v]}
-        if base is not frame:
-            d, h = _changed(frame.dev, base.dev), _changed(frame.host, base.host)
+    bases = [base, *(a for a in also if a is not base)] if base is not None else []
+    if bases and all(b.shape == frame.shape for b in bases):
+        head |= {"kind": "delta", "base": base.token, "bases": [b.token for b in bases],
+                 "gone": sorted({k for b in bases for k in b.seqs if k not in frame.seqs}),
+                 "seqs": [[k, *v] for k, v in frame.seqs.items() if any(b.seqs.get(k) != v for b in bases)]}
+        if any(b is not frame for b in bases):
+            d = _union(_changed(frame.dev, b.dev) for b in bases)
+            h = _union(_changed(frame.host, b.host) for b in bases)
             part("devIdx", d)
             part("dev", frame.dev[d])
             part("hostIdx", h)
@@ -246,6 +257,7 @@ def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | 
 
 
 # ------------------------------------------------------------------------------- streamlit
+MAX_BASES = 8  # frames sent but not yet acknowledged that a delta still applies to
 STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": SHARED, "reserved": RESERVED,
          "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
          "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
@@ -276,13 +288,28 @@ def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval
     (blocks to ring)."""
     sync = _sync(key)
     frame = frame_of(view, colors)
+    also = unacknowledged(st.session_state.setdefault(f"{key}_sent", []), sync.get("have"), frame.token)
     extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
     if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
         extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
     if not sync.get("style"):  # a grid mounted afresh (a full rerun) has none yet, whatever the old one said
         extra["style"] = STYLE
-    data = message(frame, FRAMES.get(sync.get("have")), extra)
+    bases = [FRAMES.get(t) for t in also]
+    known = None not in bases and len(bases) <= MAX_BASES  # else the canvas's frame is unknown: send it whole
+    data = message(frame, FRAMES.get(sync.get("have")) if known else None, extra, bases if known else [])
     _component()(data=data, key=key, on_block_change=on_block or _nothing, on_sync_change=_nothing)
+
+
+def unacknowledged(sent: list[int], have, token: int) -> list[int]:
+    """The frames sent to a canvas (`sent`, oldest first) after the one it last said it holds
+    (`have`), which it may hold by now instead; `token` is recorded as sent."""
+    if have in sent:
+        del sent[:sent.index(have) + 1]
+    out = [t for t in sent if t != token]
+    if not sent or sent[-1] != token:
+        sent.append(token)
+    del sent[:-4 * MAX_BASES]
+    return out
 
 
 def _nothing() -> None:

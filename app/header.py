@@ -2,12 +2,12 @@
 number (what a contiguous max-length reservation would hold next to what paging holds)."""
 from __future__ import annotations
 
-import time
-
 import streamlit as st
 
 from app.client import EngineClient, View
 from app.connection import Hosted
+from app.mirror import RATE_STEPS
+from app.words import plural
 from app.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
@@ -48,6 +48,11 @@ def usage(view: View) -> dict[str, float]:
     return view.memo["usage"]
 
 
+def _short(n: int) -> str:
+    """A pool size that fits a metric's chip: 65,536, 1.05 M."""
+    return f"{n / 1e6:.3g} M" if n >= 1_000_000 else f"{n:,}"
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
 
@@ -56,14 +61,13 @@ def metrics(view: View, client: EngineClient) -> None:
     """Two rows of four metrics, each with a colour that turns when a threshold is crossed."""
     m, tl, cfg = view.mirror, view.mirror.tally, view.mirror.config
     u = usage(view)
-    now = m.t + (time.time() - client.received_at if view.live and client.received_at else 0.0)
     pool = u["used"] / u["total"] if u["total"] else 0.0
     host = u["host_used"] / u["host_total"] if u["host_total"] else 0.0
     util, last = u["slot_util"], tl.last_step
     run, wait, swap = (sum(s.status == k for s in m.state.seqs.values()) for k in ("running", "waiting", "swapped"))
     kw = dict(delta_arrow="off", border=True)
     row = st.columns(4)
-    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']} / {u['total']} blocks",
+    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']:,} / {_short(u['total'])}",
                   "red" if pool >= POOL_RED else "orange" if pool >= POOL_ORANGE else "gray", **kw,
                   help="Device blocks held by at least one sequence. Cached blocks (no holder, still "
                        f"hit-able) are not counted: an allocation may evict them. Orange from {POOL_ORANGE:.0%}, "
@@ -76,18 +80,20 @@ def metrics(view: View, client: EngineClient) -> None:
                        f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
     caching = cfg.enable_prefix_caching
     row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
-                  f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens" if caching else "prefix caching is off",
+                  f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens" if caching else "caching off",
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}. Found tokens are not computed again.")
-    row[3].metric("Tokens/s", f"{tl.tokens_per_s(now):,.1f}",
+    row[3].metric("Tokens/s", f"{tl.tokens_per_s():,.1f}",
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
-                  help=f"Generated tokens per second of engine time, over the last 3 s ({tl.generated:,} in all).")
+                  help=f"Tokens generated per second of the engine's own step time (the steps' durations, "
+                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event "
+                       f"({tl.generated:,} in all).")
     row = st.columns(4)
     row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
                   help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
                        f"copy each (the grid outlines both the original and the copy). Since {tl.since}.")
-    row[1].metric("Swaps out / in", f"{tl.swap_outs} / {tl.swap_ins}", f"host {u['host_used']} / {u['host_total']}",
+    row[1].metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}", f"host {u['host_used']:,} / {u['host_total']:,}",
                   "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray", **kw,
                   help="Sequences moved to the host pool and back. Frequent swapping means the pool is too "
                        f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}.")
@@ -95,7 +101,7 @@ def metrics(view: View, client: EngineClient) -> None:
                   "red" if tl.preemptions else "gray", **kw,
                   help=f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). "
                        f"Since {tl.since}.")
-    row[3].metric("Running", f"{run}", f"{wait} wait · {swap} swapped", "orange" if wait or swap else "gray",
+    row[3].metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""), "orange" if wait or swap else "gray",
                   **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
     if tl.since != "engine start":  # counters cover only what this client saw
@@ -121,12 +127,25 @@ def reservation_card(view: View) -> None:
     body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
                 _mib(u["reserved_bytes"]), "#e15759")
             + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), "#4e79a7")
-            + (f'<div style="margin-top:6px">Paging holds <b>{saved:,}</b> fewer slots '
-               f'(<b>{_mib(saved * cfg.bytes_per_block / cfg.block_size)}</b>, {saved / res:.0%} less) for the same tokens.</div>'
-               if res and saved > 0 else "")
+            + summary(res, pag, cfg)
             if holding else
             '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
             'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
     st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
-            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {holding} sequence{"" if holding == 1 else "s"} holding memory'
-            f' · {cfg.bytes_per_block:,} bytes per block of {cfg.block_size} token{"" if cfg.block_size == 1 else "s"}{body}</div>')
+            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {plural(holding, "sequence")} holding memory'
+            f' · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}{body}</div>')
+
+
+def summary(reserved: int, paged: int, cfg) -> str:
+    """The card's last line: what paging saves, or (big blocks, short sequences) that it holds
+    more than the reservation, and why: that is the lesson too."""
+    if not reserved or reserved == paged:
+        return ""
+    diff = abs(reserved - paged)
+    size = _mib(diff * cfg.bytes_per_block / cfg.block_size)
+    if paged < reserved:
+        return (f'<div style="margin-top:6px">Paging holds <b>{plural(diff, "fewer slot")}</b> '
+                f'(<b>{size}</b>, {diff / reserved:.0%} less) for the same tokens.</div>')
+    return (f'<div style="margin-top:6px">Paging holds <b>{plural(diff, "more slot")}</b> (<b>{size}</b>) than the '
+            f'reservation here: with blocks of {plural(cfg.block_size, "token")}, each sequence\'s last block is '
+            'mostly empty (internal fragmentation), more than these short reservations leave unused.</div>')

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.contract import protocol as p
 from engine.contract.kinds import KINDS, kind_of, touched_blocks
 from engine.contract.state import PoolState
+from app.words import plural
 
 KEY_KINDS = ("prefix_hit", "fork", "cow", "evict", "swap_out", "swap_in", "preempt")
 
@@ -29,10 +30,6 @@ def block_ranges(blocks: list[int]) -> str:
     return ", ".join(out)
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEvent | None:
     """The key event numbered `at` among `step_events` (the step it belongs to), explained with
     the pool `state` after that step; events of the same kind and sequence are told together."""
@@ -50,13 +47,13 @@ def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEven
             text = (f"blocks {ids} now shared by {n} sequences: the fork of parallel sampling "
                     f"({ev.request_id}); no block was copied")
         case p.PrefixHit():
-            text = (f"{seq_id} reuses {_plural(len(same), 'cached block')} ({ids}) from the prefix cache: "
+            text = (f"{seq_id} reuses {plural(len(same), 'cached block')} ({ids}) from the prefix cache: "
                     f"{len(same) * bs:,} prompt tokens it does not compute again")
         case p.Cow():
             text = (f"{seq_id} wrote into shared block {ev.src_block_id}: its own copy is block "
                     f"{ev.dst_block_id} (copy-on-write); {ev.src_block_id} stays with the other holders")
         case p.Evict():
-            text = (f"{_plural(len(same), 'cached block')} evicted ({ids}): the least recently used, "
+            text = (f"{plural(len(same), 'cached block')} evicted ({ids}): the least recently used, "
                     "to make room for new blocks")
         case p.SwapOut():
             text = (f"{seq_id} swapped out to the host pool: device blocks {ids} → host blocks "

@@ -25,6 +25,8 @@ PRESETS = {"mixed": "Long and short mixed", "chat": "Chat with shared system pro
            "parallel": "Parallel sampling (n=4)"}
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TIMEOUT_S = 300
+PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)  # what a preset runs on (engine/lab/workload.py)
+SLOTS = PRESET_POOL[0] * PRESET_POOL[1]
 
 
 def run_lab(workload: str, args: list[str]) -> LabReport:
@@ -61,7 +63,10 @@ def page(client: EngineClient) -> None:
     st.subheader("Lab: one workload, several allocator configs")
     st.caption("The workload's token streams go through the engine's real scheduler and block manager under "
                "each config, with no model: each sample's outputs are replayed. A block size given without "
-               "device blocks keeps the pool's memory.")
+               "device blocks keeps the memory of the workload's pool, not the live engine's: a preset's "
+               f"{PRESET_POOL[0]:,} × {PRESET_POOL[1]} ({SLOTS:,} token slots: "
+               + ", ".join(f"{SLOTS // bs:,} × {bs}" for bs in (4, 16, 64))
+               + "), or the pool a recording (this session's requests included) started on.")
     c = st.columns([2, 3])
     with c[0]:
         source = st.radio("Workload", ["Preset", "This session's requests", "Recording"], key="lab_source",
@@ -81,8 +86,8 @@ def page(client: EngineClient) -> None:
         cc = st.columns(2)
         sizes = cc[0].multiselect("Block sizes", BLOCK_SIZES, default=[4, 16, 64], key="lab_bs")
         blocks = cc[1].text_input("Device blocks", "", key="lab_blocks", placeholder="keep memory, or e.g. 64,128",
-                                  help="Comma-separated. Empty: each block size gets the pool's memory "
-                                       "(the recording's pool, or 256 x 16 for a preset).")
+                                  help="Comma-separated. Empty: each block size gets the memory of the workload's "
+                                       f"pool (the recording's, or {PRESET_POOL[0]:,} × {PRESET_POOL[1]} for a preset).")
         cc = st.columns(3)
         caching = cc[0].multiselect("Prefix caching", ["on", "off"], default=["on"], key="lab_caching")
         modes = cc[1].multiselect("Preemption", ["swap", "recompute"], default=["swap"], key="lab_modes")

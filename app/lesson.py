@@ -22,6 +22,7 @@ from engine.contract import protocol as p
 from engine.contract.kinds import KINDS, kind_of, touched_blocks
 from engine.contract.state import held_tokens
 from app.key_events import KEY_KINDS, block_ranges, explain
+from app.words import plural
 
 LESSONS_DIR = Path(__file__).resolve().parent / "lessons"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -135,17 +136,15 @@ def focus(stop: Stop, step_events: list[p.AnyEvent], at: int | None, state) -> F
             what = (f"{', '.join(e.seq_id for e in events)} finished; blocks {block_ranges(blocks) or 'none'} "
                     "went back to the pool")
         else:
-            what = f"{KINDS[kind].label}: {_plural(len(events), 'event')}, blocks {block_ranges(blocks)}"
+            what = f"{KINDS[kind].label}: {plural(len(events), 'event')}, blocks {block_ranges(blocks)}"
         return Focus(events, blocks or (key.blocks if key else []), what, step_events)
     ran = [e for e in step_events if isinstance(e, p.Append)]
     seqs = [s for i in dict.fromkeys(e.seq_id for e in ran) if (s := state.seqs.get(i)) and s.num_tokens]
     blocks = [s.block_table[(s.num_tokens - 1) // state.config.block_size] for s in seqs]
-    return Focus(ran, blocks, f"{_plural(len(seqs), 'sequence')} computed tokens; the blocks holding their "
+    return Focus(ran, blocks, f"{plural(len(seqs), 'sequence')} computed tokens; the blocks holding their "
                  "newest token are highlighted", step_events)
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _mib(b: float) -> str:

@@ -7,11 +7,15 @@ from functools import lru_cache
 
 import streamlit as st
 
+from engine.contract import protocol as p
 from app.client import EngineClient
+from app.commands import send
 from app.lesson import Lesson, all_lessons, caption
 from app.lesson_runner import LessonRun
+from app.words import plural
 
 KEY = "lesson"  # session state: the LessonRun in progress
+BEFORE = "pool_before_lesson"  # session state: (ResetConfig, paused, pace) the engine had before a lesson
 
 
 @lru_cache(maxsize=1)
@@ -30,6 +34,12 @@ def _travel(n: int | None) -> None:
 
 
 def _start(client: EngineClient, key: str) -> None:
+    if BEFORE not in st.session_state and (view := client.view()) is not None:  # what Explore had
+        cfg = view.mirror.config
+        st.session_state[BEFORE] = (p.ResetConfig(
+            block_size=cfg.block_size, num_device_blocks=cfg.num_device_blocks, num_host_blocks=cfg.num_host_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching, preemption_mode=cfg.preemption_mode,
+            max_num_seqs=cfg.max_num_seqs), client.loop.paused, client.loop.step_delay_ms)
     run = st.session_state[KEY] = LessonRun(lessons()[key])
     run.next(client)
     _travel(None)
@@ -124,3 +134,40 @@ def highlight() -> list[int]:
     """The blocks the viewed stop points at (for the block tables)."""
     run = current()
     return st.session_state.get("lesson_blocks", []) if run is not None and run.viewing >= 0 else []
+
+
+def _describe(cfg) -> str:
+    return (f"{plural(cfg.num_device_blocks, 'block')} of {cfg.block_size}, {plural(cfg.num_host_blocks, 'host block')}, "
+            f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, {cfg.preemption_mode}")
+
+
+def left_behind(client: EngineClient) -> None:
+    """In Explore after a lesson: the engine is still on the lesson's pool (and paused, as the
+    lesson left it). Say so, and offer the pool (and pause and pace) Explore had before."""
+    before = st.session_state.get(BEFORE)
+    view = client.view()
+    if before is None or view is None:
+        return
+    pool, paused, pace = before
+    cfg = view.mirror.config
+    same = pool.apply_to(cfg) == cfg and client.loop.paused == paused
+    if same:
+        st.session_state.pop(BEFORE, None)
+        return
+    with st.container(border=True, key="left_behind"):
+        st.markdown(f":orange[:material/school: **The engine is still on the lesson's pool**]: {_describe(cfg)}"
+                    + (", **paused**" if client.loop.paused else "") + f". Before the lesson it had {_describe(pool.apply_to(cfg))}"
+                    + (", paused" if paused else ", running") + ".")
+        c = st.columns(2)
+        c[0].button("Restore it", key="restore_pool", type="primary", width="stretch", on_click=_restore,
+                    args=(client, before), help="Reset the engine to the pool it had before the lesson, and its pace")
+        c[1].button("Keep it", key="keep_lesson_pool", width="stretch",
+                    on_click=lambda: st.session_state.pop(BEFORE, None))
+
+
+def _restore(client: EngineClient, before) -> None:
+    pool, paused, pace = before
+    cmds = [p.ResetCmd(config=pool), p.Pace(step_delay_ms=pace)] + ([] if paused else [p.Resume()])
+    for cmd in cmds:
+        send(client, cmd, "Restore the pool from before the lesson", quiet=not isinstance(cmd, p.ResetCmd))
+    st.session_state.pop(BEFORE, None)

@@ -1,7 +1,7 @@
 """KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/source.py).
 
 The page is a few fragments that redraw on their own timers from the shared client's state:
-the live views (status, metrics, time travel, the pool grid) redraw together, so their numbers
+the live views (status, metrics, what paging saves, time travel, the pool grid) redraw together, so their numbers
 always describe the same event; the block tables and the timeline or event log follow the
 event the live views last drew (or the one travelled to). An exception in one panel is shown
 in that panel and never removes the others. The sidebar drives the engine.
@@ -49,7 +49,7 @@ def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> 
     been restarted meanwhile, by any tab: then the whole page is drawn again), and draws its
     own exception in its own place instead of ending the run."""
     def run(source: Source) -> None:
-        client, hosted = resolve(source)
+        client, hosted = pick(source)
         if client is None or client.view() is None:
             st.rerun()  # starting again: the whole page shows the progress
         try:
@@ -59,6 +59,37 @@ def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> 
             st.exception(e)
     run.__name__ = draw.__name__
     return run
+
+
+BROWSE_BEFORE = "browse_before_restart"  # session state: draw the history of the engine before its restart
+
+
+def pick(source: Source) -> tuple[EngineClient | None, Hosted | None]:
+    """The client the page draws: the source's, or (asked for, after a restart) the one of the
+    process before, whose history stays browsable."""
+    client, hosted = resolve(source)
+    if st.session_state.get(BROWSE_BEFORE) and hosted is not None and hosted.previous is not None:
+        return hosted.previous, hosted
+    return client, hosted
+
+
+def before_restart(hosted: Hosted | None, client: EngineClient) -> None:
+    """After a restart: a way to the history before it, and back."""
+    old = hosted.previous if hosted is not None else None
+    if old is None:
+        return
+    if client is old:
+        first, last = old.bounds() or (0, 0)
+        c = st.columns([4, 1], vertical_alignment="center")
+        c[0].warning(f"**The history before the restart** (events {first:,}–{last:,}): the engine has restarted "
+                     "since; nothing here is live.", icon=":material/history:")
+        if c[1].button("Back to the engine", key="browse_live", type="primary", width="stretch"):
+            st.session_state.update({BROWSE_BEFORE: False, "travel": None, "frame": None})
+            st.rerun(scope="app")
+    elif st.button("Browse the history before the restart", key="browse_before", icon=":material/history:",
+                   help="The engine that died: its events up to then, with time travel"):
+        st.session_state.update({BROWSE_BEFORE: True, "travel": None, "frame": None})
+        st.rerun(scope="app")
 
 
 def live_view(client: EngineClient) -> View | None:
@@ -79,7 +110,8 @@ def frame_view(client: EngineClient) -> View | None:
 def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     show_replies(client)
     header.status_line(client, source, hosted)
-    dead = hosted is not None and hosted.process.died
+    before_restart(hosted, client)
+    dead = hosted is not None and hosted.process.died and client is not hosted.previous
     if dead:
         died(source, hosted)
     connected = client.status.state == "connected" and not dead
@@ -90,8 +122,12 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     lesson = lessons_view.stage(client) if mode() == "Lessons" else None  # its caption, and its blocks
     key = stopped_at(client, view) if lesson is None else None
     if key:
-        st.info(f"**Paused at event {client.loop.stopped_at:,}** · {key.text}", icon=":material/fast_forward:")
+        at = client.loop.stopped_at
+        where = f"**Paused at event {view.event:,}**" + (
+            f", the end of the step of the key event ({at:,})" if view.event != at else ", the key event")
+        st.info(f"{where} · {key.text}", icon=":material/fast_forward:")
     header.metrics(view, client)
+    header.reservation_card(view)  # here, not beside the tables: drawn from the header's state, in its redraw
     travel.bar(client, view, connected)
     grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
               on_block=_filter_log_by_block, extra={
@@ -103,6 +139,9 @@ def stopped_at(client: EngineClient, view: View):
     at = client.loop.stopped_at
     if not client.loop.paused or at is None or not view.live and view.event < at:
         return None
+    h = client.history
+    if h is None or h.segment_start(view.event + 1) >= at or at > view.event:  # a reset (or clean slate) since
+        return None
     if "key" not in view.memo:
         h = client.history
         view.memo["key"] = explain(h.last_step_events(at), at, view.mirror.state) if h else None
@@ -113,7 +152,8 @@ def died(source: Source, hosted: Hosted) -> None:
     proc = hosted.process
     with st.container(border=True):
         st.error(f"**The {source.label} died** ({proc.exit_reason()}). Its history up to then stays browsable "
-                 "below; Restart starts it again with the pool config and pace it last had.",
+                 "below, and after a restart too (*Browse the history before the restart*); Restart starts it "
+                 "again with the pool config and pace it last had.",
                  icon=":material/heart_broken:")
         c = st.columns([1, 4])
         c[0].button("Restart engine", type="primary", key="restart_dead", on_click=restart, args=(source, proc))
@@ -134,7 +174,6 @@ def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) ->
     view = frame_view(client)
     if view is None:
         return
-    header.reservation_card(view)
     live_tab, done_tab = st.tabs(["Block tables", "Finished requests"])
     lit = lessons_view.highlight() if mode() == "Lessons" else []
     with live_tab:
@@ -180,8 +219,10 @@ def event_log(client: EngineClient, view: View) -> None:
     c = st.columns([4, 2, 1])
     kinds = c[0].multiselect("Kinds", p.EVENT_KINDS, default=list(DEFAULT_LOG_KINDS), key="log_kinds")
     seq = c[1].text_input("Sequence or request", seq0, key=f"log_seq_{v}", placeholder="all, e.g. r1 or sys1-2")
-    block = c[2].number_input("Block", -1, view.mirror.config.num_device_blocks - 1, block0, key=f"log_block_{v}",
-                              help="-1: every block. Clicking a block in the grid picks it.")
+    block = c[2].number_input("Block", 0, view.mirror.config.num_device_blocks - 1, None if block0 < 0 else block0,
+                              key=f"log_block_{v}", placeholder="all",
+                              help="Empty: every block. Clicking a block in the grid picks it.")
+    block = -1 if block is None else int(block)
     st.session_state["log_filter"] = (seq, block)
     if seq.strip() or block >= 0:
         label = " · ".join(([f"sequence {seq.strip()}"] if seq.strip() else []) + ([f"block {block}"] if block >= 0 else []))
@@ -253,7 +294,7 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 def main() -> None:
     st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide", initial_sidebar_state="expanded")
     source: Source = st.session_state.setdefault("source", from_command_line())
-    client, hosted = (None, None) if source.kind == "kv_events" else resolve(source)
+    client, hosted = (None, None) if source.kind == "kv_events" else pick(source)
     with st.sidebar:
         st.markdown("## :material/grid_view: KVScope\nA paged KV cache, live: every block the allocator hands out.")
         controls.connection(source, client, hosted)
@@ -266,11 +307,12 @@ def main() -> None:
     with st.sidebar:
         controls.unsupported_note(client)
         st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode", default="Explore",
-                             label_visibility="collapsed")
+                             label_visibility="collapsed", on_change=travel.go_live)
         if mode() == "Lessons":
             st.subheader("Lessons")
             st.fragment(fragment_of(lambda c, s, h: lessons_view.sidebar(c)), run_every=0.5, key="lessons")(source)
         elif mode() == "Explore":
+            lessons_view.left_behind(client)
             st.subheader("Prompt")
             controls.prompt_form(client)
             st.fragment(fragment_of(lambda c, s, h: controls.engine_panel(c, live_view(c))), run_every=1.0,

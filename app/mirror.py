@@ -14,7 +14,7 @@ from engine.contract import protocol as p
 from engine.contract.state import PoolState
 from app.block_text import BlockTexts
 
-RATE_WINDOW_S = 3.0  # tokens/s is averaged over this much engine time
+RATE_STEPS = 16     # tokens/s: the tokens generated in the last this many engine steps over their durations
 FINISHED_KEPT = 12   # finished requests listed in the tables view
 
 
@@ -35,25 +35,24 @@ class Tally:
     recomputes: int = 0
     finished: int = 0
     last_step: p.StepDone | None = None
-    recent: deque = field(default_factory=deque, repr=False)  # (t, tokens generated) within RATE_WINDOW_S
-    recent_sum: int = 0
+    # (tokens generated, duration_ms) of the last RATE_STEPS engine steps, and the tokens of the step under way
+    steps: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS), repr=False)
+    step_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Hit tokens over tokens looked up, re-admissions after a recompute included."""
         return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
-    def tokens_per_s(self, now: float) -> float:
-        """Generated tokens per second of engine time over the window that ends at `now`."""
-        total = self.recent_sum
-        for t, n in self.recent:  # oldest first: only the entries that fell out since are skipped
-            if t > now - RATE_WINDOW_S:
-                break
-            total -= n
-        return total / RATE_WINDOW_S
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second of the engine's own step time, over the last RATE_STEPS
+        completed steps (their `duration_ms`): a function of the events alone, so the same at an
+        event however it is reached, and steady while the engine is paused."""
+        ms = sum(d for _, d in self.steps)
+        return 1000 * sum(n for n, _ in self.steps) / ms if ms > 0 else 0.0
 
     def clone(self) -> Tally:
-        return replace(self, recent=deque(self.recent))
+        return replace(self, steps=deque(self.steps, maxlen=RATE_STEPS))
 
 
 @dataclass
@@ -81,7 +80,9 @@ class Mirror:
 
     def start_tally(self, since: str) -> None:
         """Count from here on (a clean slate); the pool itself is untouched."""
-        self.tally = Tally(since=since, last_step=self.tally.last_step)
+        old = self.tally  # the rate is not a counter: it carries on
+        self.tally = Tally(since=since, last_step=old.last_step, steps=deque(old.steps, maxlen=RATE_STEPS),
+                           step_tokens=old.step_tokens)
 
     @property
     def last_event(self) -> int:
@@ -134,10 +135,7 @@ class Mirror:
                 self.origins.pop(ev.seq_id, None)
             case p.Append() if ev.token_ids:
                 tl.generated += len(ev.token_ids)
-                tl.recent.append((ev.t, len(ev.token_ids)))
-                tl.recent_sum += len(ev.token_ids)
-                while tl.recent and tl.recent[0][0] <= ev.t - RATE_WINDOW_S:
-                    tl.recent_sum -= tl.recent.popleft()[1]
+                tl.step_tokens += len(ev.token_ids)
             case p.Finish():
                 tl.finished += 1
                 self.origins.pop(ev.seq_id, None)
@@ -145,6 +143,8 @@ class Mirror:
                 self.finished.append(Finished(ev.seq_id, ev.reason, text, out))
             case p.StepDone():
                 tl.last_step = ev
+                tl.steps.append((tl.step_tokens, ev.duration_ms))
+                tl.step_tokens = 0
             case p.Reset():
                 self.tally, self.origins = Tally(since=f"the reset (event {ev.seq:,})"), {}
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from html import escape
 
 from app.palette import CACHED
+from app.words import plural
 from engine.contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, Node, PrefixForest
 
 STATE_COLORS = {IN_USE: "#4e79a7", CACHED_ONLY: CACHED, UNKNOWN: "#0f766e"}
@@ -53,7 +54,7 @@ def _chip(node: Node, victim: str | None, lit: set[int], text: str) -> str:
     return (f'<span class="{cls}" style="--c:{STATE_COLORS[node.state]}" title="{escape(title)}">'
             f'<span class="id">{escape(name)}{held}</span>'
             + (f'<span class="tx">{escape(text)}</span>' if text else "")
-            + (f'<span class="h">{node.hits} hit{"s" if node.hits != 1 else ""}</span>' if node.hits else "")
+            + (f'<span class="h">{plural(node.hits, "hit")}</span>' if node.hits else "")
             + (f'<span class="h">×{node.copies} copies</span>' if node.copies > 1 else "")
             + "</span>")
 
@@ -86,17 +87,17 @@ def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozense
             out.append('<div class="kids">')
             for kid in kids:
                 if shown >= max_nodes:
-                    out.append(f'<div class="gap">… {stats["blocks"] - shown} more blocks</div>')
+                    out.append(f'<div class="gap">… {plural(stats["blocks"] - shown, "more block")}</div>')
                     break
                 branch(kid)
             out.append("</div>")
 
     for root in forest.roots():
         if shown >= max_nodes:
-            out.append(f'<div class="gap">… {stats["blocks"] - shown} more blocks</div>')
+            out.append(f'<div class="gap">… {plural(stats["blocks"] - shown, "more block")}</div>')
             break
         branch(root)
-    summary = f'<b>{stats["blocks"]:,}</b> cached blocks in <b>{stats["roots"]:,}</b> prefixes'
+    summary = f'<b>{plural(stats["blocks"], "cached block")}</b> in <b>{plural(stats["roots"], "prefix", "prefixes")}</b>'
     if stats["copies"] > stats["blocks"]:
         summary += f' · {stats["copies"]:,} physical blocks (the same content cached more than once)'
     if stats["in use"] + stats["cached only"]:  # the source reports holders

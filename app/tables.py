@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from html import escape
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
 from app.client import View
 from app.mirror import Finished
 from app.palette import seq_color
+from app.words import plural
 from engine.contract.kinds import KINDS
-from engine.contract.state import SeqState, held_tokens
+from engine.contract.state import SeqState
 
 CSS = """<style>
 .bt { font: 13px/1.4 var(--st-font, system-ui, sans-serif); }
@@ -109,7 +111,10 @@ class _Card:
         return min(1.0, max(0.0, (self.s.prompt_tokens - i * self.bs) / (n * self.bs)))
 
     def held(self, i: int, n: int = 1) -> int:
-        return sum(held_tokens(self.s.num_tokens, j, self.bs) for j in range(i, i + n))
+        """Tokens in blocks i..i+n of the table, as the pool state holds them (the grid's hover
+        reads the same column)."""
+        column = self.st.host_tokens if self.host else self.st.tokens
+        return int(column[self.table[i:i + n]].sum(dtype=np.int64))
 
     def block(self, i: int) -> str:
         b, bs, held, prompt = self.table[i], self.bs, self.held(i), self.prompt(i)
@@ -156,16 +161,30 @@ class _Card:
         return "".join(out)
 
 
+def meta(s: SeqState, block_size: int) -> str:
+    """The tokens a sequence has in the cache, and those it still needs computed (a waiting
+    prompt, or a sequence preempted by recompute) with the blocks they take."""
+    known = s.prompt_tokens + s.output_tokens  # every token it has: prompt, and output sampled so far
+    table, host = s.block_table, s.host_table
+    where = (plural(len(table), "block") if table else plural(len(host), "host block") if host else "no blocks")
+    if s.num_tokens + 1 >= known:  # all in the cache, but for the token sampled last
+        return (f"{s.num_tokens:,} tokens = {min(s.prompt_tokens, s.num_tokens):,} prompt + "
+                f"{max(0, s.num_tokens - s.prompt_tokens):,} output (max {s.max_tokens:,}) · {where}")
+    todo = known - s.num_tokens
+    verb = "to recompute" if s.output_tokens else "to compute"
+    need = -(-known // block_size)
+    return (f"{s.num_tokens:,} of {known:,} tokens in the cache ({s.prompt_tokens:,} prompt + "
+            f"{s.output_tokens:,} output, max {s.max_tokens:,}) · {todo:,} {verb} · {where}"
+            + (f", needs {plural(need, 'block')} of {block_size}" if len(table) < need else ""))
+
+
 def card(view: View, s: SeqState, colors: dict[str, int], pinned: bool = False, open_runs: bool = False,
          highlight: set[int] = frozenset()) -> str:
     color = seq_color(colors.get(s.seq_id, 0))
-    table, host = s.block_table, s.host_table
-    where = f"{len(table)} blocks" if table else f"{len(host)} host blocks" if host else "no blocks"
     text = escape(s.text[-600:]) + ("▌" if s.status == "running" and view.live else "")
     return (f'<div class="seq{" pin" if pinned else ""}" style="--c:{color}"><div class="top">'
             f'<span class="id">{escape(s.seq_id)}</span><span class="st {s.status}">{s.status}</span>'
-            f'<span class="meta">{s.num_tokens} tokens = {min(s.prompt_tokens, s.num_tokens)} prompt + '
-            f'{max(0, s.num_tokens - s.prompt_tokens)} output (max {s.max_tokens}) · {where}</span></div>'
+            f'<span class="meta">{meta(s, view.mirror.config.block_size)}</span></div>'
             f'<div class="chips">{_Card(view, s, color, open_runs, highlight).chips()}</div>'
             f'<div class="txt"><span>{text}</span></div></div>')
 

@@ -17,6 +17,7 @@ from app.event_history import Marker, StepPoint
 from app.palette import BLOCK_STATE_COLORS
 
 MAX_POINTS, MAX_MARKERS = 400, 150
+STEP_AXIS = alt.Axis(format="d", tickMinStep=1)  # steps are whole numbers: no 1.5 ticks
 STATES = ("used", "cached", "free")
 MARKERS = tuple(k for k in KINDS if k in MARKER_KINDS)
 CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color="#d97706", strokeWidth=2, strokeDash=[4, 3]).encode(
@@ -26,7 +27,7 @@ CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color="#d97706", strokeWid
 @lru_cache(maxsize=1)
 def _blocks_spec() -> dict:
     area = alt.Chart(alt.Data(name="blocks")).mark_area(interpolate="step-after", opacity=0.9).encode(
-        x=alt.X("step:Q", title="engine step"), y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
+        x=alt.X("step:Q", title="engine step", axis=STEP_AXIS), y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
         color=alt.Color("state:N", scale=alt.Scale(domain=list(STATES), range=[BLOCK_STATE_COLORS[s] for s in STATES]),
                         legend=alt.Legend(orient="top", title=None)),
         order="order:Q", tooltip=["step:Q", "state:N", "blocks:Q"])
@@ -40,7 +41,7 @@ def _blocks_spec() -> dict:
 
 @lru_cache(maxsize=1)
 def _rates_spec() -> dict:
-    base = alt.Chart(alt.Data(name="rates")).encode(x=alt.X("step:Q", title="engine step"))
+    base = alt.Chart(alt.Data(name="rates")).encode(x=alt.X("step:Q", title="engine step", axis=STEP_AXIS))
     hit = base.mark_line(color="#2563eb", interpolate="step-after").encode(
         y=alt.Y("hit_rate:Q", title="prefix hit rate", axis=alt.Axis(format="%", titleColor="#2563eb"),
                 scale=alt.Scale(domain=[0, 1])),

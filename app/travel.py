@@ -24,6 +24,11 @@ def target() -> int | None:
     return st.session_state.get("travel")
 
 
+def go_live() -> None:
+    """Another mode: its views start live (a lesson's stop travelled to is the lesson's)."""
+    st.session_state["travel"] = None
+
+
 def go(n: int | None, last: int | None = None) -> None:
     """From a widget callback: travel to event n (None, or past the last event: live) and
     redraw every view, not the whole app."""

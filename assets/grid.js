@@ -10,6 +10,8 @@ const MIN_COUNT = 64;             // the most zoomed-in region
 const DETAIL = 5;                 // cells at least this wide get per-block detail
 const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 const fmt = (x) => Number(x).toLocaleString("en-US");
+const noun = (n, word, many) => (n === 1 ? word : many || word + "s");
+const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/words.py
 
 // ------------------------------------------------------------------ frames
 function columnsDev(buf) {
@@ -46,7 +48,8 @@ function apply(s, { head, part }) {
     s.host = columnsDev(part("host", HOST));
     s.seqs = new Map(head.seqs.map(([k, ...v]) => [k, v]));
   } else {
-    if (head.base !== s.token || !s.dev) return false;  // not from the frame held here: ask again
+    // a delta applies to any frame it names (those sent after the last one acknowledged)
+    if (!(head.bases || [head.base]).includes(s.token) || !s.dev) return false;  // not from here: ask again
     patch(s.dev.u32, new Uint32Array(part("devIdx", 4)), new Uint32Array(part("dev", DEV)), DEV / 4, head.n);
     patch(s.host.u32, new Uint32Array(part("hostIdx", 4)), new Uint32Array(part("host", HOST)), HOST / 4, head.m);
     for (const k of head.gone) s.seqs.delete(k);
@@ -206,17 +209,17 @@ function cell(ctx, s, pal, x, y, c, i, host) {
     ctx.fillStyle = full; ctx.fillRect(x, y + z - fh, z, fh);
     if (stt === 3) {
       ctx.fillStyle = "#fff";
-      if (z >= 14) {
-        ctx.font = `bold ${Math.round(z * 0.45)}px system-ui, sans-serif`;
+      if (z >= 14) {  // at 26 px and more the id sits above it (below)
+        ctx.font = `bold ${Math.round(z * (z >= 26 ? 0.36 : 0.45))}px system-ui, sans-serif`;
         ctx.textAlign = "center"; ctx.textBaseline = "middle";
-        ctx.fillText(`×${ref(s.dev, i)}`, x + z / 2, y + z / 2 + 1);
+        ctx.fillText(`×${ref(s.dev, i)}`, x + z / 2, y + (z >= 26 ? z * 0.66 : z / 2 + 1));
       } else if (z >= 4) {
         const t = Math.max(2, Math.round(z * 0.5));
         ctx.beginPath(); ctx.moveTo(x + z - t, y); ctx.lineTo(x + z, y); ctx.lineTo(x + z, y + t); ctx.fill();
       }
     }
   }
-  if (z >= 26 && stt !== 3 && stt !== 4) {
+  if (z >= 26 && stt !== 4) {
     ctx.fillStyle = stt >= 2 ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";
     ctx.font = "9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
     ctx.fillText(String(i), x + 2, y + 2);
@@ -254,6 +257,13 @@ function paintHighlight(ctx, g, list) {
       const w = Math.max(2, Math.round(c / 6));
       ctx.lineWidth = w;
       ctx.strokeRect(x + w / 2, y + w / 2, c - w, c - w);
+      if (c >= 26) {  // the ring covers the cell's id: write it again, on the ring
+        const label = String(i);
+        ctx.font = "bold 9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
+        ctx.fillRect(x, y, ctx.measureText(label).width + 5, 12);
+        ctx.fillStyle = "#fff"; ctx.fillText(label, x + 2, y + 1);
+        ctx.fillStyle = "#0f172a";
+      }
     } else {
       const z = Math.max(6, c);
       ctx.fillRect(x + c / 2 - z / 2, y + c / 2 - z / 2, z, z);
@@ -462,7 +472,10 @@ function deviceTip(s, i) {
   if (st !== "free" && st !== "reserved") lines.push(...focusLines(s, i, false));
   if (hash(d, i) || st === "cached") lines.push(`<span class="dim">hash ${(hash(d, i) >>> 0).toString(16).padStart(8, "0")}…</span>`);
   const t = touch(d, i);
-  if (t) lines.push(`<span class="tk" style="border-color:${s.style.touch[t - 1]}"></span>${s.style.touchLabels[t - 1]} in step ${s.data.step}`);
+  if (t) {  // a block evicted and handed out again in one step outlines as evicted: say both
+    const again = s.style.touchKinds[t - 1] === "evict" && r ? ", then handed out again" : "";
+    lines.push(`<span class="tk" style="border-color:${s.style.touch[t - 1]}"></span>${s.style.touchLabels[t - 1]} in step ${s.data.step}${again}`);
+  }
   return lines.join("<br>");
 }
 
@@ -544,13 +557,13 @@ function header(s, whole) {
   const mode = !d.live ? `<span class="past">◀ time travel: event ${fmt(d.seq)}</span>`
     : d.connected === false ? `<span class="past">● not connected: event ${fmt(d.seq)}, the last received</span>`
     : '<span class="live">● live</span>';
-  s.head.innerHTML = `${mode} <b>Device pool</b> · ${fmt(d.n)} blocks × ${d.bs} tokens · step ${fmt(d.step)}` +
+  s.head.innerHTML = `${mode} <b>Device pool</b> · ${plural(d.n, "block")} × ${plural(d.bs, "token")} · step ${fmt(d.step)}` +
     ` · <span class="num">${fmt(k.used)}</span> used (${fmt(k.shared)} shared) · ${fmt(k.cached)} cached · ${fmt(k.free)} free`;
   const r = s.range, scale = g.k > 1 ? `${g.k} blocks per pixel` : g.c >= DETAIL ? `${g.c} px per block` : `${g.c} px per block, zoom in for detail`;
   s.bar.querySelector(".range").textContent = whole ? `whole pool · ${scale}` :
     `blocks ${fmt(r.start)}–${fmt(r.start + r.count - 1)} of ${fmt(d.n)} · ${scale}`;
   for (const b of s.bar.querySelectorAll("button[data-m]")) b.classList.toggle("on", b.dataset.m === s.mode);
-  s.hostHead.innerHTML = `<b>Host swap pool</b> · ${fmt(d.m)} blocks · <span class="num">${fmt(k.host_used)}</span> hold swapped-out blocks`;
+  s.hostHead.innerHTML = `<b>Host swap pool</b> · ${plural(d.m, "block")} · <span class="num">${fmt(k.host_used)}</span> hold swapped-out blocks`;
   s.hostHead.style.display = s.hostCanvas.style.display = d.m ? "" : "none";
 }
 
@@ -571,7 +584,7 @@ function legend(s) {
     .map(([kind, i]) => {
       const [events, blocks] = d.touched[kind];
       return `<span class="box ring" style="border-color:${sty.touch[i]}"></span>${sty.touchLabels[i]} ` +
-        `<span class="num">${events}</span> <small>event${events === 1 ? "" : "s"}, ${blocks} block${blocks === 1 ? "" : "s"} outlined</small>`;
+        `<span class="num">${fmt(events)}</span> <small>${noun(events, "event")}, ${plural(blocks, "block")} outlined</small>`;
     });
   const seqs = [...s.seqs.values()].slice(0, 24).map(([id, ci, status]) =>
     `<span class="chip" style="background:${pal[ci]}" title="${esc(status)}">${esc(id)}${status === "swapped" ? " ⇣" : status === "waiting" ? " …" : ""}</span>`);

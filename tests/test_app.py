@@ -435,7 +435,7 @@ def test_the_views_of_one_redraw_show_one_event_and_the_timeline_rescales(at, ob
     reset_pool(at, reset_dev=12)
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["n"] == 12 and d, what="the reset")
     used = data["counts"]["used"]
-    assert delta(at, "Pool usage") == f"{used} / 12 blocks"
+    assert delta(at, "Pool usage") == f"{used:,} / 12"
     assert any(f"event **{data['seq']:,}**" in c.value for c in at.caption)  # the scrubber's caption
     assert not [b for b in at.button if b.key == "clear_filter"]  # a filter past the pool is dropped
     submit(at, "After the reset", prompt_max=4)

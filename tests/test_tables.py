@@ -87,3 +87,24 @@ def test_a_short_table_shows_every_block_with_its_ref_count():
     assert len(second.block_table) == 8 and 'class="ch run' not in html
     assert all(re.search(rf"</span>{blk}(<sup>×2</sup>)?(<span|</span>)", html) for blk in second.block_table)
     assert html.count("<sup>×2</sup>") == 7
+
+
+def test_a_waiting_or_recomputed_sequence_shows_the_tokens_it_has_and_needs():
+    """Issue 17 item 6: a waiting prompt of 120 tokens, and a sequence preempted by recompute
+    with 96 tokens to compute again, say so (not '0 tokens = 0 prompt + 0 output')."""
+    d = PoolDriver(p.PoolConfig(block_size=16, num_device_blocks=64, num_host_blocks=0,
+                                enable_prefix_caching=False, preemption_mode="recompute"))
+    h = EventHistory(d.first)
+    waiting = d.add(list(range(120)), max_tokens=40)
+    running = d.add(list(range(200, 280)), max_tokens=40)
+    d.admit(running)
+    for _ in range(15):
+        d.decode(running)
+    d.recompute(running)
+    for ev in d.drain():
+        h.append(ev)
+    view = View(h.at(h.last_event), True, 1, [])
+    html = tables.render(view, {})
+    texts = {m.group(1): m.group(2) for m in re.finditer(r'class="id">([^<]+)</span>.*?class="meta">([^<]+)</span>', html)}
+    assert texts[waiting.seq_id] == "0 of 120 tokens in the cache (120 prompt + 0 output, max 40) · 120 to compute · no blocks, needs 8 blocks of 16"
+    assert texts[running.seq_id] == "0 of 96 tokens in the cache (80 prompt + 16 output, max 40) · 96 to recompute · no blocks, needs 6 blocks of 16"

@@ -67,6 +67,12 @@ class BlockCounts(NamedTuple):
     host_used: int  # host blocks holding a swapped-out block
 
 
+def used_blocks(config: p.PoolConfig, free: int, cached: int) -> int:
+    """Device blocks some sequence holds, from a pool's free and cached counts (a `step`
+    event's): the rest of the pool but its reserved blocks, as `PoolState.counts` counts them."""
+    return config.num_device_blocks - len(config.reserved_blocks) - free - cached
+
+
 def held_tokens(num_tokens: int, index: int, block_size: int) -> int:
     """Tokens in logical block `index` of a sequence whose cache holds `num_tokens`."""
     return min(block_size, max(0, num_tokens - index * block_size))

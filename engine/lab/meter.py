@@ -16,7 +16,7 @@ from __future__ import annotations
 from engine.contract import protocol as p
 from engine.contract.lab import PeakGrid
 from engine.block_manager import hash_hex
-from engine.contract.state import PoolState, held_tokens
+from engine.contract.state import PoolState, held_tokens, used_blocks
 from engine.events import EventLog
 
 # events that can change what the scheduler's queued part decides (admission, swap-in)
@@ -136,7 +136,7 @@ class Meter(EventLog):
     @property
     def used(self) -> int:
         bm = self.core.block_manager
-        return bm.config.num_device_blocks - len(bm.free_ids) - len(bm.evictable)
+        return used_blocks(bm.config, len(bm.free_ids), len(bm.evictable))
 
     @property
     def tokens_in_used(self) -> int:
