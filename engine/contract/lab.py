@@ -11,6 +11,7 @@ import io
 import msgspec
 from msgspec import Struct
 
+from engine.contract import counters
 from engine.contract.protocol import PoolConfig
 
 
@@ -57,7 +58,7 @@ class LabRow(Struct, kw_only=True):
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
+        return counters.hit_rate(self.hit_tokens, self.looked_up_tokens)
 
 
 class LabReport(Struct, kw_only=True):
