@@ -8,6 +8,7 @@ import streamlit as st
 
 from app.client import EngineClient, View
 from app.connection import Hosted
+from app.palette import USED
 from app.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
@@ -120,7 +121,7 @@ def reservation_card(view: View) -> None:
     saved = res - pag
     body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
                 _mib(u["reserved_bytes"]), "#e15759")
-            + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), "#4e79a7")
+            + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)
             + (f'<div style="margin-top:6px">Paging holds <b>{saved:,}</b> fewer slots '
                f'(<b>{_mib(saved * cfg.bytes_per_block / cfg.block_size)}</b>, {saved / res:.0%} less) for the same tokens.</div>'
                if res and saved > 0 else "")
