@@ -10,7 +10,7 @@ from pathlib import Path
 import streamlit as st
 
 from engine.contract import protocol as p
-from engine.contract.kinds import KINDS as EVENT_KINDS
+from engine.contract.kinds import KINDS
 from app.client import EngineClient, View
 from app.commands import last_error, send
 from app.connection import Hosted, restart
@@ -18,7 +18,7 @@ from app.key_events import KEY_KINDS
 from app.scenarios import SCENARIOS
 from app.source import VLLM_PYTHON, Source, recordings
 
-KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
+SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
@@ -31,8 +31,8 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
         if client is not None and client.notices:
             for t, level, text in list(client.notices)[-3:]:
                 st.caption(f"{'⚠️' if level == 'warning' else '❌'} {text}")
-        kind = st.radio("Source", list(KINDS), format_func=KINDS.get, index=list(KINDS).index(source.kind),
-                        key="src_kind")
+        kind = st.radio("Source", list(SOURCE_KINDS), format_func=SOURCE_KINDS.get,
+                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind")
         if kind == "embedded":
             model = st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
                                   help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
@@ -197,9 +197,9 @@ def pacing(client: EngineClient) -> None:
         st.session_state["travel"] = None
     with st.expander("Key events to stop at"):
         st.multiselect("Stop at", KEY_KINDS, default=list(KEY_KINDS), key="until_kinds",
-                       format_func=lambda k: EVENT_KINDS[k].label, label_visibility="collapsed")
+                       format_func=lambda k: KINDS[k].label, label_visibility="collapsed")
     if loop.until:
-        st.caption(f":material/fast_forward: running until: {', '.join(EVENT_KINDS[k].label for k in loop.until)}")
+        st.caption(f":material/fast_forward: running until: {', '.join(KINDS[k].label for k in loop.until)}")
 
 
 def requests(client: EngineClient, view: View) -> None:
