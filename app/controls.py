@@ -20,7 +20,6 @@ from app.source import VLLM_PYTHON, Source, recordings
 
 SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
 _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay unique across sessions
 
@@ -226,7 +225,7 @@ def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
                        ("reset_mode", cfg.preemption_mode), ("reset_caching", cfg.enable_prefix_caching)):
         _follow(key, value)
     with st.form("reset", border=False):
-        bs = st.select_slider("Block size (tokens)", BLOCK_SIZES, key="reset_bs",
+        bs = st.select_slider("Block size (tokens)", p.BLOCK_SIZES, key="reset_bs",
                               help="Small: little waste, long tables. Large: short tables, more waste.")
         c = st.columns(2)
         dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, key="reset_dev")

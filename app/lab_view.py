@@ -15,15 +15,12 @@ import pandas as pd
 import streamlit as st
 
 from engine.contract import protocol as p
-from engine.contract.lab import COLUMNS, LabReport, LabRow, decode_report, row_values, to_csv
+from engine.contract.lab import COLUMNS, PRESETS, LabReport, LabRow, decode_report, row_values, to_csv
 from engine.contract.state import SHARED, USED as USED_STATE
 from app.client import EngineClient
 from app.palette import USED, block_color
 from app.source import ROOT, recordings
 
-PRESETS = {"mixed": "Long and short mixed", "chat": "Chat with shared system prompts",
-           "parallel": "Parallel sampling (n=4)"}
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TIMEOUT_S = 300
 
 
@@ -79,7 +76,7 @@ def page(client: EngineClient) -> None:
             st.caption("Every request this page has seen (its retained history), prompts and outputs as they ran.")
     with c[1]:
         cc = st.columns(2)
-        sizes = cc[0].multiselect("Block sizes", BLOCK_SIZES, default=[4, 16, 64], key="lab_bs")
+        sizes = cc[0].multiselect("Block sizes", p.BLOCK_SIZES, default=[4, 16, 64], key="lab_bs")
         blocks = cc[1].text_input("Device blocks", "", key="lab_blocks", placeholder="keep memory, or e.g. 64,128",
                                   help="Comma-separated. Empty: each block size gets the pool's memory "
                                        "(the recording's pool, or 256 x 16 for a preset).")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+from engine.contract.ready import ready_url
+
 ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"ready: (ws://\S+)")
 # Runs the module as __main__ after arranging to die with the thread that started it.
 _BOOT = ("import ctypes, os, runpy, signal, sys\n"
          "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
@@ -92,8 +92,8 @@ class ServerProcess:
         for line in self._proc.stdout:
             line = line.rstrip()
             self.lines.append(line)
-            if self.url is None and (m := READY.search(line)):
-                self.url, self.ready_after = m.group(1), time.time() - self.started
+            if self.url is None and (url := ready_url(line)):
+                self.url, self.ready_after = url, time.time() - self.started
         self.returncode = self._proc.wait()
         if self.on_exit:
             self.on_exit(self)

@@ -15,6 +15,11 @@ from engine.contract import counters
 from engine.contract.protocol import PoolConfig
 
 
+# the workloads `python -m engine.lab` builds by name (engine/lab/workload.py), and what each is
+PRESETS = {"mixed": "Long and short mixed", "chat": "Chat with shared system prompts",
+           "parallel": "Parallel sampling (n=4)"}
+
+
 class LabConfig(Struct, kw_only=True):
     """One allocator configuration: the pool, plus the engine knobs that steer the allocator."""
     pool: PoolConfig
