@@ -44,6 +44,16 @@ class ServerProcess:
     _proc: subprocess.Popen | None = None
     stopping: bool = False
     _spawned: threading.Event = field(default_factory=threading.Event)
+    _handled: threading.Event = field(default_factory=threading.Event)  # exited, and on_exit has returned
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before it was spawned, or when it could not start)."""
+        return self._proc.pid if self._proc else None
+
+    def wait_handled(self, timeout: float) -> bool:
+        """Wait until it has exited and its `on_exit` has returned (whatever that did, it is done)."""
+        return self._handled.wait(timeout)
 
     @property
     def argv(self) -> list[str]:
@@ -86,6 +96,7 @@ class ServerProcess:
         except OSError as e:
             self.lines.append(f"could not start {self.command}: {e}")
             self.returncode = -1
+            self._handled.set()
             return
         finally:
             self._spawned.set()
@@ -95,8 +106,11 @@ class ServerProcess:
             if self.url is None and (url := ready_url(line)):
                 self.url, self.ready_after = url, time.time() - self.started
         self.returncode = self._proc.wait()
-        if self.on_exit:
-            self.on_exit(self)
+        try:
+            if self.on_exit:
+                self.on_exit(self)
+        finally:
+            self._handled.set()
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

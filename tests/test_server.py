@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import pytest
@@ -340,8 +339,12 @@ def test_run_until_stops_at_the_first_key_event_and_every_client_that_asked_hear
     teacher.until(lambda: teacher.state.last_event >= stop["stopped_at"])
     assert teacher.kinds["fork"] == 3 and teacher.last_event.seq >= stop["stopped_at"]
     assert len(teacher.state.seqs) == 4 and {s.status for s in teacher.state.seqs.values()} == {"running"}
-    time.sleep(0.3)  # paused there: no further step runs
     assert teacher.kinds["step"] == 1 and not teacher.kinds["cow"]
+    # paused there: the next step the engine runs is the one asked for (a step counter, not a sleep)
+    steps = srv.backend.steps_run
+    teacher.request(op="step")
+    teacher.until(lambda: teacher.kinds["step"] == 2)
+    assert srv.backend.steps_run == steps + 1 and teacher.kinds["step"] == 2
     assert v1.request(op="snapshot")["type"] == "ack"
     v1.sync(lambda m: m["type"] == "snapshot")
     assert all(r["type"] in ("ack", "error") for r in v1.replies)  # never a `loop` message
