@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-MAIN = Path(__file__).resolve().parent / "main.py"
+from app.streamlit_argv import streamlit_argv
 
 
 def main() -> None:
-    argv = [sys.executable, "-m", "streamlit", "run", str(MAIN), "--server.headless", "true",
-            "--browser.gatherUsageStats", "false", "--", *sys.argv[1:]]
-    os.execv(sys.executable, argv)
+    os.execv(sys.executable, streamlit_argv(sys.executable, sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from app.mirror import Mirror
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
 MAX_BACKOFF_S = 5.0
-FEATURES = ("loop", "columnar")  # optional protocol features this client asks for
 MAX_REPLIES_KEPT = 500  # answers to commands, by id, until the session that sent them reads them
 MAX_VIEWS_CACHED = 8    # views (states at an event) shared by every session: live plus a few travelled to
 MAX_NOTICES = 50
@@ -93,7 +92,7 @@ class EngineClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         while not self._stop.is_set():
             try:
-                with connect(with_features(self.url, FEATURES), max_size=None, compression=None, open_timeout=5,
+                with connect(with_features(self.url, p.FEATURES), max_size=None, compression=None, open_timeout=5,
                              close_timeout=1, additional_headers=headers) as ws:
                     self._ws = ws
                     for frame in ws:

@@ -10,7 +10,7 @@ from pathlib import Path
 import streamlit as st
 
 from engine.contract import protocol as p
-from engine.contract.kinds import KINDS as EVENT_KINDS
+from engine.contract.kinds import KINDS
 from app.client import EngineClient, View
 from app.commands import last_error, send
 from app.connection import Hosted, restart
@@ -19,9 +19,8 @@ from app.scenarios import SCENARIOS
 from app.source import VLLM_PYTHON, Source, recordings
 from app.words import plural
 
-KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
+SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
 _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay unique across sessions
 
@@ -32,8 +31,8 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
         if client is not None and client.notices:
             for t, level, text in list(client.notices)[-3:]:
                 st.caption(f"{'⚠️' if level == 'warning' else '❌'} {text}")
-        kind = st.radio("Source", list(KINDS), format_func=KINDS.get, index=list(KINDS).index(source.kind),
-                        key="src_kind")
+        kind = st.radio("Source", list(SOURCE_KINDS), format_func=SOURCE_KINDS.get,
+                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind")
         if kind == "embedded":
             model = st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
                                   help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
@@ -198,9 +197,9 @@ def pacing(client: EngineClient) -> None:
         st.session_state["travel"] = None
     with st.expander("Key events to stop at"):
         st.multiselect("Stop at", KEY_KINDS, default=list(KEY_KINDS), key="until_kinds",
-                       format_func=lambda k: EVENT_KINDS[k].label, label_visibility="collapsed")
+                       format_func=lambda k: KINDS[k].label, label_visibility="collapsed")
     if loop.until:
-        st.caption(f":material/fast_forward: running until: {', '.join(EVENT_KINDS[k].label for k in loop.until)}")
+        st.caption(f":material/fast_forward: running until: {', '.join(KINDS[k].label for k in loop.until)}")
 
 
 def requests(client: EngineClient, view: View) -> None:
@@ -227,7 +226,7 @@ def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
                        ("reset_mode", cfg.preemption_mode), ("reset_caching", cfg.enable_prefix_caching)):
         _follow(key, value)
     with st.form("reset", border=False):
-        bs = st.select_slider("Block size (tokens)", BLOCK_SIZES, key="reset_bs",
+        bs = st.select_slider("Block size (tokens)", p.BLOCK_SIZES, key="reset_bs",
                               help="Small: little waste, long tables. Large: short tables, more waste.")
         c = st.columns(2)
         dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, key="reset_dev")

@@ -26,8 +26,9 @@ import streamlit as st
 
 from engine.contract import protocol as p
 from engine.contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
+from engine.contract.state import STATE_NAMES
 from app.client import View
-from app.palette import CACHED, FREE, RESERVED, SEQ_COLORS, SHARED
+from app.palette import ACCENT, CACHED, FREE, RESERVED, SEQ_COLORS, SHARED, css_vars
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
@@ -258,7 +259,16 @@ def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | 
 
 # ------------------------------------------------------------------------------- streamlit
 MAX_BASES = 8  # frames sent but not yet acknowledged that a delta still applies to
+
+
+def _layout(record: np.dtype) -> dict[str, int]:
+    """A record's size and its fields' byte offsets, as grid.js reads them."""
+    return {"size": record.itemsize, **{name: record.fields[name][1] for name in record.names if name != "pad"}}
+
+
 STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": SHARED, "reserved": RESERVED,
+         "accent": ACCENT, "record": {"dev": _layout(DEV), "host": _layout(HOST)},
+         "states": {name: code for code, name in enumerate(STATE_NAMES)},
          "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
          "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
 
@@ -267,7 +277,7 @@ STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": 
 def _component():
     return st.components.v2.component(
         "kvscope_grid", html='<div class="kv"></div>',
-        css=(ASSETS / "grid.css").read_text(), js=(ASSETS / "grid.js").read_text())
+        css=css_vars(".kv") + (ASSETS / "grid.css").read_text(), js=(ASSETS / "grid.js").read_text())
 
 
 def _sync(key: str) -> dict:

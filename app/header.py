@@ -7,6 +7,7 @@ import streamlit as st
 from app.client import EngineClient, View
 from app.connection import Hosted
 from app.mirror import RATE_STEPS
+from app.palette import USED
 from app.words import plural
 from app.source import Source
 
@@ -126,7 +127,7 @@ def reservation_card(view: View) -> None:
     saved = res - pag
     body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
                 _mib(u["reserved_bytes"]), "#e15759")
-            + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), "#4e79a7")
+            + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)
             + summary(res, pag, cfg)
             if holding else
             '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '

@@ -10,7 +10,7 @@ import streamlit as st
 from app.client import EngineClient, View
 from app.follow import Follower
 from app.lifetimes import METRICS, Lifetimes
-from app.palette import seq_color
+from app.palette import USED, seq_color
 from app.prefix_events import ForestBuilder
 from app.prefix_tree import render
 
@@ -78,7 +78,7 @@ def lifetimes(client: EngineClient, view: View) -> None:
 def _histogram(values: np.ndarray) -> dict:
     counts, edges = np.histogram(values, bins=min(20, max(1, int(values.max()) - int(values.min()) + 1)))
     data = [{"from": float(a), "to": float(b), "blocks": int(c)} for a, b, c in zip(edges, edges[1:], counts)]
-    return {"data": {"values": data}, "height": 150, "mark": {"type": "bar", "color": "#4e79a7"},
+    return {"data": {"values": data}, "height": 150, "mark": {"type": "bar", "color": USED},
             "encoding": {"x": {"field": "from", "type": "quantitative", "bin": {"binned": True}, "title": "steps"},
                          "x2": {"field": "to"},
                          "y": {"field": "blocks", "type": "quantitative", "title": "samples"},

@@ -15,15 +15,12 @@ import pandas as pd
 import streamlit as st
 
 from engine.contract import protocol as p
-from engine.contract.lab import COLUMNS, LabReport, LabRow, decode_report, row_values, to_csv
-from engine.contract.state import CACHED, FREE, SHARED
+from engine.contract.lab import COLUMNS, PRESETS, LabReport, LabRow, decode_report, row_values, to_csv
+from engine.contract.state import SHARED, USED as USED_STATE
 from app.client import EngineClient
-from app.palette import BLOCK_STATE_COLORS
+from app.palette import USED, block_color
 from app.source import ROOT, recordings
 
-PRESETS = {"mixed": "Long and short mixed", "chat": "Chat with shared system prompts",
-           "parallel": "Parallel sampling (n=4)"}
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TIMEOUT_S = 300
 PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)  # what a preset runs on (engine/lab/workload.py)
 SLOTS = PRESET_POOL[0] * PRESET_POOL[1]
@@ -84,7 +81,7 @@ def page(client: EngineClient) -> None:
             st.caption("Every request this page has seen (its retained history), prompts and outputs as they ran.")
     with c[1]:
         cc = st.columns(2)
-        sizes = cc[0].multiselect("Block sizes", BLOCK_SIZES, default=[4, 16, 64], key="lab_bs")
+        sizes = cc[0].multiselect("Block sizes", p.BLOCK_SIZES, default=[4, 16, 64], key="lab_bs")
         blocks = cc[1].text_input("Device blocks", "", key="lab_blocks", placeholder="keep memory, or e.g. 64,128",
                                   help="Comma-separated. Empty: each block size gets the memory of the workload's "
                                        f"pool (the recording's, or {PRESET_POOL[0]:,} × {PRESET_POOL[1]} for a preset).")
@@ -136,7 +133,7 @@ def show(report: LabReport) -> None:
     for col, (field, title) in zip(charts, (("slot_util", "slot utilisation"), ("mean_entries", "block-table entries (mean)"),
                                            ("peak_used", "peak blocks used"))):
         col.vega_lite_chart({"data": {"values": df[["config", field]].to_dict("records")}, "height": 160,
-                             "title": title, "mark": {"type": "bar", "color": "#4e79a7"},
+                             "title": title, "mark": {"type": "bar", "color": USED},
                              "encoding": {"y": {"field": "config", "type": "nominal", "sort": None, "title": None},
                                           "x": {"field": field, "type": "quantitative", "title": None}}},
                             width="stretch")
@@ -149,8 +146,8 @@ def show(report: LabReport) -> None:
 
 
 def grid_svg(row: LabRow, width: int = 360) -> str:
-    """The pool at its peak: one cell a block, filled by the tokens it holds; cached hatched-grey,
-    shared dark-outlined."""
+    """The pool at its peak, coloured by the grid's rule (`block_color`): a used or shared block
+    filled by the tokens it holds, the others solid."""
     g = row.peak
     if g is None:
         return "<div>(no block was ever used)</div>"
@@ -162,14 +159,12 @@ def grid_svg(row: LabRow, width: int = 360) -> str:
     for i, (state, tokens) in enumerate(zip(g.states, g.tokens)):
         x, y = (i % per_row) * cell, (i // per_row) * cell
         s = cell - 1
-        if state == FREE:
-            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s:.1f}" height="{s:.1f}" fill="{BLOCK_STATE_COLORS["free"]}"/>')
+        color = block_color(state)
+        if state not in (USED_STATE, SHARED):
+            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s:.1f}" height="{s:.1f}" fill="{color}"/>')
             continue
-        color = BLOCK_STATE_COLORS["cached"] if state == CACHED else BLOCK_STATE_COLORS["used"]
         fill = s * min(1.0, tokens / bs)
         parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s:.1f}" height="{s:.1f}" fill="{color}" opacity="0.35"/>'
-                     f'<rect x="{x:.1f}" y="{y + s - fill:.1f}" width="{s:.1f}" height="{fill:.1f}" fill="{color}"/>'
-                     + (f'<rect x="{x + .5:.1f}" y="{y + .5:.1f}" width="{s - 1:.1f}" height="{s - 1:.1f}" '
-                        'fill="none" stroke="#0f172a" stroke-width="1"/>' if state == SHARED else ""))
+                     f'<rect x="{x:.1f}" y="{y + s - fill:.1f}" width="{s:.1f}" height="{fill:.1f}" fill="{color}"/>')
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{per_row * cell:.0f}" height="{rows * cell:.0f}" '
             f'role="img" aria-label="pool at its peak">{"".join(parts)}</svg>')

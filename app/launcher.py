@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+from engine.contract.ready import ready_url
+
 ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"ready: (ws://\S+)")
 # Runs the module as __main__ after arranging to die with the thread that started it.
 _BOOT = ("import ctypes, os, runpy, signal, sys\n"
          "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
@@ -44,6 +44,16 @@ class ServerProcess:
     _proc: subprocess.Popen | None = None
     stopping: bool = False
     _spawned: threading.Event = field(default_factory=threading.Event)
+    _handled: threading.Event = field(default_factory=threading.Event)  # exited, and on_exit has returned
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before it was spawned, or when it could not start)."""
+        return self._proc.pid if self._proc else None
+
+    def wait_handled(self, timeout: float) -> bool:
+        """Wait until it has exited and its `on_exit` has returned (whatever that did, it is done)."""
+        return self._handled.wait(timeout)
 
     @property
     def argv(self) -> list[str]:
@@ -86,17 +96,21 @@ class ServerProcess:
         except OSError as e:
             self.lines.append(f"could not start {self.command}: {e}")
             self.returncode = -1
+            self._handled.set()
             return
         finally:
             self._spawned.set()
         for line in self._proc.stdout:
             line = line.rstrip()
             self.lines.append(line)
-            if self.url is None and (m := READY.search(line)):
-                self.url, self.ready_after = m.group(1), time.time() - self.started
+            if self.url is None and (url := ready_url(line)):
+                self.url, self.ready_after = url, time.time() - self.started
         self.returncode = self._proc.wait()
-        if self.on_exit:
-            self.on_exit(self)
+        try:
+            if self.on_exit:
+                self.on_exit(self)
+        finally:
+            self._handled.set()
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.contract import protocol as p
+from engine.contract.counters import EventCounts
 from engine.contract.state import PoolState
 from app.block_text import BlockTexts
 
@@ -19,30 +20,20 @@ FINISHED_KEPT = 12   # finished requests listed in the tables view
 
 
 @dataclass
-class Tally:
+class Tally(EventCounts):
     """Counters of the events seen since `since` (the engine's start, this client's attach,
-    a reset, or a clean slate): a client counts only what it saw."""
+    a reset, or a clean slate): a client counts only what it saw. Hits, lookups, preemptions
+    and swaps are the contract's `EventCounts` (one fold for every consumer)."""
     since: str = "engine start"
     requests: int = 0
-    looked_up_tokens: int = 0  # tokens looked up in the prefix cache at every admission
-    hit_tokens: int = 0
     generated: int = 0
     cows: int = 0
     forks: int = 0
-    swap_outs: int = 0
-    swap_ins: int = 0
-    preemptions: int = 0
-    recomputes: int = 0
     finished: int = 0
     last_step: p.StepDone | None = None
     # (tokens generated, duration_ms) of the last RATE_STEPS engine steps, and the tokens of the step under way
     steps: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS), repr=False)
     step_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over tokens looked up, re-admissions after a recompute included."""
-        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second of the engine's own step time, over the last RATE_STEPS
@@ -109,14 +100,13 @@ class Mirror:
         self.texts.apply(ev, self.state)
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
-        tl.looked_up_tokens += looked_up
+        tl.count(ev, bs, looked_up)
         match ev:
             case p.RequestAdded():
                 tl.requests += 1
             case p.Alloc():
                 self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
             case p.PrefixHit():
-                tl.hit_tokens += bs
                 self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
             case p.Cow():
                 tl.cows += 1
@@ -124,14 +114,7 @@ class Mirror:
             case p.Fork():
                 tl.forks += 1
                 self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
-            case p.Preempt():
-                tl.preemptions += 1
-                tl.recomputes += ev.mode == "recompute"
-                self.origins.pop(ev.seq_id, None)
-            case p.SwapOut():
-                tl.swap_outs += 1
-            case p.SwapIn():
-                tl.swap_ins += 1
+            case p.Preempt() | p.SwapIn():
                 self.origins.pop(ev.seq_id, None)
             case p.Append() if ev.token_ids:
                 tl.generated += len(ev.token_ids)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from html import escape
 
-from app.palette import CACHED
+from app.palette import CACHED, LIT, USED
 from app.words import plural
 from engine.contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, Node, PrefixForest
 
-STATE_COLORS = {IN_USE: "#4e79a7", CACHED_ONLY: CACHED, UNKNOWN: "#0f766e"}
+STATE_COLORS = {IN_USE: USED, CACHED_ONLY: CACHED, UNKNOWN: "#0f766e"}
 VICTIM_COLOR = "#dc2626"
 
 
@@ -32,7 +32,7 @@ CSS = """<style>
 .pt .n .tx { overflow: hidden; text-overflow: ellipsis; opacity: .95; font-family: var(--st-font, system-ui); }
 .pt .n .h { font-size: 10px; padding: 0 3px; border-radius: 6px; background: rgba(15,23,42,.55); color: #fff; }
 .pt .n.victim { outline: 2px solid """ + VICTIM_COLOR + """; outline-offset: 1px; }
-.pt .n.lit { outline: 3px solid #f59e0b; outline-offset: 1px; }
+.pt .n.lit { outline: 3px solid """ + LIT + """; outline-offset: 1px; }
 .pt .gap { font-size: 11px; opacity: .7; }
 .pt .key span { display: inline-block; width: 10px; height: 10px; border-radius: 2px; vertical-align: -1px; margin: 0 3px 0 8px; }
 </style>"""

@@ -20,6 +20,7 @@ from websockets.sync.client import connect
 
 from app.scenarios import SCENARIOS
 from engine.contract import protocol as p
+from engine.contract.ready import ready_url
 
 
 def start_engine(model: str, record: Path) -> tuple[subprocess.Popen, str]:
@@ -27,8 +28,8 @@ def start_engine(model: str, record: Path) -> tuple[subprocess.Popen, str]:
                              "--record", str(record)], stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         print(line, end="", file=sys.stderr)
-        if "ready: ws://" in line:
-            return proc, line.split("ready: ", 1)[1].split()[0]
+        if url := ready_url(line):
+            return proc, url
     raise RuntimeError(f"the engine exited with {proc.wait()}")
 
 

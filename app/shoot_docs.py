@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from app.streamlit_argv import streamlit_argv
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -40,8 +42,8 @@ def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.
     where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
     port = free_port()
     proc = subprocess.Popen(
-        [python, "-m", "streamlit", "run", "app/main.py", "--server.headless", "true", "--server.port", str(port),
-         "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--", *app_args],
+        streamlit_argv(python, app_args, "--server.port", str(port), "--server.fileWatcherType", "none",
+                       main="app/main.py"),  # relative: the app of `cwd`
         cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:

@@ -18,7 +18,7 @@ import streamlit as st
 
 from app.client import View
 from app.mirror import Finished
-from app.palette import seq_color
+from app.palette import ACCENT, LIT, seq_color
 from app.words import plural
 from engine.contract.kinds import KINDS
 from engine.contract.state import SeqState
@@ -28,7 +28,7 @@ CSS = """<style>
 .bt .key { font-size: 12px; opacity: .8; margin-bottom: 8px; }
 .bt .seq { margin: 0 0 10px; padding: 6px 8px; border-left: 4px solid var(--c); border-radius: 4px;
   background: color-mix(in srgb, var(--c) 6%, transparent); }
-.bt .seq.pin { box-shadow: 0 0 0 2px #d97706 inset; }
+.bt .seq.pin { box-shadow: 0 0 0 2px """ + ACCENT + """ inset; }
 .bt .top { display: flex; gap: 8px; align-items: baseline; flex-wrap: wrap; }
 .bt .id { font-weight: 700; }
 .bt .st { font-size: 11px; padding: 0 6px; border-radius: 8px; background: #e2e8f0; color: #334155; }
@@ -46,11 +46,11 @@ CSS = """<style>
   border: 1px solid #fff; box-sizing: border-box; }
 .bt .dot { display: inline-block; width: 8px; height: 8px; border-radius: 50%; vertical-align: 0; }
 .bt .ch.shared { outline: 2px solid #0f172a; outline-offset: -2px; }
-.bt .ch.lit { box-shadow: 0 0 0 3px #f59e0b; }
+.bt .ch.lit { box-shadow: 0 0 0 3px """ + LIT + """; }
 .bt .ch.host { border: 1px dashed var(--c); color: var(--c); background: transparent; }
 .bt .ch.run { padding: 0 6px 0 12px; }
 .bt .opened { flex-basis: 100%; display: flex; flex-wrap: wrap; gap: 3px; margin: 2px 0 4px;
-  padding-left: 6px; border-left: 2px solid #d97706; }
+  padding-left: 6px; border-left: 2px solid """ + ACCENT + """; }
 .bt .txt { font-size: 12.5px; white-space: pre-wrap; word-break: break-word; opacity: .9; max-height: 5.6em;
   overflow: hidden; display: flex; flex-direction: column-reverse; }
 .bt .more { opacity: .7; font-size: 12px; }

@@ -14,13 +14,13 @@ import altair as alt
 
 from engine.contract.kinds import KINDS, MARKER_KINDS
 from app.event_history import Marker, StepPoint
-from app.palette import BLOCK_STATE_COLORS
+from app.palette import ACCENT, BLOCK_STATE_COLORS
 
 MAX_POINTS, MAX_MARKERS = 400, 150
 STEP_AXIS = alt.Axis(format="d", tickMinStep=1)  # steps are whole numbers: no 1.5 ticks
 STATES = ("used", "cached", "free")
 MARKERS = tuple(k for k in KINDS if k in MARKER_KINDS)
-CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color="#d97706", strokeWidth=2, strokeDash=[4, 3]).encode(
+CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color=ACCENT, strokeWidth=2, strokeDash=[4, 3]).encode(
     x="step:Q", tooltip=[alt.Tooltip("step:Q", title="viewing step")])
 
 

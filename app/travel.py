@@ -15,6 +15,7 @@ import streamlit as st
 from app.client import EngineClient, View
 from app.eventlog import describe
 from app.grid import ASSETS
+from app.palette import css_vars
 from engine.contract.kinds import KINDS
 
 FRAGMENTS = ["live", "tables", "panel"]  # every view: a travel redraws them all at once
@@ -41,7 +42,7 @@ def _scrubber():
     return st.components.v2.component(
         "kvscope_scrubber", html='<div class="scrub"><div class="track"><div class="fill"></div>'
         '<div class="ticks"></div><div class="handle"></div></div><div class="label"></div></div>',
-        css=(ASSETS / "scrubber.css").read_text(), js=(ASSETS / "scrubber.js").read_text())
+        css=css_vars(".scrub") + (ASSETS / "scrubber.css").read_text(), js=(ASSETS / "scrubber.js").read_text())
 
 
 def _scrubbed() -> None:

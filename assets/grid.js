@@ -4,8 +4,18 @@
 // clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
 // token it holds and the block under the pointer). State lives on the root element between calls.
 
-const STATE = ["free", "cached", "used", "shared", "reserved"];
-const DEV = 16, HOST = 8;         // bytes per device / host block (app/grid.py DEV, HOST)
+// The block records' layout and the state codes are app/grid.py's (its STYLE's `record` and
+// `states`), set by `layout` when the style comes with a frame: this file has no copy of them.
+let DEV, HOST, R, STATE, FREE, CACHED, USED, SHARED, RESERVED;
+function layout(st) {
+  const d = st.record.dev, h = st.record.host;
+  DEV = d.size; HOST = h.size;  // bytes per device / host block
+  R = { owner: d.owner / 4, hash: d.hash / 4, ref: d.ref / 2, tokens: d.tokens / 2, state: d.state, touch: d.touch,
+    hOwner: h.owner / 4, hTokens: h.tokens / 2, hTouch: h.touch };  // field offsets in units of their own width
+  STATE = [];
+  for (const [name, code] of Object.entries(st.states)) STATE[code] = name;
+  ({ free: FREE, cached: CACHED, used: USED, shared: SHARED, reserved: RESERVED } = st.states);
+}
 const MIN_COUNT = 64;             // the most zoomed-in region
 const DETAIL = 5;                 // cells at least this wide get per-block detail
 const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
@@ -17,9 +27,11 @@ const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app
 function columnsDev(buf) {
   return { buf, u8: new Uint8Array(buf), u16: new Uint16Array(buf), u32: new Uint32Array(buf) };
 }
-const owner = (c, i) => c.u32[4 * i], hash = (c, i) => c.u32[4 * i + 1], ref = (c, i) => c.u16[8 * i + 4],
-  tokens = (c, i) => c.u16[8 * i + 5], state = (c, i) => c.u8[16 * i + 12], touch = (c, i) => c.u8[16 * i + 13];
-const hOwner = (c, i) => c.u32[2 * i], hTokens = (c, i) => c.u16[4 * i + 2], hTouch = (c, i) => c.u8[8 * i + 6];
+const owner = (c, i) => c.u32[DEV / 4 * i + R.owner], hash = (c, i) => c.u32[DEV / 4 * i + R.hash],
+  ref = (c, i) => c.u16[DEV / 2 * i + R.ref], tokens = (c, i) => c.u16[DEV / 2 * i + R.tokens],
+  state = (c, i) => c.u8[DEV * i + R.state], touch = (c, i) => c.u8[DEV * i + R.touch];
+const hOwner = (c, i) => c.u32[HOST / 4 * i + R.hOwner], hTokens = (c, i) => c.u16[HOST / 2 * i + R.hTokens],
+  hTouch = (c, i) => c.u8[HOST * i + R.hTouch];
 
 async function inflate(bytes) {
   const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
@@ -42,7 +54,7 @@ async function parse(bytes) {
 }
 
 function apply(s, { head, part }) {
-  if (head.style) s.style = head.style;
+  if (head.style) { s.style = head.style; layout(s.style); }
   if (head.kind === "full") {
     s.dev = columnsDev(part("dev", DEV));
     s.host = columnsDev(part("host", HOST));
@@ -91,10 +103,10 @@ function palette(s) {
 // The colour of device block i in the overview: by state, or by sequence.
 function devRGB(s, i, pal) {
   const stt = state(s.dev, i);
-  if (stt === 0) return pal.free;
-  if (stt === 1) return pal.cached;
-  if (stt === 3) return pal.shared;
-  if (stt === 4) return pal.reserved;
+  if (stt === FREE) return pal.free;
+  if (stt === CACHED) return pal.cached;
+  if (stt === SHARED) return pal.shared;
+  if (stt === RESERVED) return pal.reserved;
   if (s.mode === "state") return pal.used;
   const q = s.seqs.get(owner(s.dev, i));
   return q ? pal.seq[q[1]] : pal.used;
@@ -182,15 +194,15 @@ function paintCells(canvas, ctx, s, g, host) {
 
 function cell(ctx, s, pal, x, y, c, i, host) {
   const gap = c >= 10 ? 2 : c >= 5 ? 1 : 0, z = c - gap, sty = s.style, bs = s.data.bs;
-  const stt = host ? (hOwner(s.host, i) ? 2 : 0) : state(s.dev, i);
-  if (stt === 0) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, z, z); }
-  else if (stt === 4) {  // reserved: dark, crossed out
+  const stt = host ? (hOwner(s.host, i) ? USED : FREE) : state(s.dev, i);
+  if (stt === FREE) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, z, z); }
+  else if (stt === RESERVED) {  // reserved: dark, crossed out
     ctx.fillStyle = sty.reserved; ctx.fillRect(x, y, z, z);
     if (z >= 6) {
       ctx.strokeStyle = "rgba(255,255,255,0.6)"; ctx.lineWidth = 1; ctx.beginPath();
       ctx.moveTo(x, y); ctx.lineTo(x + z, y + z); ctx.moveTo(x, y + z); ctx.lineTo(x + z, y); ctx.stroke();
     }
-  } else if (stt === 1) {
+  } else if (stt === CACHED) {
     ctx.fillStyle = sty.cached; ctx.fillRect(x, y, z, z);
     if (z >= 8) {
       ctx.strokeStyle = "rgba(255,255,255,0.7)"; ctx.lineWidth = 1;
@@ -199,7 +211,7 @@ function cell(ctx, s, pal, x, y, c, i, host) {
   } else {
     const tok = host ? hTokens(s.host, i) : tokens(s.dev, i), fh = Math.round(z * Math.min(1, tok / bs));
     let full, part;
-    if (stt === 3) { full = sty.shared; part = pal.sharedTint; }  // shared: a style of its own
+    if (stt === SHARED) { full = sty.shared; part = pal.sharedTint; }  // shared: a style of its own
     else {
       const q = s.seqs.get(host ? hOwner(s.host, i) : owner(s.dev, i)), ci = q ? q[1] : 0;
       full = s.mode === "state" ? sty.palette[0] : sty.palette[ci];
@@ -207,7 +219,7 @@ function cell(ctx, s, pal, x, y, c, i, host) {
     }
     if (fh < z) { ctx.fillStyle = part; ctx.fillRect(x, y, z, z - fh); }
     ctx.fillStyle = full; ctx.fillRect(x, y + z - fh, z, fh);
-    if (stt === 3) {
+    if (stt === SHARED) {
       ctx.fillStyle = "#fff";
       if (z >= 14) {  // at 26 px and more the id sits above it (below)
         ctx.font = `bold ${Math.round(z * (z >= 26 ? 0.36 : 0.45))}px system-ui, sans-serif`;
@@ -219,8 +231,8 @@ function cell(ctx, s, pal, x, y, c, i, host) {
       }
     }
   }
-  if (z >= 26 && stt !== 4) {
-    ctx.fillStyle = stt >= 2 ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";
+  if (z >= 26 && stt !== RESERVED) {
+    ctx.fillStyle = stt !== FREE && stt !== CACHED ? "rgba(255,255,255,0.85)" : "rgba(71,85,105,0.7)";
     ctx.font = "9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
     ctx.fillText(String(i), x + 2, y + 2);
   }
@@ -489,10 +501,10 @@ function hostTip(s, i) {
 }
 
 function rangeTip(s, i, k) {
-  const n = [0, 0, 0, 0, 0];
+  const n = STATE.map(() => 0);
   for (let j = i; j < i + k; j++) n[state(s.dev, j)]++;
-  return `<b>Blocks ${fmt(i)}–${fmt(i + k - 1)}</b> (one pixel)<br>${n[2] + n[3]} used (${n[3]} shared) · ${n[1]} cached · ${n[0]} free` +
-    (n[4] ? ` · ${n[4]} reserved` : "") +
+  return `<b>Blocks ${fmt(i)}–${fmt(i + k - 1)}</b> (one pixel)<br>${n[USED] + n[SHARED]} used (${n[SHARED]} shared) · ${n[CACHED]} cached · ${n[FREE]} free` +
+    (n[RESERVED] ? ` · ${n[RESERVED]} reserved` : "") +
     '<br><span class="dim">zoom in for each block</span>';
 }
 
@@ -545,10 +557,10 @@ function viewport(s) {
   const g = s.ogeo, ctx = s.octx, r = s.range;
   const [x0, y0] = place(g, r.start), [x1, y1, c] = place(g, Math.min(r.start + r.count, s.data.n) - 1);
   ctx.save();
-  ctx.strokeStyle = "#d97706"; ctx.lineWidth = 2;
-  ctx.fillStyle = "rgba(217,119,6,0.12)";
-  if (y0 === y1) { ctx.fillRect(x0, y0, x1 + c - x0, c); ctx.strokeRect(x0, y0 - 1, x1 + c - x0, c + 2); }
-  else { ctx.fillRect(0, y0, g.w, y1 + c - y0); ctx.strokeRect(1, y0 - 1, g.w - 2, y1 + c - y0 + 2); }
+  ctx.strokeStyle = ctx.fillStyle = s.style.accent; ctx.lineWidth = 2;
+  const tint = (x, y, w, h) => { ctx.globalAlpha = 0.12; ctx.fillRect(x, y, w, h); ctx.globalAlpha = 1; };
+  if (y0 === y1) { tint(x0, y0, x1 + c - x0, c); ctx.strokeRect(x0, y0 - 1, x1 + c - x0, c + 2); }
+  else { tint(0, y0, g.w, y1 + c - y0); ctx.strokeRect(1, y0 - 1, g.w - 2, y1 + c - y0 + 2); }
   ctx.restore();
 }
 
@@ -651,6 +663,7 @@ export default function (component) {
   const root = parentElement.querySelector(".kv");
   if (!root || !data) return;
   const s = root.__kv || (root.__kv = setup(root));
+  if (s.style && !R) layout(s.style);  // this script re-ran over a mounted grid (the style is not sent again)
   window.__kvscope_grid_api = testApi(s);
   s.setState = setStateValue;
   s.setTrigger = setTriggerValue;

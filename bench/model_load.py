@@ -13,6 +13,7 @@ import time
 
 from bench.rounds import interleave, spread
 from engine.model_loader import load_model
+from engine.contract.ready import ready_url
 
 MODELS = ("tiny", "smollm2")
 
@@ -30,7 +31,7 @@ def server_ready(spec: str) -> float:
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stderr:
-            if "ready: ws://" in line:
+            if ready_url(line):
                 return time.perf_counter() - t0
         raise RuntimeError(f"the {spec} server exited before it was ready")
     finally:

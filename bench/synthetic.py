@@ -24,6 +24,7 @@ import msgspec
 from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
 from engine.config import EngineConfig
 from engine.contract import protocol as p
+from engine.contract.ready import ready_line, ws_url
 from engine.core import EngineCore, StepResult
 from engine.hub import Hub
 from engine.sequence import SamplingParams, Sequence
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
              time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
     hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token)
     serve_until_signal(hub, args.host, args.port, lambda port: log.info(
-        "ready: ws://%s:%d/ serving a synthetic load on %d device blocks", args.host, port, args.num_device_blocks))
+        ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks")))
     return 0
 
 

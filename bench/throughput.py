@@ -39,6 +39,7 @@ from bench.prompts import make_prompts
 from bench.rounds import interleave, ratios, settle, spread
 from engine.config import EngineConfig
 from engine.contract import protocol as p
+from engine.contract.ready import ready_url
 from engine.engine import LLMEngine
 from engine.model_loader import SMOLLM2, default_cache_dir, load_model
 from engine.sequence import SamplingParams
@@ -260,7 +261,7 @@ def server_startup_seconds(model: str, dtype: str, timeout: float = 300) -> floa
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
-            if "ready: ws://" in line:
+            if ready_url(line):
                 return time.perf_counter() - t0
             if time.perf_counter() - t0 > timeout:
                 break

@@ -22,10 +22,26 @@ WATERMARK = 0.01  # share of device blocks admission leaves free, so running seq
 
 
 class NoFreeBlocks(RuntimeError):
-    pass
+    """An allocation found neither a free nor an evictable device block (or a swap-out too few
+    host blocks); the scheduler's `can_*` checks exist so that it never sees this."""
 
 
 class BlockManager:
+    """Owns every KV block: which sequence holds which device block, how many hold it, which
+    blocks the prefix cache can hand out again, and the host pool sequences are swapped to.
+
+    Promises, after every public method returns:
+    - `ref_counts[b]` is the number of block tables (of live sequences) that list device block
+      b; a block with ref count 0 is in exactly one of `free_ids` (never hashed, reused first,
+      FIFO) or `evictable` (hashed, LRU first), and a block with a holder is in neither.
+    - A hashed block is in `hash_to_block` under its chained hash, with its tokens kept to rule
+      out collisions; evicting it (taking it for a new owner) emits `evict` first.
+    - Admission and swap-in leave at least `watermark_blocks` allocatable, so running sequences
+      can keep growing one token at a time; appends and copy-on-write may use the watermark.
+    - Each change is emitted as its protocol event, in the order it happened, so the reducer
+      (engine/contract/state.py) replays the pools exactly.
+    """
+
     def __init__(self, config: p.PoolConfig, log: EventLog, watermark: float = WATERMARK):
         self.log = log
         self.watermark = watermark
@@ -58,15 +74,21 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Blocks with no holder still in the prefix cache (evictable, still hit-able)."""
         return len(self.evictable)
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (the last one possibly partial)."""
         return -(-num_tokens // self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` fits an otherwise empty pool above the watermark
+        (False: it can never be admitted, whatever finishes)."""
         return self.num_blocks_for(num_tokens) <= self.config.num_device_blocks - self.watermark_blocks
 
     def can_allocate(self, seq: Sequence) -> bool:
+        """Whether `allocate(seq)` would leave at least `watermark_blocks` allocatable: its
+        prefix hits cost nothing unless they leave the LRU (a cached block with no holder)."""
         hits = self._prefix_hits(seq)
         revived = sum(1 for b in hits if not self.ref_counts[b])  # hits that leave the LRU
         need = self.num_blocks_for(len(seq)) - len(hits) + revived
@@ -78,12 +100,15 @@ class BlockManager:
         return n > len(table) * self.block_size or self.ref_counts[table[(n - 1) // self.block_size]] > 1
 
     def can_append(self, seq: Sequence) -> bool:
+        """Whether `append_slot(seq)` can succeed (it may dip into the watermark)."""
         return self.num_allocatable_blocks >= self.slot_needs_block(seq)
 
     def can_swap_out(self, seq: Sequence) -> bool:
+        """Whether the host pool has a block for each of `seq`'s device blocks."""
         return len(self.host_free) >= len(seq.block_table)
 
     def can_swap_in(self, seq: Sequence) -> bool:
+        """Whether bringing `seq` back leaves at least `watermark_blocks` allocatable."""
         return self.num_allocatable_blocks - len(seq.host_table) >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
@@ -143,6 +168,8 @@ class BlockManager:
 
     # ------------------------------------------------------------------ block moves
     def _take_free(self) -> int:
+        """A block for a new owner, with ref count 1: a never-hashed free one first, else the
+        least recently used cached one (evicted: its hash leaves the cache). Raises NoFreeBlocks."""
         if self.free_ids:
             b = self.free_ids.popleft()
         elif self.evictable:
@@ -154,6 +181,8 @@ class BlockManager:
         return b
 
     def _release(self, b: int) -> None:
+        """Drop one holder of `b`; at 0 it goes to the free FIFO, or, hashed, to the LRU's most
+        recently used end (still hit-able until evicted)."""
         self.ref_counts[b] -= 1
         if not self.ref_counts[b]:
             if self.hashes[b] is None:
@@ -170,7 +199,9 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> int:
         """Blocks for every token of a waiting `seq`, cached prefix first.
 
-        Returns how many leading tokens already have their K/V in the cache.
+        Each hit's ref count goes up by one (a hit on a block with no holder takes it out of
+        the LRU); the other blocks are new, ref count 1. Returns how many leading tokens already
+        have their K/V in the cache. The caller checks `can_allocate` first (the watermark).
         """
         assert not seq.block_table, f"{seq.seq_id} already holds blocks"
         hits = self._prefix_hits(seq)
@@ -188,7 +219,9 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Room for the K/V of the last token of `seq`: a new block at a boundary, or a
-        copy of a shared last block. Returns (src, dst) when the data must be copied."""
+        copy of a shared last block. Returns (src, dst) when the data must be copied: `src`
+        loses this holder, `dst` (ref count 1) takes its place in `seq`'s table. May use the
+        watermark; raises NoFreeBlocks when no block is left (the caller checks `can_append`)."""
         n, table = len(seq), seq.block_table
         if n > len(table) * self.block_size:
             table.append(self._alloc(seq, len(table)))
@@ -204,7 +237,8 @@ class BlockManager:
         return src, dst
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (whose K/V is computed)."""
+        """`child` shares every block of `parent` (whose K/V is computed): each block's ref
+        count goes up by one, nothing is copied until a write (`append_slot`'s copy-on-write)."""
         child.block_table = list(parent.block_table)
         for b in child.block_table:
             self.ref_counts[b] += 1
@@ -215,7 +249,9 @@ class BlockManager:
                              seq_id=child.seq_id, block_ids=list(child.block_table)))
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq`, the tail first, so chain tails are evicted first."""
+        """Release every block of `seq`, the tail first, so chain tails are evicted first:
+        each ref count goes down by one (a `free` event carries the count left); its host
+        blocks, if swapped, go back to the host pool."""
         table = seq.block_table
         while table:
             b = table.pop()

@@ -15,13 +15,14 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from engine.contract import protocol as p
+from engine.contract.counters import EventCounts
 from engine.contract.state import InvariantError, PoolState
 
 log = logging.getLogger("kvscope")
@@ -35,12 +36,8 @@ class Totals:
     """Counters since the server started (a `reset` of the pool does not reset them)."""
     prompt_tokens: int = 0       # prompt of each request, counted when its first token is sampled
     generation_tokens: int = 0   # tokens sampled
-    prefix_queries: int = 0      # tokens looked up in the prefix cache, at every admission
-    prefix_hits: int = 0         # of those, tokens whose K/V came from the cache
-    preemptions: Counter = field(default_factory=Counter)     # by mode
+    events: EventCounts = field(default_factory=EventCounts)  # lookups, hits, preemptions, swaps
     finished: Counter = field(default_factory=Counter)        # sequences, by finish reason
-    swaps: Counter = field(default_factory=Counter)           # sequences, by direction
-    swapped_blocks: Counter = field(default_factory=Counter)  # blocks copied, by direction
     copy_on_write: int = 0
     forks: int = 0
     evictions: int = 0
@@ -66,13 +63,13 @@ class EngineMetrics:
     def observe(self, events: list[p.Event]) -> None:
         """Count a batch of published events and apply them to the mirror."""
         with self._lock:
-            st, tot = self._state, self._totals
+            state, tot = self._state, self._totals
             try:
                 for ev in events:
-                    if ev.seq <= st.last_event:  # already in the snapshot the mirror began from
+                    if ev.seq <= state.last_event:  # already in the snapshot the mirror began from
                         continue
-                    _count(ev, st, tot)
-                    st.apply(ev)
+                    _count(ev, state, tot)
+                    state.apply(ev)
             except InvariantError:
                 log.exception("metrics: the event stream broke the mirror; rebuilding it from a snapshot")
                 self._state = PoolState.from_snapshot(self._snapshot())
@@ -88,10 +85,10 @@ class EngineMetrics:
     def collect(self) -> Iterator[Metric]:
         """Called by the registry for each scrape: gauges from a clone of the mirror."""
         with self._lock:
-            st, tot = self._state.clone(), self._totals.clone()
-        cfg = st.config
-        counts = st.counts()
-        status = Counter(s.status for s in st.seqs.values())
+            state, tot = self._state.clone(), self._totals.clone()
+        cfg = state.config
+        counts = state.counts()
+        status = Counter(s.status for s in state.seqs.values())
         slots = counts.used * cfg.block_size
         yield from self._gauges([
             ("vllm:num_requests_running", "Sequences running (each sample of a request counts).",
@@ -112,14 +109,14 @@ class EngineMetrics:
             ("kvscope_block_size_tokens", "Tokens per block.", cfg.block_size),
             ("kvscope_slot_utilisation", "Tokens stored in used blocks over their slots (used blocks x "
              "block size): 1 minus the internal fragmentation. 1 when no block is used.",
-             st.tokens_in_used_blocks() / slots if slots else 1.0),
+             state.tokens_in_used_blocks() / slots if slots else 1.0),
         ])
         yield from self._counters([
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens: "
-             "every admission, re-admissions after a recompute preemption included.", tot.prefix_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", tot.prefix_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-             sum(tot.preemptions.values())),
+             "every admission, re-admissions after a recompute preemption included.", tot.events.looked_up_tokens),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             tot.events.hit_tokens),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", tot.events.preemptions),
             ("vllm:prompt_tokens", "Number of prefill tokens processed (each request's prompt, once).",
              tot.prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.", tot.generation_tokens),
@@ -131,12 +128,14 @@ class EngineMetrics:
         ])
         yield self._by("vllm:request_success", "Count of finished sequences, by finish reason.",
                        "finished_reason", tot.finished, p.FinishReason.__args__)
-        yield self._by("kvscope_preemptions", "Preemptions, by mode.", "mode", tot.preemptions,
+        yield self._by("kvscope_preemptions", "Preemptions, by mode.", "mode", tot.events.preemptions_by_mode,
                        p.PreemptionMode.__args__)
         yield self._by("kvscope_swaps", "Sequences moved to the host pool (out) and back (in).",
-                       "direction", tot.swaps, ("out", "in"))
+                       "direction",
+                       {"out": tot.events.swap_outs, "in": tot.events.swap_ins}, ("out", "in"))
         yield self._by("kvscope_swapped_blocks", "Blocks copied to the host pool (out) and back (in).",
-                       "direction", tot.swapped_blocks, ("out", "in"))
+                       "direction",
+                       {"out": tot.events.swapped_out_blocks, "in": tot.events.swapped_in_blocks}, ("out", "in"))
 
     def _gauges(self, rows) -> Iterator[Metric]:
         for name, doc, value in rows:
@@ -150,34 +149,24 @@ class EngineMetrics:
             c.add_metric(self.labels, value)
             yield c
 
-    def _by(self, name: str, doc: str, label: str, values: Counter, keys: tuple[str, ...]) -> Metric:
+    def _by(self, name: str, doc: str, label: str, values: Mapping[str, int], keys: tuple[str, ...]) -> Metric:
         c = CounterMetricFamily(name, doc, labels=(*LABELS, label))
         for key in keys:
             c.add_metric([*self.labels, key], values[key])
         return c
 
 
-def _count(ev: p.Event, st: PoolState, tot: Totals) -> None:
-    """Add `ev` to the totals; `st` is the pool just before it."""
-    tot.prefix_queries += st.prefix_lookup(ev)
+def _count(ev: p.Event, state: PoolState, tot: Totals) -> None:
+    """Add `ev` to the totals; `state` is the pool just before it."""
+    tot.events.count(ev, state.config.block_size, state.prefix_lookup(ev))
     match ev:
-        case p.PrefixHit():
-            tot.prefix_hits += st.config.block_size
         case p.Append(token_ids=ids) if ids:
             tot.generation_tokens += len(ids)
-            s = st.seqs[ev.seq_id]
+            s = state.seqs[ev.seq_id]
             if not s.output_tokens and s.seq_id == s.request_id:  # a request's first token
                 tot.prompt_tokens += s.prompt_tokens
-        case p.Preempt():
-            tot.preemptions[ev.mode] += 1
         case p.Finish():
             tot.finished[ev.reason] += 1
-        case p.SwapOut():
-            tot.swaps["out"] += 1
-            tot.swapped_blocks["out"] += len(ev.mapping)
-        case p.SwapIn():
-            tot.swaps["in"] += 1
-            tot.swapped_blocks["in"] += len(ev.mapping)
         case p.Cow():
             tot.copy_on_write += 1
         case p.Fork():

@@ -18,6 +18,7 @@ import msgspec
 
 from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
 from engine.contract import protocol as p
+from engine.contract.ready import ready_line, ws_url
 from engine.contract.state import PoolState
 from engine.hub import PACING_COMMANDS, Client, Hub, Pacing
 
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     hub = Hub(Playback(rec, args.speed, args.loop), token=args.token)
     try:
         serve_until_signal(hub, args.host, args.port, lambda port: log.info(
-            "ready: ws://%s:%d/ replaying %s (%d events)", args.host, port, args.file, rec.num_events))
+            ready_line(ws_url(args.host, port), f"replaying {args.file} ({rec.num_events} events)")))
     except OSError as e:
         log.error("%s", e)
         return 2

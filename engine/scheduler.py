@@ -21,6 +21,7 @@ from engine.sequence import Sequence, SeqStatus
 
 @dataclass
 class Scheduled:
+    """One sequence's share of a step: `num_tokens` of its tokens to compute."""
     seq: Sequence
     num_tokens: int  # computed this step, from seq.num_computed_tokens on
     completes: bool = field(init=False)  # the chunk reaches the end: a token is sampled after it
@@ -31,6 +32,8 @@ class Scheduled:
 
 @dataclass
 class Batch:
+    """What one step runs: the block copies to make first (swap-out, swap-in, copy-on-write,
+    in that order) and the rows to compute. False when there is nothing to run."""
     rows: list[Scheduled] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) to copy first
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
@@ -41,6 +44,21 @@ class Batch:
 
 
 class Scheduler:
+    """Three queues (waiting, running, swapped) and the rule that moves sequences between them
+    each step; every block it needs comes from the BlockManager, every status change it makes
+    is emitted (`status_change`, `preempt`; the block events come from the BlockManager).
+
+    Promises, after `schedule` returns:
+    - Every sequence in the batch holds blocks for every token it will have computed after the
+      step, its last block writable (the copy-on-write listed in `Batch.copies`).
+    - Admission (allocate, swap-in) never takes the pool below the BlockManager's watermark;
+      a running sequence that cannot grow preempts the latest arrival instead (itself, if it
+      is the latest), by swap when the pool's mode is swap and the host pool has room, else by
+      recompute (its blocks freed, back to the front of the waiting queue).
+    - At most `max_num_seqs` sequences run (samples yet to fork count) and at most
+      `max_num_batched_tokens` tokens are computed.
+    """
+
     def __init__(self, bm: BlockManager, log: EventLog, max_num_batched_tokens: int):
         self.bm, self.log = bm, log
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -51,14 +69,17 @@ class Scheduler:
 
     @property
     def max_num_seqs(self) -> int:
+        """The most sequences in one step (the pool config's, so a reset changes it)."""
         return self.bm.config.max_num_seqs
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of the waiting queue; it holds no block yet."""
         self._arrivals += 1
         seq.arrival = self._arrivals
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """Whether any sequence is waiting, running or swapped."""
         return bool(self.waiting or self.running or self.swapped)
 
     def add_running(self, seq: Sequence) -> None:
@@ -73,6 +94,9 @@ class Scheduler:
         queue.remove(seq)
 
     def schedule(self) -> Batch:
+        """The next step: running sequences first, then (if none was preempted) the queued
+        ones. Blocks are allocated, copied on write, swapped and cached as it decides; the
+        returned Batch says which copies the model runner must make and which tokens to compute."""
         batch = Batch()
         budget, preempted = self.schedule_running(batch, self.max_num_batched_tokens)
         if not preempted:
@@ -128,7 +152,9 @@ class Scheduler:
         return budget
 
     def schedule_seq(self, seq: Sequence, budget: int, batch: Batch) -> int:
-        """Schedule up to `budget` of the tokens `seq` still has to compute."""
+        """Schedule up to `budget` of the tokens `seq` still has to compute; returns how many.
+        Makes its last block writable (a new block, or copy-on-write into `batch.copies`) and
+        offers the blocks those tokens fill to the prefix cache."""
         n = min(len(seq) - seq.num_computed_tokens, budget)
         cow = self.bm.append_slot(seq)
         if cow:
@@ -138,6 +164,8 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        """Take `seq` off the device: swapped out (its copies into `batch.swap_out`), or, by
+        recompute or when the host pool is full, its blocks freed and its progress dropped."""
         swap_mode = self.bm.config.preemption_mode == "swap"
         if swap_mode and self.bm.can_swap_out(seq):
             self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))

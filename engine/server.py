@@ -19,6 +19,7 @@ from pathlib import Path
 from engine.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
 from engine.config import add_engine_args, config_from_args
 from engine.contract import protocol as p
+from engine.contract.ready import ready_line, ws_url
 from engine.hub import Client, Hub, Pacing, Serving, serve_in_thread
 from engine.metrics import EngineMetrics
 from engine.sequence import SamplingParams
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _say_ready(engine, host: str, port: int) -> None:
     cfg = engine.pool
-    log.info("ready: ws://%s:%d/ serving %s, %d device blocks of %d tokens, %d host blocks",
-             host, port, engine.loaded.name, cfg.num_device_blocks, cfg.block_size, cfg.num_host_blocks)
+    log.info(ready_line(ws_url(host, port), f"serving {engine.loaded.name}, {cfg.num_device_blocks} device blocks "
+                                            f"of {cfg.block_size} tokens, {cfg.num_host_blocks} host blocks"))
 
 
 def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, step_delay_ms: float = 0.0,

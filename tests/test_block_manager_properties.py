@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 
-import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings, strategies
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.contract import protocol as p
@@ -17,8 +16,8 @@ PREFIXES = [[1, 2, 3, 4] * 8, [5, 6] * 16, [7] * 32]
 
 
 class PoolMachine(RuleBasedStateMachine):
-    @initialize(block_size=st.sampled_from([1, 4, 16]), num_blocks=st.integers(4, 24),
-                num_host=st.integers(0, 12), caching=st.booleans())
+    @initialize(block_size=strategies.sampled_from([1, 4, 16]), num_blocks=strategies.integers(4, 24),
+                num_host=strategies.integers(0, 12), caching=strategies.booleans())
     def setup(self, block_size: int, num_blocks: int, num_host: int, caching: bool) -> None:
         self.d = PoolDriver(p.PoolConfig(block_size=block_size, num_device_blocks=num_blocks,
                                          num_host_blocks=num_host, enable_prefix_caching=caching))
@@ -26,46 +25,46 @@ class PoolMachine(RuleBasedStateMachine):
 
     def pick(self, data, status: SeqStatus):
         seqs = self.d.with_status(status)
-        return data.draw(st.sampled_from(seqs)) if seqs else None
+        return data.draw(strategies.sampled_from(seqs)) if seqs else None
 
-    @rule(prefix=st.sampled_from(range(len(PREFIXES))), cut=st.integers(0, 32),
-          tail=st.lists(st.integers(0, 3), max_size=20))
+    @rule(prefix=strategies.sampled_from(range(len(PREFIXES))), cut=strategies.integers(0, 32),
+          tail=strategies.lists(strategies.integers(0, 3), max_size=20))
     def add(self, prefix: int, cut: int, tail: list[int]) -> None:
         tokens = PREFIXES[prefix][:cut] + tail
         if tokens:
             self.d.admit(self.d.add(tokens))
 
-    @rule(data=st.data(), token=st.integers(0, 3))
+    @rule(data=strategies.data(), token=strategies.integers(0, 3))
     def decode(self, data, token: int) -> None:
         seq = self.pick(data, SeqStatus.RUNNING)
         if seq is not None and self.d.bm.can_append(seq):
             self.d.decode(seq, token)
 
-    @rule(data=st.data())
+    @rule(data=strategies.data())
     def admit_waiting(self, data) -> None:
         seq = self.pick(data, SeqStatus.WAITING)
         if seq is not None:
             self.d.admit(seq)
 
-    @rule(data=st.data())
+    @rule(data=strategies.data())
     def fork(self, data) -> None:
         seq = self.pick(data, SeqStatus.RUNNING)
         if seq is not None:
             self.d.fork(seq)
 
-    @rule(data=st.data(), reason=st.sampled_from(["stop", "abort"]))
+    @rule(data=strategies.data(), reason=strategies.sampled_from(["stop", "abort"]))
     def finish(self, data, reason) -> None:
         seqs = list(self.d.seqs.values())
         if seqs:
-            self.d.finish(data.draw(st.sampled_from(seqs)), reason)
+            self.d.finish(data.draw(strategies.sampled_from(seqs)), reason)
 
-    @rule(data=st.data())
+    @rule(data=strategies.data())
     def swap_out(self, data) -> None:
         seq = self.pick(data, SeqStatus.RUNNING)
         if seq is not None and self.d.bm.can_swap_out(seq):
             self.d.swap_out(seq)
 
-    @rule(data=st.data())
+    @rule(data=strategies.data())
     def swap_in(self, data) -> None:
         seq = self.pick(data, SeqStatus.SWAPPED)
         if seq is not None and self.d.bm.can_swap_in(seq):
@@ -73,7 +72,7 @@ class PoolMachine(RuleBasedStateMachine):
             mapping = self.d.swap_in(seq)
             assert [h for h, _ in mapping] == table  # logical order restored
 
-    @rule(data=st.data())
+    @rule(data=strategies.data())
     def recompute(self, data) -> None:
         seq = self.pick(data, SeqStatus.RUNNING)
         if seq is not None:

@@ -13,7 +13,7 @@ from app.kv_events_view import block_text
 from app.prefix_tree import STATE_COLORS, render
 from engine.contract.prefix_forest import UNKNOWN
 from integrations.kv_events.decode import (Cleared, FrameError, Removed, Stored, decode_batch,
-                                           decode_frames, hash_hex)
+                                           decode_frames, vllm_hash_hex)
 from integrations.kv_events.model import KVEventsState
 from integrations.kv_events.subscriber import Endpoint, KVEventsSubscriber
 from tests.waiting import free_port, wait
@@ -39,23 +39,23 @@ def test_map_and_positional_encodings_decode_to_the_same_events():
                  ["BlockRemoved", [H1], "GPU"], ["AllBlocksCleared"]]
     a, b = decode_batch(pack([2.5, as_maps, 0])), decode_batch(pack([2.5, as_arrays]))
     assert a.events == b.events == [
-        Stored([hash_hex(H1), hash_hex(H2)], hash_hex(H3), [0, 1, 2, 3], 2, "GPU"),
-        Removed([hash_hex(H1)], "GPU"), Cleared(None)]
+        Stored([vllm_hash_hex(H1), vllm_hash_hex(H2)], vllm_hash_hex(H3), [0, 1, 2, 3], 2, "GPU"),
+        Removed([vllm_hash_hex(H1)], "GPU"), Cleared(None)]
     assert a.ts == 2.5 and a.dp_rank == 0 and b.dp_rank is None and not a.unknown
 
 
 def test_old_positional_events_without_a_medium_and_a_batch_as_a_map():
     batch = decode_batch(pack({"ts": 3, "events": [["BlockStored", [H1], None, [5, 6], 2, None]],
                                "data_parallel_rank": 1}))
-    assert batch.events == [Stored([hash_hex(H1)], None, [5, 6], 2, "GPU")] and batch.dp_rank == 1
+    assert batch.events == [Stored([vllm_hash_hex(H1)], None, [5, 6], 2, "GPU")] and batch.dp_rank == 1
 
 
 def test_bytes_and_int_hashes_name_the_same_block():
     raw = bytes(range(24)) + H1.to_bytes(8, "big")  # vLLM publishes the low 64 bits as an int
-    assert hash_hex(raw) == hash_hex(H1) == "1111222233334444"
-    assert hash_hex(-1) == "ffffffffffffffff"
+    assert vllm_hash_hex(raw) == vllm_hash_hex(H1) == "1111222233334444"
+    assert vllm_hash_hex(-1) == "ffffffffffffffff"
     with pytest.raises(FrameError):
-        hash_hex(1.5)
+        vllm_hash_hex(1.5)
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1garbage", pack("text"), pack([1.0]), pack(["x", []]),
@@ -69,7 +69,7 @@ def test_unreadable_events_are_skipped_and_counted_the_rest_kept():
     batch = decode_batch(pack([1.0, [{"type": "BlockWarmed"}, 42, ["BlockStored", "nope"],
                                      stored_map([H1], size=0), stored_map([True]),
                                      stored_map([H2], tokens=["a"]), stored_map([H3])]]))
-    assert len(batch.unknown) == 6 and batch.events == [Stored([hash_hex(H3)], None, [0, 1], 2, "GPU")]
+    assert len(batch.unknown) == 6 and batch.events == [Stored([vllm_hash_hex(H3)], None, [0, 1], 2, "GPU")]
     assert "unknown event type 'BlockWarmed'" in batch.unknown[0]
 
 
@@ -88,12 +88,12 @@ def test_the_model_keeps_cached_blocks_per_medium_their_forest_and_the_counts():
                                      stored_map([H1], medium="CPU", tokens=[1, 2])])))
     assert s.per_medium() == {"GPU": 3, "CPU": 1} and s.stored == 4
     gpu = s.forests["GPU"]
-    assert [n.key for n in gpu.roots()] == [hash_hex(H1)]  # the root, and two prompts that share it
-    assert [n.key for n in gpu.kids(gpu.nodes[hash_hex(H1)])] == [hash_hex(H2), hash_hex(H3)]
-    assert gpu.nodes[hash_hex(H2)].tokens == [3, 4] and list(s.forests["CPU"].nodes) == [hash_hex(H1)]
+    assert [n.key for n in gpu.roots()] == [vllm_hash_hex(H1)]  # the root, and two prompts that share it
+    assert [n.key for n in gpu.kids(gpu.nodes[vllm_hash_hex(H1)])] == [vllm_hash_hex(H2), vllm_hash_hex(H3)]
+    assert gpu.nodes[vllm_hash_hex(H2)].tokens == [3, 4] and list(s.forests["CPU"].nodes) == [vllm_hash_hex(H1)]
     s.apply(decode_frames(frames(4, [{"type": "BlockRemoved", "block_hashes": [H1, 12345], "medium": "GPU"}])))
     assert s.missed == 2 and s.removed == 2 and s.removed_unknown == 1
-    assert [n.key for n in gpu.roots()] == [hash_hex(H2), hash_hex(H3)]  # orphans: roots
+    assert [n.key for n in gpu.roots()] == [vllm_hash_hex(H2), vllm_hash_hex(H3)]  # orphans: roots
     s.apply(decode_frames(frames(5, [["AllBlocksCleared"]])))
     assert s.per_medium() == {} and s.cleared == 1 and [pt.cached for pt in s.points] == [2, 4, 3, 0]
 
@@ -182,15 +182,15 @@ def test_a_late_subscriber_catches_up_through_replay_then_follows_the_live_strea
         pub.send(1, [stored_map([H2], parent=H1)])
         sub = KVEventsSubscriber(f"tcp://127.0.0.1:{pub.port}?topic=kv&replay=tcp://127.0.0.1:{pub.replay_port}")
         try:
-            wait(lambda: cached(sub) == {hash_hex(H1), hash_hex(H2)}, 10, "the replayed batches")
-            wait(lambda: (pub.send(2, [stored_map([H3])]), hash_hex(H3) in cached(sub))[1], 10, "a live batch")
+            wait(lambda: cached(sub) == {vllm_hash_hex(H1), vllm_hash_hex(H2)}, 10, "the replayed batches")
+            wait(lambda: (pub.send(2, [stored_map([H3])]), vllm_hash_hex(H3) in cached(sub))[1], 10, "a live batch")
             pub.send(99, [], raw=[b"kv", (100).to_bytes(8, "big"), b"\xc1 not msgpack"])
             # after every copy of H3 sent before it: one PUB-SUB connection keeps the order
             wait(lambda: sub.state.bad_frames == 1, 10, "the garbage frame to be counted")
             with sub.lock:
-                copies = sub.state.forests["GPU"].nodes[hash_hex(H3)].copies
+                copies = sub.state.forests["GPU"].nodes[vllm_hash_hex(H3)].copies
             pub.send(101, [{"type": "BlockRemoved", "block_hashes": [H3] * copies, "medium": "GPU"}])
-            wait(lambda: cached(sub) == {hash_hex(H1), hash_hex(H2)}, 10, "the thread to go on after garbage")
+            wait(lambda: cached(sub) == {vllm_hash_hex(H1), vllm_hash_hex(H2)}, 10, "the thread to go on after garbage")
             assert sub.state.unknown_events == 0 and "not msgpack" in sub.state.errors[-1]
         finally:
             sub.close()
@@ -207,7 +207,7 @@ def test_a_topic_filter_ignores_other_topics():
                 pub.send(seq, [stored_map([seq + 1])])
             pub.topic = b"kv"
             wait(lambda: (pub.send(100, [stored_map([H1])]), cached(sub))[1], 10, "a kv batch")
-            assert cached(sub) == {hash_hex(H1)} and list(sub.state.forests) == ["GPU"]
+            assert cached(sub) == {vllm_hash_hex(H1)} and list(sub.state.forests) == ["GPU"]
         finally:
             sub.close()
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import hash_hex
+from engine.contract.state import hash_hex
 from engine.contract import protocol as p
 from engine.contract.lab import LabConfig
 from engine.contract.state import PoolState

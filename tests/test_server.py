@@ -4,12 +4,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections import Counter
 
-import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings, strategies
 from websockets.exceptions import InvalidStatus
 
 from engine.contract import protocol as p
@@ -91,31 +89,30 @@ def test_a_client_that_stops_reading_is_resynchronised_while_others_stream(make_
     assert srv.backend.steps_run > start + 1000
 
 
-INVALID_COMMANDS = st.one_of(
-    st.text(max_size=50).filter(lambda s: not s.strip().startswith(("{", "[", '"')) or len(s) < 2),
-    st.binary(min_size=1, max_size=64),
-    st.one_of(st.integers(), st.lists(st.integers(), max_size=3), st.none(), st.booleans()).map(json.dumps),
-    st.fixed_dictionaries({"op": st.text(max_size=12).filter(lambda s: s not in p.COMMANDS)}).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("submit"), "prompt": st.just("x"),
-                           "max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=4097),
-                                                   st.text(max_size=3), st.floats(allow_nan=False),
-                                                   st.just(10**40))}).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("submit"), "prompt": st.just("x"),
-                           "n": st.one_of(st.integers(max_value=0), st.integers(min_value=17), st.booleans())
-                           }).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("submit"), "prompt": st.one_of(st.integers(), st.just(""), st.none())}
-                          ).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("step"), "count": st.one_of(st.integers(max_value=0),
-                                                                     st.integers(min_value=10_001))}).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("pace"), "step_delay_ms": st.one_of(
-        st.floats(max_value=-0.01), st.floats(min_value=10_000.01), st.text(max_size=4))}).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("reset"), "config": st.fixed_dictionaries({
-        "block_size": st.one_of(st.integers(max_value=0), st.integers(min_value=257),
-                                st.sampled_from([3, 12, 100]))})}).map(json.dumps),
-    st.fixed_dictionaries({"op": st.sampled_from(sorted(p.COMMANDS)),
-                           "bogus_field": st.integers()}).map(json.dumps),
-    st.fixed_dictionaries({"op": st.just("abort"), "request_id": st.one_of(st.integers(), st.none())}
-                          ).map(json.dumps),
+INT, TEXT, JUST, ONE_OF = strategies.integers, strategies.text, strategies.just, strategies.one_of
+
+
+def _command(**fields) -> strategies.SearchStrategy:
+    return strategies.fixed_dictionaries(fields).map(json.dumps)
+
+
+INVALID_COMMANDS = ONE_OF(
+    TEXT(max_size=50).filter(lambda s: not s.strip().startswith(("{", "[", '"')) or len(s) < 2),
+    strategies.binary(min_size=1, max_size=64),
+    ONE_OF(INT(), strategies.lists(INT(), max_size=3), strategies.none(), strategies.booleans()).map(json.dumps),
+    _command(op=TEXT(max_size=12).filter(lambda s: s not in p.COMMANDS)),
+    _command(op=JUST("submit"), prompt=JUST("x"),
+             max_tokens=ONE_OF(INT(max_value=0), INT(min_value=4097), TEXT(max_size=3),
+                               strategies.floats(allow_nan=False), JUST(10**40))),
+    _command(op=JUST("submit"), prompt=JUST("x"), n=ONE_OF(INT(max_value=0), INT(min_value=17), strategies.booleans())),
+    _command(op=JUST("submit"), prompt=ONE_OF(INT(), JUST(""), strategies.none())),
+    _command(op=JUST("step"), count=ONE_OF(INT(max_value=0), INT(min_value=10_001))),
+    _command(op=JUST("pace"), step_delay_ms=ONE_OF(strategies.floats(max_value=-0.01),
+                                                   strategies.floats(min_value=10_000.01), TEXT(max_size=4))),
+    _command(op=JUST("reset"), config=strategies.fixed_dictionaries({
+        "block_size": ONE_OF(INT(max_value=0), INT(min_value=257), strategies.sampled_from([3, 12, 100]))})),
+    _command(op=strategies.sampled_from(sorted(p.COMMANDS)), bogus_field=INT()),
+    _command(op=JUST("abort"), request_id=ONE_OF(INT(), strategies.none())),
 )
 
 
@@ -342,8 +339,12 @@ def test_run_until_stops_at_the_first_key_event_and_every_client_that_asked_hear
     teacher.until(lambda: teacher.state.last_event >= stop["stopped_at"])
     assert teacher.kinds["fork"] == 3 and teacher.last_event.seq >= stop["stopped_at"]
     assert len(teacher.state.seqs) == 4 and {s.status for s in teacher.state.seqs.values()} == {"running"}
-    time.sleep(0.3)  # paused there: no further step runs
     assert teacher.kinds["step"] == 1 and not teacher.kinds["cow"]
+    # paused there: the next step the engine runs is the one asked for (a step counter, not a sleep)
+    steps = srv.backend.steps_run
+    teacher.request(op="step")
+    teacher.until(lambda: teacher.kinds["step"] == 2)
+    assert srv.backend.steps_run == steps + 1 and teacher.kinds["step"] == 2
     assert v1.request(op="snapshot")["type"] == "ack"
     v1.sync(lambda m: m["type"] == "snapshot")
     assert all(r["type"] in ("ack", "error") for r in v1.replies)  # never a `loop` message

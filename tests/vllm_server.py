@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import threading
 import time
@@ -18,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.waiting import free_port
+from engine.contract.ready import ready_url
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 NO_VLLM = "no .venv-vllm here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
-READY = re.compile(r"ready: (ws://\S+)")
 BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
@@ -59,8 +58,8 @@ class VllmServer:
     def _follow(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
-            if not self.ws and (m := READY.search(line)):
-                self.ws = m.group(1)
+            if not self.ws and (url := ready_url(line)):
+                self.ws = url
 
     def _api_up(self) -> bool:
         try:

@@ -11,7 +11,13 @@ import io
 import msgspec
 from msgspec import Struct
 
+from engine.contract import counters
 from engine.contract.protocol import PoolConfig
+
+
+# the workloads `python -m engine.lab` builds by name (engine/lab/workload.py), and what each is
+PRESETS = {"mixed": "Long and short mixed", "chat": "Chat with shared system prompts",
+           "parallel": "Parallel sampling (n=4)"}
 
 
 class LabConfig(Struct, kw_only=True):
@@ -57,7 +63,7 @@ class LabRow(Struct, kw_only=True):
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
+        return counters.hit_rate(self.hit_tokens, self.looked_up_tokens)
 
 
 class LabReport(Struct, kw_only=True):

@@ -26,6 +26,7 @@ from engine.contract import protocol as p
 # A device block's state, as the views colour it (see docs/protocol.md, snapshot). RESERVED:
 # a block the allocator never hands out (`PoolConfig.reserved_blocks`), counted in no state.
 FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
+STATE_NAMES = ("free", "cached", "used", "shared", "reserved")  # by code
 TOKENS = np.uint16  # tokens per block (block_size <= 256)
 MASK64 = (1 << 64) - 1  # a block hash goes on the wire as its low 64 bits, 16 hex digits
 

@@ -14,9 +14,9 @@ copy-on-write), which is what O uses. tests/test_lab.py checks it against the re
 from __future__ import annotations
 
 from engine.contract import protocol as p
+from engine.contract.counters import EventCounts
 from engine.contract.lab import PeakGrid
-from engine.block_manager import hash_hex
-from engine.contract.state import PoolState, held_tokens, used_blocks
+from engine.contract.state import PoolState, hash_hex, held_tokens, used_blocks
 from engine.events import EventLog
 
 # events that can change what the scheduler's queued part decides (admission, swap-in)
@@ -33,8 +33,7 @@ class Meter(EventLog):
         self.held = 0                     # H: tokens computed by sequences that hold device blocks
         self.overlap = 0                  # O: tokens of shared blocks counted more than once in H
         self.entries = 0                  # block-table entries of every sequence
-        self.hit_tokens = self.looked_up = 0
-        self.preemptions = self.recomputes = self.swap_outs = self.swap_ins = self.swapped_blocks = 0
+        self.counts = EventCounts()       # hits, lookups, preemptions, swaps: the contract's fold
         self.computed = 0
         self.finished = 0
         self.steps = 0
@@ -71,7 +70,7 @@ class Meter(EventLog):
 
     def _prefix_hit(self, ev: p.PrefixHit) -> None:
         self.entries += 1
-        self.hit_tokens += self.bs
+        self.counts.count(ev, self.bs)
         if self.core.block_manager.ref_counts[ev.block_id] > 1:
             self.overlap += self.bs
 
@@ -79,7 +78,7 @@ class Meter(EventLog):
         seq = self._seq(ev.seq_id)
         self.entered.append(ev.seq_id)
         if self.caching:  # every token it holds was looked up (the rule of PoolState.prefix_lookup)
-            self.looked_up += len(seq)
+            self.counts.looked_up_tokens += len(seq)
         self.held += seq.num_computed_tokens
 
     def _fork(self, ev: p.Fork) -> None:
@@ -102,22 +101,19 @@ class Meter(EventLog):
             self.held -= seq.num_computed_tokens
 
     def _preempt(self, ev: p.Preempt) -> None:
-        self.preemptions += 1
-        self.recomputes += ev.mode == "recompute"
+        self.counts.count(ev, self.bs)
 
     def _swap_out(self, ev: p.SwapOut) -> None:
         seq, refs = self._seq(ev.seq_id), self.core.block_manager.ref_counts
-        self.swap_outs += 1
-        self.swapped_blocks += len(ev.mapping)
+        self.counts.count(ev, self.bs)
         self.entries -= len(ev.mapping)
         self.held -= seq.num_computed_tokens
         self.overlap -= sum(held_tokens(seq.num_computed_tokens, i, self.bs)
                             for i, (d, _) in enumerate(ev.mapping) if refs[d])
 
     def _swap_in(self, ev: p.SwapIn) -> None:
-        self.swap_ins += 1
+        self.counts.count(ev, self.bs)
         self.entered.append(ev.seq_id)
-        self.swapped_blocks += len(ev.mapping)
         self.entries += len(ev.mapping)
         self.held += self._seq(ev.seq_id).num_computed_tokens
 
@@ -177,8 +173,8 @@ class Meter(EventLog):
             seqs=[p.SeqInfo(seq_id=str(i), request_id=str(i), status="running", block_table=table, host_table=[],
                             num_tokens=computed, prompt_tokens=0, output_tokens=0)
                   for i, (table, computed) in enumerate(seqs)])
-        st = PoolState.from_snapshot(snap)
-        return PeakGrid(step=step, states=st.block_states().tolist(), tokens=st.block_tokens()[0].tolist())
+        state = PoolState.from_snapshot(snap)
+        return PeakGrid(step=step, states=state.block_states().tolist(), tokens=state.block_tokens()[0].tolist())
 
 
 _HANDLERS = {

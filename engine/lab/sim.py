@@ -105,9 +105,7 @@ class Lab(EngineCore):
         return LabRow(
             config=self.config, steps=m.steps, peak_used=m.peak_used, mean_used=m.sum_used / steps,
             slot_util=m.sum_held / (m.sum_used * self.block_manager.block_size) if m.sum_used else 1.0,
-            hit_tokens=m.hit_tokens, looked_up_tokens=m.looked_up, preemptions=m.preemptions,
-            recomputes=m.recomputes, swap_outs=m.swap_outs, swap_ins=m.swap_ins,
-            swapped_blocks=m.swapped_blocks, computed_tokens=m.computed, peak_entries=m.peak_entries,
+            **m.counts.lab_fields(), computed_tokens=m.computed, peak_entries=m.peak_entries,
             mean_entries=m.sum_entries / steps, finished=m.finished, rejected=self.rejected,
             peak=m.peak_grid())
 

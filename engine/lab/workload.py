@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.contract import protocol as p
+from engine.contract.lab import PRESETS
 from engine.contract.state import PoolState
 from engine.replay import Recording
 
@@ -171,13 +172,14 @@ def mixed(scale: int = 1, seed: int = 0) -> Workload:
                            "(prompts of 18-32 tokens, as the dashboard's scenario on SmolLM2), a round every 40 steps"])
 
 
-PRESETS = {"chat": chat, "parallel": parallel, "mixed": mixed}
+BUILDERS = {"chat": chat, "parallel": parallel, "mixed": mixed}
+assert BUILDERS.keys() == PRESETS.keys(), "a preset needs a builder here and its words in engine/contract/lab.py"
 
 
 def load(spec: str, scale: int = 1) -> Workload:
     """A preset name (chat, parallel, mixed) or the path of a recording."""
-    if spec in PRESETS:
-        return PRESETS[spec](scale)
+    if spec in BUILDERS:
+        return BUILDERS[spec](scale)
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor a recording file")

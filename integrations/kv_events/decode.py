@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engine.contract.state import hash_hex as int_hash_hex
+from engine.contract.state import hash_hex
 
 MEDIUM_GPU = "GPU"
 
@@ -24,13 +24,14 @@ class FrameError(ValueError):
     """A frame that is not a KV-event batch (the message says why)."""
 
 
-def hash_hex(h: Any) -> str:
-    """A block hash as 16 hex digits: the low 64 bits, which is what vLLM publishes as an int
+def vllm_hash_hex(h: Any) -> str:
+    """A block hash in any form vLLM publishes it, as 16 hex digits (ints through the contract's
+    `hash_hex`): the low 64 bits, which is what vLLM publishes as an int
     by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), so raw bytes and ints read the same."""
     if isinstance(h, bool):
         raise FrameError(f"a block hash cannot be {h!r}")
     if isinstance(h, int):
-        return int_hash_hex(h)
+        return hash_hex(h)
     if isinstance(h, (bytes, bytearray, memoryview)):
         return f"{int.from_bytes(bytes(h)[-8:], 'big'):016x}"
     if isinstance(h, str) and h:
@@ -96,13 +97,13 @@ def _event(raw: Any) -> KVEvent:
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise FrameError("BlockStored token_ids must be a list of ints")
         parent = m.get("parent_block_hash")
-        return Stored([hash_hex(h) for h in hashes], None if parent is None else hash_hex(parent),
+        return Stored([vllm_hash_hex(h) for h in hashes], None if parent is None else vllm_hash_hex(parent),
                       tokens, size, m.get("medium") or MEDIUM_GPU)
     if kind == "BlockRemoved":
         m = _as_map(raw, _REMOVED_FIELDS)
         if not isinstance(m.get("block_hashes"), list):
             raise FrameError("BlockRemoved needs block_hashes (a list)")
-        return Removed([hash_hex(h) for h in m["block_hashes"]], m.get("medium") or MEDIUM_GPU)
+        return Removed([vllm_hash_hex(h) for h in m["block_hashes"]], m.get("medium") or MEDIUM_GPU)
     if kind == "AllBlocksCleared":
         medium = raw.get("medium") if isinstance(raw, dict) else (raw[1] if len(raw) > 1 else None)
         return Cleared(medium if isinstance(medium, str) else None)

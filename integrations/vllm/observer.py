@@ -34,7 +34,7 @@ from engine.contract import protocol as p
 from engine.contract.state import PoolState, SeqState, hash_columns
 from engine.events import EventLog
 from vllm.v1.request import RequestStatus
-from integrations.kv_events.decode import hash_hex
+from integrations.kv_events.decode import vllm_hash_hex
 
 log = logging.getLogger("kvscope")
 NULL_BLOCK = 0  # vLLM's BlockPool pops block 0 as a placeholder that is never handed out
@@ -47,7 +47,7 @@ class UnsupportedEngine(RuntimeError):
 
 def _block_hash(key: bytes) -> str:
     """vLLM keys a cached block by hash bytes + a 4-byte group id; the hash alone is published."""
-    return hash_hex(key[:-4])
+    return vllm_hash_hex(key[:-4])
 
 
 def _finish_reason(request) -> p.FinishReason:

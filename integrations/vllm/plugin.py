@@ -37,6 +37,7 @@ def attach(scheduler) -> None:
     """Observe `scheduler` and serve it; any failure is logged and leaves vLLM as it was."""
     from engine.cli import refuse_open_bind
     from engine.hub import Hub, serve_in_thread
+    from engine.contract.ready import ready_line
     from integrations.vllm.backend import VllmBackend
 
     host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(ENV_TOKEN) or None
@@ -66,5 +67,5 @@ def attach(scheduler) -> None:
 
     scheduler.shutdown = shutdown
     cfg = backend.config
-    print(f"[kvscope] ready: {serving.url} observing vLLM's pool of {cfg.num_device_blocks} blocks "
-          f"of {cfg.block_size} tokens ({backend.info.model})", file=sys.stderr, flush=True)
+    print("[kvscope] " + ready_line(serving.url, f"observing vLLM's pool of {cfg.num_device_blocks} blocks "
+                                    f"of {cfg.block_size} tokens ({backend.info.model})"), file=sys.stderr, flush=True)

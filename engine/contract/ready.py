@@ -1,0 +1,23 @@
+"""The line an engine server (engine.server, engine.replay, bench.synthetic, the vLLM plugin)
+prints once it listens, and the one reader of its address: the dashboard's launcher, the
+tests and the benches wait for it."""
+from __future__ import annotations
+
+import re
+
+_READY = re.compile(r"ready: (ws://\S+)")
+
+
+def ready_line(url: str, what: str) -> str:
+    """`ready: ws://host:port/ <what it serves>`."""
+    return f"ready: {url} {what}"
+
+
+def ws_url(host: str, port: int) -> str:
+    return f"ws://{host}:{port}/"
+
+
+def ready_url(line: str) -> str | None:
+    """The address in a ready line, or None for any other line."""
+    m = _READY.search(line)
+    return m.group(1) if m else None
