@@ -42,6 +42,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(n))          # never hashed: reused first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder, LRU first
         self.host_free: deque[int] = deque(range(config.num_host_blocks))
+        self.host_ref_counts = [0] * config.num_host_blocks  # sequences holding each host block
         self.watermark_blocks = int(self.watermark * n)
 
     def reset(self, config: p.PoolConfig) -> None:
@@ -80,11 +81,12 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         return self.num_allocatable_blocks >= self.slot_needs_block(seq)
 
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.host_free) >= len(seq.block_table)
+    def can_swap_out(self, group: list[Sequence]) -> bool:
+        """Whether the host pool can take `group`'s blocks, a block they share counted once."""
+        return len(self.host_free) >= self._distinct(group, "block_table")
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        return self.num_allocatable_blocks - len(seq.host_table) >= self.watermark_blocks
+    def can_swap_in(self, group: list[Sequence]) -> bool:
+        return self.num_allocatable_blocks - self._distinct(group, "host_table") >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -221,31 +223,58 @@ class BlockManager:
             b = table.pop()
             self._release(b)
             self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.ref_counts[b]))
-        self.host_free.extend(seq.host_table)
+        for h in seq.host_table:
+            self._release_host(h)
         seq.host_table = []
         seq.num_registered_blocks = 0
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq` to the host pool; returns (device, host) pairs to copy, in logical order."""
-        if not self.can_swap_out(seq):
-            raise NoFreeBlocks(f"the host pool cannot hold {seq.seq_id}'s {len(seq.block_table)} blocks")
-        mapping = [(b, self.host_free.popleft()) for b in seq.block_table]
-        for b in reversed(seq.block_table):
-            self._release(b)
-        seq.host_table = [h for _, h in mapping]
-        seq.block_table = []
-        seq.num_registered_blocks = 0
-        self.log.emit(p.SwapOut(seq_id=seq.seq_id, mapping=mapping))
+    def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Move `group` (sequences swapped together: a fork group) to the host pool, each
+        device block once: a block they share gets one host block, shared as it was. Returns
+        the (device, host) pairs to copy."""
+        if not self.can_swap_out(group):
+            raise NoFreeBlocks(f"the host pool cannot hold the {self._distinct(group, 'block_table')} "
+                               f"blocks of {', '.join(s.seq_id for s in group)}")
+        to_host = {b: self.host_free.popleft() for b in self._distinct_blocks(group, "block_table")}
+        for seq in group:
+            for b in reversed(seq.block_table):
+                self._release(b)
+                self.host_ref_counts[to_host[b]] += 1
+            seq.host_table = [to_host[b] for b in seq.block_table]
+            seq.block_table = []
+            seq.num_registered_blocks = 0
+        mapping = list(to_host.items())
+        self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group)))
         return mapping
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring `seq` back to fresh device blocks; returns (host, device) pairs to copy."""
-        mapping = [(h, self._take_free()) for h in seq.host_table]
-        self.host_free.extend(seq.host_table)
-        seq.block_table = [d for _, d in mapping]
-        seq.host_table = []
-        self.log.emit(p.SwapIn(seq_id=seq.seq_id, mapping=mapping))
+    def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring `group` back to fresh device blocks, a host block they share to one device
+        block they share; returns the (host, device) pairs to copy."""
+        to_device = {h: self._take_free() for h in self._distinct_blocks(group, "host_table")}
+        for d in to_device.values():
+            self.ref_counts[d] = 0
+        for seq in group:
+            for h in seq.host_table:
+                self.ref_counts[to_device[h]] += 1
+                self._release_host(h)
+            seq.block_table = [to_device[h] for h in seq.host_table]
+            seq.host_table = []
+        mapping = list(to_device.items())
+        self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group)))
         return mapping
+
+    def _release_host(self, h: int) -> None:
+        self.host_ref_counts[h] -= 1
+        if not self.host_ref_counts[h]:
+            self.host_free.append(h)
+
+    @staticmethod
+    def _distinct_blocks(group: list[Sequence], table: str) -> list[int]:
+        """The blocks of the group's tables, each once, in the order the tables first name it."""
+        return list(dict.fromkeys(b for seq in group for b in getattr(seq, table)))
+
+    def _distinct(self, group: list[Sequence], table: str) -> int:
+        return len(self._distinct_blocks(group, table))
 
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
@@ -259,6 +288,11 @@ class BlockManager:
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
         return self.capture(seqs).state()
+
+
+def _ids(group: list[Sequence]) -> list[str]:
+    """The wire's `seq_ids`: left empty for a sequence swapped alone."""
+    return [s.seq_id for s in group] if len(group) > 1 else []
 
 
 @dataclass

@@ -59,19 +59,34 @@ class PoolMachine(RuleBasedStateMachine):
         if seqs:
             self.d.finish(data.draw(st.sampled_from(seqs)), reason)
 
+    def group(self, data, status: SeqStatus):
+        """A sequence of `status` alone, or with some or all of its request's others (forks)."""
+        seq = self.pick(data, status)
+        if seq is None:
+            return []
+        family = self.d.family(seq, status)
+        return data.draw(st.sampled_from([[seq], family, family[:2]]))
+
     @rule(data=st.data())
     def swap_out(self, data) -> None:
-        seq = self.pick(data, SeqStatus.RUNNING)
-        if seq is not None and self.d.bm.can_swap_out(seq):
-            self.d.swap_out(seq)
+        group = self.group(data, SeqStatus.RUNNING)
+        if group and self.d.bm.can_swap_out(group):
+            tables = [list(s.block_table) for s in group]
+            distinct = list(dict.fromkeys(b for t in tables for b in t))
+            mapping = self.d.swap_out(group)
+            assert [d for d, _ in mapping] == distinct  # a shared block copied once
+            to_host = dict(mapping)
+            assert [s.host_table for s in group] == [[to_host[b] for b in t] for t in tables]
 
     @rule(data=st.data())
     def swap_in(self, data) -> None:
-        seq = self.pick(data, SeqStatus.SWAPPED)
-        if seq is not None and self.d.bm.can_swap_in(seq):
-            table = list(seq.host_table)
-            mapping = self.d.swap_in(seq)
-            assert [h for h, _ in mapping] == table  # logical order restored
+        group = self.group(data, SeqStatus.SWAPPED)
+        if group and self.d.bm.can_swap_in(group):
+            tables = [list(s.host_table) for s in group]
+            mapping = self.d.swap_in(group)
+            to_device = dict(mapping)
+            assert [h for h, _ in mapping] == list(dict.fromkeys(h for t in tables for h in t))
+            assert [s.block_table for s in group] == [[to_device[h] for h in t] for t in tables]
 
     @rule(data=st.data())
     def recompute(self, data) -> None:
@@ -94,6 +109,8 @@ class PoolMachine(RuleBasedStateMachine):
         free, cached, used, *_ = self.replayed.counts()
         assert free + cached + used == self.d.bm.config.num_device_blocks
         assert free + cached == self.d.bm.num_allocatable_blocks
+        assert self.replayed.host_ref_counts.tolist() == self.d.bm.host_ref_counts
+        assert len(self.d.bm.host_free) == self.d.bm.host_ref_counts.count(0)
 
 
 TestPoolMachine = PoolMachine.TestCase
@@ -109,5 +126,6 @@ def test_random_trace_of_100k_operations_replays_to_the_snapshot():
     d.drain()
     kinds = {ev.__struct_config__.tag for ev in d.events}
     assert {"prefix_hit", "cached", "evict", "cow", "swap_out", "swap_in", "fork"} <= kinds
+    assert any(len(ev.group) > 1 for ev in d.events if isinstance(ev, p.SwapOut))  # forks swapped together
     assert d.replay().snapshot() == d.snapshot()
     assert [ev.seq for ev in d.events] == list(range(1, len(d.events) + 1))

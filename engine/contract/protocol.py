@@ -132,12 +132,27 @@ class Preempt(Event, tag="preempt"):
 
 class SwapOut(Event, tag="swap_out"):
     seq_id: str
-    mapping: list[tuple[int, int]]  # [device_block, host_block] in logical order
+    # [device_block, host_block]: every device block of the swapped sequences' tables once, in
+    # the order the tables (in `group` order, each in logical order) first name it
+    mapping: list[tuple[int, int]]
+    seq_ids: list[str] = []  # addition: the sequences swapped together (a fork group), `seq_id` first
+
+    @property
+    def group(self) -> list[str]:
+        """Every sequence this swap moves (an event without `seq_ids` moves `seq_id` alone)."""
+        return self.seq_ids or [self.seq_id]
 
 
 class SwapIn(Event, tag="swap_in"):
     seq_id: str
-    mapping: list[tuple[int, int]]  # [host_block, device_block] in logical order
+    # [host_block, device_block]: every host block of the sequences' host tables once, in the
+    # order the tables first name it
+    mapping: list[tuple[int, int]]
+    seq_ids: list[str] = []  # addition: as in `swap_out`
+
+    @property
+    def group(self) -> list[str]:
+        return self.seq_ids or [self.seq_id]
 
 
 class Append(Event, tag="append"):
@@ -188,8 +203,9 @@ class DeviceBlock(Struct):
 
 class HostBlock(Struct):
     id: int
-    seq_id: str | None
+    seq_id: str | None  # a holder (the first in `seqs` order); null when free
     num_tokens: int
+    ref_count: int = 0  # addition: the sequences holding it (a fork group swapped together shares it)
 
 
 class SeqInfo(Struct, kw_only=True):
