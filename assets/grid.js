@@ -18,6 +18,8 @@ function columnsDev(buf) {
 const owner = (c, i) => c.u32[4 * i], hash = (c, i) => c.u32[4 * i + 1], ref = (c, i) => c.u16[8 * i + 4],
   tokens = (c, i) => c.u16[8 * i + 5], state = (c, i) => c.u8[16 * i + 12], touch = (c, i) => c.u8[16 * i + 13];
 const hOwner = (c, i) => c.u32[2 * i], hTokens = (c, i) => c.u16[4 * i + 2], hTouch = (c, i) => c.u8[8 * i + 6];
+const hRef = (c, i) => c.u8[8 * i + 7];  // sequences holding a host block (a fork group swapped together shares it)
+const hState = (c, i) => (hRef(c, i) > 1 ? 3 : hRef(c, i) ? 2 : 0);  // free, used or shared, as on the device
 
 async function inflate(bytes) {
   const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
@@ -97,9 +99,10 @@ function devRGB(s, i, pal) {
   return q ? pal.seq[q[1]] : pal.used;
 }
 function hostRGB(s, i, pal) {
-  const o = hOwner(s.host, i);
-  if (!o) return pal.free;
-  const q = s.seqs.get(o);
+  const stt = hState(s.host, i);
+  if (!stt) return pal.free;
+  if (stt === 3) return pal.shared;
+  const q = s.seqs.get(hOwner(s.host, i));
   return s.mode === "state" || !q ? pal.used : pal.seq[q[1]];
 }
 
@@ -179,7 +182,7 @@ function paintCells(canvas, ctx, s, g, host) {
 
 function cell(ctx, s, pal, x, y, c, i, host) {
   const gap = c >= 10 ? 2 : c >= 5 ? 1 : 0, z = c - gap, sty = s.style, bs = s.data.bs;
-  const stt = host ? (hOwner(s.host, i) ? 2 : 0) : state(s.dev, i);
+  const stt = host ? hState(s.host, i) : state(s.dev, i);
   if (stt === 0) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, z, z); }
   else if (stt === 4) {  // reserved: dark, crossed out
     ctx.fillStyle = sty.reserved; ctx.fillRect(x, y, z, z);
@@ -209,7 +212,7 @@ function cell(ctx, s, pal, x, y, c, i, host) {
       if (z >= 14) {
         ctx.font = `bold ${Math.round(z * 0.45)}px system-ui, sans-serif`;
         ctx.textAlign = "center"; ctx.textBaseline = "middle";
-        ctx.fillText(`×${ref(s.dev, i)}`, x + z / 2, y + z / 2 + 1);
+        ctx.fillText(`×${host ? hRef(s.host, i) : ref(s.dev, i)}`, x + z / 2, y + z / 2 + 1);
       } else if (z >= 4) {
         const t = Math.max(2, Math.round(z * 0.5));
         ctx.beginPath(); ctx.moveTo(x + z - t, y); ctx.lineTo(x + z, y); ctx.lineTo(x + z, y + t); ctx.fill();
@@ -467,8 +470,10 @@ function deviceTip(s, i) {
 }
 
 function hostTip(s, i) {
-  const o = hOwner(s.host, i), q = o ? s.seqs.get(o) : null;
-  const lines = [`<b>Host block ${fmt(i)}</b> · ${o ? "holds a swapped-out block" : "free"}`];
+  const o = hOwner(s.host, i), q = o ? s.seqs.get(o) : null, n = hRef(s.host, i);
+  const lines = [`<b>Host block ${fmt(i)}</b> · ${n > 1 ? `ref count ${n}: one copy shared by ${n} swapped-out sequences`
+    : n ? "holds a swapped-out block" : "free"}`];
+  if (n > 1) lines.push(`${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
   if (q) lines.push(`of ${swatch(s, q[1])}${esc(q[0])} · ${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
   const t = hTouch(s.host, i);
   if (t) lines.push(`${s.style.touchLabels[t - 1]} in step ${s.data.step}`);

@@ -43,6 +43,10 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder, LRU first
         self.host_free: deque[int] = deque(range(config.num_host_blocks))
         self.host_ref_counts = [0] * config.num_host_blocks  # sequences holding each host block
+        # a device block and a host block holding the same K/V while both are held (a swap copied
+        # one to the other and some holders stayed behind): the next swap of a holder shares it
+        self.host_copy: dict[int, int] = {}    # device -> host
+        self.device_copy: dict[int, int] = {}  # host -> device
         self.watermark_blocks = int(self.watermark * n)
 
     def reset(self, config: p.PoolConfig) -> None:
@@ -82,11 +86,14 @@ class BlockManager:
         return self.num_allocatable_blocks >= self.slot_needs_block(seq)
 
     def can_swap_out(self, group: list[Sequence]) -> bool:
-        """Whether the host pool can take `group`'s blocks, a block they share counted once."""
-        return len(self.host_free) >= self._distinct(group, "block_table")
+        """Whether the host pool can take `group`'s blocks: a block they share counted once, one
+        with a host copy already not at all."""
+        need = sum(b not in self.host_copy for b in self._distinct_blocks(group, "block_table"))
+        return len(self.host_free) >= need
 
     def can_swap_in(self, group: list[Sequence]) -> bool:
-        return self.num_allocatable_blocks - self._distinct(group, "host_table") >= self.watermark_blocks
+        need = sum(h not in self.device_copy for h in self._distinct_blocks(group, "host_table"))
+        return self.num_allocatable_blocks - need >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -158,6 +165,7 @@ class BlockManager:
     def _release(self, b: int) -> None:
         self.ref_counts[b] -= 1
         if not self.ref_counts[b]:
+            self._unpair_device(b)
             if self.hashes[b] is None:
                 self.free_ids.append(b)
             else:
@@ -198,6 +206,7 @@ class BlockManager:
         i = (n - 1) // self.block_size
         src = table[i]
         if self.ref_counts[src] == 1:
+            self._unpair_device(src)  # written in place: a host copy of it would be stale
             return None
         dst = self._take_free()
         self.ref_counts[src] -= 1
@@ -230,12 +239,14 @@ class BlockManager:
 
     def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Move `group` (sequences swapped together: a fork group) to the host pool, each
-        device block once: a block they share gets one host block, shared as it was. Returns
-        the (device, host) pairs to copy."""
+        device block once: a block they share gets one host block, shared as it was, and a block
+        whose host copy an earlier swap left (a sibling swapped before) joins that copy.
+        Returns the (device, host) pairs to copy."""
         if not self.can_swap_out(group):
-            raise NoFreeBlocks(f"the host pool cannot hold the {self._distinct(group, 'block_table')} "
-                               f"blocks of {', '.join(s.seq_id for s in group)}")
-        to_host = {b: self.host_free.popleft() for b in self._distinct_blocks(group, "block_table")}
+            raise NoFreeBlocks(f"the host pool cannot hold the blocks of {', '.join(s.seq_id for s in group)}")
+        distinct = self._distinct_blocks(group, "block_table")
+        copied = {b: self.host_free.popleft() for b in distinct if b not in self.host_copy}
+        to_host = {b: copied.get(b, self.host_copy.get(b)) for b in distinct}
         for seq in group:
             for b in reversed(seq.block_table):
                 self._release(b)
@@ -243,38 +254,56 @@ class BlockManager:
             seq.host_table = [to_host[b] for b in seq.block_table]
             seq.block_table = []
             seq.num_registered_blocks = 0
-        mapping = list(to_host.items())
-        self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group)))
+        for b, h in copied.items():
+            if self.ref_counts[b]:  # still held on the device: the next sibling to leave joins h
+                self._pair(b, h)
+        mapping = list(copied.items())
+        self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
+                                shared=[(b, h) for b, h in to_host.items() if b not in copied]))
         return mapping
 
     def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Bring `group` back to fresh device blocks, a host block they share to one device
-        block they share; returns the (host, device) pairs to copy."""
-        to_device = {h: self._take_free() for h in self._distinct_blocks(group, "host_table")}
-        for d in to_device.values():
+        block they share, and a host block whose device copy is still held to that block.
+        Returns the (host, device) pairs to copy."""
+        distinct = self._distinct_blocks(group, "host_table")
+        copied = {h: self._take_free() for h in distinct if h not in self.device_copy}
+        for d in copied.values():
             self.ref_counts[d] = 0
+        to_device = {h: copied.get(h, self.device_copy.get(h)) for h in distinct}
         for seq in group:
+            seq.block_table = [to_device[h] for h in seq.host_table]
             for h in seq.host_table:
                 self.ref_counts[to_device[h]] += 1
                 self._release_host(h)
-            seq.block_table = [to_device[h] for h in seq.host_table]
             seq.host_table = []
-        mapping = list(to_device.items())
-        self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group)))
+        for h, d in copied.items():
+            if self.host_ref_counts[h]:  # still held on the host: a sibling coming back later joins d
+                self._pair(d, h)
+        mapping = list(copied.items())
+        self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
+                               shared=[(h, d) for h, d in to_device.items() if h not in copied]))
         return mapping
+
+    def _pair(self, d: int, h: int) -> None:
+        """Device block d and host block h hold the same K/V (for as long as both are held)."""
+        self.host_copy[d], self.device_copy[h] = h, d
+
+    def _unpair_device(self, d: int) -> None:
+        if (h := self.host_copy.pop(d, None)) is not None:
+            del self.device_copy[h]
 
     def _release_host(self, h: int) -> None:
         self.host_ref_counts[h] -= 1
         if not self.host_ref_counts[h]:
             self.host_free.append(h)
+            if (d := self.device_copy.pop(h, None)) is not None:
+                del self.host_copy[d]
 
     @staticmethod
     def _distinct_blocks(group: list[Sequence], table: str) -> list[int]:
         """The blocks of the group's tables, each once, in the order the tables first name it."""
         return list(dict.fromkeys(b for seq in group for b in getattr(seq, table)))
-
-    def _distinct(self, group: list[Sequence], table: str) -> int:
-        return len(self._distinct_blocks(group, table))
 
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:

@@ -73,9 +73,11 @@ class PoolMachine(RuleBasedStateMachine):
         if group and self.d.bm.can_swap_out(group):
             tables = [list(s.block_table) for s in group]
             distinct = list(dict.fromkeys(b for t in tables for b in t))
-            mapping = self.d.swap_out(group)
-            assert [d for d, _ in mapping] == distinct  # a shared block copied once
-            to_host = dict(mapping)
+            self.d.swap_out(group)
+            ev = self.d.log.pending[-1]
+            pairs = ev.mapping + ev.shared
+            assert sorted(d for d, _ in pairs) == sorted(distinct)  # a shared block once
+            to_host = dict(pairs)
             assert [s.host_table for s in group] == [[to_host[b] for b in t] for t in tables]
 
     @rule(data=st.data())
@@ -83,9 +85,11 @@ class PoolMachine(RuleBasedStateMachine):
         group = self.group(data, SeqStatus.SWAPPED)
         if group and self.d.bm.can_swap_in(group):
             tables = [list(s.host_table) for s in group]
-            mapping = self.d.swap_in(group)
-            to_device = dict(mapping)
-            assert [h for h, _ in mapping] == list(dict.fromkeys(h for t in tables for h in t))
+            self.d.swap_in(group)
+            ev = self.d.log.pending[-1]
+            pairs = ev.mapping + ev.shared
+            to_device = dict(pairs)
+            assert sorted(h for h, _ in pairs) == sorted(set(h for t in tables for h in t))
             assert [s.block_table for s in group] == [[to_device[h] for h in t] for t in tables]
 
     @rule(data=st.data())
@@ -126,6 +130,9 @@ def test_random_trace_of_100k_operations_replays_to_the_snapshot():
     d.drain()
     kinds = {ev.__struct_config__.tag for ev in d.events}
     assert {"prefix_hit", "cached", "evict", "cow", "swap_out", "swap_in", "fork"} <= kinds
-    assert any(len(ev.group) > 1 for ev in d.events if isinstance(ev, p.SwapOut))  # forks swapped together
+    swaps = [ev for ev in d.events if isinstance(ev, (p.SwapOut, p.SwapIn))]
+    assert any(len(ev.group) > 1 for ev in swaps)  # forks swapped together
+    assert any(ev.shared for ev in swaps if isinstance(ev, p.SwapOut))  # joining a sibling's host copy
+    assert any(ev.shared for ev in swaps if isinstance(ev, p.SwapIn))   # ... and its device copy
     assert d.replay().snapshot() == d.snapshot()
     assert [ev.seq for ev in d.events] == list(range(1, len(d.events) + 1))

@@ -132,10 +132,13 @@ class Preempt(Event, tag="preempt"):
 
 class SwapOut(Event, tag="swap_out"):
     seq_id: str
-    # [device_block, host_block]: every device block of the swapped sequences' tables once, in
-    # the order the tables (in `group` order, each in logical order) first name it
+    # [device_block, host_block] copied: with `shared`, every device block of the swapped
+    # sequences' tables once, in the order the tables (in `group` order) first name it
     mapping: list[tuple[int, int]]
     seq_ids: list[str] = []  # addition: the sequences swapped together (a fork group), `seq_id` first
+    # addition: [device_block, host_block] for a block whose copy an earlier swap of a sequence
+    # sharing it left on the host, still held there: nothing is copied, the host block gains holders
+    shared: list[tuple[int, int]] = []
 
     @property
     def group(self) -> list[str]:
@@ -145,10 +148,13 @@ class SwapOut(Event, tag="swap_out"):
 
 class SwapIn(Event, tag="swap_in"):
     seq_id: str
-    # [host_block, device_block]: every host block of the sequences' host tables once, in the
-    # order the tables first name it
+    # [host_block, device_block] copied: with `shared`, every host block of the sequences'
+    # host tables once, in the order the tables first name it
     mapping: list[tuple[int, int]]
     seq_ids: list[str] = []  # addition: as in `swap_out`
+    # addition: [host_block, device_block] for a host block whose device copy is still held
+    # (a sequence sharing it stayed, or came back earlier): nothing is copied, the device block gains holders
+    shared: list[tuple[int, int]] = []
 
     @property
     def group(self) -> list[str]:

@@ -487,27 +487,28 @@ class PoolState:
             self._settle(b, held_tokens(before, i, bs), i)
 
     def _group(self, ids: list[str], table: str, pairs: list[tuple[int, int]]) -> list[SeqState]:
-        """The sequences a swap moves, after checking that `pairs` name each block of their
-        `table`s once, in the order the tables first name it."""
+        """The sequences a swap moves, after checking that `pairs` (copied and shared) name each
+        block of their `table`s once, and no target twice."""
         if len(set(ids)) != len(ids):
             raise InvariantError(f"seq_ids {ids} name a sequence twice")
         group = [self._seq(i) for i in ids]
         firsts = list(dict.fromkeys(b for s in group for b in getattr(s, table)))
-        if [a for a, _ in pairs] != firsts:
-            raise InvariantError(f"mapping {pairs} does not name each block of {', '.join(ids)}'s "
-                                 f"{table.replace('_', ' ')}s {firsts} once, in order")
+        if sorted(a for a, _ in pairs) != sorted(firsts):
+            raise InvariantError(f"mapping and shared {pairs} do not name each block of {', '.join(ids)}'s "
+                                 f"{table.replace('_', ' ')}s {firsts} once")
         targets = [t for _, t in pairs]
         if len(set(targets)) != len(targets):
-            raise InvariantError(f"mapping {pairs} names a target block twice")
+            raise InvariantError(f"mapping and shared {pairs} name a target block twice")
         return group
 
     def _swap_out(self, ev: p.SwapOut) -> None:
-        group = self._group(ev.group, "block_table", ev.mapping)
-        for _, h in ev.mapping:
-            self._check_host(h)
-            if self.host_ref_counts[h]:
-                raise InvariantError(f"host block {h} is already held")
-        to_host, bs = dict(ev.mapping), self.config.block_size
+        group = self._group(ev.group, "block_table", ev.mapping + ev.shared)
+        for pairs, held in ((ev.mapping, False), (ev.shared, True)):
+            for _, h in pairs:
+                self._check_host(h)
+                if bool(self.host_ref_counts[h]) != held:
+                    raise InvariantError(f"host block {h} is {'not ' if held else 'already '}held")
+        to_host, bs = dict(ev.mapping + ev.shared), self.config.block_size
         for s in group:
             table, s.block_table = s.block_table, []  # out of the tables before `_leave` looks at them
             for i, d in enumerate(table):
@@ -519,15 +520,18 @@ class PoolState:
             s.host_table = [to_host[d] for d in table]
 
     def _swap_in(self, ev: p.SwapIn) -> None:
-        group = self._group(ev.group, "host_table", ev.mapping)
-        to_device, bs, taken = dict(ev.mapping), self.config.block_size, set()
+        group = self._group(ev.group, "host_table", ev.mapping + ev.shared)
+        for _, d in ev.shared:
+            self._check_block(d)
+            if not self.ref_counts[d]:
+                raise InvariantError(f"block {d} is shared by a swap in, but no sequence holds it")
+        to_device, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        taken = {d for _, d in ev.shared}
         for s in group:
             table, s.host_table = s.host_table, []
             for i, h in enumerate(table):
                 d = to_device[h]
-                if self.host_ref_counts[h] == 0:
-                    raise InvariantError(f"host block {h} is not held")
-                if d in taken:  # a block the group shares comes back shared
+                if d in taken:  # a block the group shares, or one a sibling still holds, is joined
                     self._join(d, s)
                     self.tokens[d] = max(self.tokens[d], held_tokens(s.num_tokens, i, bs))
                 else:
