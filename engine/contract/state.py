@@ -494,7 +494,7 @@ class PoolState:
         group = [self._seq(i) for i in ids]
         firsts = list(dict.fromkeys(b for s in group for b in getattr(s, table)))
         if sorted(a for a, _ in pairs) != sorted(firsts):
-            raise InvariantError(f"mapping and shared {pairs} do not cover {', '.join(ids)}'s "
+            raise InvariantError(f"mapping and shared {pairs}: does not cover {', '.join(ids)}'s "
                                  f"{table.replace('_', ' ')}s {firsts}, each block once")
         targets = [t for _, t in pairs]
         if len(set(targets)) != len(targets):
