@@ -112,9 +112,11 @@ def l1_interleave(at: AtStop) -> None:
 
 
 def l1_finished(at: AtStop) -> None:
-    """A sequence finished; its blocks went back to the free list: {free} of {total} free."""
-    (fin,) = at.of(p.Finish)
-    freed = [e.block_id for e in at.of(p.Free) if e.seq_id == fin.seq_id]
+    """{what} (the sequences that finished); their blocks went back to the free list: {free} of {total} free."""
+    done = [e.seq_id for e in at.of(p.Finish)]
+    assert done and all(f"{d}" in at.values["what"] for d in done)
+    freed = [e.block_id for e in at.of(p.Free) if e.seq_id in done]
+    assert sorted(freed) == sorted(at.blocks)
     assert freed and all(at.state.ref_counts[b] == 0 and not at.state.has_hash[b] for b in freed)
     assert num(at.values["free"]) == at.state.counts().free
 
@@ -161,8 +163,16 @@ def l3_generating(at: AtStop) -> None:
 
 
 def l3_short(at: AtStop) -> None:
-    """{what}: a sequence finished; still running: reserved vs paged (of those still holding blocks)."""
-    assert at.of(p.Finish)
+    """{what}: an answer ended; paging took a block only when its tokens filled the one before;
+    still running: reserved vs paged."""
+    bs = at.state.config.block_size
+    (fin,) = at.of(p.Finish)
+    added = next(e for e in at.events if isinstance(e, p.RequestAdded) and e.seq_id == fin.seq_id)
+    sampled = sum(len(e.token_ids) for e in at.events if isinstance(e, p.Append) and e.seq_id == fin.seq_id)
+    taken = [e for e in at.events if isinstance(e, p.Alloc) and e.seq_id == fin.seq_id]
+    assert len(taken) == math.ceil((added.prompt_tokens + sampled - 1) / bs)  # the tokens it filled
+    assert len({e.step for e in taken[math.ceil(added.prompt_tokens / bs):]}) == len(taken) - math.ceil(added.prompt_tokens / bs)
+    assert fin.seq_id in at.values["what"]
     reservation(at)
 
 
