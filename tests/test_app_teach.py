@@ -5,6 +5,7 @@ on a preset and on this session's requests, and the prefix tree and lifetimes pa
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,16 @@ def check_claims(observer, key: str, i: int, run) -> None:
         hit = h.event(r.at) if r.at is not None else None
     reset = max((e.seq for e in upto if isinstance(e, p.Reset)), default=0)
     CLAIMS[key, i](AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit))
+
+
+def test_captions_name_only_views_the_dashboard_has():
+    """A caption that sends the reader to a view, panel or card names one the dashboard draws."""
+    ui = "\n".join(f.read_text() for f in (Path(__file__).parent.parent / "app").glob("*.py"))
+    for key, lesson in LESSONS.items():
+        for i, stop in enumerate(lesson.stops):
+            for name, _ in re.findall(r'(?:\*\*|")([A-Z][\w ]+?)(?:\*\*|")\s+(view|panel|card|tab)\b', stop.caption):
+                assert f'"{name}"' in ui or f"<b>{name}</b>" in ui, f"{key} stop {i + 1}: no view named {name!r}"
+            assert not re.search(r"\(\w+ panel\)", stop.caption), f"{key} stop {i + 1}: {stop.caption}"
 
 
 def test_every_stop_of_every_lesson_has_its_claims_checked():
