@@ -6,7 +6,7 @@ LRU (an OrderedDict), and prefix lookups go through a dict keyed by chained bloc
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -247,10 +247,12 @@ class BlockManager:
         distinct = self._distinct_blocks(group, "block_table")
         copied = {b: self.host_free.popleft() for b in distinct if b not in self.host_copy}
         to_host = {b: copied.get(b, self.host_copy.get(b)) for b in distinct}
+        holders = Counter(b for seq in group for b in seq.block_table)
+        for b in reversed(distinct):  # tail first, so a chain's end is evicted first
+            self.ref_counts[b] -= holders[b] - 1
+            self._release(b)
+            self.host_ref_counts[to_host[b]] += holders[b]
         for seq in group:
-            for b in reversed(seq.block_table):
-                self._release(b)
-                self.host_ref_counts[to_host[b]] += 1
             seq.host_table = [to_host[b] for b in seq.block_table]
             seq.block_table = []
             seq.num_registered_blocks = 0

@@ -171,10 +171,10 @@ def _count(ev: p.Event, st: PoolState, tot: Totals) -> None:
         case p.Finish():
             tot.finished[ev.reason] += 1
         case p.SwapOut():
-            tot.swaps["out"] += 1
+            tot.swaps["out"] += len(ev.group)
             tot.swapped_blocks["out"] += len(ev.mapping)
         case p.SwapIn():
-            tot.swaps["in"] += 1
+            tot.swaps["in"] += len(ev.group)
             tot.swapped_blocks["in"] += len(ev.mapping)
         case p.Cow():
             tot.copy_on_write += 1
