@@ -1,11 +1,13 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Each step: running sequences first (a decode token, or the next chunk of a prefill), preempting
-the latest arrival when blocks run out; then, if nothing was preempted, swapped sequences come
-back; then, if none is left swapped, waiting ones are admitted first come, first served (a
-sequence preempted by recompute goes back to the front), all under `max_num_seqs` sequences
-(a request's samples count before they fork) and `max_num_batched_tokens` tokens. Admission
-stops at the first waiting sequence that does not fit, so a long prompt is never overtaken.
+the latest arrival when blocks run out (by swap, together with its request's other samples not
+yet scheduled in the step, so the blocks they share are copied once); then, if nothing was
+preempted, swapped sequences come back (a request's samples together); then, if none is left
+swapped, waiting ones are admitted first come, first served (a sequence preempted by recompute
+goes back to the front), all under `max_num_seqs` sequences (a request's samples count before
+they fork) and `max_num_batched_tokens` tokens. Admission stops at the first waiting sequence
+that does not fit, so a long prompt is never overtaken.
 """
 from __future__ import annotations
 
