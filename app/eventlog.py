@@ -35,10 +35,10 @@ def _words(ev: p.AnyEvent) -> str:
             return f"preempted ({ev.mode})"
         case p.SwapOut():
             return (f"{len(ev.mapping)} blocks swapped out to host " + ", ".join(f"{d}→H{h}" for d, h in ev.mapping[:6])
-                    + (" …" if len(ev.mapping) > 6 else ""))
+                    + (" …" if len(ev.mapping) > 6 else "") + _group(ev))
         case p.SwapIn():
             return (f"{len(ev.mapping)} blocks swapped in " + ", ".join(f"H{h}→{d}" for h, d in ev.mapping[:6])
-                    + (" …" if len(ev.mapping) > 6 else ""))
+                    + (" …" if len(ev.mapping) > 6 else "") + _group(ev))
         case p.Append():
             return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids else " (prefill chunk)")
         case p.StatusChange():
@@ -82,3 +82,11 @@ def frame(events: list[p.AnyEvent], kinds: set[str], seq: str = "", block: int |
 def styled(df: pd.DataFrame):
     """The kinds in the colours the grid outlines them with."""
     return df.style.map(lambda k: f"color: {KINDS[k].color}; font-weight: 600", subset=["kind"])
+
+
+def _group(ev: p.SwapOut | p.SwapIn) -> str:
+    """A fork group swapped together: who went with it, and the blocks shared without a copy."""
+    out = f" with {', '.join(ev.group[1:])}" if len(ev.group) > 1 else ""
+    if ev.shared:
+        out += f"; {len(ev.shared)} shared with a copy already there (" + ", ".join(f"{a}→{b}" for a, b in ev.shared[:6]) + ")"
+    return out

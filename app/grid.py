@@ -34,7 +34,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
 DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
                 ("state", "u1"), ("touch", "u1"), ("pad", "<u2")])
-HOST = np.dtype([("owner", "<u4"), ("tokens", "<u2"), ("touch", "u1"), ("pad", "u1")])
+HOST = np.dtype([("owner", "<u4"), ("tokens", "<u2"), ("touch", "u1"), ("ref", "u1")])
 MAGIC = b"KVG1"
 COMPRESS_ABOVE = 256 * 1024  # whole frames larger than this go deflated
 
@@ -103,7 +103,7 @@ _tokens = itertools.count(1)
 def build(view: View, colors: dict[str, int]) -> Frame:
     """The frame of `view`: every block's drawing, vectorised over the reducer's columns."""
     st_, cfg = view.mirror.state, view.mirror.config
-    n, m = len(st_.ref_counts), len(st_.host_owner)
+    n, m = len(st_.ref_counts), len(st_.host_ref_counts)
     ref = st_.ref_counts
     dev = np.zeros(n, DEV)
     dev["owner"] = np.where(ref == 1, st_.holder, 0)
@@ -114,7 +114,9 @@ def build(view: View, colors: dict[str, int]) -> Frame:
     dev_touch, host_touch, events = step_touches(view.step_events)
     dev["touch"] = _touch_column(n, dev_touch)
     host = np.zeros(m, HOST)
-    host["owner"] = st_.host_holder
+    host_ref = st_.host_ref_counts
+    host["owner"] = np.where(host_ref == 1, st_.host_holder, 0)  # shared: no single owner
+    host["ref"] = np.minimum(host_ref, 0xFF)
     host["tokens"] = st_.host_tokens
     host["touch"] = _touch_column(m, host_touch)
     palette = len(SEQ_COLORS)
@@ -243,7 +245,7 @@ def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | 
     if key in view.memo:
         return view.memo[key]
     st_, palette = view.mirror.state, len(SEQ_COLORS)
-    size = len(st_.host_owner) if host else len(st_.ref_counts)
+    size = len(st_.host_ref_counts) if host else len(st_.ref_counts)
     if not 0 <= block < size:
         return None
     holders = [(s.seq_id, (s.host_table if host else s.block_table).index(block))

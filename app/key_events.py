@@ -30,6 +30,18 @@ def block_ranges(blocks: list[int]) -> str:
     return ", ".join(out)
 
 
+def _who(ev: p.SwapOut | p.SwapIn) -> str:
+    return ev.seq_id if len(ev.group) == 1 else f"{', '.join(ev.group)} (samples of one request, together)"
+
+
+def _copies(ev: p.SwapOut | p.SwapIn) -> str:
+    """The copies a swap made, when sharing saved some: a shared block goes once."""
+    if len(ev.group) == 1 and not ev.shared:
+        return ""
+    return (f"; {plural(len(ev.mapping), 'block')} copied, each shared block once"
+            + (f", {len(ev.shared)} joined a copy already there" if ev.shared else ""))
+
+
 def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEvent | None:
     """The key event numbered `at` among `step_events` (the step it belongs to), explained with
     the pool `state` after that step; events of the same kind and sequence are told together."""
@@ -56,11 +68,11 @@ def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEven
             text = (f"{plural(len(same), 'cached block')} evicted ({ids}): the least recently used, "
                     "to make room for new blocks")
         case p.SwapOut():
-            text = (f"{seq_id} swapped out to the host pool: device blocks {ids} → host blocks "
-                    f"{block_ranges([h for _, h in ev.mapping])}, freed for the others")
+            text = (f"{_who(ev)} swapped out to the host pool: device blocks {ids} → host blocks "
+                    f"{block_ranges([h for _, h in ev.mapping + ev.shared])}, freed for the others{_copies(ev)}")
         case p.SwapIn():
-            text = (f"{seq_id} swapped back in: host blocks {block_ranges([h for h, _ in ev.mapping])} → "
-                    f"device blocks {ids}")
+            text = (f"{_who(ev)} swapped back in: host blocks "
+                    f"{block_ranges([h for h, _ in ev.mapping + ev.shared])} → device blocks {ids}{_copies(ev)}")
         case p.Preempt():
             why = " (the host pool is full)" if ev.reason == "host_pool_full" else ""
             cost = ("its blocks go to the host pool" if ev.mode == "swap"

@@ -29,6 +29,21 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 GIB = 1 << 30
 
 
+class Expect(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """What a stop's caption claims about the pool beyond the event it stops at: the run goes on
+    (to the next event of the stop's kinds) until every claim holds, and the tests check them."""
+    finished: list[str] = []  # requests (ids) whose every sequence has finished
+    running: list[str] = []   # requests with a sequence running (not waiting, not swapped)
+
+    def unmet(self, state) -> list[str]:
+        """The claims `state` (a PoolState) does not bear out, in words."""
+        live = [s for s in state.seqs.values()]
+        out = [f"{r} has not finished" for r in self.finished if any(s.request_id == r for s in live)]
+        out += [f"{r} is not running" for r in self.running
+                if not any(s.request_id == r and s.status == "running" for s in live)]
+        return out
+
+
 class Stop(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     caption: str                          # markdown; {placeholders} from `context`
     title: str = ""                       # a few words, for the lesson's outline
@@ -38,6 +53,7 @@ class Stop(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     steps: int = 0                        # ... or run this many steps
     max_steps: int = 2000                 # a run_until gives up after this many steps
     record: str = ""                      # keep this stop's numbers under this name, for {records}
+    expect: Expect = Expect()             # what must hold at the stop besides its event (see Expect)
 
     def __post_init__(self) -> None:
         if bool(self.until) == bool(self.steps):

@@ -32,6 +32,7 @@ class Pending:
     pause_id: int             # the stop's commands go out once the engine acknowledged the pause
     since: int | None = None  # the last event before them: steps are counted from here
     progress_at: int = 0      # the last event seen, and when, to notice an engine with nothing to run
+    after: int = 0            # a stop event the stop's `expect` did not hold at: the run went on past it
     progress_t: float = field(default_factory=time.monotonic)
 
 
@@ -114,8 +115,12 @@ class LessonRun:
         if last != pend.progress_at:
             pend.progress_at, pend.progress_t = last, now
         steps = sum(1 for _ in _steps_after(client, pend.since))
-        hit = loop.stopped_at if loop.stopped_at is not None and loop.stopped_at > pend.since else None
+        hit = loop.stopped_at if loop.stopped_at is not None and loop.stopped_at > max(pend.since, pend.after) else None
         ran_out = steps >= (stop.max_steps if stop.until else stop.steps) and loop.paused and not loop.until
+        if hit is not None and stop.until and steps < stop.max_steps and self._unmet(client, hit):
+            pend.after = hit  # not what the caption says yet: on to the next event of its kinds
+            self.sent.append(client.send(p.RunUntil(kinds=stop.until, max_steps=stop.max_steps - steps)))
+            return False
         view = client.view()
         idle = now - pend.progress_t > IDLE_GIVE_UP_S and not (view and view.mirror.state.seqs)
         if hit is None and not ran_out and not idle:
@@ -124,6 +129,8 @@ class LessonRun:
             self.notes.append(f"stop {pend.index + 1}: no {', '.join(stop.until)} "
                               + ("within its steps" if ran_out else "happened: the engine ran out of work"))
         end = client.step_edge(hit, True) if hit is not None else last
+        if unmet := self._unmet(client, end):
+            self.notes.append(f"stop {pend.index + 1}: {'; '.join(unmet)}")
         self.reached.append(Reached(hit, end))
         self.viewing = pend.index
         self.pending = None
@@ -131,6 +138,14 @@ class LessonRun:
             values, _ = self.words(client)
             self.records[stop.record] = (pend.index, recorded(values))
         return True
+
+    def _unmet(self, client, at: int) -> list[str]:
+        """What the pending stop's caption claims that the pool at the end of event `at`'s step does not show."""
+        expect = self.lesson.stops[self.pending.index].expect
+        if not (expect.finished or expect.running):
+            return []
+        view = client.view(client.step_edge(at, True))  # the loop message follows the step's events
+        return expect.unmet(view.mirror.state) if view else []
 
     # ------------------------------------------------------------------ what a stop says
     def words(self, client) -> tuple[dict[str, str], Focus]:

@@ -117,7 +117,7 @@ def _blocks(ev: p.AnyEvent) -> list[int]:
         case p.Cow():
             return [ev.src_block_id]
         case p.SwapOut():
-            return [d for d, _ in reversed(ev.mapping)]
+            return [d for d, _ in reversed(ev.mapping + ev.shared)]
     return []
 
 

@@ -41,9 +41,10 @@ class ForestBuilder:
 
     def apply(self, ev: p.AnyEvent) -> None:
         st, forest = self.state, self.forest
-        if isinstance(ev, p.SwapOut):  # released tail first, as the allocator does
+        if isinstance(ev, p.SwapOut):  # released tail first, as the allocator does (docs/protocol.md)
+            order = list(dict.fromkeys(b for s in ev.group if s in st.seqs for b in st.seqs[s].block_table))
             st.apply(ev)
-            for d, _ in reversed(ev.mapping):
+            for d in reversed(order):
                 self._hold(d)
             return
         st.apply(ev)
@@ -62,6 +63,9 @@ class ForestBuilder:
                 self._hold(ev.block_id)
             case p.Cow():
                 self._hold(ev.src_block_id)
+            case p.SwapIn():  # joined a device block a sibling still held
+                for _, d in ev.shared:
+                    self._hold(d)
             case p.Evict():
                 forest.remove(ev.hash)
             case p.Reset():

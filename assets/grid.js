@@ -11,7 +11,7 @@ function layout(st) {
   const d = st.record.dev, h = st.record.host;
   DEV = d.size; HOST = h.size;  // bytes per device / host block
   R = { owner: d.owner / 4, hash: d.hash / 4, ref: d.ref / 2, tokens: d.tokens / 2, state: d.state, touch: d.touch,
-    hOwner: h.owner / 4, hTokens: h.tokens / 2, hTouch: h.touch };  // field offsets in units of their own width
+    hOwner: h.owner / 4, hTokens: h.tokens / 2, hTouch: h.touch, hRef: h.ref };  // field offsets in units of their own width
   STATE = [];
   for (const [name, code] of Object.entries(st.states)) STATE[code] = name;
   ({ free: FREE, cached: CACHED, used: USED, shared: SHARED, reserved: RESERVED } = st.states);
@@ -32,6 +32,8 @@ const owner = (c, i) => c.u32[DEV / 4 * i + R.owner], hash = (c, i) => c.u32[DEV
   state = (c, i) => c.u8[DEV * i + R.state], touch = (c, i) => c.u8[DEV * i + R.touch];
 const hOwner = (c, i) => c.u32[HOST / 4 * i + R.hOwner], hTokens = (c, i) => c.u16[HOST / 2 * i + R.hTokens],
   hTouch = (c, i) => c.u8[HOST * i + R.hTouch];
+const hRef = (c, i) => c.u8[HOST * i + R.hRef];  // sequences holding a host block (a fork group swapped together shares it)
+const hState = (c, i) => (hRef(c, i) > 1 ? SHARED : hRef(c, i) ? USED : FREE);  // as on the device
 
 async function inflate(bytes) {
   const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
@@ -112,9 +114,10 @@ function devRGB(s, i, pal) {
   return q ? pal.seq[q[1]] : pal.used;
 }
 function hostRGB(s, i, pal) {
-  const o = hOwner(s.host, i);
-  if (!o) return pal.free;
-  const q = s.seqs.get(o);
+  const stt = hState(s.host, i);
+  if (!stt) return pal.free;
+  if (stt === 3) return pal.shared;
+  const q = s.seqs.get(hOwner(s.host, i));
   return s.mode === "state" || !q ? pal.used : pal.seq[q[1]];
 }
 
@@ -194,7 +197,7 @@ function paintCells(canvas, ctx, s, g, host) {
 
 function cell(ctx, s, pal, x, y, c, i, host) {
   const gap = c >= 10 ? 2 : c >= 5 ? 1 : 0, z = c - gap, sty = s.style, bs = s.data.bs;
-  const stt = host ? (hOwner(s.host, i) ? USED : FREE) : state(s.dev, i);
+  const stt = host ? hState(s.host, i) : state(s.dev, i);
   if (stt === FREE) { ctx.fillStyle = sty.free; ctx.fillRect(x, y, z, z); }
   else if (stt === RESERVED) {  // reserved: dark, crossed out
     ctx.fillStyle = sty.reserved; ctx.fillRect(x, y, z, z);
@@ -224,7 +227,7 @@ function cell(ctx, s, pal, x, y, c, i, host) {
       if (z >= 14) {  // at 26 px and more the id sits above it (below)
         ctx.font = `bold ${Math.round(z * (z >= 26 ? 0.36 : 0.45))}px system-ui, sans-serif`;
         ctx.textAlign = "center"; ctx.textBaseline = "middle";
-        ctx.fillText(`×${ref(s.dev, i)}`, x + z / 2, y + (z >= 26 ? z * 0.66 : z / 2 + 1));
+        ctx.fillText(`×${host ? hRef(s.host, i) : ref(s.dev, i)}`, x + z / 2, y + (z >= 26 ? z * 0.66 : z / 2 + 1));
       } else if (z >= 4) {
         const t = Math.max(2, Math.round(z * 0.5));
         ctx.beginPath(); ctx.moveTo(x + z - t, y); ctx.lineTo(x + z, y); ctx.lineTo(x + z, y + t); ctx.fill();
@@ -492,8 +495,10 @@ function deviceTip(s, i) {
 }
 
 function hostTip(s, i) {
-  const o = hOwner(s.host, i), q = o ? s.seqs.get(o) : null;
-  const lines = [`<b>Host block ${fmt(i)}</b> · ${o ? "holds a swapped-out block" : "free"}`];
+  const o = hOwner(s.host, i), q = o ? s.seqs.get(o) : null, n = hRef(s.host, i);
+  const lines = [`<b>Host block ${fmt(i)}</b> · ${n > 1 ? `ref count ${n}: one copy shared by ${n} swapped-out sequences`
+    : n ? "holds a swapped-out block" : "free"}`];
+  if (n > 1) lines.push(`${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
   if (q) lines.push(`of ${swatch(s, q[1])}${esc(q[0])} · ${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
   const t = hTouch(s.host, i);
   if (t) lines.push(`${s.style.touchLabels[t - 1]} in step ${s.data.step}`);

@@ -6,7 +6,7 @@ LRU (an OrderedDict), and prefix lookups go through a dict keyed by chained bloc
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -58,6 +58,11 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(n))          # never hashed: reused first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder, LRU first
         self.host_free: deque[int] = deque(range(config.num_host_blocks))
+        self.host_ref_counts = [0] * config.num_host_blocks  # sequences holding each host block
+        # a device block and a host block holding the same K/V while both are held (a swap copied
+        # one to the other and some holders stayed behind): the next swap of a holder shares it
+        self.host_copy: dict[int, int] = {}    # device -> host
+        self.device_copy: dict[int, int] = {}  # host -> device
         self.watermark_blocks = int(self.watermark * n)
 
     def reset(self, config: p.PoolConfig) -> None:
@@ -103,13 +108,17 @@ class BlockManager:
         """Whether `append_slot(seq)` can succeed (it may dip into the watermark)."""
         return self.num_allocatable_blocks >= self.slot_needs_block(seq)
 
-    def can_swap_out(self, seq: Sequence) -> bool:
-        """Whether the host pool has a block for each of `seq`'s device blocks."""
-        return len(self.host_free) >= len(seq.block_table)
+    def can_swap_out(self, group: list[Sequence]) -> bool:
+        """Whether the host pool can take `group`'s blocks: a block they share counted once, one
+        with a host copy already not at all."""
+        need = sum(b not in self.host_copy for b in self._distinct_blocks(group, "block_table"))
+        return len(self.host_free) >= need
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        """Whether bringing `seq` back leaves at least `watermark_blocks` allocatable."""
-        return self.num_allocatable_blocks - len(seq.host_table) >= self.watermark_blocks
+    def can_swap_in(self, group: list[Sequence]) -> bool:
+        """Whether bringing `group` back (a block they share once, one still on the device not at
+        all) leaves at least `watermark_blocks` allocatable."""
+        need = sum(h not in self.device_copy for h in self._distinct_blocks(group, "host_table"))
+        return self.num_allocatable_blocks - need >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -185,6 +194,7 @@ class BlockManager:
         recently used end (still hit-able until evicted)."""
         self.ref_counts[b] -= 1
         if not self.ref_counts[b]:
+            self._unpair_device(b)
             if self.hashes[b] is None:
                 self.free_ids.append(b)
             else:
@@ -229,6 +239,7 @@ class BlockManager:
         i = (n - 1) // self.block_size
         src = table[i]
         if self.ref_counts[src] == 1:
+            self._unpair_device(src)  # written in place: a host copy of it would be stale
             return None
         dst = self._take_free()
         self.ref_counts[src] -= 1
@@ -257,31 +268,80 @@ class BlockManager:
             b = table.pop()
             self._release(b)
             self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.ref_counts[b]))
-        self.host_free.extend(seq.host_table)
+        for h in seq.host_table:
+            self._release_host(h)
         seq.host_table = []
         seq.num_registered_blocks = 0
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq` to the host pool; returns (device, host) pairs to copy, in logical order."""
-        if not self.can_swap_out(seq):
-            raise NoFreeBlocks(f"the host pool cannot hold {seq.seq_id}'s {len(seq.block_table)} blocks")
-        mapping = [(b, self.host_free.popleft()) for b in seq.block_table]
-        for b in reversed(seq.block_table):
+    def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Move `group` (sequences swapped together: a fork group) to the host pool, each
+        device block once: a block they share gets one host block, shared as it was, and a block
+        whose host copy an earlier swap left (a sibling swapped before) joins that copy.
+        Returns the (device, host) pairs to copy."""
+        if not self.can_swap_out(group):
+            raise NoFreeBlocks(f"the host pool cannot hold the blocks of {', '.join(s.seq_id for s in group)}")
+        distinct = self._distinct_blocks(group, "block_table")
+        copied = {b: self.host_free.popleft() for b in distinct if b not in self.host_copy}
+        to_host = {b: copied.get(b, self.host_copy.get(b)) for b in distinct}
+        holders = Counter(b for seq in group for b in seq.block_table)
+        for b in reversed(distinct):  # tail first, so a chain's end is evicted first
+            self.ref_counts[b] -= holders[b] - 1
             self._release(b)
-        seq.host_table = [h for _, h in mapping]
-        seq.block_table = []
-        seq.num_registered_blocks = 0
-        self.log.emit(p.SwapOut(seq_id=seq.seq_id, mapping=mapping))
+            self.host_ref_counts[to_host[b]] += holders[b]
+        for seq in group:
+            seq.host_table = [to_host[b] for b in seq.block_table]
+            seq.block_table = []
+            seq.num_registered_blocks = 0
+        for b, h in copied.items():
+            if self.ref_counts[b]:  # still held on the device: the next sibling to leave joins h
+                self._pair(b, h)
+        mapping = list(copied.items())
+        self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
+                                shared=[(b, h) for b, h in to_host.items() if b not in copied]))
         return mapping
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring `seq` back to fresh device blocks; returns (host, device) pairs to copy."""
-        mapping = [(h, self._take_free()) for h in seq.host_table]
-        self.host_free.extend(seq.host_table)
-        seq.block_table = [d for _, d in mapping]
-        seq.host_table = []
-        self.log.emit(p.SwapIn(seq_id=seq.seq_id, mapping=mapping))
+    def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring `group` back to fresh device blocks, a host block they share to one device
+        block they share, and a host block whose device copy is still held to that block.
+        Returns the (host, device) pairs to copy."""
+        distinct = self._distinct_blocks(group, "host_table")
+        copied = {h: self._take_free() for h in distinct if h not in self.device_copy}
+        for d in copied.values():
+            self.ref_counts[d] = 0
+        to_device = {h: copied.get(h, self.device_copy.get(h)) for h in distinct}
+        for seq in group:
+            seq.block_table = [to_device[h] for h in seq.host_table]
+            for h in seq.host_table:
+                self.ref_counts[to_device[h]] += 1
+                self._release_host(h)
+            seq.host_table = []
+        for h, d in copied.items():
+            if self.host_ref_counts[h]:  # still held on the host: a sibling coming back later joins d
+                self._pair(d, h)
+        mapping = list(copied.items())
+        self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
+                               shared=[(h, d) for h, d in to_device.items() if h not in copied]))
         return mapping
+
+    def _pair(self, d: int, h: int) -> None:
+        """Device block d and host block h hold the same K/V (for as long as both are held)."""
+        self.host_copy[d], self.device_copy[h] = h, d
+
+    def _unpair_device(self, d: int) -> None:
+        if (h := self.host_copy.pop(d, None)) is not None:
+            del self.device_copy[h]
+
+    def _release_host(self, h: int) -> None:
+        self.host_ref_counts[h] -= 1
+        if not self.host_ref_counts[h]:
+            self.host_free.append(h)
+            if (d := self.device_copy.pop(h, None)) is not None:
+                del self.host_copy[d]
+
+    @staticmethod
+    def _distinct_blocks(group: list[Sequence], table: str) -> list[int]:
+        """The blocks of the group's tables, each once, in the order the tables first name it."""
+        return list(dict.fromkeys(b for seq in group for b in getattr(seq, table)))
 
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
@@ -295,6 +355,11 @@ class BlockManager:
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
         return self.capture(seqs).state()
+
+
+def _ids(group: list[Sequence]) -> list[str]:
+    """The wire's `seq_ids`: left empty for a sequence swapped alone."""
+    return [s.seq_id for s in group] if len(group) > 1 else []
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Continuous batching: which sequences run in the next step, and how many of their tokens.
 
 Each step: running sequences first (a decode token, or the next chunk of a prefill), preempting
-the latest arrival when blocks run out; then, if nothing was preempted, swapped sequences come
-back; then, if none is left swapped, waiting ones are admitted first come, first served (a
-sequence preempted by recompute goes back to the front), all under `max_num_seqs` sequences
-(a request's samples count before they fork) and `max_num_batched_tokens` tokens. Admission
-stops at the first waiting sequence that does not fit, so a long prompt is never overtaken.
+the latest arrival when blocks run out (by swap, together with its request's other samples not
+yet scheduled in the step, so the blocks they share are copied once); then, if nothing was
+preempted, swapped sequences come back (a request's samples together); then, if none is left
+swapped, waiting ones are admitted first come, first served (a sequence preempted by recompute
+goes back to the front), all under `max_num_seqs` sequences (a request's samples count before
+they fork) and `max_num_batched_tokens` tokens. Admission stops at the first waiting sequence
+that does not fit, so a long prompt is never overtaken.
 """
 from __future__ import annotations
 
@@ -110,10 +112,9 @@ class Scheduler:
         while i < len(self.running) and budget:
             seq = self.running[i]
             while not self.bm.can_append(seq):
-                victim = self.running.pop()  # the latest arrival gives way
-                self._preempt(victim, batch)
+                gone = self._preempt(self.running[-1], i, batch)  # the latest arrival gives way
                 preempted = True
-                if victim is seq:
+                if seq in gone:
                     break
             else:
                 budget -= self.schedule_seq(seq, budget, batch)
@@ -125,17 +126,20 @@ class Scheduler:
         swapped. Returns the budget left."""
         seats = sum(map(_width, self.running))  # taken in the batch, samples yet to fork included
         while self.swapped and budget:
-            seq = self.swapped[0]
-            if self.running and seats + _width(seq) > self.max_num_seqs:
+            group = self._group(self.swapped, self.swapped[0])
+            if self.running and seats + sum(map(_width, group)) > self.max_num_seqs:
                 break
-            if not self.bm.can_swap_in(seq):
+            if not self.bm.can_swap_in(group):
                 break
-            self.swapped.popleft()
-            batch.swap_in += self.bm.swap_in(seq)
-            self.add_running(seq)
-            seats += _width(seq)
-            if self.bm.can_append(seq):
-                budget -= self.schedule_seq(seq, budget, batch)
+            for seq in group:
+                self.swapped.remove(seq)
+            batch.swap_in += self.bm.swap_in(group)
+            for seq in group:
+                self.add_running(seq)
+                seats += _width(seq)
+            for seq in group:
+                if budget and self.bm.can_append(seq):
+                    budget -= self.schedule_seq(seq, budget, batch)
         if not self.swapped:
             while self.waiting and budget:
                 seq = self.waiting[0]
@@ -163,22 +167,36 @@ class Scheduler:
         batch.rows.append(Scheduled(seq, n))
         return n
 
-    def _preempt(self, seq: Sequence, batch: Batch) -> None:
-        """Take `seq` off the device: swapped out (its copies into `batch.swap_out`), or, by
-        recompute or when the host pool is full, its blocks freed and its progress dropped."""
+    def _preempt(self, victim: Sequence, scheduled: int, batch: Batch) -> list[Sequence]:
+        """Preempt `victim` (the last running sequence); by swap, together with the samples of
+        its request behind the one being scheduled (`running[scheduled]`, which keeps running
+        unless it is the victim), so the blocks they share are copied once and stay shared on
+        the host, as vLLM v0 swapped a sequence group. Returns the sequences preempted, now out
+        of `running`."""
         swap_mode = self.bm.config.preemption_mode == "swap"
-        if swap_mode and self.bm.can_swap_out(seq):
-            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
-            batch.swap_out += self.bm.swap_out(seq)
-            seq.status = SeqStatus.SWAPPED
-            self.swapped.append(seq)
-        else:  # recompute, or the host pool is full
-            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="recompute",
-                                    reason="host_pool_full" if swap_mode else None))
-            self.bm.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SeqStatus.WAITING
-            self.waiting.appendleft(seq)
+        group = self._group(self.running[scheduled + 1:], victim)
+        if swap_mode and self.bm.can_swap_out(group):
+            for seq in group:
+                self.running.remove(seq)
+                self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
+                seq.status = SeqStatus.SWAPPED
+                self.swapped.append(seq)
+            batch.swap_out += self.bm.swap_out(group)
+            return group
+        # recompute, or the host pool is full
+        self.running.remove(victim)
+        self.log.emit(p.Preempt(seq_id=victim.seq_id, mode="recompute",
+                                reason="host_pool_full" if swap_mode else None))
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
+        return [victim]
+
+    @staticmethod
+    def _group(queue, seq: Sequence) -> list[Sequence]:
+        """`seq` and the other sequences of its request in `queue`, in queue order."""
+        return [s for s in queue if s.request_id == seq.request_id] if seq in queue else [seq]
 
 
 def _width(seq: Sequence) -> int:

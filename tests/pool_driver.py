@@ -70,10 +70,11 @@ class PoolDriver:
                     self.finish(waiting[0], "abort")
         elif roll < 0.70:
             seq = rng.choice(running)
+            group = self.family(seq, SeqStatus.RUNNING) if rng.random() < 0.5 else [seq]
             if self.bm.can_append(seq):
                 self.decode(seq, rng.randrange(vocab))
-            elif self.bm.can_swap_out(seq):
-                self.swap_out(seq)
+            elif self.bm.can_swap_out(group):
+                self.swap_out(group)
             else:
                 self.recompute(seq)
         elif roll < 0.75:
@@ -82,8 +83,11 @@ class PoolDriver:
             self.finish(rng.choice(running))
         elif roll < 0.95:
             for seq in self.with_status(SeqStatus.SWAPPED)[:1]:
-                if self.bm.can_swap_in(seq):
-                    self.swap_in(seq)
+                group = self.family(seq, SeqStatus.SWAPPED)[:rng.randrange(1, 4)]  # at times a part
+                if seq not in group:
+                    group = [seq]
+                if self.bm.can_swap_in(group):
+                    self.swap_in(group)
             for seq in self.with_status(SeqStatus.WAITING)[:1]:
                 self.admit(seq, rng.randrange(vocab))
         else:
@@ -122,15 +126,24 @@ class PoolDriver:
         del self.seqs[seq.seq_id]
         self.log.emit(p.Finish(seq_id=seq.seq_id, reason=reason))
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
-        seq.status = SeqStatus.SWAPPED
-        return self.bm.swap_out(seq)
+    def swap_out(self, group: Sequence | list[Sequence]) -> list[tuple[int, int]]:
+        """Swap out a sequence, or several together (a fork group: shared blocks copied once)."""
+        group = group if isinstance(group, list) else [group]
+        for seq in group:
+            self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
+            seq.status = SeqStatus.SWAPPED
+        return self.bm.swap_out(group)
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        mapping = self.bm.swap_in(seq)
-        seq.status = SeqStatus.RUNNING
+    def swap_in(self, group: Sequence | list[Sequence]) -> list[tuple[int, int]]:
+        group = group if isinstance(group, list) else [group]
+        mapping = self.bm.swap_in(group)
+        for seq in group:
+            seq.status = SeqStatus.RUNNING
         return mapping
+
+    def family(self, seq: Sequence, status: SeqStatus) -> list[Sequence]:
+        """`seq`'s request's sequences of `status`, in creation order."""
+        return [s for s in self.seqs.values() if s.request_id == seq.request_id and s.status is status]
 
     def recompute(self, seq: Sequence) -> None:
         self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="recompute"))

@@ -5,12 +5,14 @@ on a preset and on this session's requests, and the prefix tree and lifetimes pa
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from engine.contract import protocol as p
 from engine.contract.kinds import kind_of
 from app.lesson import all_lessons
+from tests.lesson_claims import CLAIMS, AtStop
 from tests.test_app import at, engine, events, grid_data, html_with, observer, recording, rerun_until  # noqa: F401
 
 LESSONS = {lesson.key: lesson for lesson in all_lessons()}
@@ -36,6 +38,34 @@ def start(at, key: str, stops: int) -> None:
         if i:
             at.button(key="lesson_next").click().run()
         rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+
+
+def check_claims(observer, key: str, i: int, run) -> None:
+    """The stop's caption's claims (tests/lesson_claims.py) against the observer's pool at the stop."""
+    r = run.reached[i]
+    values, fx = run.memo["words"]
+    with observer.lock:
+        h = observer.history
+        state = h.at(r.end).state
+        upto = [e for e in h.events if e.seq <= r.end]
+        step = h.last_step_events(r.end)
+        hit = h.event(r.at) if r.at is not None else None
+    reset = max((e.seq for e in upto if isinstance(e, p.Reset)), default=0)
+    CLAIMS[key, i](AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit))
+
+
+def test_captions_name_only_views_the_dashboard_has():
+    """A caption that sends the reader to a view, panel or card names one the dashboard draws."""
+    ui = "\n".join(f.read_text() for f in (Path(__file__).parent.parent / "app").glob("*.py"))
+    for key, lesson in LESSONS.items():
+        for i, stop in enumerate(lesson.stops):
+            for name, _ in re.findall(r'(?:\*\*|")([A-Z][\w ]+?)(?:\*\*|")\s+(view|panel|card|tab)\b', stop.caption):
+                assert f'"{name}"' in ui or f"<b>{name}</b>" in ui, f"{key} stop {i + 1}: no view named {name!r}"
+            assert not re.search(r"\(\w+ panel\)", stop.caption), f"{key} stop {i + 1}: {stop.caption}"
+
+
+def test_every_stop_of_every_lesson_has_its_claims_checked():
+    assert set(CLAIMS) == {(key, i) for key, lesson in LESSONS.items() for i in range(len(lesson.stops))}
 
 
 @pytest.mark.parametrize("key", list(LESSONS))
@@ -66,6 +96,7 @@ def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
                 assert blocks, f"{key} stop {i + 1} highlights nothing"
         if blocks and data["live"]:
             assert "lit" in html_with(at, 'class="bt"')  # the block tables ring them too
+        check_claims(observer, key, i, run)  # what the caption says, against the pool at the stop
     assert at.session_state["lesson"].done
     assert "End of the lesson" in "\n".join(c.value for c in at.caption)
 

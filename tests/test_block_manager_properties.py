@@ -58,19 +58,38 @@ class PoolMachine(RuleBasedStateMachine):
         if seqs:
             self.d.finish(data.draw(strategies.sampled_from(seqs)), reason)
 
+    def group(self, data, status: SeqStatus):
+        """A sequence of `status` alone, or with some or all of its request's others (forks)."""
+        seq = self.pick(data, status)
+        if seq is None:
+            return []
+        family = self.d.family(seq, status)
+        return data.draw(strategies.sampled_from([[seq], family, family[:2]]))
+
     @rule(data=strategies.data())
     def swap_out(self, data) -> None:
-        seq = self.pick(data, SeqStatus.RUNNING)
-        if seq is not None and self.d.bm.can_swap_out(seq):
-            self.d.swap_out(seq)
+        group = self.group(data, SeqStatus.RUNNING)
+        if group and self.d.bm.can_swap_out(group):
+            tables = [list(s.block_table) for s in group]
+            distinct = list(dict.fromkeys(b for t in tables for b in t))
+            self.d.swap_out(group)
+            ev = self.d.log.pending[-1]
+            pairs = ev.mapping + ev.shared
+            assert sorted(d for d, _ in pairs) == sorted(distinct)  # a shared block once
+            to_host = dict(pairs)
+            assert [s.host_table for s in group] == [[to_host[b] for b in t] for t in tables]
 
     @rule(data=strategies.data())
     def swap_in(self, data) -> None:
-        seq = self.pick(data, SeqStatus.SWAPPED)
-        if seq is not None and self.d.bm.can_swap_in(seq):
-            table = list(seq.host_table)
-            mapping = self.d.swap_in(seq)
-            assert [h for h, _ in mapping] == table  # logical order restored
+        group = self.group(data, SeqStatus.SWAPPED)
+        if group and self.d.bm.can_swap_in(group):
+            tables = [list(s.host_table) for s in group]
+            self.d.swap_in(group)
+            ev = self.d.log.pending[-1]
+            pairs = ev.mapping + ev.shared
+            to_device = dict(pairs)
+            assert sorted(h for h, _ in pairs) == sorted(set(h for t in tables for h in t))
+            assert [s.block_table for s in group] == [[to_device[h] for h in t] for t in tables]
 
     @rule(data=strategies.data())
     def recompute(self, data) -> None:
@@ -93,6 +112,8 @@ class PoolMachine(RuleBasedStateMachine):
         free, cached, used, *_ = self.replayed.counts()
         assert free + cached + used == self.d.bm.config.num_device_blocks
         assert free + cached == self.d.bm.num_allocatable_blocks
+        assert self.replayed.host_ref_counts.tolist() == self.d.bm.host_ref_counts
+        assert len(self.d.bm.host_free) == self.d.bm.host_ref_counts.count(0)
 
 
 TestPoolMachine = PoolMachine.TestCase
@@ -108,5 +129,9 @@ def test_random_trace_of_100k_operations_replays_to_the_snapshot():
     d.drain()
     kinds = {ev.__struct_config__.tag for ev in d.events}
     assert {"prefix_hit", "cached", "evict", "cow", "swap_out", "swap_in", "fork"} <= kinds
+    swaps = [ev for ev in d.events if isinstance(ev, (p.SwapOut, p.SwapIn))]
+    assert any(len(ev.group) > 1 for ev in swaps)  # forks swapped together
+    assert any(ev.shared for ev in swaps if isinstance(ev, p.SwapOut))  # joining a sibling's host copy
+    assert any(ev.shared for ev in swaps if isinstance(ev, p.SwapIn))   # ... and its device copy
     assert d.replay().snapshot() == d.snapshot()
     assert [ev.seq for ev in d.events] == list(range(1, len(d.events) + 1))

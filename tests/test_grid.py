@@ -68,7 +68,9 @@ def test_a_frame_draws_what_the_reducer_says(history):
             if digits := st.hash_of(b):
                 assert frame.dev["hash"][b] == int(digits[:8], 16)
         owners = [frame.seqs[k][0] if k else None for k in frame.host["owner"].tolist()]
-        assert owners == st.host_owner.tolist()
+        holders = st.host_first_holders()
+        assert owners == [o if r == 1 else None for o, r in zip(holders, st.host_ref_counts.tolist())]
+        assert frame.host["ref"].tolist() == st.host_ref_counts.tolist()
         dev_touch, host_touch = grid.touched(view.step_events)
         assert set(np.flatnonzero(frame.dev["touch"]).tolist()) == set(dev_touch)
         assert frame.info["counts"] == st.counts()._asdict()

@@ -126,7 +126,8 @@ def test_counters_match_what_the_engine_did(serve, mode):
     assert m["kvscope_evictions_total", ""] == kinds["evict"] and m["kvscope_engine_steps_total", ""] == kinds["step"]
     swaps = {d: [e for e in events if e["kind"] == f"swap_{d}"] for d in ("out", "in")}
     for d, evs in swaps.items():
-        assert m["kvscope_swaps_total", d] == len(evs) == (len(preempts) if mode == "swap" else 0)
+        moved = sum(len(e.get("seq_ids") or [e["seq_id"]]) for e in evs)  # sequences: a fork group together
+        assert m["kvscope_swaps_total", d] == moved == (len(preempts) if mode == "swap" else 0)
         assert m["kvscope_swapped_blocks_total", d] == sum(len(e["mapping"]) for e in evs)
     # all done: nothing held, the prefix cache still holds what it cached
     counts = c.state.counts()

@@ -67,7 +67,7 @@ def test_snapshot_matches_the_documented_shape():
     obj = json.loads(p.encode(MESSAGES[1]))
     assert obj["type"] == "snapshot" and obj["seq"] == 7
     assert obj["device_blocks"][0] == {"id": 0, "ref_count": 0, "hash": None, "num_tokens": 0}
-    assert obj["host_blocks"][1] == {"id": 1, "seq_id": None, "num_tokens": 0}
+    assert obj["host_blocks"][1] == {"id": 1, "seq_id": None, "num_tokens": 0, "ref_count": 0}
 
 
 COMMANDS = [

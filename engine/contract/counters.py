@@ -38,10 +38,10 @@ class EventCounts:
                 self.preemptions += 1
                 self.recomputes += ev.mode == "recompute"
             case p.SwapOut():
-                self.swap_outs += 1
+                self.swap_outs += len(ev.group)
                 self.swapped_out_blocks += len(ev.mapping)
             case p.SwapIn():
-                self.swap_ins += 1
+                self.swap_ins += len(ev.group)
                 self.swapped_in_blocks += len(ev.mapping)
 
     @property

@@ -64,7 +64,9 @@ def touched_blocks(ev: p.Event) -> tuple[list[int], list[int]]:
         case p.Cow():
             return [ev.src_block_id, ev.dst_block_id], []
         case p.SwapOut():
-            return [d for d, _ in ev.mapping], [h for _, h in ev.mapping]
+            pairs = ev.mapping + ev.shared
+            return [d for d, _ in pairs], [h for _, h in pairs]
         case p.SwapIn():
-            return [d for _, d in ev.mapping], [h for h, _ in ev.mapping]
+            pairs = ev.mapping + ev.shared
+            return [d for _, d in pairs], [h for h, _ in pairs]
     return [], []

@@ -133,12 +133,33 @@ class Preempt(Event, tag="preempt"):
 
 class SwapOut(Event, tag="swap_out"):
     seq_id: str
-    mapping: list[tuple[int, int]]  # [device_block, host_block] in logical order
+    # [device_block, host_block] copied: with `shared`, every device block of the swapped
+    # sequences' tables once, in the order the tables (in `group` order) first name it
+    mapping: list[tuple[int, int]]
+    seq_ids: list[str] = []  # addition: the sequences swapped together (a fork group), `seq_id` first
+    # addition: [device_block, host_block] for a block whose copy an earlier swap of a sequence
+    # sharing it left on the host, still held there: nothing is copied, the host block gains holders
+    shared: list[tuple[int, int]] = []
+
+    @property
+    def group(self) -> list[str]:
+        """Every sequence this swap moves (an event without `seq_ids` moves `seq_id` alone)."""
+        return self.seq_ids or [self.seq_id]
 
 
 class SwapIn(Event, tag="swap_in"):
     seq_id: str
-    mapping: list[tuple[int, int]]  # [host_block, device_block] in logical order
+    # [host_block, device_block] copied: with `shared`, every host block of the sequences'
+    # host tables once, in the order the tables first name it
+    mapping: list[tuple[int, int]]
+    seq_ids: list[str] = []  # addition: as in `swap_out`
+    # addition: [host_block, device_block] for a host block whose device copy is still held
+    # (a sequence sharing it stayed, or came back earlier): nothing is copied, the device block gains holders
+    shared: list[tuple[int, int]] = []
+
+    @property
+    def group(self) -> list[str]:
+        return self.seq_ids or [self.seq_id]
 
 
 class Append(Event, tag="append"):
@@ -189,8 +210,9 @@ class DeviceBlock(Struct):
 
 class HostBlock(Struct):
     id: int
-    seq_id: str | None
+    seq_id: str | None  # a holder (the first in `seqs` order); null when free
     num_tokens: int
+    ref_count: int = 0  # addition: the sequences holding it (a fork group swapped together shares it)
 
 
 class SeqInfo(Struct, kw_only=True):

@@ -145,9 +145,9 @@ class PoolState:
     odd_hashes: dict = field(default_factory=dict)  # block -> a hash not in the protocol's form, as given
     tokens: np.ndarray = None       # TOKENS per device block (derived, see `block_tokens`)
     holder: np.ndarray = None       # int32 per device block: XOR of its holders' keys
-    host_owner: np.ndarray = None   # object (seq_id | None) per host block
-    host_holder: np.ndarray = None  # int32 per host block: its holder's key, 0 when free
-    host_tokens: np.ndarray = None  # TOKENS per host block
+    host_ref_counts: np.ndarray = None  # int32 per host block: the swapped sequences holding it
+    host_holder: np.ndarray = None  # int32 per host block: XOR of its holders' keys, 0 when free
+    host_tokens: np.ndarray = None  # TOKENS per host block (the most among its holders)
     seqs: dict[str, SeqState] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # key -> seq_id of every live sequence
     next_key: int = 1
@@ -159,7 +159,7 @@ class PoolState:
         n, m = config.num_device_blocks, config.num_host_blocks
         return cls(config=config, last_event=last_event, ref_counts=np.zeros(n, np.int32),
                    has_hash=np.zeros(n, bool), hash64=np.zeros(n, "<u8"), tokens=np.zeros(n, TOKENS),
-                   holder=np.zeros(n, np.int32), host_owner=np.full(m, None, object),
+                   holder=np.zeros(n, np.int32), host_ref_counts=np.zeros(m, np.int32),
                    host_holder=np.zeros(m, np.int32), host_tokens=np.zeros(m, TOKENS))
 
     @classmethod
@@ -182,10 +182,9 @@ class PoolState:
         st.tokens[:] = tokens
         np.bitwise_xor.at(st.holder, flat, keys[who - 1])
         hflat, hwho, hheld = table_entries([s.host_table for s in seqs], nums, bs)
-        st.host_tokens[hflat] = hheld
-        st.host_holder[hflat] = keys[hwho - 1]
-        for s in seqs:
-            st.host_owner[s.host_table] = s.seq_id
+        np.add.at(st.host_ref_counts, hflat, 1)
+        np.maximum.at(st.host_tokens, hflat, hheld.astype(TOKENS))
+        np.bitwise_xor.at(st.host_holder, hflat, keys[hwho - 1])
         return st
 
     @classmethod
@@ -251,7 +250,8 @@ class PoolState:
         """`states`: this state's `block_states()`, when the caller has them already."""
         states = self.block_states() if states is None else states
         n = np.bincount(states, minlength=RESERVED + 1).tolist()  # one pass: FREE..RESERVED
-        return BlockCounts(n[FREE], n[CACHED], n[USED] + n[SHARED], n[SHARED], int(np.count_nonzero(self.host_holder)))
+        return BlockCounts(n[FREE], n[CACHED], n[USED] + n[SHARED], n[SHARED],
+                           int(np.count_nonzero(self.host_ref_counts)))
 
     def block_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens held per device block and per host block (derived, see protocol.md): a
@@ -281,9 +281,17 @@ class PoolState:
             seq=self.last_event, config=self.config,
             device_blocks=[p.DeviceBlock(i, r, h, n) for i, (r, h, n) in enumerate(zip(
                 self.ref_counts.tolist(), self._hash_list(), self.tokens.tolist()))],
-            host_blocks=[p.HostBlock(i, o, n) for i, (o, n)
-                         in enumerate(zip(self.host_owner.tolist(), self.host_tokens.tolist()))],
+            host_blocks=[p.HostBlock(i, o, n, r) for i, (o, n, r) in enumerate(zip(
+                self.host_first_holders(), self.host_tokens.tolist(), self.host_ref_counts.tolist()))],
             seqs=self.seq_infos(with_tables=True))
+
+    def host_first_holders(self) -> list[str | None]:
+        """Per host block, the first sequence (in creation order) that holds it; None when free."""
+        out: list[str | None] = [None] * len(self.host_ref_counts)
+        for s in self.seqs.values():
+            for h in s.host_table:
+                out[h] = out[h] or s.seq_id
+        return out
 
     def _hash_list(self) -> list[str | None]:
         out: list[str | None] = [None] * len(self.has_hash)
@@ -346,8 +354,8 @@ class PoolState:
             raise InvariantError(f"device block {b} is outside the pool of {len(self.ref_counts)}")
 
     def _check_host(self, h: int) -> None:
-        if not 0 <= h < len(self.host_owner):
-            raise InvariantError(f"host block {h} is outside the host pool of {len(self.host_owner)}")
+        if not 0 <= h < len(self.host_ref_counts):
+            raise InvariantError(f"host block {h} is outside the host pool of {len(self.host_ref_counts)}")
 
     def _take_free(self, b: int, s: SeqState, index: int) -> None:
         self._check_block(b)
@@ -485,34 +493,71 @@ class PoolState:
         for i, b in enumerate(s.block_table):  # its blocks no longer show its tokens
             self._settle(b, held_tokens(before, i, bs), i)
 
+    def _group(self, ids: list[str], table: str, pairs: list[tuple[int, int]]) -> list[SeqState]:
+        """The sequences a swap moves, after checking that `pairs` (copied and shared) name each
+        block of their `table`s once, and no target twice."""
+        if len(set(ids)) != len(ids):
+            raise InvariantError(f"seq_ids {ids} name a sequence twice")
+        group = [self._seq(i) for i in ids]
+        firsts = list(dict.fromkeys(b for s in group for b in getattr(s, table)))
+        if sorted(a for a, _ in pairs) != sorted(firsts):
+            raise InvariantError(f"mapping and shared {pairs}: does not cover {', '.join(ids)}'s "
+                                 f"{table.replace('_', ' ')}s {firsts}, each block once")
+        targets = [t for _, t in pairs]
+        if len(set(targets)) != len(targets):
+            raise InvariantError(f"mapping and shared {pairs} name a target block twice")
+        return group
+
     def _swap_out(self, ev: p.SwapOut) -> None:
-        s = self._seq(ev.seq_id)
-        if [d for d, _ in ev.mapping] != s.block_table:
-            raise InvariantError(f"mapping {ev.mapping} does not cover {s.seq_id}'s table "
-                                 f"{s.block_table} in logical order")
-        for _, h in ev.mapping:
-            self._check_host(h)
-            if self.host_owner[h] is not None:
-                raise InvariantError(f"host block {h} is already held by {self.host_owner[h]}")
-        bs = self.config.block_size
-        for i, (d, h) in enumerate(ev.mapping):
-            self.host_owner[h], self.host_holder[h] = s.seq_id, s.key
-            self.host_tokens[h] = held_tokens(s.num_tokens, i, bs)
-            self._leave(d, s, i)
-        s.host_table = [h for _, h in ev.mapping]
-        s.block_table = []
+        group = self._group(ev.group, "block_table", ev.mapping + ev.shared)
+        for pairs, held in ((ev.mapping, False), (ev.shared, True)):
+            for _, h in pairs:
+                self._check_host(h)
+                if bool(self.host_ref_counts[h]) != held:
+                    raise InvariantError(f"host block {h} is {'not ' if held else 'already '}held")
+        to_host, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        for s in group:
+            table, s.block_table = s.block_table, []  # out of the tables before `_leave` looks at them
+            for i, d in enumerate(table):
+                h = to_host[d]
+                self.host_ref_counts[h] += 1
+                self.host_holder[h] ^= s.key
+                self.host_tokens[h] = max(self.host_tokens[h], held_tokens(s.num_tokens, i, bs))
+                self._leave(d, s, i)
+            s.host_table = [to_host[d] for d in table]
 
     def _swap_in(self, ev: p.SwapIn) -> None:
-        s = self._seq(ev.seq_id)
-        if [h for h, _ in ev.mapping] != s.host_table:
-            raise InvariantError(f"mapping {ev.mapping} does not cover {s.seq_id}'s host table "
-                                 f"{s.host_table} in logical order")
-        for i, (h, d) in enumerate(ev.mapping):
-            self._take_free(d, s, i)
-            self.host_owner[h], self.host_holder[h], self.host_tokens[h] = None, 0, 0
-        s.block_table = [d for _, d in ev.mapping]
-        s.host_table = []
-        s.status = "running"
+        group = self._group(ev.group, "host_table", ev.mapping + ev.shared)
+        for _, d in ev.shared:
+            self._check_block(d)
+            if not self.ref_counts[d]:
+                raise InvariantError(f"block {d} is shared by a swap in, but no sequence holds it")
+        to_device, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        taken = {d for _, d in ev.shared}
+        for s in group:
+            table, s.host_table = s.host_table, []
+            for i, h in enumerate(table):
+                d = to_device[h]
+                if d in taken:  # a block the group shares, or one a sibling still holds, is joined
+                    self._join(d, s)
+                    self.tokens[d] = max(self.tokens[d], held_tokens(s.num_tokens, i, bs))
+                else:
+                    self._take_free(d, s, i)
+                    taken.add(d)
+                self._host_leave(h, s)
+            s.block_table = [to_device[h] for h in table]
+            s.status = "running"
+
+    def _host_leave(self, h: int, s: SeqState) -> None:
+        """`s` stops holding host block h: its tokens are then the most among the holders left."""
+        self.host_ref_counts[h] -= 1
+        self.host_holder[h] ^= s.key
+        if not self.host_ref_counts[h]:
+            self.host_holder[h], self.host_tokens[h] = 0, 0
+            return
+        bs = self.config.block_size
+        self.host_tokens[h] = max(held_tokens(t.num_tokens, i, bs) for t in self.seqs.values()
+                                  for i, x in enumerate(t.host_table) if x == h)
 
     def _append(self, ev: p.Append) -> None:
         s = self._seq(ev.seq_id)
@@ -543,8 +588,9 @@ class PoolState:
         s = self._seq(ev.seq_id)
         if s.block_table:
             raise InvariantError(f"{s.seq_id} finishes still holding blocks {s.block_table}")
-        for h in s.host_table:  # a swapped sequence's host copies go with it
-            self.host_owner[h], self.host_holder[h], self.host_tokens[h] = None, 0, 0
+        table, s.host_table = s.host_table, []
+        for h in table:  # a swapped sequence's host copies go with it, unless others share them
+            self._host_leave(h, s)
         del self.seqs[ev.seq_id], self.names[s.key]
         self._mine.discard(ev.seq_id)
 
@@ -573,8 +619,10 @@ def _untables(flat: bytes, lens: bytes) -> list[list[int]]:
 
 def _pack_columns(st: PoolState) -> p.SnapshotColumns:
     seqs = list(st.seqs.values())
-    index = {s.key: i + 1 for i, s in enumerate(seqs)}
-    host_seq = np.fromiter((index.get(k, 0) for k in st.host_holder.tolist()), I32, len(st.host_holder))
+    host_seq = np.zeros(len(st.host_ref_counts), I32)
+    for i, s in reversed(list(enumerate(seqs, 1))):  # the first holder wins, as in `host_blocks`
+        if s.host_table:
+            host_seq[s.host_table] = i
     hashed = np.flatnonzero(st.has_hash)
     tables, lengths = _tables([s.block_table for s in seqs])
     host_tables, host_lengths = _tables([s.host_table for s in seqs])
@@ -607,7 +655,7 @@ def _from_columns(snap: p.Snapshot) -> PoolState:
     return PoolState.build(snap.config, snap.seq, ref, hashes, seqs)
 
 
-_ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_owner",
+_ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_ref_counts",
            "host_holder", "host_tokens")
 
 _HANDLERS = {
@@ -633,23 +681,25 @@ def check_invariants(state: PoolState) -> None:
     if (bad := np.flatnonzero(holders != state.ref_counts)).size:
         b = int(bad[0])
         raise InvariantError(f"block {b}: ref_count {state.ref_counts[b]} but {holders[b]} sequences hold it")
-    owners: dict[int, str] = {}
+    hflat, _, _ = table_entries([s.host_table for s in seqs], [0] * len(seqs), 1)
+    host_holders = np.bincount(hflat, minlength=len(state.host_ref_counts))
+    if (bad := np.flatnonzero(host_holders != state.host_ref_counts)).size:
+        h = int(bad[0])
+        raise InvariantError(f"host block {h}: ref_count {state.host_ref_counts[h]} but "
+                             f"{host_holders[h]} sequences hold it")
     for s in seqs:
-        for h in s.host_table:
-            if h in owners or state.host_owner[h] != s.seq_id:
-                raise InvariantError(f"host block {h} is held by more than one sequence")
-            owners[h] = s.seq_id
-    if int(np.count_nonzero(state.host_owner != None)) != len(owners):  # noqa: E711
-        raise InvariantError("a host block is marked held by no live sequence")
+        if len(set(s.host_table)) != len(s.host_table) or len(set(s.block_table)) != len(s.block_table):
+            raise InvariantError(f"{s.seq_id} names a block twice in its tables")
     fresh = PoolState.build(state.config, state.last_event, state.ref_counts,
                             (state.has_hash, state.hash64, state.odd_hashes), [s.clone() for s in seqs])
     for name in ("tokens", "host_tokens"):
         if (bad := np.flatnonzero(getattr(fresh, name) != getattr(state, name))).size:
             raise InvariantError(f"{name} of block {int(bad[0])} is {getattr(state, name)[bad[0]]}, "
                                  f"derived afresh {getattr(fresh, name)[bad[0]]}")
-    xor = np.zeros(n, np.int32)  # in this state's keys (a fresh build numbers them anew)
-    for s in seqs:
-        xor[s.block_table] ^= s.key
-    if (bad := np.flatnonzero(xor != state.holder)).size:
-        raise InvariantError(f"holder of block {int(bad[0])} is {state.holder[bad[0]]}, "
-                             f"its holders' keys XOR to {xor[bad[0]]}")
+    for table, column in (("block_table", state.holder), ("host_table", state.host_holder)):
+        xor = np.zeros(len(column), np.int32)  # in this state's keys (a fresh build numbers them anew)
+        for s in seqs:
+            xor[getattr(s, table)] ^= s.key
+        if (bad := np.flatnonzero(xor != column)).size:
+            raise InvariantError(f"holder of {table.split('_')[0]} block {int(bad[0])} is "
+                                 f"{column[bad[0]]}, its holders' keys XOR to {xor[bad[0]]}")

@@ -104,18 +104,32 @@ class Meter(EventLog):
         self.counts.count(ev, self.bs)
 
     def _swap_out(self, ev: p.SwapOut) -> None:
-        seq, refs = self._seq(ev.seq_id), self.core.block_manager.ref_counts
-        self.counts.count(ev, self.bs)
-        self.entries -= len(ev.mapping)
-        self.held -= seq.num_computed_tokens
-        self.overlap -= sum(held_tokens(seq.num_computed_tokens, i, self.bs)
-                            for i, (d, _) in enumerate(ev.mapping) if refs[d])
+        refs, bs = self.core.block_manager.ref_counts, self.bs
+        to_device = {h: d for d, h in ev.mapping + ev.shared}
+        self.counts.count(ev, bs)
+        left: set[int] = set()
+        for seq in map(self._seq, ev.group):  # their tables are on the host now
+            c = seq.num_computed_tokens
+            self.entries -= len(seq.host_table)
+            self.held -= c
+            for i, h in enumerate(seq.host_table):  # every holder that left but the last leaves
+                d = to_device[h]                     # others behind; the last, if some stayed
+                if d in left or refs[d]:
+                    self.overlap -= held_tokens(c, i, bs)
+                left.add(d)
 
     def _swap_in(self, ev: p.SwapIn) -> None:
         self.counts.count(ev, self.bs)
-        self.entered.append(ev.seq_id)
-        self.entries += len(ev.mapping)
-        self.held += self._seq(ev.seq_id).num_computed_tokens
+        joined = {d for _, d in ev.shared}  # held before: every holder coming back adds overlap
+        for seq in map(self._seq, ev.group):
+            c = seq.num_computed_tokens
+            self.entered.append(seq.seq_id)
+            self.entries += len(seq.block_table)
+            self.held += c
+            for i, d in enumerate(seq.block_table):
+                if d in joined:
+                    self.overlap += held_tokens(c, i, self.bs)
+                joined.add(d)
 
     def _finish(self, ev: p.Finish) -> None:
         self.finished += 1

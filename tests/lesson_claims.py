@@ -1,0 +1,334 @@
+"""What each lesson stop's caption claims, checked against the reducer's state at the stop and
+the events that led there (independently of the numbers the caption was filled with, which
+are checked against them too). One function per stop, keyed by (lesson, stop index); a stop
+without a function fails the test, so a new stop cannot go unchecked."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.contract import protocol as p
+from engine.contract.state import PoolState, held_tokens
+
+
+@dataclass
+class AtStop:
+    state: PoolState        # the pool at the end of the stop's step (what the views show)
+    step: list              # that step's events
+    events: list            # every event up to the stop's end, since the lesson last reset the pool
+    values: dict[str, str]  # the caption's placeholders, as filled
+    blocks: list[int]       # the blocks the stop highlights
+    hit: p.Event | None     # the event the run stopped at
+
+    def seqs(self, request_id: str | None = None):
+        return [s for s in self.state.seqs.values() if request_id is None or s.request_id == request_id]
+
+    def seq(self):
+        return self.state.seqs[self.values["seq"]]
+
+    def of(self, kind) -> list:
+        return [e for e in self.step if isinstance(e, kind)]
+
+    def steps_since(self, n: int) -> int:
+        return sum(1 for e in self.events if isinstance(e, p.StepDone) and e.seq > n)
+
+    def last_holder(self, block: int, before: int) -> str:
+        """The sequence that last took device block `block` before event `before`."""
+        for e in reversed([e for e in self.events if e.seq < before]):
+            if isinstance(e, (p.Alloc, p.PrefixHit)) and e.block_id == block:
+                return e.seq_id
+            if isinstance(e, p.Cow) and e.dst_block_id == block:
+                return e.seq_id
+            if isinstance(e, p.SwapIn) and any(d == block for _, d in e.mapping + e.shared):
+                return e.seq_id
+        raise AssertionError(f"nobody took block {block} before event {before}")
+
+
+def num(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def full_blocks_but_last(at: AtStop) -> None:
+    """Only each sequence's last block is partly filled."""
+    bs = at.state.config.block_size
+    for s in at.seqs():
+        for i, b in enumerate(s.block_table):
+            assert held_tokens(s.num_tokens, i, bs) == (bs if i < len(s.block_table) - 1 else s.num_tokens - i * bs)
+        assert len(s.block_table) == math.ceil(s.num_tokens / bs) or not s.num_tokens
+
+
+def slots(at: AtStop) -> None:
+    st, v = at.state, at.values
+    bs, used = st.config.block_size, st.counts().used
+    assert num(v["used"]) == used and num(v["paged_slots"]) == used * bs
+    empty = sum(len(s.block_table) * bs - s.num_tokens for s in at.seqs() if s.block_table)
+    assert num(v["waste"]) == empty  # no block is shared in these lessons: the empty slots, counted here
+    assert num(v["entries"]) == sum(len(s.block_table) for s in at.seqs())
+    assert v["slot_util"] == f"{1 - empty / (used * bs):.0%}"
+
+
+# ---------------------------------------------------------------- 1. block tables
+def l1_admission(at: AtStop) -> None:
+    """Both prompts admitted; each got ⌈prompt / bs⌉ blocks, nothing more; the blocks allocated in
+    this step are the ones highlighted; {table} is {seq}'s table."""
+    bs = at.state.config.block_size
+    assert [s.status for s in at.seqs()] == ["running", "running"]
+    for s in at.seqs():
+        assert len(s.block_table) == math.ceil(s.prompt_tokens / bs)
+    seq = at.seq()
+    assert num(at.values["pblocks"]) == len(seq.block_table) and num(at.values["prompt"]) == seq.prompt_tokens
+    assert sorted(at.blocks) == sorted(e.block_id for e in at.of(p.Alloc))
+    assert at.values["table"] == "[" + ", ".join(f"{i}→{b}" for i, b in enumerate(seq.block_table)) + "]"
+
+
+def l1_decode(at: AtStop) -> None:
+    """One more token each into the block of its newest token; no block allocated while the last has room."""
+    bs = at.state.config.block_size
+    assert at.of(p.StepDone) and len(at.of(p.StepDone)) == 1
+    for e in at.of(p.Append):
+        s = at.state.seqs[e.seq_id]
+        assert s.block_table[(s.num_tokens - 1) // bs] in at.blocks
+    assert not at.of(p.Alloc)  # neither sequence's last block was full
+    seq = at.seq()
+    assert num(at.values["tokens"]) == seq.num_tokens
+    assert num(at.values["last_fill"]) == held_tokens(seq.num_tokens, len(seq.block_table) - 1, bs) < bs
+
+
+def l1_next_block(at: AtStop) -> None:
+    """{seq}'s last block filled up, so its next token took a new block, one more table entry."""
+    bs = at.state.config.block_size
+    (alloc,) = [e for e in at.of(p.Alloc) if e.seq_id == at.values["seq"]]
+    seq = at.seq()
+    assert alloc.logical_index == len(seq.block_table) - 1 and at.blocks == [alloc.block_id]
+    assert seq.num_tokens == alloc.logical_index * bs + 1  # its newest token is the first in it
+
+
+def l1_interleave(at: AtStop) -> None:
+    """Both sequences' physical ids interleave."""
+    a, b = [s.block_table for s in at.seqs()]
+    owner = [0 if x in a else 1 for x in sorted(a + b)]
+    assert sum(x != y for x, y in zip(owner, owner[1:])) >= 2, (a, b)
+    assert at.steps_since(at.hit.seq if at.hit else 0) >= 0
+
+
+def l1_finished(at: AtStop) -> None:
+    """{what} (the sequences that finished); their blocks went back to the free list: {free} of {total} free."""
+    done = [e.seq_id for e in at.of(p.Finish)]
+    assert done and all(f"{d}" in at.values["what"] for d in done)
+    freed = [e.block_id for e in at.of(p.Free) if e.seq_id in done]
+    assert sorted(freed) == sorted(at.blocks)
+    assert freed and all(at.state.ref_counts[b] == 0 and not at.state.has_hash[b] for b in freed)
+    assert num(at.values["free"]) == at.state.counts().free
+
+
+# ---------------------------------------------------------------- 2. fragmentation
+def l2_block_size(at: AtStop) -> None:
+    """After nine steps; only last blocks partly filled (at most bs - 1 empty each); the same memory."""
+    st = at.state
+    assert at.steps_since(max(e.seq for e in at.events if isinstance(e, p.Reset))) == 9
+    assert st.config.block_size * st.config.num_device_blocks == 2048
+    full_blocks_but_last(at)
+    slots(at)
+    assert len(at.seqs()) == 4
+
+
+def l2_side_by_side(at: AtStop) -> None:
+    l2_block_size(at)
+    assert at.values["records"].count("\n| block size ") == 3
+
+
+# ---------------------------------------------------------------- 3. reservation
+def reservation(at: AtStop) -> None:
+    st, v = at.state, at.values
+    holding = [s for s in at.seqs() if s.block_table]
+    assert num(v["reserved_slots"]) == sum(s.prompt_tokens + s.max_tokens for s in holding)
+    assert num(v["paged_slots"]) == st.counts().used * st.config.block_size < num(v["reserved_slots"])
+
+
+def l3_admission(at: AtStop) -> None:
+    """Paging holds the blocks the prompts fill, nothing more."""
+    bs = at.state.config.block_size
+    reservation(at)
+    for s in at.seqs():
+        assert len(s.block_table) == math.ceil(s.prompt_tokens / bs)
+
+
+def l3_generating(at: AtStop) -> None:
+    """After 24 steps; {saved_pct} less."""
+    reservation(at)
+    start = next(e for e in at.events if isinstance(e, p.Alloc))
+    assert at.steps_since(start.seq) == 24 + 1  # the admission's step, then 24 more
+    v = at.values
+    assert v["saved_pct"] == f"{1 - num(v['paged_slots']) / num(v['reserved_slots']):.0%}"
+
+
+def l3_short(at: AtStop) -> None:
+    """{what}: an answer ended; paging took a block only when its tokens filled the one before;
+    still running: reserved vs paged."""
+    bs = at.state.config.block_size
+    (fin,) = at.of(p.Finish)
+    added = next(e for e in at.events if isinstance(e, p.RequestAdded) and e.seq_id == fin.seq_id)
+    sampled = sum(len(e.token_ids) for e in at.events if isinstance(e, p.Append) and e.seq_id == fin.seq_id)
+    taken = [e for e in at.events if isinstance(e, p.Alloc) and e.seq_id == fin.seq_id]
+    assert len(taken) == math.ceil((added.prompt_tokens + sampled - 1) / bs)  # the tokens it filled
+    assert len({e.step for e in taken[math.ceil(added.prompt_tokens / bs):]}) == len(taken) - math.ceil(added.prompt_tokens / bs)
+    assert fin.seq_id in at.values["what"]
+    reservation(at)
+
+
+# ---------------------------------------------------------------- 4. prefix caching
+def l4_chained(at: AtStop) -> None:
+    """A's full blocks registered under chained hashes; the last one's parent is the block before it."""
+    (a,) = at.seqs("A")
+    cached = at.of(p.Cached)
+    assert [e.block_id for e in cached] == a.block_table[:len(cached)] == at.blocks
+    for prev, e in zip([None] + cached, cached):
+        assert e.parent_hash == (prev.hash if prev else None)
+    assert at.values["hash"] == cached[-1].hash and at.state.hash_of(cached[-1].block_id) == cached[-1].hash
+
+
+def l4_prefix_hit(at: AtStop) -> None:
+    """B found A's blocks by their hashes ({hits} of {pblocks}), never the block of its last prompt token."""
+    bs = at.state.config.block_size
+    (a,), (b,) = at.seqs("A"), at.seqs("B")
+    hits = [e for e in at.of(p.PrefixHit) if e.seq_id == "B"]
+    assert hits and num(at.values["hits"]) == len(hits)
+    assert [e.block_id for e in hits] == a.block_table[:len(hits)] == b.block_table[:len(hits)]
+    assert len(hits) * bs < b.prompt_tokens and len(hits) < num(at.values["pblocks"])
+    assert len(hits) <= (b.prompt_tokens - 1) // bs
+
+
+def _shared_beginning(at: AtStop) -> list[p.PrefixHit]:
+    return [e for e in at.events if isinstance(e, p.PrefixHit) and e.seq_id == "B"]
+
+
+def l4_finished(at: AtStop) -> None:
+    """A and B finished; their hashed blocks stay cached with no holder ({cached}); freed tail first,
+    the shared beginning last to lose its last holder."""
+    assert not at.seqs("A") and not at.seqs("B")
+    st = at.state
+    assert num(at.values["cached"]) == st.counts().cached > 0 and num(at.values["free"]) == st.counts().free
+    shared = {e.block_id for e in _shared_beginning(at)}
+    assert all(st.has_hash[b] and st.ref_counts[b] == 0 for b in shared)
+    last_holder_lost = [e.block_id for e in at.events if isinstance(e, p.Free) and e.ref_count == 0
+                        and e.seq_id in ("A", "B")]
+    assert set(last_holder_lost[-len(shared):]) == shared  # last in line
+    for seq_id in ("A", "B"):  # tail first
+        mine = [e for e in at.events if isinstance(e, p.Free) and e.seq_id == seq_id]
+        indices = [i for i, _ in enumerate(mine)]
+        assert indices == sorted(indices)
+        first = next(e for e in at.events if isinstance(e, p.Finish) and e.seq_id == seq_id)
+        assert all(e.seq < first.seq for e in mine)
+
+
+def l4_eviction(at: AtStop) -> None:
+    """Evicted in the order they lost their last holder: A's and B's own cached blocks first, then
+    the end of the chain they share; its beginning still cached; no held block evicted."""
+    st = at.state
+    evicted = [e.block_id for e in at.of(p.Evict)]
+    assert evicted and sorted(at.blocks) == sorted(evicted)
+    assert {at.last_holder(b, at.hit.seq) for b in evicted} <= {"A", "B"}
+    first = min(e.seq for e in at.events if isinstance(e, p.Evict))
+    lru = [e.block_id for e in at.events if isinstance(e, p.Free) and e.ref_count == 0 and e.seq < first
+           and e.seq_id in ("A", "B") and any(isinstance(c, p.Cached) and c.block_id == e.block_id
+                                              and c.seq < e.seq for c in at.events)]
+    assert evicted == lru[:len(evicted)]  # least recently used first
+    shared = [e.block_id for e in _shared_beginning(at)]
+    own = [b for b in lru if b not in shared]
+    assert set(own) <= set(evicted) and set(evicted) & set(shared)  # own blocks, then the chain's end
+    assert evicted[len(own):] == shared[::-1][:len(evicted) - len(own)]  # from its tail
+    head = _shared_beginning(at)[0]
+    assert st.hash_of(head.block_id) == head.hash and st.ref_counts[head.block_id] == 0  # still cached
+    assert not at.seqs("A") and not at.seqs("B")
+
+
+# ---------------------------------------------------------------- 5. copy-on-write
+def l5_fork(at: AtStop) -> None:
+    """The prompt computed once; every block shared by the four; the last holds {last_fill} < bs."""
+    bs = at.state.config.block_size
+    seqs = at.seqs("P")
+    assert len(seqs) == 4 and len({tuple(s.block_table) for s in seqs}) == 1
+    table = seqs[0].block_table
+    assert all(at.state.ref_counts[b] == 4 for b in table)
+    (step,) = at.of(p.StepDone)
+    assert step.prefill_tokens == seqs[0].prompt_tokens  # computed once
+    assert num(at.values["last_fill"]) == held_tokens(seqs[0].num_tokens, len(table) - 1, bs) < bs
+
+
+def l5_cow(at: AtStop) -> None:
+    """The first writers copy the shared last block ({cows} in this step); the last keeps the original."""
+    cows = at.of(p.Cow)
+    assert len(cows) == 3 and num(at.values["cows"]) == len(cows)
+    src = {e.src_block_id for e in cows}
+    assert len(src) == 1 and at.state.ref_counts[next(iter(src))] == 1
+    keeper = [s for s in at.seqs("P") if next(iter(src)) in s.block_table]
+    assert len(keeper) == 1 and keeper[0].seq_id not in {e.seq_id for e in cows}
+
+
+def l5_still_shared(at: AtStop) -> None:
+    """Twelve steps later {shared} blocks still shared: the prompt's full blocks; {cows} copies in all."""
+    bs = at.state.config.block_size
+    seqs = at.seqs("P")
+    full = seqs[0].prompt_tokens // bs
+    assert num(at.values["shared"]) == at.state.counts().shared == full
+    assert all(s.block_table[:full] == seqs[0].block_table[:full] for s in seqs)
+    assert num(at.values["cows"]) == sum(isinstance(e, p.Cow) for e in at.events) == 3
+
+
+# ---------------------------------------------------------------- 6. preemption
+def l6_swapped(at: AtStop) -> None:
+    """The newest sequence gave way by swap: its blocks {blocks} copied to the host, {moved} of them."""
+    (pre,) = at.of(p.Preempt)
+    (out,) = at.of(p.SwapOut)
+    assert pre.mode == "swap" and out.group == [pre.seq_id] == ["s3"]  # the latest arrival
+    assert at.blocks == [d for d, _ in out.mapping] and num(at.values["moved"]) == len(out.mapping)
+    s = at.state.seqs[pre.seq_id]
+    assert s.status == "swapped" and not s.block_table and len(s.host_table) == len(out.mapping)
+    assert num(at.values["total"]) == at.state.config.num_device_blocks
+
+
+def l6_back(at: AtStop) -> None:
+    """Back in with nothing computed again, {moved} copies each way."""
+    (inn,) = at.of(p.SwapIn)
+    out = [e for e in at.events if isinstance(e, p.SwapOut) and e.seq_id == inn.seq_id][-1]
+    assert num(at.values["moved"]) == len(inn.mapping) == len(out.mapping)
+    s = at.state.seqs[inn.seq_id]
+    assert s.status == "running" and s.num_tokens >= len(out.mapping) and not s.host_table
+    assert not any(isinstance(e, p.Preempt) and e.mode == "recompute" for e in at.events)
+
+
+def l6_recompute(at: AtStop) -> None:
+    """{seq} had {lost} tokens; its blocks {blocks} freed; computed again later."""
+    (pre,) = at.of(p.Preempt)
+    assert pre.mode == "recompute" and at.values["seq"] == pre.seq_id
+    s = at.state.seqs[pre.seq_id]
+    assert s.status == "waiting" and not s.block_table and s.num_tokens == 0
+    freed = [e.block_id for e in at.of(p.Free) if e.seq_id == pre.seq_id]
+    assert sorted(freed) == sorted(at.blocks)
+    lost = num(at.values["lost"])
+    assert lost > 0 and len(freed) == math.ceil(lost / at.state.config.block_size)
+
+
+# ---------------------------------------------------------------- 7. sizing
+def l7_bytes(at: AtStop) -> None:
+    """bytes per block = bs x layers x KV heads x head dim x 2 x dtype bytes, the pool's own number."""
+    v, cfg = at.values, at.state.config
+    product = cfg.block_size * num(v["layers"]) * num(v["kv_heads"]) * num(v["head_dim"]) * 2 * num(v["dtype_bytes"])
+    assert num(v["bytes_per_block"]) == product == cfg.bytes_per_block
+    assert num(v["blocks_per_gib"]) == (1 << 30) // product
+    assert num(v["tokens_per_gib"]) == (1 << 30) // product * cfg.block_size
+
+
+CLAIMS = {
+    ("01_block_tables", 0): l1_admission, ("01_block_tables", 1): l1_decode,
+    ("01_block_tables", 2): l1_next_block, ("01_block_tables", 3): l1_interleave,
+    ("01_block_tables", 4): l1_finished,
+    ("02_fragmentation", 0): l2_block_size, ("02_fragmentation", 1): l2_block_size,
+    ("02_fragmentation", 2): l2_side_by_side,
+    ("03_reservation", 0): l3_admission, ("03_reservation", 1): l3_generating, ("03_reservation", 2): l3_short,
+    ("04_prefix_caching", 0): l4_chained, ("04_prefix_caching", 1): l4_prefix_hit,
+    ("04_prefix_caching", 2): l4_finished, ("04_prefix_caching", 3): l4_eviction,
+    ("05_copy_on_write", 0): l5_fork, ("05_copy_on_write", 1): l5_cow, ("05_copy_on_write", 2): l5_still_shared,
+    ("06_preemption", 0): l6_swapped, ("06_preemption", 1): l6_back, ("06_preemption", 2): l6_recompute,
+    ("07_sizing", 0): l7_bytes, ("07_sizing", 1): l7_bytes,
+}
