@@ -115,8 +115,8 @@ function devRGB(s, i, pal) {
 }
 function hostRGB(s, i, pal) {
   const stt = hState(s.host, i);
-  if (!stt) return pal.free;
-  if (stt === 3) return pal.shared;
+  if (stt === FREE) return pal.free;
+  if (stt === SHARED) return pal.shared;
   const q = s.seqs.get(hOwner(s.host, i));
   return s.mode === "state" || !q ? pal.used : pal.seq[q[1]];
 }
