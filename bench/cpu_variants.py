@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from bench.throughput import (ISA_ENV, KVScopeSide, cpu_report, machine, make_jobs, memory_read_bandwidth,
-                              reexec_with, report, run_rounds, weight_bytes)
+from bench.throughput import (ISA_ENV, KVScopeSide, cpu_report, isa_environment, machine, make_jobs,
+                              memory_read_bandwidth, reexec_with, report, run_rounds, weight_bytes)
 from engine.model_loader import default_cache_dir, load_model
 from engine.model_runner import load_cpu_kernels
 from kernels import cpu_build, linear
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--emulate", choices=sorted(ISA_ENV), default=None, help="limit torch and oneDNN to this ISA")
     args = ap.parse_args()
     if args.emulate:
-        reexec_with(ISA_ENV[args.emulate], "bench.cpu_variants")
+        reexec_with(isa_environment(args.emulate), "bench.cpu_variants")
     print(f"bench.cpu_variants, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     load_cpu_kernels(print)

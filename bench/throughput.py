@@ -298,8 +298,7 @@ def reexec_with(want: dict[str, str], module: str = "bench.throughput") -> None:
 def cpu_report() -> str:
     flags = [f for f in cpu_build.cpu_flags() if any(f.startswith(v) or v in f for v in VECTOR_FLAGS)]
     emulated = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ}
-    return (f"CPU vector flags: {' '.join(flags) or '(none listed)'}
-"
+    return (f"CPU vector flags: {' '.join(flags) or '(none listed)'}\n"
             f"KVScope CPU kernels: {cpu_build.status()}; torch CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}" + (f"; emulating with {emulated}" if emulated else ""))
 
