@@ -266,8 +266,9 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2, isa):
 
 @pytest.mark.slow
 def test_smollm2_bf16_engine_stays_close_to_fp32_transformers(smollm2, isa):
-    """bf16 (the CPU default where it is faster: AVX512-BF16, AMX or AVX2) against the fp32
-    reference: the same next token after each prompt, and logits within bf16's precision."""
+    """bf16 (the default on CPUs with AVX512-BF16 or AMX; on the other variants bf16 weights are
+    widened to fp32 in the kernels) against the fp32 reference: the same next token after each
+    prompt, and logits within bf16's precision."""
     bf16, ref = load_model("smollm2", dtype="bfloat16"), smollm2
     engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), bf16)
     for prompt in PROMPTS[:5]:
