@@ -1,4 +1,4 @@
-// CPU kernels of the engine's decoder step, registered as torch.ops.kvscope.*.
+// CPU kernels of the engine's decoder step, registered as torch.ops.kvscope_<isa>.*.
 //
 // One source, three variants, each built by kernels/cpu_build.py into its own library and torch
 // op namespace (KVSCOPE_ISA picks one): avx512 (16-wide, AVX512-BF16 dot products where the CPU
