@@ -12,7 +12,7 @@ ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
 	--browser.gatherUsageStats false
 
-.PHONY: install test test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm
+.PHONY: install test test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,8 +40,17 @@ $(PROMTOOL):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
 
-test: install $(CHROMIUM) $(PROMTOOL)
+test: install $(CHROMIUM) $(PROMTOOL) check-arm64
 	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
+
+# the generic C++ kernels compile for arm64 (Apple Silicon under Linux, Graviton): a cross
+# compile against torch's headers (-c, no link: no arm64 torch here), Debian's cross g++ first
+AARCH64_CXX := aarch64-linux-gnu-g++
+check-arm64: install
+	command -v $(AARCH64_CXX) >/dev/null \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu; }
+	$(PY) -c 'from kernels.cpu_build import cross_check; cross_check("$(AARCH64_CXX)")'
+	@echo "check-arm64: the generic CPU kernels compile for aarch64"
 
 test-fast: install $(PROMTOOL)
 	$(PY) -m pytest -q --timeout=300 -m "not slow" $(PYTEST_ARGS) tests

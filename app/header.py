@@ -24,7 +24,8 @@ def status_line(client: EngineClient, source: Source, hosted: Hosted | None = No
     what = source.label
     if h:
         e = h.engine
-        what += f" · {e.model} on {e.device} ({e.dtype})" + (" · replay" if h.replay else "")
+        kern = f", {e.kernels} kernels" if e.kernels else ""
+        what += f" · {e.model} on {e.device} ({e.dtype}{kern})" + (" · replay" if h.replay else "")
         if h.server != "kvscope":
             what += f" · {h.server}"
     state = "died" if hosted is not None and hosted.process.died else s.state

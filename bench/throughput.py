@@ -17,7 +17,14 @@ the report gives medians over rounds, the spread (min..max), and KVScope's speed
 side as the median of its per-round time ratios. The machine may be shared: compare
 only within one run.
 
+--isa avx512|avx2|generic forces KVScope's C++ kernel variant (KVSCOPE_CPU_ISA); under avx2 both
+sides, KVScope and vLLM, also run with ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2, so an
+AVX-512 machine behaves as an AVX2 one (torch's and oneDNN's kernels; a real AVX2 CPU may differ
+in clock and memory). The report starts with the CPU's vector flags and, for the batch-1 job,
+the bytes of weights a decode step streams per second next to the machine's read bandwidth.
+
     python -m bench.throughput [--dtypes bfloat16,float32] [--rounds 3] [--vllm-python PATH | --no-vllm]
+                               [--isa avx2]
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from engine.contract.ready import ready_url
 from engine.engine import LLMEngine
 from engine.model_loader import SMOLLM2, default_cache_dir, load_model
 from engine.sequence import SamplingParams
+from kernels import cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
@@ -271,6 +279,57 @@ def server_startup_seconds(model: str, dtype: str, timeout: float = 300) -> floa
         proc.wait(30)
 
 
+# the environment that makes torch and oneDNN (in both processes) use at most these instructions
+ISA_ENV = {"avx512": {}, "generic": {},
+           "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+VECTOR_FLAGS = ("avx", "fma", "f16c", "amx", "sse4", "asimd", "sve", "bf16")
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    return {"KVSCOPE_CPU_ISA": isa, **ISA_ENV[isa]}
+
+
+def reexec_with(want: dict[str, str], module: str = "bench.throughput") -> None:
+    """torch reads ATEN_CPU_CAPABILITY and oneDNN ONEDNN_MAX_CPU_ISA when they load: start this
+    bench again with them set (vLLM's subprocess inherits them)."""
+    if any(os.environ.get(k) != v for k, v in want.items()):
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], {**os.environ, **want})
+
+
+def cpu_report() -> str:
+    flags = [f for f in cpu_build.cpu_flags() if any(f.startswith(v) or v in f for v in VECTOR_FLAGS)]
+    emulated = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ}
+    return (f"CPU vector flags: {' '.join(flags) or '(none listed)'}\n"
+            f"KVScope CPU kernels: {cpu_build.status()}; torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}" + (f"; emulating with {emulated}" if emulated else ""))
+
+
+def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s: the best of `repeats` sums over a `gib` GiB float32 tensor on every thread."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the Linear weights one decode step streams (lm_head included; embeddings read one row)."""
+    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def bandwidth_line(loaded, jobs: list[Job], res: Results, side: str, machine_gbs: float) -> str:
+    job = next((j for j in jobs if j.name == "batch 1"), None)
+    if job is None or (job.name, side) not in res.seconds:
+        return ""
+    tok_s = job.figure(statistics.median(res.seconds[(job.name, side)]))
+    mb = weight_bytes(loaded.model) / 1e6
+    return (f"batch 1 ({side}): {tok_s:.1f} tok/s x {mb:.0f} MB of weights per step = {tok_s * mb / 1e3:.1f} GB/s "
+            f"of weights (prefill included); the machine reads {machine_gbs:.1f} GB/s (torch sum over 1 GiB)")
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -298,9 +357,19 @@ def main() -> None:
                     help="comma-separated: default (torch.compile), eager, all-cores (default on every core)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where vLLM's own output goes")
     ap.add_argument("--startup", action="store_true", help="also time the engine server's start, per dtype")
+    ap.add_argument("--isa", choices=cpu_build.ISAS, default=None,
+                    help="KVScope's CPU kernel variant; avx2 also limits torch and oneDNN (both sides) to AVX2")
     args = ap.parse_args()
+    if args.isa:
+        reexec_with(isa_environment(args.isa))
     print(f"bench.throughput, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.device in (None, "cpu"):
+        from engine.model_runner import load_cpu_kernels
+        load_cpu_kernels(print)
+        print(cpu_report(), flush=True)
+        machine_gbs = memory_read_bandwidth()
+        print(f"memory read bandwidth: {machine_gbs:.1f} GB/s", flush=True)
     folder = model_folder(args.model)
     use_vllm = not args.no_vllm and args.vllm_python is not None and folder is not None
     if not use_vllm and not args.no_vllm:
@@ -333,6 +402,9 @@ def main() -> None:
             for v in vllms:
                 v.close()
         tables.append(report(jobs, sides, res, dtype_name))
+        if args.device in (None, "cpu"):
+            tables[-1] += "\n\n" + "\n".join(filter(None, (bandwidth_line(loaded, jobs, res, s.name, machine_gbs)
+                                                        for s in sides if not s.name.startswith("transformers"))))
         print(tables[-1])
         print("greedy agreement with kvscope: " + agreement(jobs, sides, res), flush=True)
         del loaded, sides

@@ -98,7 +98,8 @@ class ModelRunner:
     def info(self) -> EngineInfo:
         return EngineInfo(model=self.loaded.name, device=str(self.device),
                           dtype=str(self.dtype).removeprefix("torch."), num_layers=self.num_layers,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                          kernels=(kernels.cpu_build.isa() or "torch") if self.device.type == "cpu" else None)
 
     def bytes_per_block(self, block_size: int) -> int:
         """block_size x layers x kv heads x head dim x 2 (K and V) x bytes per element."""

@@ -44,14 +44,14 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _native(x):
         out = torch.empty_like(x)
-        torch.ops.kvscope.rms_norm(out, x, weight, eps)
+        cpu_build.ops().rms_norm(out, x, weight, eps)
         return out
     return rms_norm_torch(x, weight, eps)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     """residual += x, then x = norm(residual) * weight; both in place."""
-    (torch.ops.kvscope.add_rms_norm if _native(x) else add_rms_norm_torch)(x, residual, weight, eps)
+    (cpu_build.ops().add_rms_norm if _native(x) else add_rms_norm_torch)(x, residual, weight, eps)
 
 
 def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -59,7 +59,7 @@ def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cach
     """Rotary embedding of q [T, H, D] and k [T, KVH, D] in place (cos/sin [T, D]), then k and v
     into the cache slots."""
     if _native(q):
-        return torch.ops.kvscope.rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return cpu_build.ops().rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     rope_torch(q, k, cos, sin)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
 
@@ -67,7 +67,7 @@ def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cach
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     if _native(gate_up):
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        torch.ops.kvscope.silu_and_mul(out, gate_up)
+        cpu_build.ops().silu_and_mul(out, gate_up)
         return out
     return silu_and_mul_torch(gate_up)
 

@@ -64,7 +64,7 @@ def _prefills(out: Tensor, query: Tensor, k_cache: Tensor, v_cache: Tensor, meta
     if native and key is not None:  # planned once per step, not per layer
         spans, rest = meta.fresh_prefills
         if spans is not None:
-            torch.ops.kvscope.prefill_attention(out, query, key, value, spans, scale)
+            cpu_build.ops().prefill_attention(out, query, key, value, spans, scale)
             chunks = rest
     for p in chunks:
         # q [kvh, g, q_len, d] is a view; K/V [kvh, 1 -> g, L, d] broadcast with stride 0 (no copy)
@@ -95,14 +95,14 @@ def paged_attention_torch(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta:
 def paged_attention_cpu(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                         scale: float, key: Tensor | None = None, value: Tensor | None = None) -> Tensor:
     """Decode rows through the C++ kernel (K/V read in place through the block tables), prefill
-    chunks without a cached prefix through the C++ prefill kernel (on AVX-512), the rest as in
+    chunks without a cached prefix through the C++ prefill kernel (head_dim 64 or 128), the rest as in
     the torch path. Needs kernels.cpu_build loaded."""
     out = query.new_empty(query.shape)
     if (d := meta.decode_rows) is not None:
-        torch.ops.kvscope.decode_attention(out, query, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, scale)
+        cpu_build.ops().decode_attention(out, query, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, scale)
     if meta.max_query_len > 1:
         _prefills(out, query, k_cache, v_cache, meta, scale, key, value,
-                  native=cpu_build.has_avx512() and query.shape[-1] in (64, 128))
+                  native=query.shape[-1] in (64, 128))
     return out
 
 

@@ -3,7 +3,7 @@ with the K/V store, SiLU-and-multiply.
 
 The torch implementations spell out the Hugging Face modules' arithmetic (LlamaRMSNorm,
 apply_rotary_pos_emb, LlamaMLP) and run on every device; on the CPU the C++ kernels
-(kernels/cpu/kvscope_cpu.cpp, torch.ops.kvscope) do the same in one pass each.
+(kernels/cpu/kvscope_cpu.cpp, torch.ops.kvscope_<isa>) do the same in one pass each.
 """
 from __future__ import annotations
 

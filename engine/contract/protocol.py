@@ -54,6 +54,7 @@ class EngineInfo(Struct, kw_only=True):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kernels: str | None = None  # the C++ CPU kernel variant in use (avx512, avx2, generic) or "torch"
 
 
 # ----------------------------------------------------------------------------------- events

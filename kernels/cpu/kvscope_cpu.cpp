@@ -1,6 +1,10 @@
-// CPU kernels of the engine's decoder step, registered as torch.ops.kvscope.*.
+// CPU kernels of the engine's decoder step, registered as torch.ops.kvscope_<isa>.*.
 //
-// Built once per machine by kernels/cpu_build.py (g++ -O3 -march=native). Each op does in one
+// One source, three variants, each built by kernels/cpu_build.py into its own library and torch
+// op namespace (KVSCOPE_ISA picks one): avx512 (16-wide, AVX512-BF16 dot products where the CPU
+// has them), avx2 (8-wide AVX2 + FMA + F16C), generic (portable C++ the compiler vectorises for
+// any CPU, arm64 included; no intrinsics). The kernels are written once over the small vector
+// layer below (`vf`, W floats wide). Each op does in one
 // pass what the torch path does in several, with the same arithmetic: every intermediate that
 // the Hugging Face model rounds to the model's dtype is rounded here too (rnd<T>), so fp32
 // runs stay token-identical to transformers and bf16 runs stay as close as torch's own ops.
@@ -21,8 +25,14 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if !defined(KVSCOPE_ISA_AVX512) && !defined(KVSCOPE_ISA_AVX2) && !defined(KVSCOPE_ISA_GENERIC)
+#error "build with -DKVSCOPE_ISA_AVX512, -DKVSCOPE_ISA_AVX2 or -DKVSCOPE_ISA_GENERIC (kernels/cpu_build.py does)"
+#endif
+#if defined(KVSCOPE_ISA_AVX512) || defined(KVSCOPE_ISA_AVX2)
 #include <immintrin.h>
+#endif
+#if defined(KVSCOPE_ISA_AVX512) && defined(__AVX512BF16__)
+#define KVSCOPE_DPBF16 1  // bf16 pair dot products (the GEMV's bf16 weights)
 #endif
 
 #include <cmath>
@@ -78,6 +88,161 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// ---------------------------------------------------------------------------- the vector layer
+// vf: W floats in a register (two on AVX2: 8 lanes). load(T*) widens W elements of T to float
+// (bf16 by a 16-bit shift, fp16 by F16C); sum_lanes(a) turns W vectors into one vector of their W
+// horizontal sums; keep(a, n, fill) keeps lanes < n and puts fill in the others.
+#if defined(KVSCOPE_ISA_AVX512)
+constexpr int W = 16;
+using vf = __m512;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vf load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1u);
+}
+inline vf keep(vf a, int64_t n, float fill) { return _mm512_mask_blend_ps(lanes_below(n), set1(fill), a); }
+inline void store_n(float* p, vf a, int64_t n) { _mm512_mask_storeu_ps(p, lanes_below(n), a); }
+inline vf round_nearest(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf exp2_int(vf n) {  // 2^n for integral n in float range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// a transpose-and-add tree (45 operations, where 16 separate horizontal sums take about 130,
+// most of them in long dependency chains)
+inline vf sum_lanes(const vf* a) {
+  __m512 s[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of each of 4 inputs
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // add the 128-bit lanes pairwise, then again
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(KVSCOPE_ISA_AVX2)
+constexpr int W = 8;
+using vf = __m256;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float x) { return _mm256_set1_ps(x); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf load(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vf load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline float reduce_add(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline __m256 lanes_below(int64_t n) {  // all ones in lanes < n
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(std::max<int64_t>(n, 0), 8))), idx));
+}
+inline vf keep(vf a, int64_t n, float fill) { return _mm256_blendv_ps(set1(fill), a, lanes_below(n)); }
+inline void store_n(float* p, vf a, int64_t n) { _mm256_maskstore_ps(p, _mm256_castps_si256(lanes_below(n)), a); }
+inline vf round_nearest(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf exp2_int(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+// 8 vectors -> their 8 sums: pairwise horizontal adds within 128-bit lanes, then the two lanes
+inline vf sum_lanes(const vf* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#else
+// portable: fixed-size loops the compiler turns into the target's vector instructions
+constexpr int W = 8;
+struct vf {
+  float x[W];
+};
+template <typename F>
+inline vf each(F&& f) {
+  vf r;
+#pragma omp simd
+  for (int i = 0; i < W; ++i) r.x[i] = f(i);
+  return r;
+}
+inline vf zero() { return each([](int) { return 0.f; }); }
+inline vf set1(float v) { return each([=](int) { return v; }); }
+template <typename T> inline vf load(const T* p) { return each([=](int i) { return f32(p[i]); }); }
+inline void store(float* p, vf a) { std::memcpy(p, a.x, sizeof a.x); }
+inline vf add(vf a, vf b) { return each([&](int i) { return a.x[i] + b.x[i]; }); }
+inline vf sub(vf a, vf b) { return each([&](int i) { return a.x[i] - b.x[i]; }); }
+inline vf mul(vf a, vf b) { return each([&](int i) { return a.x[i] * b.x[i]; }); }
+inline vf fma(vf a, vf b, vf c) { return each([&](int i) { return a.x[i] * b.x[i] + c.x[i]; }); }
+inline vf vmax(vf a, vf b) { return each([&](int i) { return std::max(a.x[i], b.x[i]); }); }
+inline vf vmin(vf a, vf b) { return each([&](int i) { return std::min(a.x[i], b.x[i]); }); }
+inline float reduce_add(vf a) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += a.x[i];
+  return s;
+}
+inline float reduce_max(vf a) {
+  float m = a.x[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, a.x[i]);
+  return m;
+}
+inline vf keep(vf a, int64_t n, float fill) { return each([&](int i) { return i < n ? a.x[i] : fill; }); }
+inline void store_n(float* p, vf a, int64_t n) {
+  for (int i = 0; i < W && i < n; ++i) p[i] = a.x[i];
+}
+inline vf round_nearest(vf a) { return each([&](int i) { return (a.x[i] + 12582912.f) - 12582912.f; }); }
+inline vf exp2_int(vf n) {
+  return each([&](int i) {
+    const int32_t bits = (static_cast<int32_t>(n.x[i]) + 127) << 23;
+    float r;
+    std::memcpy(&r, &bits, sizeof r);
+    return r;
+  });
+}
+inline vf sum_lanes(const vf* a) { return each([&](int i) { return reduce_add(a[i]); }); }
+#endif
+
+// fast_exp on W lanes (the same polynomial)
+inline vf exp_lanes(vf x) {
+  x = vmin(vmax(x, set1(-87.3f)), set1(88.7f));
+  const vf n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  vf r = sub(x, mul(n, set1(0.693359375f)));
+  r = add(r, mul(n, set1(2.12194440e-4f)));
+  vf p = set1(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = add(mul(p, r), set1(c));
+  p = add(add(mul(mul(p, r), r), r), set1(1.f));
+  return mul(p, exp2_int(n));
+}
+
 void check_cpu(const char* what, std::initializer_list<const at::Tensor*> ts) {
   for (const at::Tensor* t : ts) {
     TORCH_CHECK(t->device().is_cpu(), "kvscope: ", what, " must be CPU tensors");
@@ -121,65 +286,35 @@ inline void axpy_row(float* acc, float p, const T* v, int64_t D) {
   for (int64_t d = 0; d < D; ++d) acc[d] += p * f32(v[d]);
 }
 
-#if defined(__AVX512F__)
-// 16 elements of T as 16 floats
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// 16 vectors -> one vector of their 16 horizontal sums: a transpose-and-add tree (45 operations,
-// where 16 separate horizontal sums take about 130, most of them in long dependency chains)
-inline __m512 sum16(const __m512* a) {
-  __m512 s[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of each of 4 inputs
-    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // add the 128-bit lanes pairwise, then again
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// scores of G heads against n <= 16 K rows (D = 16 * DC): s[g * s_stride + i] = sc * q_g . k_i
+// scores of G heads against n <= W K rows (D = W * DC): s[g * s_stride + i] = sc * q_g . k_i
 template <typename T, int DC>
-inline void scores16(const float* qf, float sc, const T* rows, int64_t c_tok, int n, int64_t G, float* s,
-                     int64_t s_stride) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-  __m512 acc[16];
-  alignas(64) float buf[16 * 16 * DC];  // rows in float32, converted once for all G heads
+inline void scores_tile(const float* qf, float sc, const T* rows, int64_t c_tok, int n, int64_t G, float* s,
+                        int64_t s_stride) {
+  vf acc[W];
+  alignas(64) float buf[W * W * DC];  // rows in float32, converted once for all G heads
   const float* k = buf;
-  int64_t stride = 16 * DC;
+  int64_t stride = W * DC;
   if constexpr (std::is_same_v<T, float>) {
     k = rows;
     stride = c_tok;
   } else {
     for (int i = 0; i < n; ++i)
-      for (int c = 0; c < DC; ++c) _mm512_store_ps(buf + i * 16 * DC + 16 * c, load16(rows + i * c_tok + 16 * c));
+      for (int c = 0; c < DC; ++c) store(buf + i * W * DC + W * c, load(rows + i * c_tok + W * c));
   }
   for (int64_t g = 0; g < G; ++g) {
-    __m512 q[DC];
-    for (int c = 0; c < DC; ++c) q[c] = _mm512_loadu_ps(qf + g * 16 * DC + 16 * c);
-    for (int i = 0; i < 16; ++i) {
+    vf q[DC];
+    for (int c = 0; c < DC; ++c) q[c] = load(qf + g * W * DC + W * c);
+    for (int i = 0; i < W; ++i) {
       if (i >= n) {
-        acc[i] = _mm512_setzero_ps();
+        acc[i] = zero();
         continue;
       }
-      acc[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(k + i * stride));
-      for (int c = 1; c < DC; ++c) acc[i] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + i * stride + 16 * c), acc[i]);
+      acc[i] = mul(q[0], load(k + i * stride));
+      for (int c = 1; c < DC; ++c) acc[i] = fma(q[c], load(k + i * stride + W * c), acc[i]);
     }
-    _mm512_mask_storeu_ps(s + g * s_stride, mask, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+    store_n(s + g * s_stride, mul(sum_lanes(acc), set1(sc)), n);
   }
 }
-#endif
 
 // the blocks of a table are scattered over the pool, so the hardware cannot guess the next one:
 // ask for the next block's rows of this head while the current block is computed
@@ -198,13 +333,11 @@ void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int3
     const T* kb = kc + int64_t(table[t0 / bs]) * c_blk;
     const int64_t n = std::min(bs, L - t0);
     if (t0 + bs < L) prefetch_rows(kc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
-#if defined(__AVX512F__)
     if constexpr (DC > 0) {
-      for (int64_t i = 0; i < n; i += 16)
-        scores16<T, DC>(qf, sc, kb + i * c_tok, c_tok, int(std::min<int64_t>(16, n - i)), G, s + t0 + i, L);
+      for (int64_t i = 0; i < n; i += W)
+        scores_tile<T, DC>(qf, sc, kb + i * c_tok, c_tok, int(std::min<int64_t>(W, n - i)), G, s + t0 + i, L);
       continue;
     }
-#endif
     for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, sc, kb + i * c_tok, G, D, s + t0 + i, L);
   }
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators; the sum divides at the end
@@ -215,33 +348,31 @@ void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int3
     for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
     inv[g] = 1.f / sum;
   }
-#if defined(__AVX512F__)
-  constexpr int GM = DC > 0 ? 16 / DC : 0;  // heads whose output rows fit in 16 registers at once
+  constexpr int GM = DC > 0 ? 16 / DC : 0;  // heads whose output rows fit in 16 vectors at once
   if constexpr (DC > 0) {
     if (G <= GM) {  // each V row is loaded once for all G heads; their outputs stay in registers
-      __m512 av[GM > 0 ? GM : 1][DC > 0 ? DC : 1];
+      vf av[GM > 0 ? GM : 1][DC > 0 ? DC : 1];
       for (int g = 0; g < GM; ++g)
-        for (int c = 0; c < DC; ++c) av[g][c] = _mm512_setzero_ps();
+        for (int c = 0; c < DC; ++c) av[g][c] = zero();
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
         const int64_t n = std::min(bs, L - t0);
         if (t0 + bs < L) prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
         for (int64_t i = 0; i < n; ++i) {
-          __m512 v[DC];
-          for (int c = 0; c < DC; ++c) v[c] = load16(vb + i * c_tok + 16 * c);
+          vf v[DC];
+          for (int c = 0; c < DC; ++c) v[c] = load(vb + i * c_tok + W * c);
           for (int g = 0; g < GM; ++g) {
             if (g >= G) break;
-            const __m512 p = _mm512_set1_ps(s[g * L + t0 + i]);
-            for (int c = 0; c < DC; ++c) av[g][c] = _mm512_fmadd_ps(p, v[c], av[g][c]);
+            const vf p = set1(s[g * L + t0 + i]);
+            for (int c = 0; c < DC; ++c) av[g][c] = fma(p, v[c], av[g][c]);
           }
         }
       }
       for (int g = 0; g < GM && g < G; ++g)
-        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(av[g][c], _mm512_set1_ps(inv[g])));
+        for (int c = 0; c < DC; ++c) store(acc + g * D + W * c, mul(av[g][c], set1(inv[g])));
       return;
     }
   }
-#endif
   for (int64_t g = 0; g < G; ++g) {  // any number of heads: one head at a time
     float* a = acc + g * D;
     std::fill(a, a + D, 0.f);
@@ -277,7 +408,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     work += int64_t(lens[b]) * H * D;
     longest = std::max<int64_t>(longest, lens[b]);
   }
-  auto task_fn = D == 64 ? decode_task<T, 4> : D == 128 ? decode_task<T, 8> : decode_task<T, 0>;
+  auto task_fn = D == 64 ? decode_task<T, 64 / W> : D == 128 ? decode_task<T, 128 / W> : decode_task<T, 0>;
   // dynamic: sequences differ in length, so equal halves of the task list are not equal work
 #pragma omp parallel num_threads(threads()) if (tasks > 1 && work > kParallelWork)
   {
@@ -319,94 +450,76 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
 // Causal attention of prompt chunks that have no cached prefix, straight from the step's new
 // q/k/v rows ([T, H, D] and [T, KVH, D], rows strided): chunk c is rows spans[c][0]..spans[c][1].
 // Flash-attention style, in float32: one task per (chunk, KV head, tile of 16 positions); keys
-// come 16 at a time, transposed once per tile and used by the G query heads of the KV head, so
+// come W at a time, transposed once per tile and used by the G query heads of the KV head, so
 // both products are register-blocked FMAs with no horizontal sums; softmax runs online.
-#if defined(__AVX512F__)
-// fast_exp on 16 lanes (the same polynomial as above)
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+constexpr int64_t kQueryTile = 16;  // query positions per task
 
 template <typename T, int DC>
 void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t k_row, const T* v, int64_t v_row,
                   int64_t kv_head, T* o, int64_t o_row, int64_t o_head, int64_t start, int64_t len, int64_t i0,
                   int64_t h, int64_t G, float sc) {
-  constexpr int D = 16 * DC, R = 8;  // R query rows at a time: R independent FMA chains
-  const int64_t n = std::min<int64_t>(16, len - i0);  // query positions i0..i0+n-1 of the chunk
-  alignas(64) float kt[D * 16], vf[16 * D], p[16 * 16];
-  std::vector<float> qf(G * 16 * D), acc(G * 16 * D, 0.f), m(G * 16, -std::numeric_limits<float>::infinity()),
-      l(G * 16, 0.f);
+  constexpr int D = W * DC, R = 8, QT = kQueryTile;  // R query rows at a time: R independent FMA chains
+  const int64_t n = std::min<int64_t>(QT, len - i0);  // query positions i0..i0+n-1 of the chunk
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  alignas(64) float kt[D * W], vt[W * D], p[QT * W];
+  std::vector<float> qf(G * QT * D), acc(G * QT * D, 0.f), m(G * QT, -kInf), l(G * QT, 0.f);
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < 16; ++i)
+    for (int64_t i = 0; i < QT; ++i)
       for (int c = 0; c < DC; ++c)
-        _mm512_storeu_ps(qf.data() + (g * 16 + i) * D + 16 * c,
-                         i < n ? _mm512_mul_ps(load16(q + (start + i0 + i) * q_row + (h * G + g) * q_head + 16 * c),
-                                               _mm512_set1_ps(sc))
-                               : _mm512_setzero_ps());
-  for (int64_t j0 = 0; j0 < i0 + n; j0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, len - j0);
-    // this tile's keys transposed [D][16] and values [16][D], float32, zeros past the chunk
-    for (int64_t j = 0; j < 16; ++j) {
+        store(qf.data() + (g * QT + i) * D + W * c,
+              i < n ? mul(load(q + (start + i0 + i) * q_row + (h * G + g) * q_head + W * c), set1(sc)) : zero());
+  for (int64_t j0 = 0; j0 < i0 + n; j0 += W) {
+    const int64_t nk = std::min<int64_t>(W, len - j0);
+    // this tile's W keys transposed [D][W] and values [W][D], float32, zeros past the chunk
+    for (int64_t j = 0; j < W; ++j) {
       const T* kr = k + (start + j0 + j) * k_row + h * kv_head;
       const T* vr = v + (start + j0 + j) * v_row + h * kv_head;
-      for (int d = 0; d < D; ++d) kt[d * 16 + j] = j < nk ? f32(kr[d]) : 0.f;
-      for (int c = 0; c < DC; ++c)
-        _mm512_store_ps(vf + j * D + 16 * c, j < nk ? load16(vr + 16 * c) : _mm512_setzero_ps());
+      for (int d = 0; d < D; ++d) kt[d * W + j] = j < nk ? f32(kr[d]) : 0.f;
+      for (int c = 0; c < DC; ++c) store(vt + j * D + W * c, j < nk ? load(vr + W * c) : zero());
     }
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf.data() + g * 16 * D;
-      float* ag = acc.data() + g * 16 * D;
+      const float* qg = qf.data() + g * QT * D;
+      float* ag = acc.data() + g * QT * D;
       for (int64_t r0 = 0; r0 < n; r0 += R) {
-        __m512 srow[R];
-        for (int r = 0; r < R; ++r) srow[r] = _mm512_setzero_ps();
+        vf srow[R];
+        for (int r = 0; r < R; ++r) srow[r] = zero();
         for (int d = 0; d < D; ++d) {
-          const __m512 kd = _mm512_load_ps(kt + d * 16);
-          for (int r = 0; r < R; ++r) srow[r] = _mm512_fmadd_ps(_mm512_set1_ps(qg[(r0 + r) * D + d]), kd, srow[r]);
+          const vf kd = load(kt + d * W);
+          for (int r = 0; r < R; ++r) srow[r] = fma(set1(qg[(r0 + r) * D + d]), kd, srow[r]);
         }
         for (int r = 0; r < R && r0 + r < n; ++r) {
           const int64_t i = r0 + r;
           const int64_t visible = std::min<int64_t>(nk, i0 + i - j0 + 1);  // causal: keys up to position i0 + i
-          const __mmask16 keep = visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(visible, 0)) - 1u);
-          const __m512 s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), srow[r]);
-          float& mi = m[g * 16 + i];
-          const float m_new = std::max(mi, _mm512_reduce_max_ps(s));
-          const __m512 e = _mm512_maskz_mov_ps(keep, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          const vf s = keep(srow[r], visible, -kInf);
+          float& mi = m[g * QT + i];
+          const float m_new = std::max(mi, reduce_max(s));
+          const vf e = keep(exp_lanes(sub(s, set1(m_new))), visible, 0.f);
           const float alpha = std::isinf(mi) ? 0.f : fast_exp(mi - m_new);
-          l[g * 16 + i] = l[g * 16 + i] * alpha + _mm512_reduce_add_ps(e);
+          l[g * QT + i] = l[g * QT + i] * alpha + reduce_add(e);
           mi = m_new;
-          _mm512_store_ps(p + i * 16, e);
+          store(p + i * W, e);
           float* arow = ag + i * D;
-          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(arow + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(arow + 16 * c), _mm512_set1_ps(alpha)));
+          for (int c = 0; c < DC; ++c) store(arow + W * c, mul(load(arow + W * c), set1(alpha)));
         }
       }
       for (int64_t i = 0; i < n; i += 2) {  // P V, two rows at a time: 2 * DC chains
         const bool two = i + 1 < n;
-        __m512 a0[DC], a1[DC];
+        vf a0[DC], a1[DC];
         for (int c = 0; c < DC; ++c) {
-          a0[c] = _mm512_loadu_ps(ag + i * D + 16 * c);
-          a1[c] = two ? _mm512_loadu_ps(ag + (i + 1) * D + 16 * c) : _mm512_setzero_ps();
+          a0[c] = load(ag + i * D + W * c);
+          a1[c] = two ? load(ag + (i + 1) * D + W * c) : zero();
         }
         for (int64_t j = 0; j < nk; ++j) {
-          const __m512 p0 = _mm512_set1_ps(p[i * 16 + j]), p1 = _mm512_set1_ps(two ? p[(i + 1) * 16 + j] : 0.f);
+          const vf p0 = set1(p[i * W + j]), p1 = set1(two ? p[(i + 1) * W + j] : 0.f);
           for (int c = 0; c < DC; ++c) {
-            const __m512 vj = _mm512_load_ps(vf + j * D + 16 * c);
-            a0[c] = _mm512_fmadd_ps(p0, vj, a0[c]);
-            a1[c] = _mm512_fmadd_ps(p1, vj, a1[c]);
+            const vf vj = load(vt + j * D + W * c);
+            a0[c] = fma(p0, vj, a0[c]);
+            a1[c] = fma(p1, vj, a1[c]);
           }
         }
         for (int c = 0; c < DC; ++c) {
-          _mm512_storeu_ps(ag + i * D + 16 * c, a0[c]);
-          if (two) _mm512_storeu_ps(ag + (i + 1) * D + 16 * c, a1[c]);
+          store(ag + i * D + W * c, a0[c]);
+          if (two) store(ag + (i + 1) * D + W * c, a1[c]);
         }
       }
     }
@@ -414,11 +527,10 @@ void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < n; ++i) {
       T* orow = o + (start + i0 + i) * o_row + (h * G + g) * o_head;
-      const float inv = 1.f / l[g * 16 + i];
-      for (int d = 0; d < D; ++d) orow[d] = to<T>(acc[(g * 16 + i) * D + d] * inv);
+      const float inv = 1.f / l[g * QT + i];
+      for (int d = 0; d < D; ++d) orow[d] = to<T>(acc[(g * QT + i) * D + d] * inv);
     }
 }
-#endif
 
 void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& spans, double scale) {
@@ -429,7 +541,6 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && value.scalar_type() == key.scalar_type() &&
                   out.scalar_type() == query.scalar_type() && H % KVH == 0,
               "kvscope: query, key, value and out must share a dtype; heads a multiple of KV heads");
-#if defined(__AVX512F__)
   TORCH_CHECK(D == 64 || D == 128, "kvscope: prefill_attention takes head_dim 64 or 128");
   TORCH_CHECK(key.stride(1) == value.stride(1), "kvscope: key and value must share their head stride");
   const int64_t* sp = spans.data_ptr<int64_t>();
@@ -440,13 +551,13 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
     const int64_t len = sp[2 * c + 1] - sp[2 * c];
     work += len * len * H * D / 2;
     for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t i0 = 0; i0 < len; i0 += 16) tasks.push_back({c, h, i0});
+      for (int64_t i0 = 0; i0 < len; i0 += kQueryTile) tasks.push_back({c, h, i0});
   }
   const int64_t ntasks = int64_t(tasks.size());
   const float sc = float(scale);
   dispatch(query.scalar_type(), "prefill_attention", [&](auto tag) {
     using T = decltype(tag);
-    auto fn = D == 64 ? prefill_task<T, 4> : prefill_task<T, 8>;
+    auto fn = D == 64 ? prefill_task<T, 64 / W> : prefill_task<T, 128 / W>;
     const T* q = query.data_ptr<T>();
     const T* k = key.data_ptr<T>();
     const T* v = value.data_ptr<T>();
@@ -458,9 +569,6 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
          out.stride(1), sp[2 * c], sp[2 * c + 1] - sp[2 * c], i0, h, G, sc);
     }
   });
-#else
-  TORCH_CHECK(false, "kvscope: prefill_attention needs AVX-512; the torch path handles this machine");
-#endif
 }
 
 // ---------------------------------------------------------------------------- rotary + store
@@ -597,67 +705,84 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // a linear layer is a stream of its weights: every weight row is read once, from memory, and
 // dotted with the M rows of x, which stay in L1. Output rows come in blocks of 16, each block a
 // contiguous run of weights; four weight rows are dotted at a time (four independent FMA chains),
-// and the 16 sums of each x row reduce to one vector with sum16. bf16 weights use AVX512-BF16's
-// dot product of bf16 pairs (as oneDNN does on such CPUs); fp32 weights plain FMAs.
-#if defined(__AVX512F__)
-template <typename T> struct Gemv;  // the weight chunk per step and its dot product into acc
-
-template <> struct Gemv<float> {
-  static constexpr int64_t kChunk = 16;
-  using X = __m512;
-  static X load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 dot(__m512 acc, X w, X x) { return _mm512_fmadd_ps(w, x, acc); }
+// and the W sums of each x row reduce to one vector with sum_lanes. bf16 weights: AVX512-BF16's
+// dot product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they
+// are widened to float32 as they stream in (a shift) and multiplied with x converted once to
+// float32: half the bytes of fp32 weights, the same fp32 arithmetic.
+template <typename T> struct Gemv {  // weights of T widened to float32, x in float32
+  static constexpr int64_t kChunk = W;
+  using XT = float;  // x's element type inside the kernel
+  using X = vf;
+  static X load_w(const T* p) { return load(p); }
+  static X load_x(const float* p) { return load(p); }
+  static vf dot(vf acc, X w, X x) { return fma(w, x, acc); }
 };
 
-#if defined(__AVX512BF16__)
+#if defined(KVSCOPE_DPBF16)
 template <> struct Gemv<c10::BFloat16> {
   static constexpr int64_t kChunk = 32;
+  using XT = c10::BFloat16;
   using X = __m512bh;
-  static X load(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static __m512 dot(__m512 acc, X w, X x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static X load_w(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static X load_x(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static vf dot(vf acc, X w, X x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
 #endif
 
 constexpr int64_t kAhead = 16;  // rows
+constexpr int kBlock = 16;      // output rows per task
 
 template <typename T, int M>
-void gemv_block(const T* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out, int64_t o_row) {
+void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
+                int64_t o_row) {
   using G = Gemv<T>;
-  __m512 part[M][16];
-  for (int i = 0; i < 16; i += 4) {
+  vf part[M][kBlock];
+  for (int i = 0; i < kBlock; i += 4) {
     const T* r = w + i * K;
-    __m512 acc[M][4];
+    vf acc[M][4];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) acc[m][j] = zero();
     for (int64_t k = 0; k < K; k += G::kChunk) {
       typename G::X xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = G::load(x + m * x_row + k);
+      for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
       for (int j = 0; j < 4; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K), _MM_HINT_T0);
-        const typename G::X wv = G::load(r + j * K + k);
+        __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
+        const typename G::X wv = G::load_w(r + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = G::dot(acc[m][j], wv, xs[m]);
       }
     }
     for (int m = 0; m < M; ++m)
       for (int j = 0; j < 4; ++j) part[m][i + j] = acc[m][j];
   }
-  const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
-  for (int m = 0; m < M; ++m) {
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, _mm512_add_ps(sum16(part[m]), b));
-    for (int i = 0; i < 16; ++i) out[m * o_row + i] = to<T>(sums[i]);
+  for (int b0 = 0; b0 < kBlock; b0 += W) {
+    const vf b = bias ? load(bias + b0) : zero();
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float sums[W];
+      store(sums, add(sum_lanes(part[m] + b0), b));
+      for (int i = 0; i < W; ++i) out[m * o_row + b0 + i] = to<T>(sums[i]);
+    }
   }
 }
 
 template <typename T, int M>
 void gemv_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const T* bias) {
-  const int64_t N = w.size(0), K = w.size(1), x_row = x.stride(0), o_row = out.stride(0);
+  using XT = typename Gemv<T>::XT;
+  const int64_t N = w.size(0), K = w.size(1), o_row = out.stride(0);
   const T* xp = x.data_ptr<T>();
+  int64_t x_row = x.stride(0);
+  std::vector<float> xf;  // x in float32, once, when the weights are widened to it
+  if constexpr (!std::is_same_v<XT, T>) {
+    xf.resize(M * K);
+    for (int m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = f32(xp[m * x_row + k]);
+    x_row = K;
+  }
+  const XT* xk = reinterpret_cast<const XT*>(std::is_same_v<XT, T> ? static_cast<const void*>(xp) : xf.data());
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
 #pragma omp parallel for num_threads(threads()) schedule(static) if (N * K > kParallelWork)
-  for (int64_t n = 0; n < N; n += 16)
-    gemv_block<T, M>(xp, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
+  for (int64_t n = 0; n < N; n += kBlock)
+    gemv_block<T, M>(xk, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
 }
 
 template <typename T>
@@ -670,7 +795,6 @@ void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const 
     default: return gemv_rows<T, 4>(out, x, w, b);
   }
 }
-#endif
 
 void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   check_cpu("out, x and w", {&out, &x, &w});
@@ -681,21 +805,29 @@ void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::o
                   bias->numel() == w.size(0) && bias->scalar_type() == w.scalar_type())),
               "kvscope: gemv wants x [M <= 4, K], w [N, K] contiguous with N a multiple of 16, out [M, N], "
               "one dtype");
-#if defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat && w.size(1) % Gemv<float>::kChunk == 0)
     return gemv_impl<float>(out, x, w, bias);
-#if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && w.size(1) % Gemv<c10::BFloat16>::kChunk == 0)
     return gemv_impl<c10::BFloat16>(out, x, w, bias);
-#endif
-#endif
   TORCH_CHECK(false, "kvscope: gemv has no kernel for ", x.scalar_type(), " with K = ", w.size(1),
-              " on this CPU (float32 needs AVX-512 and K % 16 == 0, bfloat16 AVX512-BF16 and K % 32 == 0)");
+              " (it takes float32 and bfloat16, K a multiple of ", Gemv<c10::BFloat16>::kChunk, ")");
 }
 
 }  // namespace
 
-TORCH_LIBRARY(kvscope, m) {
+// one namespace per variant (torch.ops.kvscope_avx512, ...), so that several load in one process
+#if defined(KVSCOPE_ISA_AVX512)
+#define KVSCOPE_NS kvscope_avx512
+#elif defined(KVSCOPE_ISA_AVX2)
+#define KVSCOPE_NS kvscope_avx2
+#else
+#define KVSCOPE_NS kvscope_generic
+#endif
+// a level of indirection, so KVSCOPE_NS expands before TORCH_LIBRARY pastes it into names
+#define KVSCOPE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define KVSCOPE_LIBRARY_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+
+KVSCOPE_LIBRARY(KVSCOPE_NS, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor rows, float scale) -> ()");
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor spans, float scale) -> ()");
@@ -707,7 +839,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+KVSCOPE_LIBRARY_IMPL(KVSCOPE_NS, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("prefill_attention", &prefill_attention);
   m.impl("rope_store", &rope_store);
