@@ -157,13 +157,16 @@ class FleetIndex:
         return sorted(out, key=lambda s: -s.cached_tokens)
 
     def route(self, tokens: Sequence[int], free_blocks: Mapping[str, int] | None = None) -> str | None:
-        """The engine a prefix-aware router picks: the most cached tokens; a tie goes to the
-        engine with the most free blocks, then by name."""
-        scores = self.score(tokens)
-        if not scores:
-            return None
-        free = free_blocks or {}
-        return min(scores, key=lambda s: (-s.cached_tokens, -free.get(s.engine, 0), s.engine)).engine
+        """The engine a prefix-aware router picks for `tokens` (see `pick`)."""
+        return pick(self.score(tokens), free_blocks)
+
+
+def pick(scores: Sequence[Score], free_blocks: Mapping[str, int] | None = None) -> str | None:
+    """The engine a prefix-aware router picks: the most cached tokens; a tie goes to the engine
+    with the most free blocks, then by name."""
+    free = free_blocks or {}
+    best = min(scores, key=lambda s: (-s.cached_tokens, -free.get(s.engine, 0), s.engine), default=None)
+    return best.engine if best else None
 
 
 def _prefix_blocks(chain: list[str], have: set[str]) -> int:
