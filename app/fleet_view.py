@@ -263,22 +263,27 @@ def load_panel(fleet: Fleet) -> None:
         n = c[0].number_input("Requests", 1, 256, 12, key="fleet_n")
         systems = c[1].number_input("System prompts", 1, len(fleet_load.SYSTEM_PROMPTS), 3, key="fleet_systems")
         max_tokens = st.number_input("Max tokens", 1, 512, 16, key="fleet_max_tokens")
-        targets = [e for e in fleet.members() if e.client is not None and e.client.status.state == "connected"
-                   and e.client.supports("submit")]
-        if st.button("Send", type="primary", width="stretch", disabled=not targets, key="fleet_send"):
+        if st.button("Send", type="primary", width="stretch", key="fleet_send"):
+            targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
             plan = fleet_load.assign(fleet_load.workload(int(n), int(systems), f"{policy[:2]}{next(_runs)}"),
                                      [e.name for e in targets], policy)
             failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].client.send(cmd), int(max_tokens))
-            sent = len(plan) - len(failed)
-            st.session_state["fleet_sent"] = (f"sent {sent} of {len(plan)} requests {policy} to "
-                                              f"{len(targets)} engines" + (f"; failed: {failed}" if failed else ""))
+            st.session_state["fleet_sent"] = (
+                f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
+                + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
         if msg := st.session_state.get("fleet_sent"):
             st.caption(msg)
         if st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
                      help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)"):
-            for e in targets:
+            for e in takers(fleet):
                 if e.client.supports("clear_prefix_cache"):
                     e.client.send(p.ClearPrefixCache())
+
+
+def takers(fleet: Fleet) -> list:
+    """The engines that take prompts now: live WebSocket engines whose server carries out `submit`."""
+    return [e for e in fleet.members() if e.client is not None and e.client.status.state == "connected"
+            and e.client.supports("submit")]
 
 
 # ------------------------------------------------------------------------------ leaving and coming back
