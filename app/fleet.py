@@ -106,25 +106,39 @@ def load_fleet(path: str | Path) -> list[Endpoint]:
 
 def kv_event_sources(api: str, timeout: float = 3.0) -> list[Endpoint] | None:
     """The KV-event endpoint of every data-parallel rank a vLLM server lists at `GET
-    /kv_event_sources` (a JSON array of {data_parallel_rank, endpoint, replay_endpoint, topic}),
-    named after the server's host and the rank; None when it does not answer there (docs/fleet.md
-    says which versions do). A wildcard host (`tcp://*:5557`) becomes the server's host."""
+    /kv_event_sources`, or None when it does not answer there. vLLM 0.32 answers a JSON object
+    keyed by rank, each its KV-events config (`endpoint`, `replay_endpoint`, `topic`); newer
+    servers a list of {data_parallel_rank, endpoint, replay_endpoint, topic}. A config every rank
+    shares is the base one, which vLLM's publisher offsets by the rank; a wildcard host
+    (`tcp://*:5557`) becomes the server's host."""
     try:
         with urllib.request.urlopen(api.rstrip("/") + "/kv_event_sources", timeout=timeout) as r:
-            items = json.loads(r.read())
+            body = json.loads(r.read())
     except (OSError, ValueError):
         return None
-    if not isinstance(items, list):
+    if isinstance(body, dict):
+        items = [{**cfg, "data_parallel_rank": int(rank)} for rank, cfg in body.items() if isinstance(cfg, dict)]
+    elif isinstance(body, list):
+        items = [x for x in body if isinstance(x, dict)]
+    else:
         return None
+    items = [x for x in items if x.get("endpoint") and x.get("enable_kv_cache_events", True)]
+    shared = len(items) > 1 and len({x["endpoint"] for x in items}) == 1
     host = urlsplit(api).hostname or "127.0.0.1"
+
+    def where(url: str, rank: int) -> str:
+        parts = urlsplit(url.replace("*", host))
+        if shared and rank and parts.port:
+            parts = parts._replace(netloc=f"{parts.hostname}:{parts.port + rank}")
+        return urlunsplit(parts)
+
     out = []
-    for i, it in enumerate(x for x in items if isinstance(x, dict) and x.get("endpoint")):
+    for it in sorted(items, key=lambda x: x["data_parallel_rank"] if "data_parallel_rank" in x else 0):
         rank = int(it.get("data_parallel_rank") or 0)
-        url = str(it["endpoint"]).replace("*", host)
-        query = [f"replay={str(it['replay_endpoint']).replace('*', host)}"] if it.get("replay_endpoint") else []
+        query = [f"replay={where(str(it['replay_endpoint']), rank)}"] if it.get("replay_endpoint") else []
         query += [f"topic={it['topic']}"] if it.get("topic") else []
-        out.append(Endpoint(f"{host}-rank{rank}" if rank or len(items) > 1 else host,
-                            url + ("?" + "&".join(query) if query else ""), "kv-events", api, rank))
+        out.append(Endpoint(f"{host}-rank{rank}", where(str(it["endpoint"]), rank) + ("?" + "&".join(query) if query else ""),
+                            "kv-events", api, rank))
     return out
 
 

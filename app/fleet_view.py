@@ -245,7 +245,7 @@ def engines_panel(fleet: Fleet) -> None:
         if st.button("Find ranks", key="fleet_find_go", disabled=not api.strip()):
             found = kv_event_sources(api.strip())
             if found is None:
-                st.error(f"{api} does not answer GET /kv_event_sources (vLLM 0.32 has no such route): "
+                st.error(f"{api} does not answer GET /kv_event_sources (a server without that route): "
                          "add each rank's endpoint by hand")
             for e in found or []:
                 try:
