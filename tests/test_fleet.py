@@ -146,6 +146,9 @@ def test_fleet_files(tmp_path):
                     '[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"\nkind = "kv-events"\n')
     a, b = load_fleet(good)
     assert a.address == "ws://127.0.0.1:8766" and b.kind == "kv-events"
+    from app.source import Source, from_command_line
+    assert from_command_line(["--fleet", str(good)], {}) == Source("fleet", path=str(good.resolve()))
+    assert from_command_line(["--fleet"], {}) == Source("fleet", path="")  # an empty fleet, filled from the sidebar
     for text, says in [('[[engine]]\nname = "a"\n', "no url"),
                        ('[[engine]]\nurl = "http://x"\n', "starts with ws://"),
                        ('[[engine]]\nurl = "ws://x:1"\nkind = "sglang"\n', "kind must be"),
