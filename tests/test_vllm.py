@@ -379,7 +379,18 @@ def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload
 
 
 def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(vllm, second, fleet):
-    second.proc.kill()
+    import os
+    import signal
+
+    from tests.test_browser import children
+
+    # the whole server: vLLM's engine core (where the plugin's WebSocket lives) is a child of its API server
+    doomed, todo = [], [second.proc.pid]
+    while todo:
+        doomed.append(todo.pop())
+        todo += children(doomed[-1])
+    for pid in doomed:
+        os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     rows = wait(lambda: (r := {x.name: x for x in fleet.rows()})["b"].state == "down" and r, 20, "b marked down")
     assert time.monotonic() - t0 < 20 and rows["a"].state == "live"
