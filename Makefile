@@ -12,7 +12,7 @@ ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
 	--browser.gatherUsageStats false
 
-.PHONY: install test test-wheel test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64
+.PHONY: install test test-wheel test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64 run-fleet
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -109,6 +109,11 @@ test-vllm: install vllm-venv
 run-vllm: install vllm-venv
 	@echo "KVScope on vLLM: open http://localhost:$(PORT) in a browser (vLLM loads first, about a minute)"
 	$(PY) -m streamlit run app/main.py $(STREAMLIT_FLAGS) -- --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
+
+# two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
+FLEET_BLOCKS ?= 96
+run-fleet: install vllm-venv
+	$(PY) -m app.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
 
 # vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
 bench-vllm: vllm-venv

@@ -20,7 +20,8 @@ from app.source import VLLM_PYTHON, Source, recordings
 from app.words import plural
 
 SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
-         "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)"}
+         "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)",
+                "fleet": "A fleet of engines"}
 PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
 _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay unique across sessions
 
@@ -55,6 +56,10 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
             tok = st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok",
                                 help="a folder with tokenizer.json, to show the text of each block")
             new = Source("kv_events", url=url.strip(), tokenizer=tok.strip())
+        elif kind == "fleet":
+            path = st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
+                                 help="a TOML file listing engines (docs/fleet.md); empty: add them on the fleet page")
+            new = Source("fleet", path=str(Path(path).expanduser().resolve()) if path.strip() else "")
         else:
             files = [str(f) for f in recordings()]
             if source.kind == "replay" and source.path not in files:
@@ -73,6 +78,8 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                 st.error(f"No recording at {new.path}")
             elif new.kind == "vllm" and not VLLM_PYTHON.exists():
                 st.error("vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)")
+            elif new.kind == "fleet" and new.path and not Path(new.path).is_file():
+                st.error(f"No fleet file at {new.path}")
             elif new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
                 st.error("The endpoint must start with tcp:// or ipc://")
             else:

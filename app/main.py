@@ -16,8 +16,8 @@ from streamlit import config as st_config
 
 from engine.contract import protocol as p
 from engine.contract.kinds import DEFAULT_LOG_KINDS
-from app import (controls, eventlog, grid, header, history_panels, kv_events_view, lab_view, lessons_view, tables,
-                 timeline, travel)
+from app import (controls, eventlog, fleet_view, grid, header, history_panels, kv_events_view, lab_view, lessons_view,
+                 tables, timeline, travel)
 from app.client import EngineClient, View
 from app import trace_download
 from app.commands import show_replies
@@ -294,10 +294,13 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 def main() -> None:
     st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide", initial_sidebar_state="expanded")
     source: Source = st.session_state.setdefault("source", from_command_line())
-    client, hosted = (None, None) if source.kind == "kv_events" else pick(source)
+    client, hosted = (None, None) if source.kind in ("kv_events", "fleet") else pick(source)
     with st.sidebar:
         st.markdown("## :material/grid_view: KVScope\nA paged KV cache, live: every block the allocator hands out.")
+        fleet_view.back_button()
         controls.connection(source, client, hosted)
+    if source.kind == "fleet":  # many engines: a page of its own
+        return fleet_view.page(source)
     if source.kind == "kv_events":  # no pool, no engine: a page of its own
         return kv_events_view.page(source)
     if client is None:

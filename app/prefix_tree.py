@@ -38,7 +38,7 @@ CSS = """<style>
 </style>"""
 
 
-def _chip(node: Node, victim: str | None, lit: set[int], text: str) -> str:
+def _chip(node: Node, victim: str | None, lit: set[int], text: str, color: str | None = None) -> str:
     cls = "n" + (" cached" if node.state == CACHED_ONLY else "") + (" victim" if node.key == victim else "") \
         + (" lit" if node.block is not None and node.block in lit else "")
     name = f"{node.block}" if node.block is not None else node.key[:6]
@@ -51,7 +51,7 @@ def _chip(node: Node, victim: str | None, lit: set[int], text: str) -> str:
         "" if node.state == UNKNOWN else f"{node.hits} hits",
         f"stored at {node.stored:g}", f"on {node.medium}" if node.medium else "",
         "next to be evicted" if node.key == victim else "", repr(text) if text else "") if x)
-    return (f'<span class="{cls}" style="--c:{STATE_COLORS[node.state]}" title="{escape(title)}">'
+    return (f'<span class="{cls}" style="--c:{color or STATE_COLORS[node.state]}" title="{escape(title)}">'
             f'<span class="id">{escape(name)}{held}</span>'
             + (f'<span class="tx">{escape(text)}</span>' if text else "")
             + (f'<span class="h">{plural(node.hits, "hit")}</span>' if node.hits else "")
@@ -60,9 +60,10 @@ def _chip(node: Node, victim: str | None, lit: set[int], text: str) -> str:
 
 
 def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozenset(), max_nodes: int = 400,
-           max_chain: int = 24, text: Callable[[Node], str] = lambda n: n.label) -> str:
+           max_chain: int = 24, text: Callable[[Node], str] = lambda n: n.label,
+           color: Callable[[Node], str] | None = None) -> str:
     """The forest as HTML: one row per chain, branches indented below their parent's row; a
-    chip shows `text(node)` (its label unless told)."""
+    chip shows `text(node)` (its label unless told), coloured by `color(node)` (its state unless told)."""
     stats, victim = forest.stats(), forest.victim
     if not forest.nodes:
         return CSS + ('<div class="pt"><div class="sum">The prefix cache is empty: full blocks are registered '
@@ -71,7 +72,7 @@ def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozense
     shown = 0
 
     def chip(n: Node) -> str:
-        return _chip(n, victim, highlight, text(n))
+        return _chip(n, victim, highlight, text(n), color(n) if color else None)
 
     def branch(node: Node) -> None:
         nonlocal shown

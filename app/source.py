@@ -8,9 +8,10 @@ KV-event stream of a vLLM / SGLang / TensorRT-LLM server.
     streamlit run app/main.py -- --replay assets/demo_recording.jsonl [--speed 2]
     streamlit run app/main.py -- --vllm [MODEL] [--num-blocks 128]      # other flags go to vllm serve
     streamlit run app/main.py -- --kv-events tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558] [--tokenizer DIR]
+    streamlit run app/main.py -- --fleet fleet.toml                    # many engines side by side (docs/fleet.md)
 
 The same settings can come from the environment (KVSCOPE_ENGINE, KVSCOPE_TOKEN,
-KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_VLLM, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER), which is how
+KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_VLLM, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER, KVSCOPE_FLEET), which is how
 the tests choose.
 """
 from __future__ import annotations
@@ -29,10 +30,10 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 @dataclass(frozen=True)
 class Source:
-    kind: Literal["embedded", "attach", "replay", "vllm", "kv_events"] = "embedded"
+    kind: Literal["embedded", "attach", "replay", "vllm", "kv_events", "fleet"] = "embedded"
     url: str = ""                       # attach, kv_events
     token: str = ""                     # attach
-    path: str = ""                      # replay
+    path: str = ""                      # replay; fleet: its fleet file ("": an empty fleet)
     speed: float = 1.0                  # replay
     model: str = "smollm2"              # embedded
     engine_args: tuple[str, ...] = ()   # embedded: further engine.server flags; vllm: serve's
@@ -48,6 +49,8 @@ class Source:
             return f"vLLM ({Path(self.model).name}) with the KVScope plugin"
         if self.kind == "kv_events":
             return f"KV events from {self.url}"
+        if self.kind == "fleet":
+            return f"fleet of {Path(self.path).name}" if self.path else "fleet"
         return f"embedded engine ({self.model})"
 
     def server_args(self) -> tuple[str, tuple[str, ...]]:
@@ -85,8 +88,12 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
                     help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")
     ap.add_argument("--tokenizer", default=env.get("KVSCOPE_TOKENIZER", ""),
                     help="with --kv-events: a folder with tokenizer.json, for block text")
+    ap.add_argument("--fleet", nargs="?", const="", default=env.get("KVSCOPE_FLEET"),
+                    help="a fleet file listing engines (docs/fleet.md); alone: an empty fleet, filled from the sidebar")
     args, rest = ap.parse_known_args(argv)
     rest += shlex.split(env.get("KVSCOPE_ENGINE_ARGS", ""))
+    if args.fleet is not None:
+        return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "")
     if args.kv_events:
         return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)
     if args.vllm is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from collections import Counter
 
 import numpy as np
@@ -33,9 +34,14 @@ FILLER = ("the pool holds fixed size blocks of keys and values and each sequence
           "blocks through a block table to physical blocks anywhere in the pool").split()
 
 
+# the same hash seed on every server here, so that their block hashes agree (docs/fleet.md); dev
+# mode for /reset_prefix_cache
+SAME_HASHES = {"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
+
+
 @pytest.fixture(scope="module")
 def vllm():
-    server = VllmServer(BLOCKS).start()
+    server = VllmServer(BLOCKS, env=SAME_HASHES).start()
     yield server
     server.stop()
 
@@ -288,3 +294,129 @@ def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard)
     assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
     data = wait(lambda: grid_data(at.run()), 240, "vLLM's pool in the grid")
     assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception
+
+
+# ---------------------------------------------------------------------------- a fleet of two vLLMs
+@pytest.fixture(scope="module")
+def second(vllm):
+    server = VllmServer(BLOCKS, env=SAME_HASHES).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fleet(vllm, second):
+    from app.fleet import Endpoint, Fleet
+
+    for server in (vllm, second):  # from an empty prefix cache: every block's tokens seen by the fleet
+        with urllib.request.urlopen(urllib.request.Request(server.api + "/reset_prefix_cache", b"", method="POST"),
+                                    timeout=30) as r:
+            assert r.status == 200
+    f = Fleet.of([Endpoint("a", vllm.ws, "vllm-plugin", vllm.api), Endpoint("b", second.ws, "vllm-plugin", second.api)])
+    wait(lambda: all(r.state == "live" for r in f.rows()), 60, "both vLLMs live in the fleet")
+    wait(lambda: not f.index().holders, 30, "empty prefix caches")
+    yield f
+    f.close()
+
+
+def chat(server: VllmServer, system: str, question: str, max_tokens: int = 8) -> dict:
+    return server.post("/v1/chat/completions", {"model": BUNDLED.name, "max_tokens": max_tokens, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]})
+
+
+def snapshot_hashes(server: VllmServer) -> Counter:
+    c = Client(server.ws)
+    try:
+        return Counter(c.state.hash_strings(np.flatnonzero(c.state.has_hash)))
+    finally:
+        c.close()
+
+
+def settled(fleet, servers) -> None:
+    """Until the fleet's view of each server's cached blocks equals the server's own snapshot."""
+    def same():
+        return all(Counter(x.server_hash for x in fleet.engines[n].contents()) == snapshot_hashes(s)
+                   for n, s in zip("ab", servers))
+    wait(same, 60, "the fleet's cached blocks to equal the servers' snapshots")
+
+
+def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_as_vllm_reuses(vllm, second, fleet):
+    from app.fleet import tokenize
+
+    for k, q in enumerate(QUESTIONS):
+        chat(vllm, SYSTEMS[0], q)
+        chat(second, SYSTEMS[k % 2], q)  # SYSTEMS[0] on both: duplicated
+    settled(fleet, (vllm, second))
+    ix = fleet.index()
+    snaps = [snapshot_hashes(vllm), snapshot_hashes(second)]
+    both = snaps[0] + snaps[1]
+    dup = sum(n - 1 for n in both.values())
+    assert ix.unknown_blocks() == 0 and ix.hash_disagreements() == 0  # content and hashes agree
+    assert dup >= 3 and ix.duplicated_blocks() == dup
+    bpb = {r.name: r.bytes_per_block for r in fleet.rows()}
+    assert bpb["a"] == bpb["b"] > 0 and ix.duplicated_bytes() == dup * bpb["a"]
+    forest = ix.forest()  # the merged forest: the union of both caches, each content once
+    assert len(forest.nodes) == len(both) and sum(n.copies for n in forest.nodes.values()) == sum(both.values())
+    # a prompt scored per engine, then sent to each: the cached-prefix length equals vLLM's cached_tokens
+    chat_prefix = SYSTEMS[1] * 2  # a completion prompt that b has seen the start of, a has not
+    second.post("/v1/completions", {"model": BUNDLED.name, "prompt": chat_prefix + " First.", "max_tokens": 2})
+    vllm.post("/v1/completions", {"model": BUNDLED.name, "prompt": SYSTEMS[0] + " First.", "max_tokens": 2})
+    settled(fleet, (vllm, second))
+    for prompt, best in ((chat_prefix + " Which book about the sea?", "b"), (SYSTEMS[0] + " Which gauge?", "a")):
+        ix = fleet.index()
+        scores = {}
+        for name in "ab":
+            ids = tokenize(fleet.engines[name], prompt)
+            scores[name] = next(s for s in ix.score(ids) if s.engine == name)
+        assert scores[best].cached_tokens >= 64 and ix.route(tokenize(fleet.engines["a"], prompt)) == best
+        for name, server in zip("ab", (vllm, second)):
+            out = server.post("/v1/completions", {"model": BUNDLED.name, "prompt": prompt, "max_tokens": 2})
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == scores[name].reusable_tokens, (name, prompt)
+
+
+def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload(vllm, second, fleet):
+    from app import fleet_load
+
+    servers = {"a": vllm, "b": second}
+    dup = {}
+    for policy in ("round-robin", "affinity"):
+        for server in servers.values():
+            with urllib.request.urlopen(urllib.request.Request(server.api + "/reset_prefix_cache", b"", method="POST"),
+                                        timeout=30):
+                pass
+        wait(lambda: not fleet.index().holders, 30, "empty prefix caches")
+        for name, req in fleet_load.assign(fleet_load.workload(6, 3, policy), ["a", "b"], policy):
+            chat(servers[name], req.system, req.question)
+        settled(fleet, (vllm, second))
+        dup[policy] = fleet.index().duplicated_blocks()
+    assert dup["round-robin"] > dup["affinity"], dup
+
+
+def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(vllm, second, fleet):
+    import os
+    import signal
+
+    from tests.test_browser import children
+
+    # the whole server: vLLM's engine core (where the plugin's WebSocket lives) is a child of its API server
+    doomed, todo = [], [second.proc.pid]
+    while todo:
+        doomed.append(todo.pop())
+        todo += children(doomed[-1])
+    for pid in doomed:
+        os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    rows = wait(lambda: (r := {x.name: x for x in fleet.rows()})["b"].state == "down" and r, 20, "b marked down")
+    assert time.monotonic() - t0 < 20 and rows["a"].state == "live"
+    before = rows["a"].cached
+    chat(vllm, SYSTEMS[1], "Anything about whales?")
+    wait(lambda: {x.name: x for x in fleet.rows()}["a"].cached > before, 30, "a's numbers to move while b is down")
+
+
+def test_m_find_ranks_reads_vllms_kv_event_sources(vllm):
+    """vLLM 0.32's GET /kv_event_sources (a config per data-parallel rank) gives the fleet this
+    server's KV-event endpoint, the same the test started it with."""
+    from app.fleet import kv_event_sources
+
+    found = kv_event_sources(vllm.api)
+    assert found is not None and [(e.url, e.kind, e.rank) for e in found] == [(vllm.kv_events, "kv-events", 0)]

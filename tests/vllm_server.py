@@ -31,6 +31,7 @@ class VllmServer:
     api: str = ""
     ws: str = ""
     kv_events: str = ""         # tcp://... with ?replay=...
+    env: dict = field(default_factory=dict)  # more environment for vLLM
     lines: deque = field(default_factory=lambda: deque(maxlen=400))
     proc: subprocess.Popen | None = None
 
@@ -40,7 +41,7 @@ class VllmServer:
         self.kv_events = f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
-        env = {**os.environ, "KVSCOPE_PORT": "0", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "KVSCOPE_PORT": "0", "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "integrations.vllm.serve", "--port", str(port),
              "--num-blocks", str(self.num_blocks), "--", "--kv-events-config", json.dumps(events)],

@@ -149,7 +149,8 @@ class PoolObserver:
         self.tables[rid], self.tokens[rid], self.outputs[rid] = [], 0, 0
         self.prompts[rid] = req.prompt_token_ids or []
         self._emit(p.RequestAdded(request_id=request_group(rid), seq_id=rid,
-                                  prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens))
+                                  prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens,
+                                  prompt_token_ids=list(self.prompts[rid])))  # content identity (docs/fleet.md)
 
     def _processed(self, req) -> int:
         """Tokens whose KV vLLM holds: computed minus those still in flight, as vLLM advances
