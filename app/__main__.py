@@ -13,6 +13,10 @@ MAIN = Path(__file__).resolve().parent / "main.py"
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):  # say how to use it, start nothing
+        from app.source import parser
+        parser(prog="kvscope").print_help()
+        return
     argv = [sys.executable, "-m", "streamlit", "run", str(MAIN), "--server.headless", "true",
             "--browser.gatherUsageStats", "false", "--", *sys.argv[1:]]
     os.execv(sys.executable, argv)

@@ -164,9 +164,11 @@ def scenarios(client: EngineClient, view: View) -> None:
 
 def _follow(key: str, engine_value) -> None:
     """Keep a widget on the engine's value when the engine changes it (another tab, a reset),
-    without fighting the user's own edits in between."""
+    without fighting the user's own edits in between. A widget whose state Streamlit dropped
+    (not drawn in a run: another mode, a fresh tab's racing reruns) gets the engine's value
+    again, never its own minimum."""
     seen = f"{key}__engine"
-    if st.session_state.get(seen) != engine_value:
+    if st.session_state.get(seen) != engine_value or key not in st.session_state:
         st.session_state[seen] = st.session_state[key] = engine_value
 
 

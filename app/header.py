@@ -6,6 +6,7 @@ import time
 
 import streamlit as st
 
+from app import vllm_counters
 from app.client import EngineClient, View
 from app.connection import Hosted
 from app.source import Source
@@ -28,6 +29,8 @@ def status_line(client: EngineClient, source: Source, hosted: Hosted | None = No
             what += f" · {h.server}"
     state = "died" if hosted is not None and hosted.process.died else s.state
     text = f":{CONNECTION_COLORS.get(state, 'red')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+    if h and h.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
+        text += f" · OpenAI API `{h.api_url}/v1`"
     if state not in ("connected", "died"):
         text += (f" · attempt {s.attempts}" if state == "reconnecting" else "") + (f" · {s.last_error}" if s.last_error else "")
     if state != "connected":
@@ -80,6 +83,8 @@ def metrics(view: View, client: EngineClient) -> None:
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}. Found tokens are not computed again.")
+    if client.hello and client.hello.api_url and client.hello.server.startswith("vllm"):
+        vllm_hit_rate(row[2], client.hello.api_url)
     row[3].metric("Tokens/s", f"{tl.tokens_per_s(now):,.1f}",
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
                   help=f"Generated tokens per second of engine time, over the last 3 s ({tl.generated:,} in all).")
@@ -100,6 +105,14 @@ def metrics(view: View, client: EngineClient) -> None:
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
     if tl.since != "engine start":  # counters cover only what this client saw
         st.caption(f"Counters since {tl.since}; pool usage and sequences are the whole engine's.")
+
+
+def vllm_hit_rate(where, api_url: str) -> None:
+    """vLLM's own prefix-cache counters under KVScope's rate, labelled (they count differently)."""
+    c = vllm_counters.counters(api_url)
+    text = (f"vLLM's counter: **{c.rate:.0%}** · {c.hits:,.0f} / {c.queries:,.0f} tokens" if c
+            else "vLLM's counter: reading its /metrics…")
+    where.caption(text, help=vllm_counters.HELP)
 
 
 def reservation_card(view: View) -> None:

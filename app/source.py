@@ -69,11 +69,19 @@ def recordings() -> list[Path]:
     return sorted((ROOT / "assets").glob("*.jsonl"))
 
 
-def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Source:
+EPILOG = """Any other flag goes to the embedded engine (kvscope-engine --help lists them: --model,
+--num-device-blocks, --num-host-blocks, --block-size, ...) or, with --vllm, to `vllm serve`.
+Streamlit's own options come from the environment, e.g. STREAMLIT_SERVER_PORT=8502 kvscope."""
+
+
+def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/main.py --") -> argparse.ArgumentParser:
+    """The dashboard's own flags (defaults from the environment)."""
     env = os.environ if env is None else env
-    if argv is None:  # `streamlit run app/main.py -- ARGS` leaves ARGS after the script path
-        argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("main.py") else []
-    ap = argparse.ArgumentParser(prog="streamlit run app/main.py --", allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="KVScope's dashboard: a paged KV cache, live, in the browser "
+                                             "(http://localhost:8501 unless STREAMLIT_SERVER_PORT says otherwise). "
+                                             "Without a source flag it starts an embedded engine on the bundled model.")
     ap.add_argument("--engine", default=env.get("KVSCOPE_ENGINE", ""), help="attach to ws://HOST:PORT")
     ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""))
     ap.add_argument("--replay", default=env.get("KVSCOPE_REPLAY", ""), help="replay a recording")
@@ -85,7 +93,14 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
                     help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")
     ap.add_argument("--tokenizer", default=env.get("KVSCOPE_TOKENIZER", ""),
                     help="with --kv-events: a folder with tokenizer.json, for block text")
-    args, rest = ap.parse_known_args(argv)
+    return ap
+
+
+def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Source:
+    env = os.environ if env is None else env
+    if argv is None:  # `streamlit run app/main.py -- ARGS` leaves ARGS after the script path
+        argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("main.py") else []
+    args, rest = parser(env).parse_known_args(argv)
     rest += shlex.split(env.get("KVSCOPE_ENGINE_ARGS", ""))
     if args.kv_events:
         return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)

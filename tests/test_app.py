@@ -208,6 +208,41 @@ def test_reset_to_another_block_size(at, observer):
     assert blocks and max(blocks) < 96
 
 
+ODD_POOL = p.ResetConfig(block_size=16, num_device_blocks=48, num_host_blocks=12, max_num_seqs=6,
+                         enable_prefix_caching=True, preemption_mode="swap")
+
+
+def reset_form_values(at: AppTest) -> tuple:
+    """What the sidebar's Reset pool form would apply, as its widgets show it."""
+    return (at.select_slider(key="reset_bs").value, at.number_input(key="reset_dev").value,
+            at.number_input(key="reset_host").value, at.number_input(key="reset_seqs").value,
+            at.selectbox(key="reset_mode").value, at.toggle(key="reset_caching").value)
+
+
+def test_the_reset_form_shows_the_pool_it_would_reset_in_a_fresh_tab_and_after_another_mode(at, observer):
+    """Issue 17, item 2: fresh tabs, and Explore after the Lab or Lessons, showed block size 1,
+    1 device block, 0 host blocks, ... (the widgets' minimums) and Reset engine applied them."""
+    assert isinstance(observer.wait_reply(observer.send(p.ResetCmd(config=ODD_POOL))), p.Ack)
+    wait(lambda: observer.view().mirror.config.num_device_blocks == 48, what="the odd pool")
+    pool = (16, 48, 12, 6, "swap", True)
+    st.cache_resource.clear()
+    fresh = AppTest.from_file(MAIN, default_timeout=30)  # a new tab: a session of its own
+    rerun_until(fresh, lambda a: (d := grid_data(a)) and d["n"] == 48, what="the fresh tab's grid")
+    assert reset_form_values(fresh) == pool
+    for elsewhere in ("Lab", "Lessons"):
+        fresh.segmented_control(key="mode").set_value(elsewhere).run()
+        fresh.segmented_control(key="mode").set_value("Explore").run()
+        assert observer.view().mirror.config.num_device_blocks == 48, f"{elsewhere} left the pool as it was"
+        assert reset_form_values(fresh) == pool, f"after {elsewhere}"
+    start = observer.history.last_event
+    next(b for b in fresh.sidebar.button if b.label == "Reset engine").click()
+    fresh.run()
+    reset = wait(lambda: events(observer, "reset", start), what="the reset, unchanged")[-1]
+    cfg = reset.config
+    assert (cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks, cfg.max_num_seqs, cfg.preemption_mode,
+            cfg.enable_prefix_caching) == pool
+
+
 def test_time_travel_buttons_scrub_every_view(at, observer):
     start = observer.history.last_event
     submit(at, "Travel back in time with me", prompt_max=16)

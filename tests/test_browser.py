@@ -37,12 +37,13 @@ def open_grid(browser, url: str, blocks: int, errors: list[str], width: int = 15
 
 
 @pytest.fixture
-def app_url(tmp_path):
+def app_url(tmp_path, request):
+    """The app on the tiny model; a test may give other app arguments (indirect parametrize)."""
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
     log = tmp_path / "streamlit.log"
     with log.open("w") as out:
-        proc, url = start_streamlit(["--model", "tiny"], out=out)
+        proc, url = start_streamlit(getattr(request, "param", ["--model", "tiny"]), out=out)
     yield url, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -184,4 +185,63 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
             page.wait_for_function("window.__kvscope_grid.connected && window.__kvscope_grid.n === 512",
                                    timeout=240_000)
         assert not errors, errors
+        browser.close()
+
+
+GRID_ERRORS = ("could not draw", "failed to draw", "Failed to process", "Cached ForwardMsg MISS")
+
+
+def follow_redraws(page, frames: int, errors: list[str], what: str) -> dict:
+    """Watch the grid draw `frames` more frames whose event number advances, checking after each
+    that no panel says it failed: the deltas of a run, not only its first frame."""
+    seen = page.evaluate("window.__kvscope_grid")
+    for _ in range(frames):
+        try:
+            page.wait_for_function(f"window.__kvscope_grid.seq > {seen['seq']}", timeout=60_000)
+        except Exception:
+            raise AssertionError(f"{what}: the grid stopped at event {seen['seq']}; the page says:\n"
+                                 f"{page.inner_text('body')[:3000]}") from None
+        seen = page.evaluate("window.__kvscope_grid")
+        body = page.inner_text("body")
+        assert not any(e in body for e in GRID_ERRORS), f"{what}: {body[:3000]}"
+    assert not errors, errors
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("app_url", [["--model", "tiny", "--num-host-blocks", "0"]], indirect=True)
+def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_frame(app_url):
+    """Issue 17, item 1: with no host blocks (every vLLM pool) the grid drew its first frame, then
+    "createImageData ... not of type 'long'" and "cannot reshape array of size 0" on every delta,
+    and the page froze. Many redraws of a busy run, then of a pool of one block."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = app_url
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        errors: list[str] = []
+        page = open_grid(browser, url, 256, errors)
+        assert page.evaluate("window.__kvscope_grid.m") == 0
+        sidebar = page.get_by_test_id("stSidebar")
+        sidebar.get_by_label("Pace (ms between steps)")  # the engine panel is there
+        start = page.evaluate("window.__kvscope_grid.draws")
+        for preset in ("Shared system prompt", "Overload"):  # busy, preempting (recompute: no host pool)
+            sidebar.get_by_role("button", name=preset, exact=True).click()
+            last = follow_redraws(page, 25, errors, preset)
+        assert last["draws"] - start >= 50 and last["kind"] == "delta"
+        for panel in ("Event log", "Prefix tree", "Lifetimes", "Timeline"):  # every view of the page
+            page.get_by_test_id("stMain").get_by_text(panel, exact=True).first.click()
+            follow_redraws(page, 3, errors, panel)
+
+        sidebar.get_by_text("Reset pool").click()
+        sidebar.get_by_label("Device blocks").fill("1")
+        sidebar.get_by_role("button", name="Reset engine", exact=True).click()
+        page.wait_for_function("window.__kvscope_grid.n === 1 && window.__kvscope_grid.m === 0", timeout=60_000)
+        sidebar.get_by_label("Prompt").fill("Hi")
+        sidebar.get_by_label("max tokens").fill("8")
+        sidebar.get_by_text("More", exact=True).click()
+        sidebar.get_by_text("Chat template").click()  # off: "Hi" and 8 tokens fit one block of 16
+        for _ in range(2):  # each request: blocks taken, tokens written, the block freed or cached
+            sidebar.get_by_role("button", name="Submit").click()
+            follow_redraws(page, 2, errors, "a pool of one block")
         browser.close()
