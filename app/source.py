@@ -79,11 +79,10 @@ def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/mai
     env = os.environ if env is None else env
     ap = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 description="KVScope's dashboard: a paged KV cache, live, in the browser "
-                                             "(http://localhost:8501 unless STREAMLIT_SERVER_PORT says otherwise). "
+                                 description="KVScope's dashboard: a paged KV cache, live, at http://localhost:8501.\n"
                                              "Without a source flag it starts an embedded engine on the bundled model.")
     ap.add_argument("--engine", default=env.get("KVSCOPE_ENGINE", ""), help="attach to ws://HOST:PORT")
-    ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""))
+    ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""), help="with --engine: the token it was started with")
     ap.add_argument("--replay", default=env.get("KVSCOPE_REPLAY", ""), help="replay a recording")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")

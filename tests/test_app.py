@@ -187,14 +187,14 @@ def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metri
         assert "fewer slots" in html_with(at, "What paging saves")
 
 
+def reset_widget(at: AppTest, key: str):
+    """A widget of the reset form: its key is `key@<the pool it starts from>` (app/controls.py)."""
+    return next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
+                for w in getattr(at, kind) if w.key and w.key.split("@")[0] == key)
+
+
 def test_reset_to_another_block_size(at, observer):
-    at.select_slider(key="reset_bs").set_value(8)
-    at.number_input(key="reset_dev").set_value(96)
-    at.number_input(key="reset_host").set_value(32)
-    at.selectbox(key="reset_mode").set_value("recompute")
-    at.toggle(key="reset_caching").set_value(False)
-    next(b for b in at.sidebar.button if b.label == "Reset engine").click()
-    at.run()
+    reset_pool(at, reset_bs=8, reset_dev=96, reset_host=32, reset_mode="recompute", reset_caching=False)
     cfg = wait(lambda: (c := observer.view().mirror.config).block_size == 8 and c, what="the reset")
     assert (cfg.num_device_blocks, cfg.num_host_blocks, cfg.preemption_mode, cfg.enable_prefix_caching) == (
         96, 32, "recompute", False)
@@ -214,9 +214,8 @@ ODD_POOL = p.ResetConfig(block_size=16, num_device_blocks=48, num_host_blocks=12
 
 def reset_form_values(at: AppTest) -> tuple:
     """What the sidebar's Reset pool form would apply, as its widgets show it."""
-    return (at.select_slider(key="reset_bs").value, at.number_input(key="reset_dev").value,
-            at.number_input(key="reset_host").value, at.number_input(key="reset_seqs").value,
-            at.selectbox(key="reset_mode").value, at.toggle(key="reset_caching").value)
+    return tuple(reset_widget(at, k).value for k in ("reset_bs", "reset_dev", "reset_host", "reset_seqs",
+                                                      "reset_mode", "reset_caching"))
 
 
 def test_the_reset_form_shows_the_pool_it_would_reset_in_a_fresh_tab_and_after_another_mode(at, observer):
@@ -370,8 +369,7 @@ def test_embedded_engine_shows_progress_then_the_pool(monkeypatch):
 def reset_pool(at: AppTest, **widgets) -> None:
     """Fill the sidebar's reset form (widget key -> value) and press Reset engine."""
     for key, value in widgets.items():
-        next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
-             for w in getattr(at, kind) if w.key == key).set_value(value)
+        reset_widget(at, key).set_value(value)
     next(b for b in at.sidebar.button if b.label == "Reset engine").click()
     at.run()
 

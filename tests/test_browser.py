@@ -245,3 +245,27 @@ def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_fra
             sidebar.get_by_role("button", name="Submit").click()
             follow_redraws(page, 2, errors, "a pool of one block")
         browser.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("app_url", [["--model", "tiny", "--num-device-blocks", "48", "--num-host-blocks", "12",
+                                      "--max-num-seqs", "6"]], indirect=True)
+def test_the_reset_form_of_every_fresh_tab_shows_the_engines_pool(app_url):
+    """Issue 17, item 2: in most fresh tabs the Reset pool form showed 1 device block, 0 host
+    blocks, max running 1 (the widgets' minimums), and Reset engine applied them."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = app_url
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        errors: list[str] = []
+        for tab in range(4):
+            page = open_grid(browser, url, 48, errors)
+            page.wait_for_timeout(3_000)  # the fragments' timers run a few times first
+            side = page.get_by_test_id("stSidebar")
+            side.get_by_text("Reset pool").click()
+            shown = [side.get_by_label(label).input_value() for label in ("Device blocks", "Host blocks", "Max running")]
+            assert shown == ["48", "12", "6"], f"tab {tab}: {shown}"
+            page.close()
+        assert not errors, errors
+        browser.close()
