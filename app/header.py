@@ -6,7 +6,6 @@ import time
 
 import streamlit as st
 
-from app import vllm_counters
 from app.client import EngineClient, View
 from app.connection import Hosted
 from app.source import Source
@@ -17,6 +16,11 @@ CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting
 POOL_ORANGE, POOL_RED = 0.80, 0.95
 SLOT_UTIL_ORANGE = 0.50
 HOST_ORANGE = 0.80
+VLLM_HIT_RATE = ("vLLM's own prefix_cache_hits / prefix_cache_queries (its /metrics), from the same events: "
+                 "tokens found in the cache over the tokens looked up at each request's first admission. "
+                 "vLLM counts a request admitted again after a recompute preemption apart (as a preempted "
+                 "query), and those re-admissions find their own blocks still cached: KVScope's rate above "
+                 "counts every admission, so under preemption it is the higher one.")
 
 
 def status_line(client: EngineClient, source: Source, hosted: Hosted | None = None) -> None:
@@ -83,8 +87,9 @@ def metrics(view: View, client: EngineClient) -> None:
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}. Found tokens are not computed again.")
-    if client.hello and client.hello.api_url and client.hello.server.startswith("vllm"):
-        vllm_hit_rate(row[2], client.hello.api_url)
+    if caching and client.hello and client.hello.server.startswith("vllm"):
+        row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
+                       f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
     row[3].metric("Tokens/s", f"{tl.tokens_per_s(now):,.1f}",
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
                   help=f"Generated tokens per second of engine time, over the last 3 s ({tl.generated:,} in all).")
@@ -105,14 +110,6 @@ def metrics(view: View, client: EngineClient) -> None:
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
     if tl.since != "engine start":  # counters cover only what this client saw
         st.caption(f"Counters since {tl.since}; pool usage and sequences are the whole engine's.")
-
-
-def vllm_hit_rate(where, api_url: str) -> None:
-    """vLLM's own prefix-cache counters under KVScope's rate, labelled (they count differently)."""
-    c = vllm_counters.counters(api_url)
-    text = (f"vLLM's counter: **{c.rate:.0%}** · {c.hits:,.0f} / {c.queries:,.0f} tokens" if c
-            else "vLLM's counter: reading its /metrics…")
-    where.caption(text, help=vllm_counters.HELP)
 
 
 def reservation_card(view: View) -> None:

@@ -26,6 +26,11 @@ class Tally:
     requests: int = 0
     looked_up_tokens: int = 0  # tokens looked up in the prefix cache at every admission
     hit_tokens: int = 0
+    # the same at first admissions only (vLLM's prefix_cache_queries / _hits leave out requests
+    # admitted again after a preemption); `preempted`: live sequences preempted at least once
+    first_looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    preempted: set = field(default_factory=set, repr=False)
     generated: int = 0
     cows: int = 0
     forks: int = 0
@@ -43,6 +48,11 @@ class Tally:
         """Hit tokens over tokens looked up, re-admissions after a recompute included."""
         return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
+    @property
+    def first_hit_rate(self) -> float:
+        """Hit tokens over tokens looked up at first admissions: vLLM's own prefix-cache hit rate."""
+        return self.first_hit_tokens / self.first_looked_up_tokens if self.first_looked_up_tokens else 0.0
+
     def tokens_per_s(self, now: float) -> float:
         """Generated tokens per second of engine time over the window that ends at `now`."""
         total = self.recent_sum
@@ -53,7 +63,7 @@ class Tally:
         return total / RATE_WINDOW_S
 
     def clone(self) -> Tally:
-        return replace(self, recent=deque(self.recent))
+        return replace(self, recent=deque(self.recent), preempted=set(self.preempted))
 
 
 @dataclass
@@ -81,7 +91,7 @@ class Mirror:
 
     def start_tally(self, since: str) -> None:
         """Count from here on (a clean slate); the pool itself is untouched."""
-        self.tally = Tally(since=since, last_step=self.tally.last_step)
+        self.tally = Tally(since=since, last_step=self.tally.last_step, preempted=set(self.tally.preempted))
 
     @property
     def last_event(self) -> int:
@@ -109,6 +119,9 @@ class Mirror:
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
         tl.looked_up_tokens += looked_up
+        first = getattr(ev, "seq_id", None) not in tl.preempted
+        if first:
+            tl.first_looked_up_tokens += looked_up
         match ev:
             case p.RequestAdded():
                 tl.requests += 1
@@ -116,6 +129,7 @@ class Mirror:
                 self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
             case p.PrefixHit():
                 tl.hit_tokens += bs
+                tl.first_hit_tokens += bs if first else 0
                 self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
             case p.Cow():
                 tl.cows += 1
@@ -125,6 +139,7 @@ class Mirror:
                 self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
             case p.Preempt():
                 tl.preemptions += 1
+                tl.preempted.add(ev.seq_id)
                 tl.recomputes += ev.mode == "recompute"
                 self.origins.pop(ev.seq_id, None)
             case p.SwapOut():
@@ -140,6 +155,7 @@ class Mirror:
                     tl.recent_sum -= tl.recent.popleft()[1]
             case p.Finish():
                 tl.finished += 1
+                tl.preempted.discard(ev.seq_id)
                 self.origins.pop(ev.seq_id, None)
                 out = before.output_tokens if before else 0
                 self.finished.append(Finished(ev.seq_id, ev.reason, text, out))
