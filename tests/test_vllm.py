@@ -328,7 +328,14 @@ def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard)
     assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
     data = wait(lambda: grid_data(at.run()), 240, "vLLM's pool in the grid")
     assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception
-    # the OpenAI server it started on a free port, named in the header, answers there
+    # the OpenAI server it started on a free port, named in the header, answers there (it listens
+    # a little after the plugin's WebSocket)
     api = next(m.group(1) for x in at.markdown if (m := re.search(r"OpenAI API `(http://[^`]+)`", x.value)))
-    with urllib.request.urlopen(api + "/models", timeout=10) as r:
-        assert json.loads(r.read())["data"][0]["id"] == BUNDLED.name
+
+    def models() -> list | None:
+        try:
+            with urllib.request.urlopen(api + "/models", timeout=10) as r:
+                return json.loads(r.read())["data"]
+        except OSError:
+            return None
+    assert wait(models, 120, "vLLM's OpenAI server at the header's URL")[0]["id"] == BUNDLED.name
