@@ -326,7 +326,7 @@ def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard)
 
     at = dashboard(KVSCOPE_VLLM="smollm2", KVSCOPE_ENGINE_ARGS="--num-blocks 40")
     assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
-    data = wait(lambda: grid_data(at.run()), 240, "vLLM's pool in the grid")
+    data = wait(lambda: grid_data(at.run()), 480, "vLLM's pool in the grid")
     assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception
     # the OpenAI server it started on a free port, named in the header, answers there (it listens
     # a little after the plugin's WebSocket)
