@@ -240,9 +240,10 @@ def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_fra
             if advanced >= 30:
                 break
         assert advanced >= 30 and last["kind"] == "delta" and last["seq"] > start["seq"]
-        for panel in ("Event log", "Prefix tree", "Lifetimes", "Timeline"):  # every view of the page
+        for panel, preset in zip(("Event log", "Prefix tree", "Lifetimes", "Timeline"), presets):  # every view
             page.get_by_test_id("stMain").get_by_text(panel, exact=True).first.click()
-            follow_redraws(page, 3, errors, panel)
+            sidebar.get_by_role("button", name=preset, exact=True).click()  # new events to follow
+            follow_redraws(page, 2, errors, panel)
 
         sidebar.get_by_text("Reset pool").click()
         sidebar.get_by_label("Device blocks").fill("1")
