@@ -12,6 +12,10 @@ from app.streamlit_argv import streamlit_argv
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):  # say how to use it, start nothing
+        from app.source import parser
+        parser(prog="kvscope").print_help()
+        return
     os.execv(sys.executable, streamlit_argv(sys.executable, sys.argv[1:]))
 
 

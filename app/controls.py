@@ -228,20 +228,24 @@ def requests(client: EngineClient, view: View) -> None:
 
 
 def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
-    for key, value in (("reset_bs", cfg.block_size), ("reset_dev", cfg.num_device_blocks),
-                       ("reset_host", cfg.num_host_blocks), ("reset_seqs", cfg.max_num_seqs),
-                       ("reset_mode", cfg.preemption_mode), ("reset_caching", cfg.enable_prefix_caching)):
-        _follow(key, value)
+    """A new pool, starting from the engine's. Its widgets take the pool's values as their own
+    defaults under keys named after the pool: a fresh tab's browser sends back what it was
+    given (a form widget whose value came only through session state came back as its minimum
+    in some tabs, and Reset applied it), and a pool changed by another tab or a reset gets
+    widgets of its own; the user's edits stand while the pool stays."""
+    pool = (f"{cfg.block_size}-{cfg.num_device_blocks}-{cfg.num_host_blocks}-{cfg.max_num_seqs}-"
+            f"{cfg.preemption_mode}-{cfg.enable_prefix_caching:d}")
     with st.form("reset", border=False):
-        bs = st.select_slider("Block size (tokens)", p.BLOCK_SIZES, key="reset_bs",
+        bs = st.select_slider("Block size (tokens)", p.BLOCK_SIZES, cfg.block_size, key=f"reset_bs@{pool}",
                               help="Small: little waste, long tables. Large: short tables, more waste.")
         c = st.columns(2)
-        dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, key="reset_dev")
-        host = c[1].number_input("Host blocks", 0, p.MAX_HOST_BLOCKS, key="reset_host")
+        dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, cfg.num_device_blocks, key=f"reset_dev@{pool}")
+        host = c[1].number_input("Host blocks", 0, p.MAX_HOST_BLOCKS, cfg.num_host_blocks, key=f"reset_host@{pool}")
         c = st.columns(2)
-        seqs = c[0].number_input("Max running", 1, p.MAX_NUM_SEQS, key="reset_seqs")
-        mode = c[1].selectbox("Preemption", ["swap", "recompute"], key="reset_mode")
-        caching = st.toggle("Prefix caching", key="reset_caching")
+        seqs = c[0].number_input("Max running", 1, p.MAX_NUM_SEQS, cfg.max_num_seqs, key=f"reset_seqs@{pool}")
+        modes = ["swap", "recompute"]
+        mode = c[1].selectbox("Preemption", modes, modes.index(cfg.preemption_mode), key=f"reset_mode@{pool}")
+        caching = st.toggle("Prefix caching", cfg.enable_prefix_caching, key=f"reset_caching@{pool}")
         st.caption("A reset aborts every request; the model stays loaded.")
         if st.form_submit_button("Reset engine", width="stretch", disabled=_not_here(client, "reset") is not None):
             send(client, p.ResetCmd(config=p.ResetConfig(

@@ -166,8 +166,9 @@ def frame_of(view: View, colors: dict[str, int]) -> Frame:
 
 
 def _changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """Indices whose records differ (records compared as 64-bit words)."""
-    a, b = new.view("<u8").reshape(len(new), -1), old.view("<u8").reshape(len(old), -1)
+    """Indices whose records differ (records compared as 64-bit words; a pool may have none)."""
+    words = new.dtype.itemsize // 8
+    a, b = new.view("<u8").reshape(len(new), words), old.view("<u8").reshape(len(old), words)
     diff = a[:, 0] != b[:, 0]
     for k in range(1, a.shape[1]):
         diff |= a[:, k] != b[:, k]

@@ -17,6 +17,11 @@ CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting
 POOL_ORANGE, POOL_RED = 0.80, 0.95
 SLOT_UTIL_ORANGE = 0.50
 HOST_ORANGE = 0.80
+VLLM_HIT_RATE = ("vLLM's own prefix_cache_hits / prefix_cache_queries (its /metrics), from the same events: "
+                 "tokens found in the cache over the tokens looked up at each request's first admission. "
+                 "vLLM counts a request admitted again after a recompute preemption apart (as a preempted "
+                 "query), and those re-admissions find their own blocks still cached: KVScope's rate above "
+                 "counts every admission, so under preemption it is the higher one.")
 
 
 def status_line(client: EngineClient, source: Source, hosted: Hosted | None = None) -> None:
@@ -30,6 +35,8 @@ def status_line(client: EngineClient, source: Source, hosted: Hosted | None = No
             what += f" · {h.server}"
     state = "died" if hosted is not None and hosted.process.died else s.state
     text = f":{CONNECTION_COLORS.get(state, 'red')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+    if h and h.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
+        text += f" · OpenAI API `{h.api_url}/v1`"
     if state not in ("connected", "died"):
         text += (f" · attempt {s.attempts}" if state == "reconnecting" else "") + (f" · {s.last_error}" if s.last_error else "")
     if state != "connected":
@@ -86,6 +93,9 @@ def metrics(view: View, client: EngineClient) -> None:
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}. Found tokens are not computed again.")
+    if caching and client.hello and client.hello.server.startswith("vllm"):
+        row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
+                       f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
     row[3].metric("Tokens/s", f"{tl.tokens_per_s():,.1f}",
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
                   help=f"Tokens generated per second of the engine's own step time (the steps' durations, "

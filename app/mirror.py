@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.contract import protocol as p
-from engine.contract.counters import EventCounts
+from engine.contract.counters import EventCounts, hit_rate
 from engine.contract.state import PoolState
 from app.block_text import BlockTexts
 
@@ -26,6 +26,11 @@ class Tally(EventCounts):
     and swaps are the contract's `EventCounts` (one fold for every consumer)."""
     since: str = "engine start"
     requests: int = 0
+    # the same at first admissions only (vLLM's prefix_cache_queries / _hits leave out requests
+    # admitted again after a preemption); `preempted`: live sequences preempted at least once
+    first_looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    preempted: set = field(default_factory=set, repr=False)
     generated: int = 0
     cows: int = 0
     forks: int = 0
@@ -35,6 +40,11 @@ class Tally(EventCounts):
     steps: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS), repr=False)
     step_tokens: int = 0
 
+    @property
+    def first_hit_rate(self) -> float:
+        """Hit tokens over tokens looked up at first admissions: vLLM's own prefix-cache hit rate."""
+        return hit_rate(self.first_hit_tokens, self.first_looked_up_tokens)
+
     def tokens_per_s(self) -> float:
         """Tokens generated per second of the engine's own step time, over the last RATE_STEPS
         completed steps (their `duration_ms`): a function of the events alone, so the same at an
@@ -43,7 +53,7 @@ class Tally(EventCounts):
         return 1000 * sum(n for n, _ in self.steps) / ms if ms > 0 else 0.0
 
     def clone(self) -> Tally:
-        return replace(self, steps=deque(self.steps, maxlen=RATE_STEPS))
+        return replace(self, steps=deque(self.steps, maxlen=RATE_STEPS), preempted=set(self.preempted))
 
 
 @dataclass
@@ -73,7 +83,7 @@ class Mirror:
         """Count from here on (a clean slate); the pool itself is untouched."""
         old = self.tally  # the rate is not a counter: it carries on
         self.tally = Tally(since=since, last_step=old.last_step, steps=deque(old.steps, maxlen=RATE_STEPS),
-                           step_tokens=old.step_tokens)
+                           step_tokens=old.step_tokens, preempted=set(old.preempted))
 
     @property
     def last_event(self) -> int:
@@ -101,12 +111,16 @@ class Mirror:
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
         tl.count(ev, bs, looked_up)
+        first = getattr(ev, "seq_id", None) not in tl.preempted
+        if first:
+            tl.first_looked_up_tokens += looked_up
         match ev:
             case p.RequestAdded():
                 tl.requests += 1
             case p.Alloc():
                 self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
             case p.PrefixHit():
+                tl.first_hit_tokens += bs if first else 0
                 self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
             case p.Cow():
                 tl.cows += 1
@@ -114,13 +128,17 @@ class Mirror:
             case p.Fork():
                 tl.forks += 1
                 self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
-            case p.Preempt() | p.SwapIn():
+            case p.Preempt():
+                tl.preempted.add(ev.seq_id)
+                self.origins.pop(ev.seq_id, None)
+            case p.SwapIn():
                 self.origins.pop(ev.seq_id, None)
             case p.Append() if ev.token_ids:
                 tl.generated += len(ev.token_ids)
                 tl.step_tokens += len(ev.token_ids)
             case p.Finish():
                 tl.finished += 1
+                tl.preempted.discard(ev.seq_id)
                 self.origins.pop(ev.seq_id, None)
                 out = before.output_tokens if before else 0
                 self.finished.append(Finished(ev.seq_id, ev.reason, text, out))

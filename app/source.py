@@ -72,13 +72,20 @@ def recordings() -> list[Path]:
     return sorted((ROOT / "assets").glob("*.jsonl"))
 
 
-def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Source:
+EPILOG = """Any other flag goes to the embedded engine (kvscope-engine --help lists them: --model,
+--num-device-blocks, --num-host-blocks, --block-size, ...) or, with --vllm, to `vllm serve`.
+Streamlit's own options come from the environment, e.g. STREAMLIT_SERVER_PORT=8502 kvscope."""
+
+
+def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/main.py --") -> argparse.ArgumentParser:
+    """The dashboard's own flags (defaults from the environment)."""
     env = os.environ if env is None else env
-    if argv is None:  # `streamlit run app/main.py -- ARGS` leaves ARGS after the script path
-        argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("main.py") else []
-    ap = argparse.ArgumentParser(prog="streamlit run app/main.py --", allow_abbrev=False)
+    ap = argparse.ArgumentParser(prog=prog, allow_abbrev=False, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="KVScope's dashboard: a paged KV cache, live, at http://localhost:8501.\n"
+                                             "Without a source flag it starts an embedded engine on the bundled model.")
     ap.add_argument("--engine", default=env.get("KVSCOPE_ENGINE", ""), help="attach to ws://HOST:PORT")
-    ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""))
+    ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""), help="with --engine: the token it was started with")
     ap.add_argument("--replay", default=env.get("KVSCOPE_REPLAY", ""), help="replay a recording")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")
@@ -90,7 +97,14 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
                     help="with --kv-events: a folder with tokenizer.json, for block text")
     ap.add_argument("--fleet", nargs="?", const="", default=env.get("KVSCOPE_FLEET"),
                     help="a fleet file listing engines (docs/fleet.md); alone: an empty fleet, filled from the sidebar")
-    args, rest = ap.parse_known_args(argv)
+    return ap
+
+
+def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Source:
+    env = os.environ if env is None else env
+    if argv is None:  # `streamlit run app/main.py -- ARGS` leaves ARGS after the script path
+        argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("main.py") else []
+    args, rest = parser(env).parse_known_args(argv)
     rest += shlex.split(env.get("KVSCOPE_ENGINE_ARGS", ""))
     if args.fleet is not None:
         return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "")

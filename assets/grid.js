@@ -539,16 +539,19 @@ function draw(s) {
   s.geo = geometry(s.range.start, s.range.count, width, mainH);
   paint(s.canvas, s.ctx, s, s.geo, false);
   paintHighlight(s.ctx, s.geo, d.highlight || []);
-  s.hgeo = geometry(0, d.m, width, 90);
-  if (s.hgeo.k === 1) s.hgeo = geometry(0, d.m, width, Math.min(90, s.hgeo.rows * Math.max(6, Math.min(22, Math.round(s.geo.c * 0.6)))));
-  paint(s.hostCanvas, s.hctx, s, s.hgeo, true);
+  s.hgeo = null;  // a pool without host blocks (vLLM's, --num-host-blocks 0) has no host canvas to paint
+  if (d.m) {
+    s.hgeo = geometry(0, d.m, width, 90);
+    if (s.hgeo.k === 1) s.hgeo = geometry(0, d.m, width, Math.min(90, s.hgeo.rows * Math.max(6, Math.min(22, Math.round(s.geo.c * 0.6)))));
+    paint(s.hostCanvas, s.hctx, s, s.hgeo, true);
+  }
   header(s, whole);
   s.legend.innerHTML = legend(s);
   refreshTip(s);
   s.draws++;
   // for tests and the latency bench: what was drawn, when (wall clock) and how long it took
   const now = Date.now(), ms = performance.now() - t0, k = d.counts;
-  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used: k.used, n: d.n, live: d.live, drawMs: ms,
+  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
     token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k,
     touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length };
   const log = (window.__kvscope_draws ||= []);

@@ -192,14 +192,14 @@ def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metri
         assert "fewer slots" in html_with(at, "What paging saves")
 
 
+def reset_widget(at: AppTest, key: str):
+    """A widget of the reset form: its key is `key@<the pool it starts from>` (app/controls.py)."""
+    return next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
+                for w in getattr(at, kind) if w.key and w.key.split("@")[0] == key)
+
+
 def test_reset_to_another_block_size(at, observer):
-    at.select_slider(key="reset_bs").set_value(8)
-    at.number_input(key="reset_dev").set_value(96)
-    at.number_input(key="reset_host").set_value(32)
-    at.selectbox(key="reset_mode").set_value("recompute")
-    at.toggle(key="reset_caching").set_value(False)
-    next(b for b in at.sidebar.button if b.label == "Reset engine").click()
-    at.run()
+    reset_pool(at, reset_bs=8, reset_dev=96, reset_host=32, reset_mode="recompute", reset_caching=False)
     cfg = wait(lambda: (c := observer.view().mirror.config).block_size == 8 and c, what="the reset")
     assert (cfg.num_device_blocks, cfg.num_host_blocks, cfg.preemption_mode, cfg.enable_prefix_caching) == (
         96, 32, "recompute", False)
@@ -211,6 +211,40 @@ def test_reset_to_another_block_size(at, observer):
     wait(lambda: events(observer, "finish", start), what="a request on the new pool")
     blocks = {e.block_id for e in events(observer, "alloc", start)}
     assert blocks and max(blocks) < 96
+
+
+ODD_POOL = p.ResetConfig(block_size=16, num_device_blocks=48, num_host_blocks=12, max_num_seqs=6,
+                         enable_prefix_caching=True, preemption_mode="swap")
+
+
+def reset_form_values(at: AppTest) -> tuple:
+    """What the sidebar's Reset pool form would apply, as its widgets show it."""
+    return tuple(reset_widget(at, k).value for k in ("reset_bs", "reset_dev", "reset_host", "reset_seqs",
+                                                      "reset_mode", "reset_caching"))
+
+
+def test_the_reset_form_shows_the_pool_it_would_reset_in_a_fresh_tab_and_after_another_mode(at, observer):
+    """Issue 17, item 2: fresh tabs, and Explore after the Lab or Lessons, showed block size 1,
+    1 device block, 0 host blocks, ... (the widgets' minimums) and Reset engine applied them."""
+    assert isinstance(observer.wait_reply(observer.send(p.ResetCmd(config=ODD_POOL))), p.Ack)
+    wait(lambda: observer.view().mirror.config.num_device_blocks == 48, what="the odd pool")
+    pool = (16, 48, 12, 6, "swap", True)
+    st.cache_resource.clear()
+    fresh = AppTest.from_file(MAIN, default_timeout=30)  # a new tab: a session of its own
+    rerun_until(fresh, lambda a: (d := grid_data(a)) and d["n"] == 48, what="the fresh tab's grid")
+    assert reset_form_values(fresh) == pool
+    for elsewhere in ("Lab", "Lessons"):
+        fresh.segmented_control(key="mode").set_value(elsewhere).run()
+        fresh.segmented_control(key="mode").set_value("Explore").run()
+        assert observer.view().mirror.config.num_device_blocks == 48, f"{elsewhere} left the pool as it was"
+        assert reset_form_values(fresh) == pool, f"after {elsewhere}"
+    start = observer.history.last_event
+    next(b for b in fresh.sidebar.button if b.label == "Reset engine").click()
+    fresh.run()
+    reset = wait(lambda: events(observer, "reset", start), what="the reset, unchanged")[-1]
+    cfg = reset.config
+    assert (cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks, cfg.max_num_seqs, cfg.preemption_mode,
+            cfg.enable_prefix_caching) == pool
 
 
 def test_time_travel_buttons_scrub_every_view(at, observer):
@@ -356,8 +390,7 @@ def test_embedded_engine_shows_progress_then_the_pool(monkeypatch):
 def reset_pool(at: AppTest, **widgets) -> None:
     """Fill the sidebar's reset form (widget key -> value) and press Reset engine."""
     for key, value in widgets.items():
-        next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
-             for w in getattr(at, kind) if w.key == key).set_value(value)
+        reset_widget(at, key).set_value(value)
     next(b for b in at.sidebar.button if b.label == "Reset engine").click()
     at.run()
 

@@ -37,12 +37,13 @@ def open_grid(browser, url: str, blocks: int, errors: list[str], width: int = 15
 
 
 @pytest.fixture
-def app_url(tmp_path):
+def app_url(tmp_path, request):
+    """The app on the tiny model; a test may give other app arguments (indirect parametrize)."""
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
     log = tmp_path / "streamlit.log"
     with log.open("w") as out:
-        proc, url = start_streamlit(["--model", "tiny"], out=out)
+        proc, url = start_streamlit(getattr(request, "param", ["--model", "tiny"]), out=out)
     yield url, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -183,5 +184,106 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
         for page in (one, two):  # a new engine process loads the model again; the grids mount afresh
             page.wait_for_function("window.__kvscope_grid.connected && window.__kvscope_grid.n === 512",
                                    timeout=240_000)
+        assert not errors, errors
+        browser.close()
+
+
+GRID_ERRORS = ("could not draw", "failed to draw", "Failed to process", "Cached ForwardMsg MISS")
+
+
+def follow_redraws(page, frames: int, errors: list[str], what: str, timeout: int = 60_000) -> dict:
+    """Watch the grid draw `frames` more frames whose event number advances, checking after each
+    that no panel says it failed: the deltas of a run, not only its first frame."""
+    seen = page.evaluate("window.__kvscope_grid")
+    for _ in range(frames):
+        try:
+            page.wait_for_function(f"window.__kvscope_grid.seq > {seen['seq']}", timeout=timeout)
+        except Exception:
+            raise AssertionError(f"{what}: the grid stopped at event {seen['seq']}; the page says:\n"
+                                 f"{page.inner_text('body')[:3000]}") from None
+        seen = page.evaluate("window.__kvscope_grid")
+        body = page.inner_text("body")
+        assert not any(e in body for e in GRID_ERRORS), f"{what}: {body[:3000]}"
+    assert not errors, errors
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("app_url", [["--model", "tiny", "--num-host-blocks", "0", "--step-delay-ms", "40"]],
+                         indirect=True)
+def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_frame(app_url):
+    """Issue 17, item 1: with no host blocks (every vLLM pool) the grid drew its first frame, then
+    "createImageData ... not of type 'long'" and "cannot reshape array of size 0" on every delta,
+    and the page froze. Many redraws of a busy run, then of a pool of one block."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = app_url
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        errors: list[str] = []
+        page = open_grid(browser, url, 256, errors)
+        assert page.evaluate("window.__kvscope_grid.m") == 0
+        sidebar = page.get_by_test_id("stSidebar")
+        sidebar.get_by_label("Pace (ms between steps)")  # the engine panel is there
+        start, advanced = page.evaluate("window.__kvscope_grid"), 0
+        presets = ["Shared system prompt", "Overload the pool", "Parallel sampling (n=4)", "Long and short mixed"]
+        for run in range(16):  # until 30 frames of new events were drawn (paced: a preset lasts a while)
+            sidebar.get_by_role("button", name=presets[run % len(presets)], exact=True).click()
+            while advanced < 30:
+                try:
+                    last = follow_redraws(page, 1, errors, presets[run % len(presets)], timeout=15_000)
+                except AssertionError as e:
+                    if "stopped at event" not in str(e):
+                        raise
+                    break  # the preset is done: the next one
+                advanced += 1
+            if advanced >= 30:
+                break
+        assert advanced >= 30 and last["kind"] == "delta" and last["seq"] > start["seq"]
+        for panel in ("Event log", "Prefix tree", "Lifetimes", "Timeline"):  # every view of the page
+            page.get_by_test_id("stMain").get_by_text(panel, exact=True).first.click()
+            for attempt, preset in enumerate(presets):  # new events to follow (a click on a redrawing sidebar may be lost)
+                sidebar.get_by_role("button", name=preset, exact=True).click()
+                try:
+                    follow_redraws(page, 2, errors, panel, timeout=20_000)
+                    break
+                except AssertionError as e:
+                    if "stopped at event" not in str(e) or attempt == len(presets) - 1:
+                        raise
+
+        sidebar.get_by_text("Reset pool").click()
+        sidebar.get_by_label("Device blocks").fill("1")
+        sidebar.get_by_role("button", name="Reset engine", exact=True).click()
+        page.wait_for_function("window.__kvscope_grid.n === 1 && window.__kvscope_grid.m === 0", timeout=60_000)
+        sidebar.get_by_label("Prompt").fill("Hi")
+        sidebar.get_by_label("max tokens").fill("8")
+        sidebar.get_by_text("More", exact=True).click()
+        sidebar.get_by_text("Chat template").click()  # off: "Hi" and 8 tokens fit one block of 16
+        for _ in range(2):  # each request: blocks taken, tokens written, the block freed or cached
+            sidebar.get_by_role("button", name="Submit").click()
+            follow_redraws(page, 2, errors, "a pool of one block")
+        browser.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("app_url", [["--model", "tiny", "--num-device-blocks", "48", "--num-host-blocks", "12",
+                                      "--max-num-seqs", "6"]], indirect=True)
+def test_the_reset_form_of_every_fresh_tab_shows_the_engines_pool(app_url):
+    """Issue 17, item 2: in most fresh tabs the Reset pool form showed 1 device block, 0 host
+    blocks, max running 1 (the widgets' minimums), and Reset engine applied them."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = app_url
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        errors: list[str] = []
+        for tab in range(4):
+            page = open_grid(browser, url, 48, errors)
+            page.wait_for_timeout(3_000)  # the fragments' timers run a few times first
+            side = page.get_by_test_id("stSidebar")
+            side.get_by_text("Reset pool").click()
+            shown = [side.get_by_label(label).input_value() for label in ("Device blocks", "Host blocks", "Max running")]
+            assert shown == ["48", "12", "6"], f"tab {tab}: {shown}"
+            page.close()
         assert not errors, errors
         browser.close()

@@ -185,3 +185,27 @@ def test_the_legend_counts_events_and_the_blocks_they_outline(history):
     events, blocks = info["touched"]["cow"]
     assert events == cows and blocks >= cows  # each copy outlines its source and its copy
     assert set(info["touched"]) <= set(TOUCH_KINDS)
+
+
+@pytest.mark.parametrize("config", [p.PoolConfig(block_size=4, num_device_blocks=24, num_host_blocks=0),
+                                    p.PoolConfig(block_size=4, num_device_blocks=1, num_host_blocks=1),
+                                    p.PoolConfig(block_size=4, num_device_blocks=1, num_host_blocks=0)],
+                         ids=["no-host-blocks", "one-block", "one-block-no-host"])
+def test_deltas_over_many_frames_of_a_pool_without_host_blocks_or_of_one_block(config):
+    """Issue 17, item 1: a pool with no host blocks (every vLLM pool) or a single block drew its
+    first frame, then failed on every delta. Each frame of a run, as the browser pulls them."""
+    rng = random.Random(3)
+    d = PoolDriver(config)
+    h = EventHistory(d.first, checkpoint_every=50)
+    for _ in range(300):
+        d.random_op(rng, [PREFIX], vocab=90)
+        d.log.step += 1
+        for ev in d.drain():
+            h.append(ev)
+    assert h.last_event - h.first_event > 100, "the run did something"
+    frames = [grid.build(view_at(h, n), {}) for n in range(h.first_event, h.last_event + 1)]
+    held = apply({}, grid.message(frames[0], None))
+    for base, frame in zip(frames, frames[1:]):
+        held = apply(held, grid.message(frame, base))
+        assert held["dev"].tobytes() == frame.dev.tobytes() and held["host"].tobytes() == frame.host.tobytes()
+    assert len(held["host"]) == config.num_host_blocks and len(held["dev"]) == config.num_device_blocks

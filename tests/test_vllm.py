@@ -8,6 +8,7 @@ tokens, small enough that six long prompts preempt one another. `make test-vllm`
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections import Counter
@@ -260,16 +261,68 @@ def dashboard(monkeypatch):
 
 
 def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_reserved(vllm, c, dashboard):
+    """The grid on vLLM's pool (no host blocks), then frame after frame of vLLM's traffic as the
+    browser pulls them (each a delta from the one it holds), and every other view on the way
+    (issue 17, item 1: the first delta of a pool without host blocks raised, the page froze)."""
     from tests.test_app import grid_data
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
     data = wait(lambda: grid_data(at.run()), 60, "the grid")
-    assert data["n"] == BLOCKS and data["bs"] == 32
+    assert data["n"] == BLOCKS and data["bs"] == 32 and data["m"] == 0
     assert data["counts"]["free"] + data["counts"]["cached"] == BLOCKS - 1  # block 0 is neither
     c.request(op="submit", prompt=long_prompt(3, 200), max_tokens=60, ignore_eos=True, request_id="seen")
     data = wait(lambda: (d := grid_data(at.run())) and d["counts"]["used"] and d, 120, "used blocks in the grid")
     assert any(s[1].startswith("cmpl-seen-0-") for s in data["seqs"]) and not at.exception  # [key, id, colour, status]
+    frames, panels = [data], ["Event log", "Prefix tree", "Lifetimes", "Timeline"]
+    for pull in range(1, 9):  # the canvas holds the last frame and asks for the next
+        at.session_state["pool_grid"] = {"sync": {"have": frames[-1]["token"], "pull": pull, "style": 1}}
+        if pull <= len(panels):
+            next(x for x in at.segmented_control if x.label == "History").set_value(panels[pull - 1])
+        d = wait(lambda: (d := grid_data(at.run())) and d["seq"] > frames[-1]["seq"] and d, 120,
+                 f"frame {pull}: vLLM's next events")
+        assert d["kind"] == "delta" and d["base"] == frames[-1]["token"], d
+        errors = [e.value for e in at.error] + [str(e.value) for e in at.exception]
+        assert not errors, errors
+        frames.append(d)
+    assert frames[-1]["seq"] > frames[0]["seq"] + 8
     finishes(c, 1)
+
+
+def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate(vllm, c, dashboard):
+    """Issue 17, items 8 and 12: the header names vLLM's OpenAI server; after the Overload preset
+    (its re-admissions after recompute hit the cache, which vLLM's counter leaves out), the
+    dashboard's numbers by vLLM's definition equal vLLM's own /metrics counters' deltas."""
+    from tests.test_app import rerun_until
+    from app.scenarios import SCENARIOS
+
+    at = dashboard(KVSCOPE_ENGINE=vllm.ws)
+    rerun_until(at, lambda a: any(f"OpenAI API `{vllm.api}/v1`" in m.value for m in a.markdown), 60,
+                "the header to name vLLM's OpenAI server")
+
+    def shown() -> tuple[int, int]:
+        cap = next(x.value for x in at.caption if x.value.startswith("vLLM's definition"))
+        hits, queries = cap.split("·")[1].replace("tokens", "").replace(",", "").split("/")
+        return int(hits), int(queries)
+
+    finishes(c, 0)
+    before = rerun_until(at, lambda a: shown(), 30, "vLLM's hit rate")
+    hits0, queries0 = vllm.metric("vllm:prefix_cache_hits_total"), vllm.metric("vllm:prefix_cache_queries_total")
+    preempts0 = sum(isinstance(e, p.Preempt) for e in c.events)
+    cfg = p.decode_server_message(json.dumps(c.hello)).config
+    seqs = [sid for cmd in next(s for s in SCENARIOS if s.key == "overload").build(cfg, 7)
+            for sid in c.request(**json.loads(p.encode(cmd)))["seq_ids"]]
+    c.until(lambda: all(any(isinstance(e, p.Finish) and e.seq_id == s for e in c.events) for s in seqs), 600)
+    assert sum(isinstance(e, p.Preempt) for e in c.events) > preempts0, "the preset preempts"
+    hits, queries = (vllm.metric("vllm:prefix_cache_hits_total") - hits0,
+                     vllm.metric("vllm:prefix_cache_queries_total") - queries0)
+    after = rerun_until(at, lambda a: (n := shown()) != before and n, 60, "the dashboard to count the preset")
+    assert (after[0] - before[0], after[1] - before[1]) == (hits, queries)
+    ours = next(m for m in at.metric if m.label == "Prefix hit rate").delta  # every admission: re-admissions too
+    assert int(ours.split("/")[0].replace(",", "")) >= after[0] and "first admission" in vllm_help(at)
+
+
+def vllm_help(at) -> str:
+    return next(x.proto.help for x in at.caption if x.value.startswith("vLLM's definition"))
 
 
 def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dashboard):
@@ -292,8 +345,19 @@ def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard)
 
     at = dashboard(KVSCOPE_VLLM="smollm2", KVSCOPE_ENGINE_ARGS="--num-blocks 40")
     assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
-    data = wait(lambda: grid_data(at.run()), 240, "vLLM's pool in the grid")
+    data = wait(lambda: grid_data(at.run()), 480, "vLLM's pool in the grid")
     assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception
+    # the OpenAI server it started on a free port, named in the header, answers there (it listens
+    # a little after the plugin's WebSocket)
+    api = next(m.group(1) for x in at.markdown if (m := re.search(r"OpenAI API `(http://[^`]+)`", x.value)))
+
+    def models() -> list | None:
+        try:
+            with urllib.request.urlopen(api + "/models", timeout=10) as r:
+                return json.loads(r.read())["data"]
+        except OSError:
+            return None
+    assert wait(models, 120, "vLLM's OpenAI server at the header's URL")[0]["id"] == BUNDLED.name
 
 
 # ---------------------------------------------------------------------------- a fleet of two vLLMs

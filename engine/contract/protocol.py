@@ -243,6 +243,7 @@ class Hello(Struct, tag_field="type", tag="hello", kw_only=True):
     server: str = "kvscope"
     supports: list[str] | None = None
     features: list[str] = []  # the optional features this client asked for and was granted
+    api_url: str | None = None  # the engine's own HTTP API, where its prompts go (vLLM's OpenAI server)
 
 
 class LoopState(Struct, tag_field="type", tag="loop", kw_only=True):

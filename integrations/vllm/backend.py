@@ -81,7 +81,8 @@ class VllmBackend:
         self.hub.loop.create_task(self.forwarder.close())
 
     def hello(self) -> p.Hello:
-        return p.Hello(engine=self.info, config=self.config, server=self.server, supports=self.supports)
+        return p.Hello(engine=self.info, config=self.config, server=self.server, supports=self.supports,
+                       api_url=self.forwarder.base_url)
 
     def request_snapshot(self) -> None:
         self.hub.deliver_snapshot(self._snapshot())
