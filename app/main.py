@@ -1,4 +1,4 @@
-"""KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/source.py).
+"""KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/data/source.py).
 
 The page is a few fragments that redraw on their own timers from the shared client's state:
 the live views (status, metrics, what paging saves, time travel, the pool grid) redraw together, so their numbers
@@ -14,30 +14,25 @@ from typing import Callable
 import streamlit as st
 from streamlit import config as st_config
 
-from engine.contract import protocol as p
-from engine.contract.kinds import DEFAULT_LOG_KINDS
-from app import (controls, eventlog, fleet_view, grid, header, history_panels, kv_events_view, lab_view, lessons_view,
-                 tables, timeline, travel)
-from app.client import EngineClient, View
-from app import trace_download
-from app.commands import show_replies
-from app.connection import Hosted, resolve, restart
-from app.key_events import explain
-from app.source import Source, from_command_line
+from app.ui import controls, travel
+from app.modes import fleet_view, kv_events_view, lab_view, lessons_view
+from app.panels import grid, header, history_panels, tables
+from app.data.client import EngineClient, View
+from app.ui.commands import show_replies
+from app.ui.connection import Hosted, resolve, restart
+from app.data.key_events import explain
+from app.data.source import Source, from_command_line
 
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
 # that costs ~60 ms, ten times a second. Python's own generational GC still runs.
 st_config.set_option("runner.postScriptGC", False)
-# Live views redraw when the browser has drawn the last grid frame and asks for the next (app/grid.py):
+# Live views redraw when the browser has drawn the last grid frame and asks for the next (app/panels/grid.py):
 # this long after it asked for the last one, or once it has drawn it when that takes longer; 80 ms,
 # so that round trips that vary still give 10 per second.
 REFRESH = {"10 per second": 0.08, "5 per second": 0.2, "2 per second": 0.5}
 HEARTBEAT_S = 2.0  # the live views redraw at least this often, should the browser not ask
-LOG_SCAN_EVENTS = 50_000  # the event log filters at most this many of the latest events
-LOG_ROWS = 300            # and lists at most this many of those that pass
 MODES = {"Explore": ":material/explore: Explore", "Lessons": ":material/school: Lessons",
          "Lab": ":material/science: Lab"}
-HISTORY_PANELS = ["Timeline", "Event log", "Prefix tree", "Lifetimes"]
 
 
 def mode() -> str:
@@ -130,7 +125,7 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     header.reservation_card(view)  # here, not beside the tables: drawn from the header's state, in its redraw
     travel.bar(client, view, connected)
     grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
-              on_block=_filter_log_by_block, extra={
+              on_block=history_panels.show_block_in_log, extra={
                   "connected": connected, "highlight": lesson if lesson is not None else key.blocks if key else []})
 
 
@@ -161,15 +156,6 @@ def died(source: Source, hosted: Hosted) -> None:
             st.code("\n".join(proc.tail(30)) or "(no output)")
 
 
-def _filter_log_by_block() -> None:
-    block = st.session_state["pool_grid"].get("block")
-    if block is not None:
-        st.session_state["log_filter"] = ("", int(block))
-        st.session_state["panel_shown"] = "Event log"
-        st.session_state["log_version"] = st.session_state.get("log_version", 0) + 1
-        st.rerun(["panel"])
-
-
 def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     view = frame_view(client)
     if view is None:
@@ -184,74 +170,8 @@ def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) ->
 
 def timeline_or_log(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     view = frame_view(client)
-    if view is None:
-        return
-    at_step = None if view.live else (view.step_events[-1].step if view.step_events else None)
-    # one panel at a time: only the chosen one is computed and sent (a grid click remounts it on the log)
-    panel = st.segmented_control("History", HISTORY_PANELS, key=f"panel_{_log_version()}",
-                                 default=st.session_state.get("panel_shown", "Timeline"),
-                                 label_visibility="collapsed") or "Timeline"
-    st.session_state["panel_shown"] = panel
-    if panel == "Event log":
-        return event_log(client, view)
-    if panel == "Prefix tree":
-        return history_panels.prefix_tree(client, view, lessons_view.highlight() if mode() == "Lessons" else [])
-    if panel == "Lifetimes":
-        return history_panels.lifetimes(client, view)
-    points, markers = client.timeline(view.event)
-    if len(points) < 2:
-        st.caption("The timeline fills in as the engine runs steps.")
-        return
-    c = st.columns(2)
-    total = view.mirror.config.num_device_blocks
-    c[0].vega_lite_chart(timeline.blocks_chart(points, markers, at_step, total), width="stretch")
-    c[1].vega_lite_chart(timeline.rates_chart(points, at_step), width="stretch")
-    st.caption(f"Steps since {view.mirror.tally.since}, up to event {view.event:,}.")
-
-
-def event_log(client: EngineClient, view: View) -> None:
-    # A click on the grid sets the filters by remounting their widgets (a new key) with new
-    # values: writing a live widget's value from Python races the other fragments' reruns.
-    seq0, block0 = st.session_state.get("log_filter", ("", -1))
-    if block0 >= view.mirror.config.num_device_blocks:  # a filter from before a reset to a smaller pool
-        seq0, block0 = seq0, -1
-    v = _log_version()
-    c = st.columns([4, 2, 1])
-    kinds = c[0].multiselect("Kinds", p.EVENT_KINDS, default=list(DEFAULT_LOG_KINDS), key="log_kinds")
-    seq = c[1].text_input("Sequence or request", seq0, key=f"log_seq_{v}", placeholder="all, e.g. r1 or sys1-2")
-    block = c[2].number_input("Block", 0, view.mirror.config.num_device_blocks - 1, None if block0 < 0 else block0,
-                              key=f"log_block_{v}", placeholder="all",
-                              help="Empty: every block. Clicking a block in the grid picks it.")
-    block = -1 if block is None else int(block)
-    st.session_state["log_filter"] = (seq, block)
-    if seq.strip() or block >= 0:
-        label = " · ".join(([f"sequence {seq.strip()}"] if seq.strip() else []) + ([f"block {block}"] if block >= 0 else []))
-        st.button(f"Filtered to {label}", icon=":material/close:", key="clear_filter", on_click=_clear_log_filter,
-                  help="Show every sequence and block again")
-    events = client.events_before(view.event, LOG_SCAN_EVENTS)
-    df = eventlog.frame(events, set(kinds), seq.strip(), None if block < 0 else int(block), limit=LOG_ROWS)
-    st.session_state["log_rows"] = df["event"].tolist()
-    st.dataframe(eventlog.styled(df), key="event_log", on_select=_travel_to_selected, selection_mode="single-row",
-                 hide_index=True, height=340, width="stretch",
-                 column_config={"t (s)": st.column_config.NumberColumn(format="%.3f"),
-                                "what happened": st.column_config.TextColumn(width="large")})
-    st.caption("Newest first. Select a row to travel to that event; **Live** returns.")
-    trace_download.button(client)
-
-
-def _clear_log_filter() -> None:
-    st.session_state["log_filter"] = ("", -1)
-    st.session_state["log_version"] = _log_version() + 1
-
-
-def _log_version() -> int:
-    return st.session_state.get("log_version", 0)
-
-
-def _travel_to_selected() -> None:
-    rows = st.session_state["event_log"].selection.rows
-    if rows:
-        travel.go(st.session_state["log_rows"][rows[0]])
+    if view is not None:
+        history_panels.panel(client, view, lessons_view.highlight() if mode() == "Lessons" else [])
 
 
 # ------------------------------------------------------------------------------ the page

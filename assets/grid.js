@@ -1,10 +1,10 @@
-// KVScope pool grid at any size. Python (app/grid.py) sends binary frames: a whole frame or a
+// KVScope pool grid at any size. Python (app/panels/grid.py) sends binary frames: a whole frame or a
 // delta from the frame this browser holds. This keeps the columns, draws an overview of the
 // whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
 // clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
 // token it holds and the block under the pointer). State lives on the root element between calls.
 
-// The block records' layout and the state codes are app/grid.py's (its STYLE's `record` and
+// The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and
 // `states`), set by `layout` when the style comes with a frame: this file has no copy of them.
 let DEV, HOST, R, STATE, FREE, CACHED, USED, SHARED, RESERVED;
 function layout(st) {
@@ -21,7 +21,7 @@ const DETAIL = 5;                 // cells at least this wide get per-block deta
 const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 const fmt = (x) => Number(x).toLocaleString("en-US");
 const noun = (n, word, many) => (n === 1 ? word : many || word + "s");
-const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/words.py
+const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/panels/words.py
 
 // ------------------------------------------------------------------ frames
 function columnsDev(buf) {

@@ -16,10 +16,10 @@ import time
 from collections import Counter
 
 from bench.rounds import spread
-from engine.contract import protocol as p
-from engine.block_manager import BlockManager
-from engine.events import EventLog
-from engine.sequence import SamplingParams, Sequence
+from kvscope_contract import protocol as p
+from engine.core.block_manager import BlockManager
+from engine.core.events import EventLog
+from engine.core.sequence import SamplingParams, Sequence
 
 
 BLOCK_KINDS = {"alloc", "prefix_hit", "cow", "evict", "free", "cached"}

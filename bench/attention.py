@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.model_runner import load_cpu_kernels
+from engine.model.model_runner import load_cpu_kernels
 from kernels import cpu_build
 
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64  # SmolLM2-135M: 9 query heads, 3 KV heads

@@ -21,8 +21,8 @@ import torch
 
 from bench.throughput import (ISA_ENV, KVScopeSide, cpu_report, isa_environment, machine, make_jobs,
                               memory_read_bandwidth, reexec_with, report, run_rounds, weight_bytes)
-from engine.model_loader import default_cache_dir, load_model
-from engine.model_runner import load_cpu_kernels
+from engine.model.model_loader import default_cache_dir, load_model
+from engine.model.model_runner import load_cpu_kernels
 from kernels import cpu_build, linear
 
 BUILD_DIR = default_cache_dir() / "kernels"

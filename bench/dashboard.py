@@ -1,7 +1,7 @@
 """Dashboard cost at production sizes: server work and bytes per grid redraw, the history's
 memory and time travel, and redraws/s and event-to-screen latency in a real browser.
 
-Pools are filled and kept busy by the real engine with random tokens (bench/synthetic.py):
+Pools are filled and kept busy by the real engine with random tokens (engine/synthetic.py):
 shared system prompts, parallel samples, a steady stream of requests.
 
 1. Server side, per grid redraw in steady state: the view (a copy of the mirror), the frame
@@ -35,13 +35,13 @@ import tracemalloc
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.contract import protocol as p
-from app import grid
-from app.client import View
-from app.event_history import EventHistory
-from app.launcher import ServerProcess
-from app.shoot_docs import CHROMIUM, FLAGS, start_streamlit
-from bench.synthetic import SyntheticEngine
+from kvscope_contract import protocol as p
+from app.panels import grid
+from app.data.client import View
+from app.data.event_history import EventHistory
+from app.data.launcher import ServerProcess
+from tools.shoot_docs import CHROMIUM, FLAGS, start_streamlit
+from engine.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD = dict(live=512, max_num_seqs=256)  # requests in the engine, running at once
@@ -203,7 +203,7 @@ def in_browser(blocks: int, seconds: float, step_delay_ms: float = 50, app_dir: 
     """One measurement; `app_dir`: the checkout whose dashboard is measured (with its .venv)."""
     from playwright.sync_api import sync_playwright
 
-    eng = ServerProcess("bench.synthetic", [
+    eng = ServerProcess("engine.synthetic", [
         "--port", "0", "--num-device-blocks", str(blocks), "--num-host-blocks", str(min(blocks // 4, 1 << 18)),
         "--live", str(LOAD["live"]), "--max-num-seqs", str(LOAD["max_num_seqs"]), "--fill", "0.8",
         "--step-delay-ms", str(step_delay_ms)]).start()
@@ -274,7 +274,7 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
     lines = ["## Dashboard", "",
              f"`python -m bench.dashboard` on this machine ({os.cpu_count()} cores, CPU only, shared with other jobs: "
              f"load average {load_average()} at the end), Streamlit 1.67, Debian chromium headless. Pools filled to "
-             f"80% (used or cached) and kept busy by the real engine with random tokens (`bench/synthetic.py`: "
+             f"80% (used or cached) and kept busy by the real engine with random tokens (`engine/synthetic.py`: "
              f"{LOAD['live']} requests in flight, {LOAD['max_num_seqs']} running, shared system prompts, parallel "
              f"samples). Figures: median (min–max) over {rounds} rounds, sizes interleaved.", "",
              "Server work per grid redraw in steady state (two engine steps apart): the view (a copy of the mirror), "

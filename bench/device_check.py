@@ -55,10 +55,10 @@ def greedy_check(model: str, device: str, out_dir: Path, new_tokens: int) -> int
     from transformers import GenerationConfig
 
     from engine.config import EngineConfig
-    from engine.contract import protocol as p
-    from engine.engine import LLMEngine
-    from engine.model_loader import load_model
-    from engine.sequence import SamplingParams
+    from kvscope_contract import protocol as p
+    from engine.model.engine import LLMEngine
+    from engine.model.model_loader import load_model
+    from engine.core.sequence import SamplingParams
 
     failed, report = 0, {}
     for dtype in ("float32", "bfloat16"):
@@ -107,7 +107,7 @@ def main() -> int:
     if args.greedy_only or args.convert_only:
         sys.path.insert(0, str(ROOT))
         if args.convert_only:
-            from engine.model_loader import convert_smollm2_gguf
+            from engine.model.model_loader import convert_smollm2_gguf
             print(f"model folder: {convert_smollm2_gguf(Path(args.model), args.model_dir)}")
             return 0
         return greedy_check(args.model, args.device, args.out, 8 if args.quick else 48)

@@ -21,8 +21,8 @@ import threading
 import time
 
 from bench.rounds import interleave, ratios, spread
-from engine.contract import protocol as p
-from engine.contract.state import PoolState
+from kvscope_contract import protocol as p
+from kvscope_contract.state import PoolState
 
 
 def reader(url: str, t0: float) -> None:
@@ -52,7 +52,7 @@ def reader(url: str, t0: float) -> None:
 def run_once(engine, prompts, new_tokens: int, clients: int, nice: int = 0
              ) -> tuple[float, float, list, list]:
     """(tokens/s, this process's CPU ms per token, step-event delays, all event delays)."""
-    from engine.server import start_in_thread
+    from engine.serve.server import start_in_thread
 
     srv = start_in_thread(engine)
     readers = [subprocess.Popen([sys.executable, "-m", "bench.events", "--reader", srv.url,
@@ -86,8 +86,8 @@ def metrics_cost(engine, prompts, new_tokens: int, rounds: int) -> tuple[list[fl
     """What the server's Prometheus bookkeeping costs the engine thread: the same workload run
     step by step, its event batches then fed to a fresh EngineMetrics `rounds` times. Returns
     the microseconds per step of each feed, its share of the engine's step time, and one scrape's ms."""
-    from engine.metrics import EngineMetrics
-    from engine.sequence import SamplingParams
+    from engine.serve.metrics import EngineMetrics
+    from engine.core.sequence import SamplingParams
 
     start = engine.snapshot()
     for prompt in prompts:
@@ -134,7 +134,7 @@ def main() -> None:
                     "machine, 10 keeps their own CPU use from counting as the server's overhead")
     args = ap.parse_args()
     from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from engine.model.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model))
     prompts = [f"Request {i}: explain paged attention in a few words." for i in range(args.requests)]

@@ -15,8 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.contract import protocol as p
-from engine.contract.lab import LabConfig
+from kvscope_contract import protocol as p
+from kvscope_contract.lab import LabConfig
 from engine.lab import report
 from engine.lab.workload import Workload, from_recording, load
 

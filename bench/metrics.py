@@ -13,11 +13,11 @@ import random
 import time
 
 from bench.rounds import spread
-from engine.block_manager import BlockManager
-from engine.contract import protocol as p
-from engine.events import EventLog
-from engine.metrics import EngineMetrics
-from engine.sequence import Sequence
+from engine.core.block_manager import BlockManager
+from kvscope_contract import protocol as p
+from engine.core.events import EventLog
+from engine.serve.metrics import EngineMetrics
+from engine.core.sequence import Sequence
 
 POOLS = (1024, 8192, 65536)
 FILL = 0.75

@@ -12,8 +12,8 @@ import sys
 import time
 
 from bench.rounds import interleave, spread
-from engine.model_loader import load_model
-from engine.contract.ready import ready_url
+from engine.model.model_loader import load_model
+from kvscope_contract.ready import ready_url
 
 MODELS = ("tiny", "smollm2")
 
@@ -25,9 +25,9 @@ def in_process(spec: str) -> float:
 
 
 def server_ready(spec: str) -> float:
-    """Seconds from starting `python -m engine.server` to its `ready: ws://` line."""
+    """Seconds from starting `python -m engine.serve.server` to its `ready: ws://` line."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--model", spec, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--model", spec, "--port", "0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stderr:

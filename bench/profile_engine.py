@@ -27,8 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.prompts import make_prompts
 from bench.throughput import VLLMSide, default_vllm_python, make_engine, model_folder
-from engine.model_loader import load_model
-from engine.sequence import SamplingParams
+from engine.model.model_loader import load_model
+from engine.core.sequence import SamplingParams
 
 
 def phase_table(events, wall_s: float, steps: int, rows: int) -> str:

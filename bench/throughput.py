@@ -45,11 +45,11 @@ from transformers import GenerationConfig
 from bench.prompts import make_prompts
 from bench.rounds import interleave, ratios, settle, spread
 from engine.config import EngineConfig
-from engine.contract import protocol as p
-from engine.contract.ready import ready_url
-from engine.engine import LLMEngine
-from engine.model_loader import SMOLLM2, default_cache_dir, load_model
-from engine.sequence import SamplingParams
+from kvscope_contract import protocol as p
+from kvscope_contract.ready import ready_url
+from engine.model.engine import LLMEngine
+from engine.model.model_loader import SMOLLM2, default_cache_dir, load_model
+from engine.core.sequence import SamplingParams
 from kernels import cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ def server_startup_seconds(model: str, dtype: str, timeout: float = 300) -> floa
     """Seconds from starting the engine server (as the dashboard starts its embedded engine) to
     its `ready:` line: imports, model load, pool, kernels, GEMM packing."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--port", "0", "--model", model, "--dtype", dtype],
+    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--port", "0", "--model", model, "--dtype", dtype],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
@@ -365,7 +365,7 @@ def main() -> None:
     print(f"bench.throughput, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     if args.device in (None, "cpu"):
-        from engine.model_runner import load_cpu_kernels
+        from engine.model.model_runner import load_cpu_kernels
         load_cpu_kernels(print)
         print(cpu_report(), flush=True)
         machine_gbs = memory_read_bandwidth()
@@ -378,7 +378,7 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         if args.startup:
             print(f"engine server ({dtype_name}) ready after {server_startup_seconds(args.model, dtype_name):.1f} s "
-                  "(python -m engine.server --port 0)", flush=True)
+                  "(python -m engine.serve.server --port 0)", flush=True)
         loaded = load_model(args.model, device=args.device, dtype=dtype_name)
         jobs = make_jobs(loaded.tokenizer, args.requests, args.new_tokens)
         if args.jobs:

@@ -49,7 +49,7 @@ class Reader:
     def __init__(self, url: str):
         from websockets.sync.client import connect
 
-        from engine.contract import protocol as p
+        from kvscope_contract import protocol as p
 
         self.ws = connect(url, max_size=None)
         self.events = 0

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.block_manager import WATERMARK
-from engine.contract.protocol import PoolConfig
+from engine.core.block_manager import WATERMARK
+from kvscope_contract.protocol import PoolConfig
 
 
 @dataclass

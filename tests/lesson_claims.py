@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.contract import protocol as p
-from engine.contract.state import PoolState, held_tokens
+from kvscope_contract import protocol as p
+from kvscope_contract.state import PoolState, held_tokens
 
 
 @dataclass

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import random
 
-from engine.contract import protocol as p
-from engine.block_manager import BlockManager
-from engine.events import EventLog
-from engine.sequence import SamplingParams, Sequence, SeqStatus
-from engine.contract.state import PoolState
+from kvscope_contract import protocol as p
+from engine.core.block_manager import BlockManager
+from engine.core.events import EventLog
+from engine.core.sequence import SamplingParams, Sequence, SeqStatus
+from kvscope_contract.state import PoolState
 
 
 class PoolDriver:

@@ -7,8 +7,8 @@ from collections import Counter
 
 from websockets.sync.client import connect
 
-from engine.contract import protocol as p
-from engine.contract.state import PoolState
+from kvscope_contract import protocol as p
+from kvscope_contract.state import PoolState
 
 
 class Client:

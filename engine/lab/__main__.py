@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.contract.lab import encode_report, to_csv
+from kvscope_contract.lab import encode_report, to_csv
 from engine.lab import report as lab
 from engine.lab.record import record
 from engine.lab.workload import PRESETS, load

@@ -9,15 +9,15 @@ Tokens held in used blocks are the header's and the reducer's number
 per step: held = H - O, where H is the tokens computed by every sequence holding device blocks
 and O the tokens counted twice, (holders - 1) x tokens of each shared block. At the end of a step
 the holders of a shared block hold it equally (a full block, or a fork's partial last block before
-copy-on-write), which is what O uses. tests/test_lab.py checks it against the reducer every step.
+copy-on-write), which is what O uses. tests/integration/test_lab.py checks it against the reducer every step.
 """
 from __future__ import annotations
 
-from engine.contract import protocol as p
-from engine.contract.counters import EventCounts
-from engine.contract.lab import PeakGrid
-from engine.contract.state import PoolState, hash_hex, held_tokens, used_blocks
-from engine.events import EventLog
+from kvscope_contract import protocol as p
+from kvscope_contract.counters import EventCounts
+from kvscope_contract.lab import PeakGrid
+from kvscope_contract.state import PoolState, hash_hex, held_tokens, used_blocks
+from engine.core.events import EventLog
 
 # events that can change what the scheduler's queued part decides (admission, swap-in)
 CHANGES = frozenset({p.RequestAdded, p.Fork, p.Alloc, p.PrefixHit, p.Cached, p.Evict, p.Cow, p.Free,

@@ -1,12 +1,12 @@
-"""A lab run as a recording (the format of `engine.server --record`), so the dashboard can replay
+"""A lab run as a recording (the format of `engine.serve.server --record`), so the dashboard can replay
 it: every event of a step-by-step run, paced at `STEP_S` seconds a step."""
 from __future__ import annotations
 
 from itertools import groupby
 from pathlib import Path
 
-from engine.contract import protocol as p
-from engine.contract.lab import LabConfig
+from kvscope_contract import protocol as p
+from kvscope_contract.lab import LabConfig
 from engine.lab.sim import Lab
 from engine.lab.workload import Workload
 

@@ -3,10 +3,10 @@ reducer and its block counts at every `step` event. Works on any stream (the liv
 recording's, the lab's own step-by-step run); tests compare the lab's fast counts with it."""
 from __future__ import annotations
 
-from engine.contract import protocol as p
-from engine.contract.counters import EventCounts
-from engine.contract.lab import LabConfig, LabRow
-from engine.contract.state import PoolState
+from kvscope_contract import protocol as p
+from kvscope_contract.counters import EventCounts
+from kvscope_contract.lab import LabConfig, LabRow
+from kvscope_contract.state import PoolState
 
 
 def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEvent]) -> LabRow:

@@ -6,8 +6,8 @@ import time
 
 import msgspec
 
-from engine.contract.lab import LabConfig, LabReport, LabRow, row_values
-from engine.contract.state import CACHED, FREE, SHARED
+from kvscope_contract.lab import LabConfig, LabReport, LabRow, row_values
+from kvscope_contract.state import CACHED, FREE, SHARED
 from engine.lab.sim import Lab
 from engine.lab.workload import Workload
 

@@ -1,7 +1,7 @@
 """One workload through the real BlockManager and Scheduler under one config, outputs replayed.
 
 No model: `EngineCore` runs as in the engine, with each sample's next token taken from the
-workload. Two ways to run it, with equal results (tests/test_lab.py):
+workload. Two ways to run it, with equal results (tests/integration/test_lab.py):
 
 - `stepwise`: `EngineCore.step()` every step, every event, like the live engine;
 - `fast` (the default): event-driven. A decoding sequence whose next step neither needs a block
@@ -21,13 +21,13 @@ import heapq
 import time
 from collections import deque
 
-from engine.contract import protocol as p
-from engine.contract.lab import LabConfig, LabRow
-from engine.core import EngineCore
+from kvscope_contract import protocol as p
+from kvscope_contract.lab import LabConfig, LabRow
+from engine.core.engine_core import EngineCore
 from engine.lab.meter import Meter
 from engine.lab.workload import Request, Workload
-from engine.scheduler import Batch
-from engine.sequence import SamplingParams, Sequence, SeqStatus
+from engine.core.scheduler import Batch
+from engine.core.sequence import SamplingParams, Sequence, SeqStatus
 
 
 def _arrival(seq: Sequence) -> int:

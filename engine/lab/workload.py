@@ -1,6 +1,6 @@
 """Workloads for the lab: requests as token streams (prompt in, every sample's outputs replayed).
 
-From a recording (`engine.server --record`, or the dashboard's session), or a preset mix built
+From a recording (`engine.serve.server --record`, or the dashboard's session), or a preset mix built
 at the token level: chat with shared system prompts, parallel sampling, long and short mixed.
 """
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.contract import protocol as p
-from engine.contract.lab import PRESETS
-from engine.contract.state import PoolState
-from engine.replay import Recording
+from kvscope_contract import protocol as p
+from kvscope_contract.lab import PRESETS
+from kvscope_contract.state import PoolState
+from engine.serve.replay import Recording
 
 SYNTHETIC = 1 << 40  # rebuilt prompt tokens live far above any vocabulary, so they never equal real ones
 
@@ -173,7 +173,7 @@ def mixed(scale: int = 1, seed: int = 0) -> Workload:
 
 
 BUILDERS = {"chat": chat, "parallel": parallel, "mixed": mixed}
-assert BUILDERS.keys() == PRESETS.keys(), "a preset needs a builder here and its words in engine/contract/lab.py"
+assert BUILDERS.keys() == PRESETS.keys(), "a preset needs a builder here and its words in kvscope_contract/lab.py"
 
 
 def load(spec: str, scale: int = 1) -> Workload:

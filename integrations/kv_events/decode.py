@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engine.contract.state import hash_hex
+from kvscope_contract.state import hash_hex
 
 MEDIUM_GPU = "GPU"
 

@@ -1,5 +1,5 @@
 """What a KV-event stream can show, as plain data: per medium, the prefix forest its cached
-blocks form by parent hash (engine/contract/prefix_forest.py, each node with its token ids and
+blocks form by parent hash (kvscope_contract/prefix_forest.py, each node with its token ids and
 its copies: vLLM does not de-duplicate, so two physical blocks may cache the same content),
 stored / removed / cleared counts over time, and the frames that could not be read. No block
 ids, ref counts or request tables: the stream has none.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.contract.prefix_forest import PrefixForest
+from kvscope_contract.prefix_forest import PrefixForest
 from integrations.kv_events.decode import Batch, Cleared, Removed, Stored
 
 

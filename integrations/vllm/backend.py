@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.contract import protocol as p
-from engine.detokenizer import Detokenizer
-from engine.hub import Client, Hub
+from kvscope_contract import protocol as p
+from engine.model.detokenizer import Detokenizer
+from engine.serve.hub import Client, Hub
 from integrations.vllm.forward import Forwarder, Submission
 from integrations.vllm.observer import NULL_BLOCK, PoolObserver, request_group
 

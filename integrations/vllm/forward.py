@@ -14,7 +14,7 @@ from typing import Callable
 
 import aiohttp
 
-from engine.contract import protocol as p
+from kvscope_contract import protocol as p
 
 log = logging.getLogger("kvscope")
 API_WAIT_S = 120  # vLLM's OpenAI server comes up a little after its engine core (and this plugin)

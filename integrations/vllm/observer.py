@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.contract import protocol as p
-from engine.contract.state import PoolState, SeqState, hash_columns
-from engine.events import EventLog
+from kvscope_contract import protocol as p
+from kvscope_contract.state import PoolState, SeqState, hash_columns
+from engine.core.events import EventLog
 from vllm.v1.request import RequestStatus
 from integrations.kv_events.decode import vllm_hash_hex
 

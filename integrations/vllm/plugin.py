@@ -35,9 +35,9 @@ def register() -> None:
 
 def attach(scheduler) -> None:
     """Observe `scheduler` and serve it; any failure is logged and leaves vLLM as it was."""
-    from engine.cli import refuse_open_bind
-    from engine.hub import Hub, serve_in_thread
-    from engine.contract.ready import ready_line
+    from engine.serve.cli import refuse_open_bind
+    from engine.serve.hub import Hub, serve_in_thread
+    from kvscope_contract.ready import ready_line
     from integrations.vllm.backend import VllmBackend
 
     host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(ENV_TOKEN) or None

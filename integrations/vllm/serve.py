@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-# `smollm2`: the bundled model, as `make install` converts it (engine/model_loader.py)
+# `smollm2`: the bundled model, as `make install` converts it (engine/model/model_loader.py)
 BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 

@@ -1,0 +1,316 @@
+"""The dashboard's connection to an engine: a daemon thread that keeps a WebSocket open
+(reconnecting on its own), mirrors the event stream into a History, and sends commands.
+
+It never calls st.*: Streamlit sessions read it through `view`, `status` and `reply`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import msgspec
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.sync.client import ClientConnection, connect
+
+from kvscope_contract import protocol as p
+from kvscope_contract.state import InvariantError
+from app.data.event_history import EventHistory
+from app.data.mirror import Mirror
+
+ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
+MAX_BACKOFF_S = 5.0
+MAX_REPLIES_KEPT = 500  # answers to commands, by id, until the session that sent them reads them
+MAX_VIEWS_CACHED = 8    # views (states at an event) shared by every session: live plus a few travelled to
+MAX_NOTICES = 50
+
+
+def with_features(url: str, features: tuple[str, ...]) -> str:
+    """`url` asking the server for optional protocol features (`?features=a,b`)."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "features"] + [("features", ",".join(features))]
+    return urlunsplit(parts._replace(query=urlencode(query, safe=",")))
+
+
+class NotConnected(RuntimeError):
+    pass
+
+
+@dataclass
+class Status:
+    state: ConnState = "connecting"
+    url: str = ""
+    attempts: int = 0          # failed attempts since the last success
+    last_error: str = ""
+    since: float = field(default_factory=time.time)
+    resyncs: int = 0
+
+
+@dataclass(frozen=True)
+class View:
+    """The state at one event number, frozen for drawing."""
+    mirror: Mirror
+    live: bool
+    epoch: int
+    step_events: list  # the events of the engine step that the viewed event belongs to
+    memo: dict = field(default_factory=dict, compare=False)  # drawings derived from it, computed once
+
+    @property
+    def event(self) -> int:
+        return self.mirror.last_event
+
+
+class EngineClient:
+    def __init__(self, url: str, token: str | None = None, *, max_events: int = 1_000_000):
+        self.url, self.token, self.max_events = url, token or None, max_events
+        self.lock = threading.RLock()
+        self.status = Status(url=url)
+        self.hello: p.Hello | None = None
+        self.history: EventHistory | None = None
+        self.epoch = 0                          # bumps when the history starts over
+        self.colors: dict[str, int] = {}        # seq_id -> colour index, in order of appearance
+        self.loop = p.LoopState(paused=False, step_delay_ms=0.0)  # the engine loop's pause and pace
+        self.notices: deque[tuple[float, str, str]] = deque(maxlen=MAX_NOTICES)  # (time, level, text)
+        self.received_at = 0.0                  # wall time of the last event
+        self._replies: OrderedDict[int, p.Ack | p.Error] = OrderedDict()
+        self._views: OrderedDict[tuple[int, int, bool], View] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._ws: ClientConnection | None = None
+        self._send_lock = threading.Lock()
+        self._awaiting_snapshot = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvscope-client {url}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the connection thread
+    def _run(self) -> None:
+        backoff = 0.2
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        while not self._stop.is_set():
+            try:
+                with connect(with_features(self.url, p.FEATURES), max_size=None, compression=None, open_timeout=5,
+                             close_timeout=1, additional_headers=headers) as ws:
+                    self._ws = ws
+                    for frame in ws:
+                        self._on_frame(frame)
+                    error = "the engine closed the connection"
+            except InvalidStatus as e:
+                code = e.response.status_code
+                error = ("the engine refused the token (HTTP 401): check --token" if code == 401
+                         else f"the handshake failed with HTTP {code}")
+            except InvalidURI as e:
+                self._set_state("failed", f"not a WebSocket URL: {e}")
+                return
+            except (ConnectionClosed, InvalidHandshake, OSError, TimeoutError) as e:
+                error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            except Exception as e:  # a bug in a handler must not end the thread
+                error = f"client error: {type(e).__name__}: {e}"
+                self._notice("error", error)
+            finally:
+                self._ws = None
+            if self._stop.is_set():
+                return
+            with self.lock:
+                if self.status.state == "connected":
+                    backoff = 0.2
+                self.status.attempts += 1
+                self._set_state("reconnecting", error)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _set_state(self, state: ConnState, error: str) -> None:
+        with self.lock:
+            if state != self.status.state:
+                self.status.since = time.time()
+            self.status.state, self.status.last_error = state, error
+
+    def _notice(self, level: str, text: str) -> None:
+        self.notices.append((time.time(), level, text))
+
+    def _on_frame(self, frame: str | bytes) -> None:
+        try:
+            msg = p.decode_server_message(frame)
+        except msgspec.DecodeError as e:
+            self._notice("error", f"ignored a message the client cannot read: {e}")
+            return
+        with self.lock:
+            match msg:
+                case p.Hello():
+                    self.hello = msg
+                    self.loop = p.LoopState(paused=msg.paused, step_delay_ms=msg.step_delay_ms)
+                case p.LoopState():
+                    self.loop = msg
+                case p.Snapshot():
+                    self._on_snapshot(msg)
+                case p.Events():
+                    self.received_at = time.time()
+                    for ev in msg.events:
+                        self._on_event(ev)
+                case p.Ack() | p.Error():
+                    self._on_reply(msg)
+
+    def _on_snapshot(self, snap: p.Snapshot) -> None:
+        h = self.history
+        if h is None or snap.seq < h.last_event:
+            if h is not None:
+                self._notice("warning", f"the engine started over (event {snap.seq} after "
+                                        f"{h.last_event}): the history starts again")
+            self.history, self.epoch = EventHistory(snap, self.max_events), self.epoch + 1
+        else:
+            h.resync(snap)
+        for s in snap.seqs:
+            self._color(s.seq_id)
+        self._awaiting_snapshot = False
+        self._views.clear()
+        if self.status.state != "connected":
+            self.status.attempts = 0
+            self._set_state("connected", "")
+
+    def _on_event(self, ev: p.AnyEvent) -> None:
+        h = self.history
+        if h is None or self._awaiting_snapshot or ev.seq <= h.last_event:
+            return  # before the first snapshot, while waiting for a resync, or a duplicate
+        if ev.seq != h.last_event + 1:
+            return self._resync(f"events {h.last_event + 1}..{ev.seq - 1} are missing")
+        try:
+            h.append(ev)
+        except InvariantError as e:
+            return self._resync(f"the mirror rejected an event ({e})")
+        if isinstance(ev, (p.RequestAdded, p.Fork)):
+            self._color(ev.seq_id)
+
+    def _resync(self, why: str) -> None:
+        self._notice("warning", f"{why}: asking the engine for a fresh snapshot")
+        self.status.resyncs += 1
+        self._awaiting_snapshot = True
+        try:
+            self._send_raw(p.SnapshotCmd(id=next(self._ids)))
+        except NotConnected:
+            pass  # the next connection starts with a snapshot anyway
+
+    def _on_reply(self, msg: p.Ack | p.Error) -> None:
+        if isinstance(msg, p.Error):
+            self._notice("error", f"{msg.op or 'command'}: {msg.message}")
+        elif self.hello and "loop" not in self.hello.features:  # a server without `loop`: own acks only
+            if msg.op in ("pause", "resume"):
+                self.loop = msgspec.structs.replace(self.loop, paused=msg.op == "pause")
+        if isinstance(msg.id, int):
+            self._replies[msg.id] = msg
+            while len(self._replies) > MAX_REPLIES_KEPT:
+                self._replies.popitem(last=False)
+
+    def _color(self, seq_id: str) -> int:
+        return self.colors.setdefault(seq_id, len(self.colors))
+
+    # ------------------------------------------------------------------ commands
+    def _send_raw(self, cmd: p.Command) -> None:
+        ws = self._ws
+        if ws is None or self.status.state != "connected":
+            raise NotConnected(f"not connected to {self.url} ({self.status.last_error or self.status.state})")
+        with self._send_lock:
+            try:
+                ws.send(p.encode(cmd).decode())
+            except (ConnectionClosed, OSError) as e:
+                raise NotConnected(f"the connection to {self.url} dropped: {e}") from None
+
+    def send(self, cmd: p.Command) -> int:
+        """Send a command; returns its id, whose answer `reply(id)` gives once it arrives."""
+        cmd.id = next(self._ids)
+        self._send_raw(cmd)
+        return cmd.id
+
+    def reply(self, cid: int) -> p.Ack | p.Error | None:
+        with self.lock:
+            return self._replies.get(cid)
+
+    def wait_reply(self, cid: int, timeout: float = 5.0) -> p.Ack | p.Error | None:
+        deadline = time.monotonic() + timeout
+        while (r := self.reply(cid)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return r
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def is_replay(self) -> bool:
+        return bool(self.hello and self.hello.replay)
+
+    @property
+    def paused(self) -> bool:
+        return self.loop.paused
+
+    def supports(self, op: str) -> bool:
+        """Whether the server carries out `op` (hello.supports; every op when it does not say)."""
+        return self.hello is None or self.hello.supports is None or op in self.hello.supports
+
+    def bounds(self) -> tuple[int, int] | None:
+        with self.lock:
+            h = self.history
+            return (h.first_event, h.last_event) if h else None
+
+    def view(self, n: int | None = None, live: bool | None = None) -> View | None:
+        """The state after event n (None: the latest), shared by every session. `live`: whether
+        it is drawn as the live state (default: when n is None) or as time travel."""
+        with self.lock:
+            h = self.history
+            if h is None:
+                return None
+            live = n is None if live is None else live
+            n = h.last_event if n is None else max(h.first_event, min(n, h.last_event))
+            key = (self.epoch, n, live)
+            if (v := self._views.get(key)) is None:
+                v = View(h.at(n), live, self.epoch, h.last_step_events(n))
+                self._views[key] = v
+                while len(self._views) > MAX_VIEWS_CACHED:
+                    self._views.popitem(last=False)
+            return v
+
+    def timeline(self, n: int | None = None) -> tuple[list, list]:
+        """Step points and markers of the segment holding event n (None: live), up to n."""
+        with self.lock:
+            h = self.history
+            if h is None:
+                return [], []
+            n = h.last_event if n is None else n
+            lo = h.segment_start(n)
+            return ([x for x in h.points if lo < x.seq <= n], [x for x in h.markers if lo < x.seq <= n])
+
+    def markers(self) -> list:
+        """Every retained timeline marker (preemptions, swaps, resets), oldest first."""
+        with self.lock:
+            return list(self.history.markers) if self.history else []
+
+    def clean_slate(self) -> int | None:
+        """Counters and timeline start afresh from the live event (see EventHistory)."""
+        with self.lock:
+            if self.history is None:
+                return None
+            n = self.history.clean_slate()
+            self._views.clear()
+            return n
+
+    def events_before(self, n: int | None, count: int) -> list[p.AnyEvent]:
+        with self.lock:
+            h = self.history
+            return h.recent(h.last_event if n is None else n, count) if h else []
+
+    def step_edge(self, n: int, forward: bool) -> int:
+        with self.lock:
+            return self.history.step_edge(n, forward) if self.history else n
+
+    def color(self, seq_id: str) -> int:
+        with self.lock:
+            return self._color(seq_id)
+
+    def close(self, why: str = "") -> None:
+        """Stop for good (the history stays readable); `why` is shown as the last error."""
+        self._stop.set()
+        self._set_state("closed", why)
+        ws = self._ws
+        if ws is not None:
+            ws.close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=3)

@@ -1,0 +1,382 @@
+"""A fleet of engines seen at once: named endpoints, each followed on its own thread, each with
+the numbers the fleet page shows. No Streamlit here.
+
+Endpoint kinds:
+- `kvscope`: a KVScope engine (or `python -m engine.synthetic`), its WebSocket;
+- `vllm-plugin`: a vLLM with the KVScope plugin, its WebSocket (with data parallelism rank r
+  serves on the plugin's port + r: give `rank`);
+- `kv-events`: a ZMQ KV-event stream (vLLM `--kv-events-config`, SGLang, TensorRT-LLM),
+  `tcp://HOST:PORT[?replay=tcp://HOST:PORT]`.
+
+Each endpoint has its own client thread (app/data/client.py's EngineClient, or the KV-event
+subscriber), so one that stalls or dies never delays another: a WebSocket that drops is marked
+down and retried with backoff (up to 5 s apart); reading a row takes only that endpoint's lock.
+
+A fleet file (`--fleet fleet.toml`):
+
+    [[engine]]
+    name = "pod-a"
+    url = "ws://127.0.0.1:8765"
+    kind = "vllm-plugin"            # kvscope (default) | vllm-plugin | kv-events
+    api = "http://127.0.0.1:8000"  # optional: its OpenAI server (load generator, /tokenize)
+    rank = 0                        # optional: a data-parallel rank (vllm-plugin: port + rank)
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from kvscope_contract import protocol as p
+from app.data.client import EngineClient
+from app.data.fleet_content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
+from app.data.fleet_index import EngineCache, FleetIndex
+
+Kind = Literal["kvscope", "vllm-plugin", "kv-events"]
+ENDPOINT_KINDS: tuple[str, ...] = ("kvscope", "vllm-plugin", "kv-events")
+FLEET_EVENTS = 20_000  # events each fleet member keeps for its own history (the single-engine views keep their own)
+SILENT_S = 30.0         # a KV-event stream without a batch this long is marked silent
+
+
+class FleetFileError(ValueError):
+    """A fleet file that cannot be read; says where."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    url: str
+    kind: Kind = "kvscope"
+    api: str = ""           # its OpenAI server, for the load generator and /tokenize
+    rank: int | None = None
+    token: str = ""
+
+    @property
+    def address(self) -> str:
+        """Where to connect: a plugin's data-parallel rank r listens on its port + r."""
+        if self.kind != "vllm-plugin" or not self.rank:
+            return self.url
+        parts = urlsplit(self.url)
+        return urlunsplit(parts._replace(netloc=f"{parts.hostname}:{(parts.port or 80) + self.rank}"))
+
+    def check(self) -> Endpoint:
+        if not self.name.strip():
+            raise FleetFileError("an engine needs a name")
+        if self.kind not in ENDPOINT_KINDS:
+            raise FleetFileError(f"{self.name}: kind must be one of {', '.join(ENDPOINT_KINDS)}, got {self.kind!r}")
+        scheme = urlsplit(self.url).scheme
+        wanted = ("tcp", "ipc") if self.kind == "kv-events" else ("ws", "wss")
+        if scheme not in wanted:
+            raise FleetFileError(f"{self.name}: a {self.kind} url starts with {' or '.join(s + '://' for s in wanted)}, "
+                                 f"got {self.url!r}")
+        return self
+
+
+def load_fleet(path: str | Path) -> list[Endpoint]:
+    """The endpoints of a fleet file, in its order; FleetFileError names what is wrong."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise FleetFileError(f"cannot read {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise FleetFileError(f"{path} is not TOML: {e}") from None
+    rows = data.get("engine")
+    if not isinstance(rows, list) or not rows:
+        raise FleetFileError(f"{path}: list the engines as [[engine]] tables with a name and a url")
+    out: list[Endpoint] = []
+    for i, row in enumerate(rows):
+        unknown = set(row) - {"name", "url", "kind", "api", "rank", "token"}
+        if unknown or "url" not in row:
+            raise FleetFileError(f"{path}: engine {i + 1}: " + (f"unknown keys {sorted(unknown)}" if unknown else "no url"))
+        out.append(Endpoint(str(row.get("name", f"engine-{i + 1}")), str(row["url"]), row.get("kind", "kvscope"),
+                            str(row.get("api", "")), row.get("rank"), str(row.get("token", ""))).check())
+    names = [e.name for e in out]
+    if len(set(names)) != len(names):
+        raise FleetFileError(f"{path}: engine names must differ: {names}")
+    return out
+
+
+def kv_event_sources(api: str, timeout: float = 3.0) -> list[Endpoint] | None:
+    """The KV-event endpoint of every data-parallel rank a vLLM server lists at `GET
+    /kv_event_sources`, or None when it does not answer there. vLLM 0.32 answers a JSON object
+    keyed by rank, each its KV-events config (`endpoint`, `replay_endpoint`, `topic`); newer
+    servers a list of {data_parallel_rank, endpoint, replay_endpoint, topic}. A config every rank
+    shares is the base one, which vLLM's publisher offsets by the rank; a wildcard host
+    (`tcp://*:5557`) becomes the server's host."""
+    try:
+        with urllib.request.urlopen(api.rstrip("/") + "/kv_event_sources", timeout=timeout) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    if isinstance(body, dict):
+        items = [{**cfg, "data_parallel_rank": int(rank)} for rank, cfg in body.items() if isinstance(cfg, dict)]
+    elif isinstance(body, list):
+        items = [x for x in body if isinstance(x, dict)]
+    else:
+        return None
+    items = [x for x in items if x.get("endpoint") and x.get("enable_kv_cache_events", True)]
+    shared = len(items) > 1 and len({x["endpoint"] for x in items}) == 1
+    host = urlsplit(api).hostname or "127.0.0.1"
+
+    def where(url: str, rank: int) -> str:
+        parts = urlsplit(url.replace("*", host))
+        if shared and rank and parts.port:
+            parts = parts._replace(netloc=f"{parts.hostname}:{parts.port + rank}")
+        return urlunsplit(parts)
+
+    out = []
+    for it in sorted(items, key=lambda x: x["data_parallel_rank"] if "data_parallel_rank" in x else 0):
+        rank = int(it.get("data_parallel_rank") or 0)
+        query = [f"replay={where(str(it['replay_endpoint']), rank)}"] if it.get("replay_endpoint") else []
+        query += [f"topic={it['topic']}"] if it.get("topic") else []
+        out.append(Endpoint(f"{host}-rank{rank}", where(str(it["endpoint"]), rank) + ("?" + "&".join(query) if query else ""),
+                            "kv-events", api, rank))
+    return out
+
+
+# ------------------------------------------------------------------------------ one engine
+class FleetClient(EngineClient):
+    """The dashboard's client, also naming every cached block by its content."""
+
+    def __init__(self, url: str, token: str | None = None, *, max_events: int = FLEET_EVENTS):
+        self.content: ContentTracker | None = None
+        super().__init__(url, token, max_events=max_events)
+
+    def _on_snapshot(self, snap: p.Snapshot) -> None:
+        super()._on_snapshot(snap)
+        h = self.history
+        if h is not None:  # a snapshot that does not continue the stream: tokens before it are unknown
+            old = self.content
+            self.content = ContentTracker.from_state(h.live.state)
+            if old is not None:  # what it already followed stays known: sequences' tokens, blocks' contents
+                self.content.keep(old)
+
+    def _on_event(self, ev: p.AnyEvent) -> None:
+        h = self.history
+        before = h.last_event if h else None
+        super()._on_event(ev)
+        h = self.history
+        if h is not None and self.content is not None and h.last_event == ev.seq and before != ev.seq:
+            self.content.apply(ev, h.live.state)
+
+
+@dataclass
+class EngineRow:
+    """One engine's numbers, as the fleet page lists them."""
+    name: str
+    kind: str
+    url: str
+    state: str            # live, connecting, down, silent, closed
+    error: str = ""
+    model: str = ""
+    blocks: int = 0
+    used: int = 0
+    cached: int = 0
+    free: int = 0
+    block_size: int = 0
+    bytes_per_block: int = 0
+    hit_rate: float | None = None   # prefix-cache hit tokens over tokens looked up (None: the stream cannot say)
+    preemptions: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    tokens_per_s: float | None = None
+    last_event_age_s: float | None = None
+    gaps: int = 0                   # resyncs after missing event numbers, or batches missed (KV events)
+    unknown_content: int = 0        # cached blocks named by server hash only
+
+    @property
+    def out_of_free(self) -> bool:
+        return self.state == "live" and self.blocks > 0 and self.free == 0 and self.cached == 0
+
+    @property
+    def alarm(self) -> str:
+        """Why this engine stands out, or ""."""
+        if self.state in ("down", "silent"):
+            return self.state
+        if self.out_of_free:
+            return "no free blocks"
+        if self.preemptions:
+            return "preempting"
+        return ""
+
+
+class FleetEngine:
+    """One endpoint and its client thread."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint.check()
+        self.client: FleetClient | None = None
+        self.subscriber = None
+        if endpoint.kind == "kv-events":
+            from integrations.kv_events.subscriber import KVEventsSubscriber  # pyzmq only when asked for
+            self.subscriber = KVEventsSubscriber(endpoint.address)
+        else:
+            self.client = FleetClient(endpoint.address, endpoint.token or None)
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    def row(self, now: float | None = None) -> EngineRow:
+        now = time.time() if now is None else now
+        e = self.endpoint
+        row = EngineRow(e.name, e.kind, e.address, "connecting")
+        if self.subscriber is not None:
+            return self._kv_events_row(row, now)
+        c = self.client
+        with c.lock:
+            st, view, content = c.status, c.view(), c.content
+            row.state = {"connected": "live", "reconnecting": "down", "failed": "down"}.get(st.state, st.state)
+            row.error = st.last_error if row.state != "live" else ""
+            row.gaps = st.resyncs
+            if c.hello:
+                row.model = c.hello.engine.model
+            if view is None:
+                return row
+            m = view.mirror
+            counts = m.state.counts()
+            cfg = m.config
+            tl = m.tally
+            row.blocks, row.free, row.cached, row.used = cfg.num_device_blocks, counts.free, counts.cached, counts.used
+            row.block_size, row.bytes_per_block = cfg.block_size, cfg.bytes_per_block
+            row.hit_rate = tl.hit_rate if tl.looked_up_tokens else None
+            row.preemptions = tl.preemptions
+            step = tl.last_step
+            row.running = step.num_running if step else sum(s.status == "running" for s in m.state.seqs.values())
+            row.waiting = step.num_waiting if step else sum(s.status == "waiting" for s in m.state.seqs.values())
+            row.tokens_per_s = tl.tokens_per_s(m.t)
+            row.last_event_age_s = now - c.received_at if c.received_at else None
+            row.unknown_content = content.unknown if content else 0
+        return row
+
+    def _kv_events_row(self, row: EngineRow, now: float) -> EngineRow:
+        s = self.subscriber
+        with s.lock:
+            st = s.state
+            row.cached = st.num_cached()
+            row.gaps = st.missed
+            row.last_event_age_s = now - s.received_at if s.received_at else None
+            quiet = now - (s.received_at or s.connected_at)
+            row.state = "live" if st.batches and quiet < SILENT_S else "silent" if st.batches else "connecting"
+            row.error = st.errors[-1] if st.errors else ""
+            row.block_size = next((n.tokens and len(n.tokens) for f in st.forests.values() for n in f.nodes.values()), 0) or 0
+            row.unknown_content = sum(1 for c in self._kv_contents() if c.cid.startswith(HASH_PREFIX))
+        return row
+
+    # ------------------------------------------------------------------ what it caches
+    def contents(self) -> list[Content]:
+        """Every cached block (one entry per physical copy) with its content id."""
+        if self.subscriber is not None:
+            with self.subscriber.lock:
+                return self._kv_contents()
+        c = self.client
+        with c.lock:
+            return list(c.content.contents()) if c.content else []
+
+    def _kv_contents(self) -> list[Content]:
+        """The stream's cached blocks (medium GPU, or none given), named by content: each node's
+        tokens under its parent's content id; a chain whose head this subscriber never saw (or
+        without token ids) is named by its hashes."""
+        out: list[Content] = []
+        for medium, forest in self.subscriber.state.forests.items():
+            if medium not in (None, "GPU"):
+                continue
+            ids: dict[str, str] = {}
+            for root in forest.roots():  # parents before children
+                stack = [(root, ROOT if root.parent is None else None)]
+                while stack:
+                    node, parent = stack.pop()
+                    known = parent is not None and not parent.startswith(HASH_PREFIX) and len(node.tokens)
+                    cid = ids[node.key] = content_id(parent, node.tokens) if known else HASH_PREFIX + node.key
+                    out.extend(Content(cid, parent, tuple(node.tokens), node.key) for _ in range(node.copies))
+                    stack.extend((kid, cid) for kid in forest.kids(node))
+        return out
+
+    def block_states(self) -> np.ndarray | None:
+        """FREE/CACHED/USED/SHARED/RESERVED per device block, for the overview (None: no pool)."""
+        if self.client is None:
+            return None
+        with self.client.lock:
+            view = self.client.view()
+            return view.mirror.state.block_states() if view else None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.subscriber is not None:
+            self.subscriber.close()
+
+
+# ------------------------------------------------------------------------------ the fleet
+@dataclass
+class Fleet:
+    engines: dict[str, FleetEngine] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def of(cls, endpoints: list[Endpoint]) -> Fleet:
+        f = cls()
+        for e in endpoints:
+            f.add(e)
+        return f
+
+    def add(self, endpoint: Endpoint) -> FleetEngine:
+        with self._lock:
+            if endpoint.name in self.engines:
+                raise ValueError(f"there is already an engine named {endpoint.name!r}")
+            eng = self.engines[endpoint.name] = FleetEngine(endpoint)
+            return eng
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            eng = self.engines.pop(name, None)
+        if eng is not None:
+            threading.Thread(target=eng.close, daemon=True).start()  # never wait on a stuck endpoint here
+
+    def members(self) -> list[FleetEngine]:
+        with self._lock:
+            return list(self.engines.values())
+
+    def rows(self) -> list[EngineRow]:
+        now = time.time()
+        return [e.row(now) for e in self.members()]
+
+    def index(self, rows: list[EngineRow] | None = None) -> FleetIndex:
+        """The prefix cache across the fleet, now (`rows`: this moment's rows, if read already)."""
+        members = self.members()
+        by_name = {r.name: r for r in rows or self.rows()}
+        return FleetIndex.build([EngineCache(e.name, by_name[e.name].block_size if e.name in by_name else 0,
+                                             by_name[e.name].bytes_per_block if e.name in by_name else 0, e.contents())
+                                 for e in members])
+
+    def close(self) -> None:
+        for e in self.members():
+            e.close()
+
+
+# ------------------------------------------------------------------------------ tokens
+def tokenize(engine: FleetEngine, text: str, timeout: float = 5.0) -> list[int] | None:
+    """`text` as `engine` tokenizes a plain prompt: its OpenAI server's `/tokenize` (vLLM) when the
+    endpoint gives `api`, the synthetic load's word list for `engine.synthetic`; None otherwise."""
+    if engine.endpoint.api:
+        req = urllib.request.Request(engine.endpoint.api.rstrip("/") + "/tokenize", json.dumps({"prompt": text}).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return list(json.loads(r.read())["tokens"])
+        except (OSError, ValueError, KeyError):
+            return None
+    c = engine.client
+    if c is not None and c.hello is not None and "synthetic" in c.hello.server:
+        from engine.synthetic import INDEX  # its words; it names any other word by a hash of its own process
+        words = text.split()
+        return [INDEX[w] for w in words] if all(w in INDEX for w in words) else None
+    return None

@@ -1,0 +1,148 @@
+"""Content identity for the prefix cache across a fleet: a cached block is named by the chain of
+token ids from the start of its prompt, not by the hash its server gave it.
+
+A server's block hash is only comparable within that server: vLLM's depends on its hash
+algorithm and seed (with `--prefix-caching-hash-algo xxhash`, or sha256 without
+`PYTHONHASHSEED`, each process draws its own root), on a request's `cache_salt` and on its LoRA;
+KVScope's engine hashes with Python's tuple hash. The content id here is the same everywhere:
+`content_id(parent's content id, this block's token ids)`, a 64-bit BLAKE2b, with the empty
+string as the parent of a prompt's first block. Where a block's tokens were not seen (cached
+before this dashboard attached, or a server that does not send them) the block is named by its
+server hash (`HASH_PREFIX` + hash), and `ContentTracker.unknown` counts those blocks.
+
+`ContentTracker` follows one KVScope-protocol stream (KVScope's engine or the vLLM plugin):
+each sequence's token ids (its prompt's from `request_added`, then every `append`'s sampled
+ids), and the content id of every cached block. Pure: no I/O, no clock.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvscope_contract import protocol as p
+from kvscope_contract.state import PoolState
+
+ROOT = ""            # the parent content id of a prompt's first block
+HASH_PREFIX = "h:"   # an id made of the server's hash: this block's tokens are unknown here
+
+
+def content_id(parent: str, tokens: Sequence[int]) -> str:
+    h = hashlib.blake2b(parent.encode(), digest_size=8)
+    h.update(np.asarray(tokens, "<u4").tobytes())
+    return h.hexdigest()
+
+
+def chain_ids(tokens: Sequence[int], block_size: int) -> list[str]:
+    """The content ids of the full blocks of `tokens`, first block first."""
+    out, parent = [], ROOT
+    for i in range(len(tokens) // block_size):
+        parent = content_id(parent, tokens[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class Content:
+    """One cached block's content as one engine holds it."""
+    cid: str                 # content id (or HASH_PREFIX + server hash)
+    parent: str | None       # the parent's content id; ROOT for a prompt's first block; None unknown
+    tokens: tuple[int, ...]  # its token ids, () when unknown
+    server_hash: str         # the hash its server gave it
+
+
+@dataclass
+class ContentTracker:
+    block_size: int = 16
+    seq_tokens: dict[str, list[int] | None] = field(default_factory=dict)  # None: the prompt's ids unknown
+    by_block: dict[int, Content] = field(default_factory=dict)             # every hashed device block
+    unknown: int = 0  # blocks in by_block named by their server hash
+
+    @classmethod
+    def from_state(cls, state: PoolState) -> ContentTracker:
+        """A stream joined late: the blocks already hashed have unknown tokens."""
+        t = cls(state.config.block_size)
+        for b in np.flatnonzero(state.has_hash).tolist():
+            t._put(b, None, state.hash_of(b))
+        for s in state.seqs.values():
+            t.seq_tokens[s.seq_id] = None
+        return t
+
+    def keep(self, old: ContentTracker) -> None:
+        """After a resync: what `old` knew of the sequences and blocks that are still there (a
+        block by the same hash) stays known."""
+        for sid, toks in old.seq_tokens.items():
+            if sid in self.seq_tokens and toks is not None:
+                self.seq_tokens[sid] = toks
+        for b, c in old.by_block.items():
+            now = self.by_block.get(b)
+            if now is not None and now.server_hash == c.server_hash and now.cid != c.cid:
+                self._drop(b)
+                self.by_block[b] = c
+                self.unknown += c.cid.startswith(HASH_PREFIX)
+
+    def apply(self, ev: p.AnyEvent, state: PoolState) -> None:
+        """Follow `ev`; `state` is the pool right after it."""
+        match ev:
+            case p.RequestAdded():
+                ids = ev.prompt_token_ids
+                self.seq_tokens[ev.seq_id] = list(ids) if ids is not None and len(ids) == ev.prompt_tokens else None
+            case p.Fork():
+                parent = self.seq_tokens.get(ev.parent_seq_id)
+                self.seq_tokens[ev.seq_id] = None if parent is None else list(parent)
+            case p.Append(token_ids=ids) if ids:
+                if (toks := self.seq_tokens.get(ev.seq_id)) is not None:
+                    toks.extend(ids)
+            case p.Cached():
+                self._cached(ev, state)
+            case p.Evict():
+                self._drop(ev.block_id)
+            case p.Finish():
+                self.seq_tokens.pop(ev.seq_id, None)
+            case p.Reset():
+                self.block_size = ev.config.block_size
+                self.seq_tokens.clear()
+                self.by_block.clear()
+                self.unknown = 0
+
+    def _cached(self, ev: p.Cached, state: PoolState) -> None:
+        seq_id, index = self._holder(ev, state)
+        toks = self.seq_tokens.get(seq_id) if seq_id is not None else None
+        bs = self.block_size
+        if toks is None or index is None or len(toks) < (index + 1) * bs:
+            return self._put(ev.block_id, None, ev.hash)
+        ids = chain_ids(toks[:(index + 1) * bs], bs)
+        parent = ids[-2] if index else ROOT
+        self._drop(ev.block_id)
+        self.by_block[ev.block_id] = Content(ids[-1], parent, tuple(toks[index * bs:(index + 1) * bs]), ev.hash)
+
+    def _holder(self, ev: p.Cached, state: PoolState) -> tuple[str | None, int | None]:
+        """The sequence whose tokens fill block `ev.block_id`, and the block's index in its table."""
+        b = ev.block_id
+        seq_id = ev.seq_id
+        if seq_id is None and state.ref_counts[b] == 1:
+            seq_id = state.names.get(int(state.holder[b]))
+        candidates = [state.seqs[seq_id]] if seq_id in state.seqs else list(state.seqs.values())
+        for s in candidates:
+            table = s.block_table
+            for i in range(len(table) - 1, -1, -1):  # blocks are registered near the end
+                if table[i] == b:
+                    return s.seq_id, i
+        return None, None
+
+    def _put(self, b: int, parent: str | None, server_hash: str | None) -> None:
+        self._drop(b)
+        if server_hash is None:
+            return
+        self.by_block[b] = Content(HASH_PREFIX + server_hash, parent, (), server_hash)
+        self.unknown += 1
+
+    def _drop(self, b: int) -> None:
+        old = self.by_block.pop(b, None)
+        if old is not None and old.cid.startswith(HASH_PREFIX):
+            self.unknown -= 1
+
+    def contents(self) -> Iterable[Content]:
+        return self.by_block.values()

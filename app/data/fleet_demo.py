@@ -1,0 +1,80 @@
+"""`make run-fleet`: two real vLLM servers (CPU, the bundled SmolLM2, small pools, the KVScope
+plugin and ZMQ KV events on) and the dashboard on the fleet page, whose sidebar sends them a chat
+workload round-robin or with prefix affinity.
+
+    python -m app.data.fleet_demo [--servers 2] [--num-blocks 96] [--port 8501]
+
+Both servers get the same PYTHONHASHSEED, so their block hashes agree as well as their content
+(docs/fleet.md). The fleet file is written to a temporary folder and listed on start; the page
+shows each server as connecting (retried with backoff) until its model is loaded, about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from app.data.launcher import ServerProcess
+from app.data.source import ROOT, VLLM_PYTHON
+
+STREAMLIT_FLAGS = ["--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(num_blocks: int) -> tuple[ServerProcess, dict]:
+    api, ws, pub, replay = free_port(), free_port(), free_port(), free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    proc = ServerProcess("integrations.vllm.serve", ["--port", str(api), "--kvscope-port", str(ws), "--num-blocks",
+                                                     str(num_blocks), "--", "--kv-events-config", json.dumps(events)],
+                         str(VLLM_PYTHON)).start()
+    return proc, {"url": f"ws://127.0.0.1:{ws}", "api": f"http://127.0.0.1:{api}",
+                  "kv_events": f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"}
+
+
+def fleet_file(servers: list[dict], folder: Path) -> Path:
+    path = folder / "fleet.toml"
+    path.write_text("".join(f'[[engine]]\nname = "vllm-{chr(97 + i)}"\nurl = "{s["url"]}"\nkind = "vllm-plugin"\n'
+                            f'api = "{s["api"]}"\n# KV events: {s["kv_events"]}\n\n' for i, s in enumerate(servers)))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--num-blocks", type=int, default=96, help="each server's pool, in blocks of 32 tokens")
+    ap.add_argument("--port", type=int, default=8501, help="the dashboard's")
+    args = ap.parse_args(argv)
+    if not VLLM_PYTHON.exists():
+        sys.exit("no .venv-vllm: `make vllm-venv` builds it (about 5 minutes)")
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # the same block hashes on every server
+    procs, servers = zip(*(start_server(args.num_blocks) for _ in range(args.servers)))
+    folder = Path(tempfile.mkdtemp(prefix="kvscope-fleet-"))
+    path = fleet_file(list(servers), folder)
+    print(f"[kvscope] {args.servers} vLLM servers starting (about a minute); fleet file {path}:\n{path.read_text()}",
+          flush=True)
+    print(f"[kvscope] the fleet page: http://localhost:{args.port}", flush=True)
+    dash = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), "--server.port",
+                             str(args.port), *STREAMLIT_FLAGS, "--", "--fleet", str(path)], cwd=ROOT)
+    try:
+        return dash.wait()
+    except KeyboardInterrupt:
+        dash.terminate()
+        return dash.wait()
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

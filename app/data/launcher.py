@@ -1,0 +1,134 @@
+"""Run a KVScope server (the engine, or the replay of a recording) as a child process on a
+free loopback port, and follow its log: the progress lines while the model loads and the
+`ready: ws://...` line that gives its address.
+
+The child dies with us even when we are killed: it asks the kernel for SIGTERM on its
+parent's death (PR_SET_PDEATHSIG), and the parent is the thread that reads its log.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+from kvscope_contract.ready import ready_url
+
+ROOT = Path(__file__).resolve().parents[2]
+# Runs the module as __main__ after arranging to die with the thread that started it.
+_BOOT = ("import ctypes, os, runpy, signal, sys\n"
+         "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+         "os.getppid() == int(os.environ['KVSCOPE_PARENT']) or sys.exit('kvscope: parent is gone')\n"
+         "sys.argv = sys.argv[1:]\n"
+         "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+
+
+@dataclass(eq=False)
+class ServerProcess:
+    module: str                 # engine.server, engine.replay or integrations.vllm.serve
+    args: list[str]
+    python: str = sys.executable  # vLLM's server runs in its own virtualenv
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=300))
+    url: str | None = None
+    returncode: int | None = None
+    started: float = field(default_factory=time.time)
+    ready_after: float | None = None  # seconds from start to ready
+    on_exit: Callable[[ServerProcess], None] | None = None  # called on the log thread when it exits
+    _proc: subprocess.Popen | None = None
+    stopping: bool = False
+    _spawned: threading.Event = field(default_factory=threading.Event)
+    _handled: threading.Event = field(default_factory=threading.Event)  # exited, and on_exit has returned
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before it was spawned, or when it could not start)."""
+        return self._proc.pid if self._proc else None
+
+    def wait_handled(self, timeout: float) -> bool:
+        """Wait until it has exited and its `on_exit` has returned (whatever that did, it is done)."""
+        return self._handled.wait(timeout)
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.python, "-u", "-c", _BOOT, self.module, *self.args]
+
+    @property
+    def state(self) -> Literal["starting", "ready", "exited"]:
+        return "exited" if self.returncode is not None else "ready" if self.url else "starting"
+
+    @property
+    def died(self) -> bool:
+        """It was serving, then exited (killed, crashed) without being stopped by us."""
+        return self.returncode is not None and self.url is not None and not self.stopping
+
+    def exit_reason(self) -> str:
+        code = self.returncode
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    @property
+    def command(self) -> str:
+        return " ".join(["python -m", self.module, *self.args])
+
+    def start(self) -> ServerProcess:
+        threading.Thread(target=self._follow, name=f"kvscope-{self.module}", daemon=True).start()
+        self._spawned.wait(30)
+        atexit.register(self.stop)
+        return self
+
+    def _follow(self) -> None:
+        env = {**os.environ, "KVSCOPE_PARENT": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        try:
+            self._proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          errors="replace")
+        except OSError as e:
+            self.lines.append(f"could not start {self.command}: {e}")
+            self.returncode = -1
+            self._handled.set()
+            return
+        finally:
+            self._spawned.set()
+        for line in self._proc.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if self.url is None and (url := ready_url(line)):
+                self.url, self.ready_after = url, time.time() - self.started
+        self.returncode = self._proc.wait()
+        try:
+            if self.on_exit:
+                self.on_exit(self)
+        finally:
+            self._handled.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.state == "starting" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.state == "ready"
+
+    def stop(self) -> None:
+        self.stopping = True
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def tail(self, n: int = 12) -> list[str]:
+        return list(self.lines)[-n:]

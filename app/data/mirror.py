@@ -1,0 +1,173 @@
+"""The dashboard's mirror of the engine: the reducer's PoolState plus what the views derive
+from the events themselves (counters, rates, where each table entry came from).
+
+`Mirror.apply` is as pure as the reducer it wraps, so checkpoints (`clone`) and replays of
+the event history give the same answers live and in time travel.
+"""
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from kvscope_contract import protocol as p
+from kvscope_contract.counters import EventCounts, hit_rate
+from kvscope_contract.state import PoolState
+from app.data.block_text import BlockTexts
+
+RATE_STEPS = 16     # tokens/s: the tokens generated in the last this many engine steps over their durations
+FINISHED_KEPT = 12   # finished requests listed in the tables view
+
+
+@dataclass
+class Tally(EventCounts):
+    """Counters of the events seen since `since` (the engine's start, this client's attach,
+    a reset, or a clean slate): a client counts only what it saw. Hits, lookups, preemptions
+    and swaps are the contract's `EventCounts` (one fold for every consumer)."""
+    since: str = "engine start"
+    requests: int = 0
+    # the same at first admissions only (vLLM's prefix_cache_queries / _hits leave out requests
+    # admitted again after a preemption); `preempted`: live sequences preempted at least once
+    first_looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    preempted: set = field(default_factory=set, repr=False)
+    generated: int = 0
+    cows: int = 0
+    forks: int = 0
+    finished: int = 0
+    last_step: p.StepDone | None = None
+    # (tokens generated, duration_ms) of the last RATE_STEPS engine steps, and the tokens of the step under way
+    steps: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS), repr=False)
+    step_tokens: int = 0
+
+    @property
+    def first_hit_rate(self) -> float:
+        """Hit tokens over tokens looked up at first admissions: vLLM's own prefix-cache hit rate."""
+        return hit_rate(self.first_hit_tokens, self.first_looked_up_tokens)
+
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second of the engine's own step time, over the last RATE_STEPS
+        completed steps (their `duration_ms`): a function of the events alone, so the same at an
+        event however it is reached, and steady while the engine is paused."""
+        ms = sum(d for _, d in self.steps)
+        return 1000 * sum(n for n, _ in self.steps) / ms if ms > 0 else 0.0
+
+    def clone(self) -> Tally:
+        return replace(self, steps=deque(self.steps, maxlen=RATE_STEPS), preempted=set(self.preempted))
+
+
+@dataclass
+class Finished:
+    seq_id: str
+    reason: str
+    text: str
+    output_tokens: int
+
+
+@dataclass
+class Mirror:
+    state: PoolState
+    tally: Tally = field(default_factory=Tally)
+    # seq_id -> {logical index: "prefix_hit" | "cow"}: how a table entry was obtained, for the tables view
+    origins: dict[str, dict[int, str]] = field(default_factory=dict)
+    finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))  # Finished, newest last
+    t: float = 0.0  # engine time of the last event applied
+    texts: BlockTexts = field(default_factory=BlockTexts)  # shared by every copy: see block_text.py
+
+    @classmethod
+    def from_snapshot(cls, snap: p.Snapshot) -> Mirror:
+        since = f"you attached (event {snap.seq:,})" if snap.seq else "engine start"
+        return cls(PoolState.from_snapshot(snap), Tally(since=since), texts=BlockTexts(snap.config.block_size, snap.seq))
+
+    def start_tally(self, since: str) -> None:
+        """Count from here on (a clean slate); the pool itself is untouched."""
+        old = self.tally  # the rate is not a counter: it carries on
+        self.tally = Tally(since=since, last_step=old.last_step, steps=deque(old.steps, maxlen=RATE_STEPS),
+                           step_tokens=old.step_tokens, preempted=set(old.preempted))
+
+    @property
+    def last_event(self) -> int:
+        return self.state.last_event
+
+    @property
+    def config(self) -> p.PoolConfig:
+        return self.state.config
+
+    def clone(self) -> Mirror:
+        c = copy.copy(self)
+        c.state, c.tally = self.state.clone(), self.tally.clone()
+        c.origins = {k: dict(v) for k, v in self.origins.items()}
+        c.finished = deque(self.finished, maxlen=self.finished.maxlen)
+        return c
+
+    def apply(self, ev: p.AnyEvent) -> None:
+        """Apply one event; raises kvscope_contract.state.InvariantError (and changes nothing of the
+        derived data) when it cannot follow."""
+        before = self.state.seqs.get(getattr(ev, "seq_id", ""))  # the reducer updates it in place
+        text = before.text if before else ""
+        looked_up = self.state.prefix_lookup(ev)
+        self.state.apply(ev)
+        self.texts.apply(ev, self.state)
+        self.t = ev.t
+        tl, bs = self.tally, self.state.config.block_size
+        tl.count(ev, bs, looked_up)
+        first = getattr(ev, "seq_id", None) not in tl.preempted
+        if first:
+            tl.first_looked_up_tokens += looked_up
+        match ev:
+            case p.RequestAdded():
+                tl.requests += 1
+            case p.Alloc():
+                self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
+            case p.PrefixHit():
+                tl.first_hit_tokens += bs if first else 0
+                self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
+            case p.Cow():
+                tl.cows += 1
+                self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "cow"
+            case p.Fork():
+                tl.forks += 1
+                self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
+            case p.Preempt():
+                tl.preempted.add(ev.seq_id)
+                self.origins.pop(ev.seq_id, None)
+            case p.SwapIn():
+                self.origins.pop(ev.seq_id, None)
+            case p.Append() if ev.token_ids:
+                tl.generated += len(ev.token_ids)
+                tl.step_tokens += len(ev.token_ids)
+            case p.Finish():
+                tl.finished += 1
+                tl.preempted.discard(ev.seq_id)
+                self.origins.pop(ev.seq_id, None)
+                out = before.output_tokens if before else 0
+                self.finished.append(Finished(ev.seq_id, ev.reason, text, out))
+            case p.StepDone():
+                tl.last_step = ev
+                tl.steps.append((tl.step_tokens, ev.duration_ms))
+                tl.step_tokens = 0
+            case p.Reset():
+                self.tally, self.origins = Tally(since=f"the reset (event {ev.seq:,})"), {}
+
+    # ------------------------------------------------------------------ derived numbers
+    def usage(self) -> dict[str, float]:
+        """The numbers the header shows: pool and host usage, slot utilisation (internal
+        fragmentation), and a contiguous prompt + max-tokens reservation next to paging."""
+        st, cfg = self.state, self.state.config
+        free, cached, used, shared, host_used = st.counts()
+        bs, bpb = cfg.block_size, cfg.bytes_per_block
+        holding = [s for s in st.seqs.values() if s.block_table]
+        stored = sum(s.num_tokens for s in holding)
+        # Paging holds each physical block once, however many sequences share it.
+        paged_slots = used * bs
+        tokens_in_blocks = st.tokens_in_used_blocks()
+        reserved = sum(s.prompt_tokens + s.max_tokens for s in holding)
+        return dict(
+            free=free, cached=cached, used=used, total=cfg.num_device_blocks, shared=shared,
+            host_used=host_used, host_total=cfg.num_host_blocks,
+            slot_util=tokens_in_blocks / paged_slots if paged_slots else 1.0,
+            stored_tokens=stored, paged_slots=paged_slots, paged_bytes=used * bpb,
+            reserved_slots=reserved, reserved_bytes=reserved * bpb / bs,
+            reserved_util=stored / reserved if reserved else 1.0,
+            waste_per_seq=(paged_slots - tokens_in_blocks) / len(holding) if holding else 0.0,
+        )

@@ -1,0 +1,81 @@
+"""KVScope's event stream as a prefix forest (kvscope_contract/prefix_forest.py), live and at any
+past event.
+
+Each `cached` event stores a node under its `parent_hash`, labelled with the text of the block's
+tokens when the stream carries token texts; holders follow the reducer's ref counts, and the
+order in which cached blocks lose their last holder is the allocator's eviction order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.data.block_text import BlockTexts
+from kvscope_contract import protocol as p
+from kvscope_contract.prefix_forest import PrefixForest
+from kvscope_contract.state import PoolState
+
+
+@dataclass
+class ForestBuilder:
+    state: PoolState                 # the reducer, following the same events
+    forest: PrefixForest = field(default_factory=PrefixForest)
+    texts: BlockTexts = field(default_factory=BlockTexts)  # what each block's tokens say
+
+    @classmethod
+    def from_state(cls, state: PoolState, texts: BlockTexts | None = None) -> ForestBuilder:
+        """Start from a state whose history is unknown: its cached blocks become roots (their
+        parents were stored before this client saw the stream). `texts`: the dashboard's store,
+        shared with its mirror (events replayed from history change nothing there); without it
+        the builder keeps its own from the events it applies."""
+        b = cls(state.clone(), texts=texts or BlockTexts(state.config.block_size, state.last_event))
+        for block in np.flatnonzero(b.state.has_hash).tolist():
+            b.forest.store(b.state.hash_of(block), None, block=block, holders=int(b.state.ref_counts[block]),
+                           at=state.last_event)
+        return b
+
+    @property
+    def last_event(self) -> int:
+        return self.state.last_event
+
+    def apply(self, ev: p.AnyEvent) -> None:
+        st, forest = self.state, self.forest
+        if isinstance(ev, p.SwapOut):  # released tail first, as the allocator does (docs/protocol.md)
+            order = list(dict.fromkeys(b for s in ev.group if s in st.seqs for b in st.seqs[s].block_table))
+            st.apply(ev)
+            for d in reversed(order):
+                self._hold(d)
+            return
+        st.apply(ev)
+        self.texts.apply(ev, st)
+        match ev:
+            case p.Fork():
+                for b in ev.block_ids:
+                    self._hold(b)
+            case p.Cached():
+                forest.store(ev.hash, ev.parent_hash, self._label(ev), block=ev.block_id,
+                             holders=int(st.ref_counts[ev.block_id]), at=ev.seq)
+            case p.PrefixHit():
+                forest.hit(ev.hash)
+                self._hold(ev.block_id)
+            case p.Free():
+                self._hold(ev.block_id)
+            case p.Cow():
+                self._hold(ev.src_block_id)
+            case p.SwapIn():  # joined a device block a sibling still held
+                for _, d in ev.shared:
+                    self._hold(d)
+            case p.Evict():
+                forest.remove(ev.hash)
+            case p.Reset():
+                forest.clear()
+
+    def _hold(self, block: int) -> None:
+        h = self.state.hash_of(block)
+        if h is not None:
+            self.forest.hold(h, int(self.state.ref_counts[block]))
+
+    def _label(self, ev: p.Cached) -> str:
+        """The start of the text of the block's tokens (from the sequence that filled it)."""
+        return self.texts.by_hash.get(ev.hash) or self.texts.of_holder(self.state, ev.block_id, ev.seq_id) or ""

@@ -1,0 +1,306 @@
+"""The fleet page: one small pool overview per engine with its numbers (sorted and filtered as
+the user likes; an engine out of free blocks, preempting, down or silent stands out), the prefix
+cache across the fleet by content, a prompt scored per engine as a prefix-aware router would,
+and in the sidebar the engines (add, remove, find a server's ranks) and a load generator.
+
+`make run ARGS="--fleet fleet.toml"` opens it; "Open" on an engine switches the dashboard's
+source to that engine (its grid, tables, history, time travel) and "Back to the fleet" returns.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import itertools
+
+import numpy as np
+import streamlit as st
+
+from kvscope_contract import protocol as p
+from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
+from app.data import fleet_load
+from app.panels import prefix_tree
+from app.data.fleet import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
+from app.data.fleet_index import FleetIndex, pick
+from app.ui.palette import SEQ_COLORS
+from app.ui.palette import SHARED as SHARED_COLOR
+from app.data.source import Source
+
+REDRAW_S = 0.5          # the engines' cards
+INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache
+OVERVIEW_CELLS = 1024   # cells of an engine's overview: a cell is the mean colour of its blocks
+OVERVIEW_COLS = 64
+COLUMNS = 4
+STATE_RGB = {FREE: (0xe2, 0xe8, 0xf0), CACHED: (0x94, 0xa3, 0xb8), USED: (0x4e, 0x79, 0xa7),
+             SHARED: (0x31, 0x2e, 0x81), RESERVED: (0x33, 0x41, 0x55)}
+SORTS = {"name": lambda r: r.name, "standing out": lambda r: (r.alarm == "", r.name), "used blocks": lambda r: r.used / max(r.blocks, 1),
+         "free blocks": lambda r: r.free / max(r.blocks, 1), "cached blocks": lambda r: r.cached,
+         "prefix hit rate": lambda r: r.hit_rate or 0.0, "preemptions": lambda r: r.preemptions or 0,
+         "running": lambda r: r.running or 0, "waiting": lambda r: r.waiting or 0,
+         "tokens/s": lambda r: r.tokens_per_s or 0.0, "last event age": lambda r: r.last_event_age_s or 0.0,
+         "stream gaps": lambda r: r.gaps}
+_runs = itertools.count(1)
+
+
+@st.cache_resource(show_spinner=False, max_entries=4, on_release=Fleet.close)
+def fleet_of(path: str) -> Fleet:
+    """The fleet of a fleet file (""; an empty one, filled from the sidebar), shared by every session."""
+    return Fleet.of(load_fleet(path) if path else [])
+
+
+# ------------------------------------------------------------------------------ drawing
+def overview_png(states: np.ndarray) -> str:
+    """A small picture of the pool, blocks in order, as a data URL: each pixel the mean colour of
+    its blocks (a density heat where there are more blocks than pixels)."""
+    n = len(states)
+    per = -(-n // OVERVIEW_CELLS) if n > OVERVIEW_CELLS else 1
+    cells = -(-n // per)
+    rgb = np.array([STATE_RGB[s] for s in range(5)], np.float32)[states]
+    pad = np.full((cells * per - n, 3), 255, np.float32)
+    mean = np.concatenate([rgb, pad]).reshape(cells, per, 3).mean(axis=1)
+    cols = min(OVERVIEW_COLS, cells)
+    rows = -(-cells // cols)
+    img = np.full((rows * cols, 3), 255, np.uint8)
+    img[:cells] = mean.astype(np.uint8)
+    from PIL import Image  # Streamlit's own dependency
+    buf = io.BytesIO()
+    Image.fromarray(img.reshape(rows, cols, 3)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _n(x, fmt: str = "{:,}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+CSS = """<style>
+.fc { font: 12px/1.45 var(--st-font, system-ui, sans-serif); }
+.fc .hd { display: flex; justify-content: space-between; gap: 6px; font-weight: 700; font-size: 14px; }
+.fc .st { font-weight: 600; font-size: 11px; padding: 0 6px; border-radius: 8px; color: #fff; background: #16a34a; }
+.fc .st.down, .fc .st.silent { background: #dc2626; } .fc .st.connecting { background: #64748b; }
+.fc .alarm { color: #dc2626; font-weight: 700; }
+.fc img { width: 100%; image-rendering: pixelated; border-radius: 3px; margin: 4px 0; min-height: 12px; }
+.fc .nums { display: grid; grid-template-columns: 1fr 1fr; column-gap: 8px; }
+.fc .nums b { font-variant-numeric: tabular-nums; }
+.fc .err { color: #b91c1c; font-size: 11px; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.fc.out { box-shadow: inset 4px 0 0 #dc2626; padding-left: 8px; }
+</style>"""
+
+
+def card(row: EngineRow, picture: str | None) -> str:
+    pct = (lambda x: f"{100 * x / row.blocks:.0f}%") if row.blocks else (lambda x: "")
+    nums = [("used", f"{row.used:,} {pct(row.used)}" if row.blocks else "–"),
+            ("cached", f"{row.cached:,} {pct(row.cached)}"), ("free", f"{row.free:,} {pct(row.free)}" if row.blocks else "–"),
+            ("hit rate", _n(row.hit_rate, "{:.0%}")), ("preemptions", _n(row.preemptions)),
+            ("running / waiting", f"{_n(row.running)} / {_n(row.waiting)}"), ("tokens/s", _n(row.tokens_per_s, "{:.1f}")),
+            ("last event", _n(row.last_event_age_s, "{:.1f} s ago")), ("stream gaps", f"{row.gaps:,}")]
+    body = "".join(f"<span>{k}</span><b>{html.escape(v)}</b>" for k, v in nums)
+    img = (f'<img src="{picture}" title="{row.blocks:,} blocks: used (blue), shared (indigo), cached (grey), free (light)">'
+           if picture else f'<div class="err">no pool: a KV-event stream says only what is cached</div>'
+           if row.kind == "kv-events" else "")
+    alarm = f'<div class="alarm">⚠ {html.escape(row.alarm)}</div>' if row.alarm else ""
+    err = f'<div class="err" title="{html.escape(row.error)}">{html.escape(row.error)}</div>' if row.error else ""
+    return (f'<div class="fc{" out" if row.alarm else ""}" data-engine="{html.escape(row.name)}">'
+            f'<div class="hd"><span>{html.escape(row.name)}</span><span class="st {row.state}">{row.state}</span></div>'
+            f'<div style="opacity:.7">{html.escape(row.kind)} · {html.escape(row.url)}</div>{alarm}{img}'
+            f'<div class="nums">{body}</div>{err}</div>')
+
+
+def engine_color(names: list[str], held: set[str]) -> str:
+    if len(held) > 1:
+        return SHARED_COLOR
+    name = next(iter(held), "")
+    return SEQ_COLORS[names.index(name) % len(SEQ_COLORS)] if name in names else "#64748b"
+
+
+# ------------------------------------------------------------------------------ the page
+def page(source: Source) -> None:
+    st.title("KVScope · Fleet")
+    try:
+        fleet = fleet_of(source.path)
+    except FleetFileError as e:
+        st.error(f"{e}")
+        return
+    with st.sidebar:
+        engines_panel(fleet)
+        load_panel(fleet)
+    if not fleet.members():
+        st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
+                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`.")
+    c = st.columns([2, 1, 2, 1])
+    c[0].selectbox("Sort by", list(SORTS), key="fleet_sort")
+    c[1].toggle("Descending", False, key="fleet_desc")
+    c[2].text_input("Filter by name", key="fleet_filter", placeholder="all engines")
+    c[3].toggle("Only those standing out", False, key="fleet_alarms",
+                help="down, silent, out of free blocks, or preempting")
+    st.fragment(cards, run_every=REDRAW_S)(fleet, source)
+    st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet)
+
+
+def cards(fleet: Fleet, source: Source) -> None:
+    members = {e.name: e for e in fleet.members()}
+    rows = [r for r in fleet.rows() if r.name in members]  # one removed meanwhile: gone
+    st.session_state["fleet_rows"] = rows
+    live = sum(r.state == "live" for r in rows)
+    sort = st.session_state.get("fleet_sort") or "name"
+    rows = sorted(rows, key=SORTS[sort], reverse=bool(st.session_state.get("fleet_desc")))
+    text = (st.session_state.get("fleet_filter") or "").strip().lower()
+    rows = [r for r in rows if text in r.name.lower() and (r.alarm or not st.session_state.get("fleet_alarms"))]
+    st.caption(f"{len(members)} engines · {live} live · shown: {len(rows)} · redrawn every {REDRAW_S:g} s")
+    for i in range(0, len(rows), COLUMNS):
+        cols = st.columns(COLUMNS)
+        for col, row in zip(cols, rows[i:i + COLUMNS]):
+            eng = members[row.name]
+            states = eng.block_states()
+            with col.container(border=True):
+                st.html(CSS + card(row, overview_png(states) if states is not None and len(states) else None))
+                if st.button("Open", key=f"open_{row.name}", width="stretch",
+                             help="Show this engine in the single-engine views: grid, tables, history, time travel"):
+                    open_engine(eng.endpoint, source)
+                    st.rerun()  # the whole page: another source
+
+
+def prefix_cache(fleet: Fleet) -> None:
+    st.subheader("The prefix cache across the fleet")
+    rows = st.session_state.get("fleet_rows") or fleet.rows()
+    ix = fleet.index(rows)
+    names = [e.name for e in fleet.members()]
+    distinct = len(ix.holders)
+    physical = sum(ix.copies(c) for c in ix.holders)
+    c = st.columns(5)
+    c[0].metric("cached contents", f"{distinct:,}", help="distinct cached blocks, by content")
+    c[1].metric("physical blocks", f"{physical:,}", help="cached blocks in every engine's pool")
+    c[2].metric("duplicated blocks", f"{ix.duplicated_blocks():,}",
+                help="every copy but one of content the fleet holds more than once")
+    c[3].metric("duplicated", f"{ix.duplicated_bytes() / 2**20:,.1f} MiB",
+                help="those blocks' bytes, at each engine's bytes per block")
+    c[4].metric("on 2+ engines", f"{sum(n for k, n in ix.shared_by().items() if k > 1):,}",
+                help="contents cached by more than one engine")
+    (st.warning if ix.hash_disagreements() else st.caption)(ix.identity())
+    left, right = st.columns([3, 2])
+    with left:
+        key = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{engine_color(names, {n})}"></span> {html.escape(n)}'
+                       for n in names) + f' <span style="display:inline-block;width:10px;height:10px;background:{SHARED_COLOR}"></span> several'
+        st.caption("The merged prefix forest: each cached content once, coloured by the engine holding it "
+                   "(indigo: several; ×n: how many engines).")
+        st.html(f'<div style="font-size:12px">{key}</div>')
+        holders = ix.holders
+        st.html(prefix_tree.render(ix.forest(), max_nodes=300,
+                                   text=lambda n: ",".join(sorted(holders.get(n.key, {}))),
+                                   color=lambda n: engine_color(names, set(holders.get(n.key, {})))))
+    with right:
+        route_panel(fleet, ix, rows)
+
+
+def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
+    st.markdown("**Type a prompt**: how much of it each engine has cached")
+    text = st.text_area("Prompt", key="fleet_prompt", height=90, label_visibility="collapsed",
+                        placeholder="a prompt, as a completion request would send it")
+    if not text.strip():
+        return
+    free = {r.name: r.free + r.cached for r in rows}
+    memo = st.session_state.setdefault("fleet_tokens", {})  # (engine, prompt) -> its token ids: asked once
+    out, scores = [], []
+    for eng in fleet.members():
+        ids = memo.get((eng.name, text))
+        if ids is None and (ids := tokenize(eng, text)) is not None:
+            memo[(eng.name, text)] = ids
+        s = next(x for x in ix.score(ids) if x.engine == eng.name) if ids is not None else None
+        scores += [s] if s else []
+        out.append({"engine": eng.name, "prompt tokens": len(ids) if ids is not None else None,
+                    "cached tokens": s.cached_tokens if s else None, "blocks": s.blocks if s else None})
+    if best := pick(scores, free):
+        o = next(o for o in out if o["engine"] == best)
+        st.success(f"A prefix-aware router picks **{best}** ({o['cached tokens']:,} of {o['prompt tokens']:,} "
+                   "tokens cached; a tie goes to the engine with the most free and cached blocks).")
+    st.dataframe(out, hide_index=True, width="stretch")
+    st.caption("Cached tokens: the prompt's longest prefix in full blocks this engine holds, at its block size. "
+               "Engines without a tokenizer here (no `api`, not the synthetic load) show –.")
+
+
+# ------------------------------------------------------------------------------ sidebar
+def engines_panel(fleet: Fleet) -> None:
+    with st.expander("Engines", expanded=not fleet.members()):
+        with st.form("fleet_add", border=False):
+            name = st.text_input("Name", key="fleet_add_name")
+            url = st.text_input("URL", key="fleet_add_url", placeholder="ws://127.0.0.1:8765 or tcp://HOST:5557")
+            kind = st.selectbox("Kind", ENDPOINT_KINDS, key="fleet_add_kind")
+            api = st.text_input("OpenAI server (optional)", key="fleet_add_api", placeholder="http://127.0.0.1:8000",
+                                help="vLLM's server: prompts are tokenized there; with kv-events, its ranks are looked up")
+            rank = st.number_input("Data-parallel rank", 0, 1024, 0, key="fleet_add_rank",
+                                   help="vllm-plugin: rank r serves on the plugin's port + r")
+            if st.form_submit_button("Add engine", width="stretch"):
+                try:
+                    fleet.add(Endpoint(name.strip() or f"engine-{len(fleet.members()) + 1}", url.strip(), kind,
+                                       api.strip(), int(rank) or None).check())
+                except ValueError as e:
+                    st.error(str(e))
+        names = [e.name for e in fleet.members()]
+        if names:
+            c = st.columns([3, 2])
+            gone = c[0].selectbox("Engine", names, key="fleet_remove_pick", label_visibility="collapsed")
+            if c[1].button("Remove", width="stretch", key="fleet_remove"):
+                fleet.remove(gone)
+                st.rerun()
+        api = st.text_input("Find a server's ranks", key="fleet_find", placeholder="http://HOST:8000",
+                            help="asks the server's GET /kv_event_sources and adds a KV-event endpoint per rank")
+        if st.button("Find ranks", key="fleet_find_go", disabled=not api.strip()):
+            found = kv_event_sources(api.strip())
+            if found is None:
+                st.error(f"{api} does not answer GET /kv_event_sources (a server without that route): "
+                         "add each rank's endpoint by hand")
+            for e in found or []:
+                try:
+                    fleet.add(e)
+                except ValueError as err:
+                    st.warning(str(err))
+
+
+def load_panel(fleet: Fleet) -> None:
+    with st.expander("Load generator", expanded=True):
+        st.caption("A chat workload with shared system prompts, sent to the engines that take prompts.")
+        policy = st.segmented_control("Routing", fleet_load.POLICIES, default="round-robin", key="fleet_policy") \
+            or "round-robin"
+        c = st.columns(2)
+        n = c[0].number_input("Requests", 1, 256, 12, key="fleet_n")
+        systems = c[1].number_input("System prompts", 1, len(fleet_load.SYSTEM_PROMPTS), 3, key="fleet_systems")
+        max_tokens = st.number_input("Max tokens", 1, 512, 16, key="fleet_max_tokens")
+        if st.button("Send", type="primary", width="stretch", key="fleet_send"):
+            targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
+            plan = fleet_load.assign(fleet_load.workload(int(n), int(systems), f"{policy[:2]}{next(_runs)}"),
+                                     [e.name for e in targets], policy)
+            failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].client.send(cmd), int(max_tokens))
+            st.session_state["fleet_sent"] = (
+                f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
+                + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
+        if msg := st.session_state.get("fleet_sent"):
+            st.caption(msg)
+        if st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
+                     help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)"):
+            for e in takers(fleet):
+                if e.client.supports("clear_prefix_cache"):
+                    e.client.send(p.ClearPrefixCache())
+
+
+def takers(fleet: Fleet) -> list:
+    """The engines that take prompts now: live WebSocket engines whose server carries out `submit`."""
+    return [e for e in fleet.members() if e.client is not None and e.client.status.state == "connected"
+            and e.client.supports("submit")]
+
+
+# ------------------------------------------------------------------------------ leaving and coming back
+def open_engine(endpoint: Endpoint, fleet_source: Source) -> None:
+    """Show one engine in the single-engine views; the sidebar offers the way back."""
+    st.session_state["fleet_back"] = fleet_source
+    st.session_state["source"] = (Source("kv_events", url=endpoint.address) if endpoint.kind == "kv-events"
+                                  else Source("attach", url=endpoint.address, token=endpoint.token))
+    st.session_state["travel"] = None
+
+
+def back_button() -> None:
+    """In the sidebar of the single-engine views, after "Open" on the fleet page."""
+    back = st.session_state.get("fleet_back")
+    if back is not None and st.session_state.get("source") != back:
+        if st.button("Back to the fleet", icon=":material/arrow_back:", width="stretch", key="fleet_back_btn"):
+            st.session_state["source"] = back
+            st.session_state["travel"] = None
+            st.rerun()

@@ -1,0 +1,104 @@
+"""The page of a ZMQ KV-event source (`--kv-events tcp://HOST:5557`): what such a stream can
+show, and a plain statement of what it cannot. It carries content hashes only, so there are
+no block ids, ref counts or request tables here: the cached blocks per medium, the prefix
+forest their parent hashes form, stored / removed / cleared over time, and every frame that
+could not be read.
+"""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import streamlit as st
+
+from app.panels.prefix_tree import render
+from app.data.source import Source
+from kvscope_contract.prefix_forest import Node
+from integrations.kv_events.model import KVEventsState
+from integrations.kv_events.subscriber import KVEventsSubscriber
+
+
+@st.cache_resource(show_spinner=False, max_entries=4, on_release=KVEventsSubscriber.close)
+def subscribed(url: str) -> KVEventsSubscriber:
+    return KVEventsSubscriber(url)
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def tokenizer(folder: str):
+    """A tokenizer.json read with `tokenizers` (no transformers, no torch); None if absent."""
+    path = Path(folder).expanduser() / "tokenizer.json"
+    if not folder or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def block_text(node: Node, tok) -> str:
+    """The text of a block's tokens (its token ids without a tokenizer)."""
+    if tok is None:
+        return " ".join(map(str, node.tokens))
+    return tok.decode(list(node.tokens), skip_special_tokens=False)
+
+
+def rates_chart(state: KVEventsState) -> dict:
+    pts = list(state.points)
+    t0 = pts[0].ts if pts else 0.0
+    rows = [{"t": round(b.ts - t0, 3), "what": what, "per s": round(n / max(b.ts - a.ts, 1e-3), 1)}
+            for a, b in zip(pts, pts[1:])
+            for what, n in (("stored", b.stored - a.stored), ("removed", b.removed - a.removed),
+                            ("cleared", b.cleared - a.cleared))]
+    return {"data": {"values": rows}, "mark": {"type": "line", "interpolate": "step-after"},
+            "encoding": {"x": {"field": "t", "type": "quantitative", "title": "seconds"},
+                         "y": {"field": "per s", "type": "quantitative", "title": "blocks per second"},
+                         "color": {"field": "what", "type": "nominal"}}, "height": 220}
+
+
+def page(source: Source) -> None:
+    st.title("KVScope · KV events")
+    st.caption("A KV-event stream (vLLM `--kv-events-config`, SGLang, TensorRT-LLM) carries content "
+               "hashes only: no block ids, ref counts or request tables. This page shows what is "
+               "cached and how prefixes share it; for the pool itself, run vLLM with the KVScope "
+               "plugin (`make run-vllm`).")
+    try:
+        sub = subscribed(source.url)
+    except ValueError as e:
+        st.error(str(e))
+        return
+    tok = tokenizer(source.tokenizer)
+
+    @st.fragment(run_every=1.0)
+    def live() -> None:
+        with sub.lock:
+            s = sub.state
+            media = s.per_medium()
+            head = (f"`{source.url}` · {s.batches} batches (last #{s.last_seq}) · {s.stored} stored · "
+                    f"{s.removed} removed · {s.cleared} cleared")
+            health = (s.bad_frames, s.unknown_events, s.missed, s.removed_unknown, list(s.errors)[-5:])
+            chart = rates_chart(s)
+            forests = {m: render(s.forests[m], text=lambda n: block_text(n, tok)) for m in sorted(media)}
+        st.markdown(head)
+        cols = st.columns(max(1, len(media)) + 1)
+        for col, (m, n) in zip(cols, sorted(media.items())):
+            col.metric(f"cached on {m}", n)
+        bad, unknown, missed, orphan, errors = health
+        cols[-1].metric("unreadable", bad + unknown, help="frames and events that could not be read")
+        if bad or unknown or missed or orphan:
+            st.warning(f"{bad} unreadable frames · {unknown} unknown events · {missed} batches missed "
+                       f"(sequence gaps) · {orphan} removals of blocks stored before this page subscribed"
+                       + ("".join(f"\n- {html.escape(e)}" for e in errors)))
+        left, right = st.columns([3, 2])
+        with left:
+            st.subheader("Prefix forest")
+            if not forests:
+                st.info("No cached block yet: send the server a request.")
+            for m, body in forests.items():
+                st.caption(f"{m}: each block (its hash and the text of its tokens) under the block its prefix "
+                           "continues; a row is a chain, branches are where prompts part; hover a block for its "
+                           "tokens")
+                st.html(body)
+        with right:
+            st.subheader("Stored, removed, cleared")
+            st.vega_lite_chart(chart, width="stretch")
+
+    live()

@@ -1,0 +1,173 @@
+"""The Lessons mode: pick a lesson; Next runs the engine to the next stop (or shows one reached
+before), Back shows the previous one as the history kept it, Restart starts over. Each stop's
+caption is drawn above the grid, and its blocks are highlighted in the grid and the tables."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import streamlit as st
+
+from kvscope_contract import protocol as p
+from app.data.client import EngineClient
+from app.ui.commands import send
+from app.modes.lesson import Lesson, all_lessons, caption
+from app.modes.lesson_runner import LessonRun
+from app.panels.words import plural
+
+KEY = "lesson"  # session state: the LessonRun in progress
+BEFORE = "pool_before_lesson"  # session state: (ResetConfig, paused, pace) the engine had before a lesson
+
+
+@lru_cache(maxsize=1)
+def lessons() -> dict[str, Lesson]:
+    return {lesson.key: lesson for lesson in all_lessons()}
+
+
+def current() -> LessonRun | None:
+    return st.session_state.get(KEY)
+
+
+def _travel(n: int | None) -> None:
+    """Show event n (None: live). The views follow on their own timers; no `st.rerun` of other
+    fragments from here: from a callback of a fragment's widget it can stop that fragment's timer."""
+    st.session_state["travel"] = n
+
+
+def _start(client: EngineClient, key: str) -> None:
+    if BEFORE not in st.session_state and (view := client.view()) is not None:  # what Explore had
+        cfg = view.mirror.config
+        st.session_state[BEFORE] = (p.ResetConfig(
+            block_size=cfg.block_size, num_device_blocks=cfg.num_device_blocks, num_host_blocks=cfg.num_host_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching, preemption_mode=cfg.preemption_mode,
+            max_num_seqs=cfg.max_num_seqs), client.loop.paused, client.loop.step_delay_ms)
+    run = st.session_state[KEY] = LessonRun(lessons()[key])
+    run.next(client)
+    _travel(None)
+
+
+def _next(client: EngineClient) -> None:
+    _travel(current().next(client))
+
+
+def _back() -> None:
+    _travel(current().back())
+
+
+def sidebar(client: EngineClient) -> None:
+    """The lesson picker and its controls (a fragment body: it also notices a stop reached)."""
+    run = current()
+    if run is not None:
+        run.poll(client)  # the other views follow on their own timers
+    all_ = lessons()
+    keys = list(all_)
+    pick = st.selectbox("Lesson", keys, index=keys.index(run.lesson.key) if run else 0, key="lesson_pick",
+                        format_func=lambda k: f"{keys.index(k) + 1}. {all_[k].title}")
+    lesson = all_[pick]
+    can_drive = client.supports("run_until") and client.supports("reset") and client.supports("submit")
+    if not can_drive:
+        st.warning("Lessons drive a live KVScope engine (reset, submit, run until): this source cannot.")
+    if run is None or run.lesson.key != pick:
+        st.caption(lesson.goal)
+        st.button("Start the lesson", type="primary", icon=":material/school:", key="lesson_start", width="stretch",
+                  disabled=not can_drive, on_click=_start, args=(client, pick),
+                  help="Resets the engine to the lesson's pool and submits its requests")
+        return
+    st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
+              disabled=run.pending is not None or (run.done and run.viewing == len(run.lesson.stops) - 1),
+              on_click=_next, args=(client,), help="Run to the next stop (or show the next one reached before)")
+    c = st.columns(2)
+    c[0].button("Back", icon=":material/arrow_back:", key="lesson_back", width="stretch",
+                disabled=run.pending is not None or run.viewing <= 0, on_click=_back,
+                help="Show the previous stop as it was (time travel)")
+    c[1].button("Restart", icon=":material/replay:", key="lesson_restart", width="stretch",
+                disabled=not can_drive, on_click=_start, args=(client, pick))
+    outline = []
+    for i, stop in enumerate(run.lesson.stops):
+        mark = ("▶" if i == run.viewing else "✓") if i < len(run.reached) else (
+            "…" if run.pending and run.pending.index == i else "○")
+        outline.append(f"{mark} {i + 1}. {stop.title or stop.caption.split('.')[0][:40]}")
+    st.caption("  \n".join(outline))
+    for msg in run.errors[-3:]:
+        st.caption(f":red[{msg}]")
+    for note in run.notes[-3:]:
+        st.caption(f":orange[{note}]")
+
+
+def stage(client: EngineClient) -> list[int]:
+    """Above the grid: the viewed stop's caption (or the lesson's goal, or what it waits for).
+    Returns the blocks to highlight."""
+    run = current()
+    if run is not None:
+        run.poll(client)  # here too: this view redraws many times a second
+    if run is None:
+        st.session_state["lesson_blocks"] = []
+        st.info("Pick a lesson in the sidebar and press **Start**: it resets the engine to its own pool, "
+                "submits its requests and stops at each key moment with an explanation.", icon=":material/school:")
+        return []
+    total = len(run.lesson.stops)
+    with st.container(border=True, key="lesson_card"):
+        if run.pending is not None:
+            stop = run.lesson.stops[run.pending.index]
+            what = ", ".join(stop.until) if stop.until else f"{stop.steps} steps"
+            st.markdown(f"**{run.lesson.title}** · stop {run.pending.index + 1} of {total} · running until "
+                        f"*{what}* …")
+            return []
+        if run.viewing < 0:
+            st.markdown(f"**{run.lesson.title}**\n\n{run.lesson.goal}")
+            return []
+        memo_key = (client.epoch, run.viewing, len(run.reached))
+        if run.memo.get("key") != memo_key:  # the stop's words change only when it does
+            run.memo.update(key=memo_key, words=run.words(client))
+        values, fx = run.memo["words"]
+        stop = run.stop
+        st.markdown(f"**{run.lesson.title}** · stop {run.viewing + 1} of {total}"
+                    + (f" · *{stop.title}*" if stop.title else "")
+                    + ("" if run.viewing == len(run.reached) - 1 else " · :orange[a stop reached earlier]"))
+        st.markdown(caption(stop, values))
+        if run.done and run.viewing == total - 1:
+            st.caption("End of the lesson: **Restart** runs it again; pick another lesson in the sidebar.")
+        st.session_state["lesson_blocks"] = fx.blocks
+        return fx.blocks
+
+
+def highlight() -> list[int]:
+    """The blocks the viewed stop points at (for the block tables)."""
+    run = current()
+    return st.session_state.get("lesson_blocks", []) if run is not None and run.viewing >= 0 else []
+
+
+def _describe(cfg) -> str:
+    return (f"{plural(cfg.num_device_blocks, 'block')} of {cfg.block_size}, {plural(cfg.num_host_blocks, 'host block')}, "
+            f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, {cfg.preemption_mode}")
+
+
+def left_behind(client: EngineClient) -> None:
+    """In Explore after a lesson: the engine is still on the lesson's pool (and paused, as the
+    lesson left it). Say so, and offer the pool (and pause and pace) Explore had before."""
+    before = st.session_state.get(BEFORE)
+    view = client.view()
+    if before is None or view is None:
+        return
+    pool, paused, pace = before
+    cfg = view.mirror.config
+    same = pool.apply_to(cfg) == cfg and client.loop.paused == paused
+    if same:
+        st.session_state.pop(BEFORE, None)
+        return
+    with st.container(border=True, key="left_behind"):
+        st.markdown(f":orange[:material/school: **The engine is still on the lesson's pool**]: {_describe(cfg)}"
+                    + (", **paused**" if client.loop.paused else "") + f". Before the lesson it had {_describe(pool.apply_to(cfg))}"
+                    + (", paused" if paused else ", running") + ".")
+        c = st.columns(2)
+        c[0].button("Restore it", key="restore_pool", type="primary", width="stretch", on_click=_restore,
+                    args=(client, before), help="Reset the engine to the pool it had before the lesson, and its pace")
+        c[1].button("Keep it", key="keep_lesson_pool", width="stretch",
+                    on_click=lambda: st.session_state.pop(BEFORE, None))
+
+
+def _restore(client: EngineClient, before) -> None:
+    pool, paused, pace = before
+    cmds = [p.ResetCmd(config=pool), p.Pace(step_delay_ms=pace)] + ([] if paused else [p.Resume()])
+    for cmd in cmds:
+        send(client, cmd, "Restore the pool from before the lesson", quiet=not isinstance(cmd, p.ResetCmd))
+    st.session_state.pop(BEFORE, None)

@@ -1,0 +1,2 @@
+"""What the dashboard draws: the grid, the tables, the header, the timeline, the event log
+and the history's panels."""

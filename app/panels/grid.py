@@ -1,0 +1,329 @@
+"""The pool grid at any size: an overview of every block and a zoomed region with the full
+per-block detail, drawn on canvases by a components.v2 component (assets/grid.js).
+
+The server builds a *frame* per view: 16 bytes per device block (holder key when the block
+has one holder, the first 32 bits of its hash, ref count, tokens held, state, latest-step
+touch) and 8 per host block, plus the live sequences by key. Frames are kept, by token, in a
+store shared by every session. The browser holds the last frame it drew and asks for the next
+(its `sync` state: the token it holds and the block under the pointer) once it has drawn;
+the answer is a delta from exactly that frame (the blocks whose drawing changed), or the
+whole frame, compressed, when the server no longer knows it. So a redraw costs what changed,
+not the size of the pool.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import zlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import streamlit as st
+
+from kvscope_contract import protocol as p
+from kvscope_contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
+from kvscope_contract.state import STATE_NAMES
+from app.data.client import View
+from app.ui.palette import ACCENT, CACHED, FREE, RESERVED, SEQ_COLORS, SHARED, css_vars
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+_CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
+DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
+                ("state", "u1"), ("touch", "u1"), ("pad", "<u2")])
+HOST = np.dtype([("owner", "<u4"), ("tokens", "<u2"), ("touch", "u1"), ("ref", "u1")])
+MAGIC = b"KVG1"
+COMPRESS_ABOVE = 256 * 1024  # whole frames larger than this go deflated
+
+
+_BY_TYPE = {t: _CODE[t.__struct_config__.tag] for t in p.AnyEvent.__args__ if t.__struct_config__.tag in _CODE}
+_ONE_BLOCK = (p.Alloc, p.Free, p.PrefixHit, p.Evict)
+
+
+def touched(events: list[p.AnyEvent]) -> tuple[dict[int, int], dict[int, int]]:
+    """Device and host blocks touched by `events`: block -> touch code (1 + TOUCH_KINDS index),
+    the most telling kind winning when a block saw several."""
+    dev, host, _ = step_touches(events)
+    return dev, host
+
+
+def step_touches(events: list[p.AnyEvent]) -> tuple[dict[int, int], dict[int, int], Counter]:
+    """`touched`, and how many events of each touching kind there were."""
+    dev: dict[int, int] = {}
+    host: dict[int, int] = {}
+    kinds: Counter = Counter()
+    for ev in events:
+        code = _BY_TYPE.get(type(ev))
+        if code is None:
+            continue
+        kinds[code] += 1
+        if type(ev) in _ONE_BLOCK:  # most of a step: one block each
+            b = ev.block_id
+            if dev.get(b, 0) < code:
+                dev[b] = code
+            continue
+        for where, blocks in zip((dev, host), touched_blocks(ev)):
+            for b in blocks:
+                if where.get(b, 0) < code:
+                    where[b] = code
+    return dev, host, Counter({TOUCH_KINDS[c - 1]: n for c, n in kinds.items()})
+
+
+def _touch_column(size: int, touch: dict[int, int]) -> np.ndarray:
+    col = np.zeros(size, np.uint8)
+    if touch:
+        ids = np.fromiter(touch, np.int64, len(touch))
+        codes = np.fromiter(touch.values(), np.uint8, len(touch))
+        keep = (ids >= 0) & (ids < size)  # a step's events may name blocks of a pool since reset
+        col[ids[keep]] = codes[keep]
+    return col
+
+
+@dataclass(eq=False)
+class Frame:
+    """What the canvas draws for one view."""
+    token: int
+    shape: tuple[int, int, int]  # device blocks, host blocks, block size
+    dev: np.ndarray              # DEV per device block
+    host: np.ndarray             # HOST per host block
+    seqs: dict[int, list]        # key -> [seq_id, colour index, status]
+    info: dict                   # event number, live, step, counts, what the step touched
+
+    @property
+    def nbytes(self) -> int:
+        return self.dev.nbytes + self.host.nbytes
+
+
+_tokens = itertools.count(1)
+
+
+def build(view: View, colors: dict[str, int]) -> Frame:
+    """The frame of `view`: every block's drawing, vectorised over the reducer's columns."""
+    st_, cfg = view.mirror.state, view.mirror.config
+    n, m = len(st_.ref_counts), len(st_.host_ref_counts)
+    ref = st_.ref_counts
+    dev = np.zeros(n, DEV)
+    dev["owner"] = np.where(ref == 1, st_.holder, 0)
+    dev["hash"] = st_.hash32
+    dev["ref"] = np.minimum(ref, 0xFFFF)
+    dev["tokens"] = st_.tokens
+    dev["state"] = states = st_.block_states()
+    dev_touch, host_touch, events = step_touches(view.step_events)
+    dev["touch"] = _touch_column(n, dev_touch)
+    host = np.zeros(m, HOST)
+    host_ref = st_.host_ref_counts
+    host["owner"] = np.where(host_ref == 1, st_.host_holder, 0)  # shared: no single owner
+    host["ref"] = np.minimum(host_ref, 0xFF)
+    host["tokens"] = st_.host_tokens
+    host["touch"] = _touch_column(m, host_touch)
+    palette = len(SEQ_COLORS)
+    seqs = {s.key: [s.seq_id, colors.get(s.seq_id, s.key) % palette, s.status] for s in st_.seqs.values()}
+    blocks = Counter(TOUCH_KINDS[c - 1] for c in itertools.chain(dev_touch.values(), host_touch.values()))
+    last = view.step_events[-1] if view.step_events else None
+    info = {"seq": view.event, "live": view.live, "step": last.step if last else 0,
+            "counts": st_.counts(states)._asdict(),
+            "touched": {k: [events[k], blocks[k]] for k in TOUCH_KINDS if blocks[k] or events[k]}}
+    return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info)
+
+
+class FrameStore:
+    """Frames by token, newest last, bounded in count and bytes: the bases of deltas."""
+
+    def __init__(self, max_frames: int = 48, max_bytes: int = 256 << 20):
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self.frames: OrderedDict[int, Frame] = OrderedDict()
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, frame: Frame) -> None:
+        with self.lock:
+            self.frames[frame.token] = frame
+            self.nbytes += frame.nbytes
+            while len(self.frames) > 1 and (len(self.frames) > self.max_frames or self.nbytes > self.max_bytes):
+                self.nbytes -= self.frames.popitem(last=False)[1].nbytes
+
+    def get(self, token) -> Frame | None:
+        with self.lock:
+            f = self.frames.get(token) if isinstance(token, int) else None
+            if f is not None:
+                self.frames.move_to_end(token)
+            return f
+
+
+FRAMES = FrameStore()
+
+
+def frame_of(view: View, colors: dict[str, int]) -> Frame:
+    """The view's frame, built once and shared by every session drawing it."""
+    f = view.memo.get("grid_frame")
+    if f is None:
+        f = view.memo["grid_frame"] = build(view, colors)
+        FRAMES.add(f)
+    return f
+
+
+def _changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Indices whose records differ (records compared as 64-bit words; a pool may have none)."""
+    words = new.dtype.itemsize // 8
+    a, b = new.view("<u8").reshape(len(new), words), old.view("<u8").reshape(len(old), words)
+    diff = a[:, 0] != b[:, 0]
+    for k in range(1, a.shape[1]):
+        diff |= a[:, k] != b[:, k]
+    return np.flatnonzero(diff).astype("<u4")
+
+
+def _union(parts) -> np.ndarray:
+    parts = list(parts)
+    return parts[0] if len(parts) == 1 else np.union1d(parts[0], np.concatenate(parts[1:])).astype("<u4")
+
+
+def _align(buf: bytearray, to: int = 16) -> None:
+    buf.extend(b"\0" * (-len(buf) % to))
+
+
+def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: list[Frame] = ()) -> bytes:
+    """The bytes the canvas gets: a delta from `base` when it has the frame's shape, else the
+    whole frame. `also`: other frames the canvas may hold instead of `base` (sent after it, not
+    yet acknowledged): the delta then carries every block that differs from any of them, so it
+    applies to each (`bases`), and the grid never stays behind the views drawn with it.
+    Layout: MAGIC, u32 header length, header JSON, then 16-byte aligned parts that the header
+    locates ([offset, count] from the start of the body)."""
+    head = {**frame.info, **(extra or {}), "token": frame.token, "n": frame.shape[0],
+            "m": frame.shape[1], "bs": frame.shape[2]}
+    body, parts = bytearray(), {}
+
+    def part(name: str, arr: np.ndarray) -> None:
+        parts[name] = [len(body), len(arr)]
+        body.extend(arr.tobytes())
+        _align(body)
+
+    bases = [base, *(a for a in also if a is not base)] if base is not None else []
+    if bases and all(b.shape == frame.shape for b in bases):
+        head |= {"kind": "delta", "base": base.token, "bases": [b.token for b in bases],
+                 "gone": sorted({k for b in bases for k in b.seqs if k not in frame.seqs}),
+                 "seqs": [[k, *v] for k, v in frame.seqs.items() if any(b.seqs.get(k) != v for b in bases)]}
+        if any(b is not frame for b in bases):
+            d = _union(_changed(frame.dev, b.dev) for b in bases)
+            h = _union(_changed(frame.host, b.host) for b in bases)
+            part("devIdx", d)
+            part("dev", frame.dev[d])
+            part("hostIdx", h)
+            part("host", frame.host[h])
+    else:
+        head |= {"kind": "full", "seqs": [[k, *v] for k, v in frame.seqs.items()]}
+        part("dev", frame.dev)
+        part("host", frame.host)
+    if len(body) > COMPRESS_ABOVE:
+        body, head["deflated"] = bytearray(zlib.compress(bytes(body), 1)), True
+    head["parts"] = parts
+    header = json.dumps(head, separators=(",", ":")).encode()
+    out = bytearray(MAGIC + len(header).to_bytes(4, "little") + header)
+    _align(out)
+    return bytes(out + body)
+
+
+def read(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """A message taken apart again, as the canvas does: (header, parts as arrays)."""
+    if data[:4] != MAGIC:
+        raise ValueError("not a grid message")
+    size = int.from_bytes(data[4:8], "little")
+    head = json.loads(data[8:8 + size])
+    body = data[-(-(8 + size) // 16) * 16:]
+    if head.get("deflated"):
+        body = zlib.decompress(body)
+    kinds = {"dev": DEV, "host": HOST, "devIdx": np.dtype("<u4"), "hostIdx": np.dtype("<u4")}
+    return head, {k: np.frombuffer(body, kinds[k], n, off) for k, (off, n) in head["parts"].items()}
+
+
+# ------------------------------------------------------------------------------- hover
+def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | None:
+    """The block under the pointer, said in full: its holders and the start of its text.
+    Computed once per view and block."""
+    key = ("grid_focus", block, host)
+    if key in view.memo:
+        return view.memo[key]
+    st_, palette = view.mirror.state, len(SEQ_COLORS)
+    size = len(st_.host_ref_counts) if host else len(st_.ref_counts)
+    if not 0 <= block < size:
+        return None
+    holders = [(s.seq_id, (s.host_table if host else s.block_table).index(block))
+               for s in st_.seqs.values() if block in (s.host_table if host else s.block_table)]
+    texts = view.mirror.texts
+    text = (texts.text(*holders[0]) if holders else None) if host else texts.of_block(st_, block, holders)
+    out = {"b": block, "host": host, "text": text,
+           "holders": [[sid, colors.get(sid, 0) % palette, i] for sid, i in holders[:64]],
+           "more": max(0, len(holders) - 64)}
+    view.memo[key] = out
+    return out
+
+
+# ------------------------------------------------------------------------------- streamlit
+MAX_BASES = 8  # frames sent but not yet acknowledged that a delta still applies to
+
+
+def _layout(record: np.dtype) -> dict[str, int]:
+    """A record's size and its fields' byte offsets, as grid.js reads them."""
+    return {"size": record.itemsize, **{name: record.fields[name][1] for name in record.names if name != "pad"}}
+
+
+STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": SHARED, "reserved": RESERVED,
+         "accent": ACCENT, "record": {"dev": _layout(DEV), "host": _layout(HOST)},
+         "states": {name: code for code, name in enumerate(STATE_NAMES)},
+         "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
+         "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
+
+
+@lru_cache(maxsize=1)
+def _component():
+    return st.components.v2.component(
+        "kvscope_grid", html='<div class="kv"></div>',
+        css=css_vars(".kv") + (ASSETS / "grid.css").read_text(), js=(ASSETS / "grid.js").read_text())
+
+
+def _sync(key: str) -> dict:
+    """What the browser said it holds: {"have": token, "pull": n, "focus": [block, host]}."""
+    try:
+        state = st.session_state[key]
+    except KeyError:
+        return {}
+    sync = state.get("sync") if hasattr(state, "get") else None
+    return sync if isinstance(sync, dict) else {}
+
+
+def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval_s: float = 0.1,
+         on_block=None, extra: dict | None = None) -> None:
+    """Mount (or update) the grid with a delta from the frame the browser holds. `on_block`
+    runs when a block is clicked, with its id in st.session_state[key]["block"]. `extra`
+    goes to the canvas as is: `connected` (False: say the stream stopped), `highlight`
+    (blocks to ring)."""
+    sync = _sync(key)
+    frame = frame_of(view, colors)
+    also = unacknowledged(st.session_state.setdefault(f"{key}_sent", []), sync.get("have"), frame.token)
+    extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
+    if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
+        extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
+    if not sync.get("style"):  # a grid mounted afresh (a full rerun) has none yet, whatever the old one said
+        extra["style"] = STYLE
+    bases = [FRAMES.get(t) for t in also]
+    known = None not in bases and len(bases) <= MAX_BASES  # else the canvas's frame is unknown: send it whole
+    data = message(frame, FRAMES.get(sync.get("have")) if known else None, extra, bases if known else [])
+    _component()(data=data, key=key, on_block_change=on_block or _nothing, on_sync_change=_nothing)
+
+
+def unacknowledged(sent: list[int], have, token: int) -> list[int]:
+    """The frames sent to a canvas (`sent`, oldest first) after the one it last said it holds
+    (`have`), which it may hold by now instead; `token` is recorded as sent."""
+    if have in sent:
+        del sent[:sent.index(have) + 1]
+    out = [t for t in sent if t != token]
+    if not sent or sent[-1] != token:
+        sent.append(token)
+    del sent[:-4 * MAX_BASES]
+    return out
+
+
+def _nothing() -> None:
+    pass

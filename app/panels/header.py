@@ -1,0 +1,163 @@
+"""The header: connection status, the metrics with warning thresholds, and the teaching
+number (what a contiguous max-length reservation would hold next to what paging holds)."""
+from __future__ import annotations
+
+import streamlit as st
+
+from app.data.client import EngineClient, View
+from app.ui.connection import Hosted
+from app.data.mirror import RATE_STEPS
+from app.ui.palette import USED
+from app.panels.words import plural
+from app.data.source import Source
+
+CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
+                     "closed": "red"}
+# Metric thresholds: the colour turns at these values (and the help texts say so).
+POOL_ORANGE, POOL_RED = 0.80, 0.95
+SLOT_UTIL_ORANGE = 0.50
+HOST_ORANGE = 0.80
+VLLM_HIT_RATE = ("vLLM's own prefix_cache_hits / prefix_cache_queries (its /metrics), from the same events: "
+                 "tokens found in the cache over the tokens looked up at each request's first admission. "
+                 "vLLM counts a request admitted again after a recompute preemption apart (as a preempted "
+                 "query), and those re-admissions find their own blocks still cached: KVScope's rate above "
+                 "counts every admission, so under preemption it is the higher one.")
+
+
+def status_line(client: EngineClient, source: Source, hosted: Hosted | None = None) -> None:
+    s, h = client.status, client.hello
+    what = source.label
+    if h:
+        e = h.engine
+        kern = f", {e.kernels} kernels" if e.kernels else ""
+        what += f" · {e.model} on {e.device} ({e.dtype}{kern})" + (" · replay" if h.replay else "")
+        if h.server != "kvscope":
+            what += f" · {h.server}"
+    state = "died" if hosted is not None and hosted.process.died else s.state
+    text = f":{CONNECTION_COLORS.get(state, 'red')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
+    if h and h.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
+        text += f" · OpenAI API `{h.api_url}/v1`"
+    if state not in ("connected", "died"):
+        text += (f" · attempt {s.attempts}" if state == "reconnecting" else "") + (f" · {s.last_error}" if s.last_error else "")
+    if state != "connected":
+        text += " · the views show the last state received"
+    elif client.loop.paused:
+        text += " · :orange[:material/pause_circle: **paused**] (Step, Run to the next key event or Resume in the sidebar)"
+    elif client.loop.until:
+        text += " · :blue[:material/fast_forward: **running to the next key event**]"
+    elif client.loop.step_delay_ms:
+        text += f" · pace {client.loop.step_delay_ms:g} ms per step"
+    st.markdown(text)
+
+
+def usage(view: View) -> dict[str, float]:
+    """The view's usage numbers, computed once per view (every session shares them)."""
+    if "usage" not in view.memo:
+        view.memo["usage"] = view.mirror.usage()
+    return view.memo["usage"]
+
+
+def _short(n: int) -> str:
+    """A pool size that fits a metric's chip: 65,536, 1.05 M."""
+    return f"{n / 1e6:.3g} M" if n >= 1_000_000 else f"{n:,}"
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
+
+
+def metrics(view: View, client: EngineClient) -> None:
+    """Two rows of four metrics, each with a colour that turns when a threshold is crossed."""
+    m, tl, cfg = view.mirror, view.mirror.tally, view.mirror.config
+    u = usage(view)
+    pool = u["used"] / u["total"] if u["total"] else 0.0
+    host = u["host_used"] / u["host_total"] if u["host_total"] else 0.0
+    util, last = u["slot_util"], tl.last_step
+    run, wait, swap = (sum(s.status == k for s in m.state.seqs.values()) for k in ("running", "waiting", "swapped"))
+    kw = dict(delta_arrow="off", border=True)
+    row = st.columns(4)
+    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']:,} / {_short(u['total'])}",
+                  "red" if pool >= POOL_RED else "orange" if pool >= POOL_ORANGE else "gray", **kw,
+                  help="Device blocks held by at least one sequence. Cached blocks (no holder, still "
+                       f"hit-able) are not counted: an allocation may evict them. Orange from {POOL_ORANGE:.0%}, "
+                       f"red from {POOL_RED:.0%}.")
+    row[1].metric("Slot utilisation", f"{util:.0%}" if u["used"] else "–",
+                  f"{u['waste_per_seq']:.1f} empty / seq" if u["used"] else "no block in use",
+                  "orange" if util < SLOT_UTIL_ORANGE and u["used"] else "green", **kw,
+                  help="Tokens stored over the slots of used blocks: internal fragmentation. Only the last "
+                       f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. "
+                       f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
+    caching = cfg.enable_prefix_caching
+    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
+                  f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens" if caching else "caching off",
+                  "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
+                  "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
+                  f"since {tl.since}. Found tokens are not computed again.")
+    if caching and client.hello and client.hello.server.startswith("vllm"):
+        row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
+                       f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
+    row[3].metric("Tokens/s", f"{tl.tokens_per_s():,.1f}",
+                  f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
+                  help=f"Tokens generated per second of the engine's own step time (the steps' durations, "
+                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event "
+                       f"({tl.generated:,} in all).")
+    row = st.columns(4)
+    row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
+                  help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
+                       f"copy each (the grid outlines both the original and the copy). Since {tl.since}.")
+    row[1].metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}", f"host {u['host_used']:,} / {u['host_total']:,}",
+                  "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray", **kw,
+                  help="Sequences moved to the host pool and back. Frequent swapping means the pool is too "
+                       f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}.")
+    row[2].metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes} recomputed",
+                  "red" if tl.preemptions else "gray", **kw,
+                  help=f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). "
+                       f"Since {tl.since}.")
+    row[3].metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""), "orange" if wait or swap else "gray",
+                  **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
+                             f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
+    if tl.since != "engine start":  # counters cover only what this client saw
+        st.caption(f"Counters since {tl.since}; pool usage and sequences are the whole engine's.")
+
+
+def reservation_card(view: View) -> None:
+    """Teaching point 1: a contiguous max-length reservation per sequence vs paging."""
+    u, cfg = usage(view), view.mirror.config
+    holding = sum(1 for s in view.mirror.state.seqs.values() if s.block_table)
+    res, pag = u["reserved_slots"], u["paged_slots"]
+    top = max(res, pag, 1)
+
+    def bar(label: str, slots: int, used: float, size: str, color: str) -> str:
+        return (f'<div style="margin:6px 0 2px">{label}: <b>{slots:,}</b> slots · {size} · '
+                f'<b>{used:.0%}</b> hold tokens</div>'
+                f'<div style="background:rgba(148,163,184,.18);border-radius:3px;height:14px">'
+                f'<div style="width:{100 * slots / top:.1f}%;height:14px;border-radius:3px;background:'
+                f'linear-gradient(to right,{color} {100 * used:.1f}%,color-mix(in srgb,{color} 25%,transparent) '
+                f'{100 * used:.1f}%)"></div></div>')
+
+    saved = res - pag
+    body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
+                _mib(u["reserved_bytes"]), "#e15759")
+            + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)
+            + summary(res, pag, cfg)
+            if holding else
+            '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
+            'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
+    st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
+            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {plural(holding, "sequence")} holding memory'
+            f' · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}{body}</div>')
+
+
+def summary(reserved: int, paged: int, cfg) -> str:
+    """The card's last line: what paging saves, or (big blocks, short sequences) that it holds
+    more than the reservation, and why: that is the lesson too."""
+    if not reserved or reserved == paged:
+        return ""
+    diff = abs(reserved - paged)
+    size = _mib(diff * cfg.bytes_per_block / cfg.block_size)
+    if paged < reserved:
+        return (f'<div style="margin-top:6px">Paging holds <b>{plural(diff, "fewer slot")}</b> '
+                f'(<b>{size}</b>, {diff / reserved:.0%} less) for the same tokens.</div>')
+    return (f'<div style="margin-top:6px">Paging holds <b>{plural(diff, "more slot")}</b> (<b>{size}</b>) than the '
+            f'reservation here: with blocks of {plural(cfg.block_size, "token")}, each sequence\'s last block is '
+            'mostly empty (internal fragmentation), more than these short reservations leave unused.</div>')

@@ -1,0 +1,269 @@
+"""Block tables at any scale: for each live sequence, logical block i -> physical block, in the
+grid's colours, with its prompt and output parts, shared and copied blocks marked, host blocks
+while swapped out, and its text streaming beside it.
+
+A few sequences are shown whole, as cards. With many, the cards are those first in the chosen
+order (search and sort above them), and every matching sequence is listed below (thousands,
+scrolled virtually by the table widget); a click in the list pins that sequence's card on
+top. A long table is drawn compressed: runs of consecutive block ids as one chip each, which
+open to their blocks.
+"""
+from __future__ import annotations
+
+from html import escape
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from app.data.client import View
+from app.data.mirror import Finished
+from app.ui.palette import ACCENT, LIT, seq_color
+from app.panels.words import plural
+from kvscope_contract.kinds import KINDS
+from kvscope_contract.state import SeqState
+
+CSS = """<style>
+.bt { font: 13px/1.4 var(--st-font, system-ui, sans-serif); }
+.bt .key { font-size: 12px; opacity: .8; margin-bottom: 8px; }
+.bt .seq { margin: 0 0 10px; padding: 6px 8px; border-left: 4px solid var(--c); border-radius: 4px;
+  background: color-mix(in srgb, var(--c) 6%, transparent); }
+.bt .seq.pin { box-shadow: 0 0 0 2px """ + ACCENT + """ inset; }
+.bt .top { display: flex; gap: 8px; align-items: baseline; flex-wrap: wrap; }
+.bt .id { font-weight: 700; }
+.bt .st { font-size: 11px; padding: 0 6px; border-radius: 8px; background: #e2e8f0; color: #334155; }
+.bt .st.running { background: #dcfce7; color: #166534; } .bt .st.swapped { background: #ede9fe; color: #5b21b6; }
+.bt .st.waiting { background: #fef3c7; color: #92400e; }
+.bt .meta { font-size: 12px; opacity: .75; }
+.bt .chips { display: flex; flex-wrap: wrap; gap: 3px; margin: 5px 0 3px; align-items: flex-start; }
+.bt .ch { position: relative; min-width: 30px; height: 24px; padding: 0 3px; box-sizing: border-box;
+  border-radius: 3px; color: #fff; font: 600 11px/24px ui-monospace, monospace; text-align: center;
+  background: linear-gradient(to top, var(--c) var(--f), color-mix(in srgb, var(--c) 35%, transparent) var(--f)); }
+.bt .ch::after { content: ""; position: absolute; left: 0; right: 0; bottom: -3px; height: 2px;
+  background: linear-gradient(to right, #334155 var(--p), var(--c) var(--p)); }
+.bt .ch .li { position: absolute; left: 2px; top: -1px; font-size: 8px; line-height: 9px; opacity: .8; font-weight: 400; }
+.bt .ch .mk { position: absolute; right: 2px; top: 2px; width: 7px; height: 7px; border-radius: 50%;
+  border: 1px solid #fff; box-sizing: border-box; }
+.bt .dot { display: inline-block; width: 8px; height: 8px; border-radius: 50%; vertical-align: 0; }
+.bt .ch.shared { outline: 2px solid #0f172a; outline-offset: -2px; }
+.bt .ch.lit { box-shadow: 0 0 0 3px """ + LIT + """; }
+.bt .ch.host { border: 1px dashed var(--c); color: var(--c); background: transparent; }
+.bt .ch.run { padding: 0 6px 0 12px; }
+.bt .opened { flex-basis: 100%; display: flex; flex-wrap: wrap; gap: 3px; margin: 2px 0 4px;
+  padding-left: 6px; border-left: 2px solid """ + ACCENT + """; }
+.bt .txt { font-size: 12.5px; white-space: pre-wrap; word-break: break-word; opacity: .9; max-height: 5.6em;
+  overflow: hidden; display: flex; flex-direction: column-reverse; }
+.bt .more { opacity: .7; font-size: 12px; }
+.bt .fin .seq { opacity: .85; }
+</style>"""
+KEY = ('<div class="key">each chip: <b>physical block</b> (small: logical index) · fill = tokens held · '
+       'dark underline = prompt part · <b>×n</b> shared (outlined) · '
+       f'<span class="dot" style="background:{KINDS["prefix_hit"].color}"></span> from the prefix cache · '
+       f'<span class="dot" style="background:{KINDS["cow"].color}"></span> copied on write · '
+       '<b>H</b> host block while swapped out · <b>a–b</b> a run of consecutive blocks (<i>Open runs</i> '
+       'lists their blocks)</div>')
+STATUS_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
+SORTS = {
+    "blocks held": lambda s: (-(len(s.block_table) + len(s.host_table)), s.key),
+    "age": lambda s: s.key,  # creation order: the oldest first
+    "status": lambda s: (STATUS_ORDER.get(s.status, 3), -len(s.block_table), s.key),
+}
+ALL_CARDS = 12     # this many matching sequences or fewer: every one as a card, no list
+CARDS = 5          # otherwise the first few in the chosen order
+PLAIN = 32         # tables up to this many blocks show every block (runs are for long ones)
+MAX_RUNS = 64      # chips per card before "+N more"
+MAX_OPEN = 256     # blocks shown when a run opens
+
+
+def runs(table: list[int]) -> list[tuple[int, int]]:
+    """(first logical index, length) of each run of consecutive block ids in `table`, rising or
+    falling (the allocator hands out freed blocks tail first)."""
+    out, start, step = [], 0, 0
+    for i in range(1, len(table) + 1):
+        d = table[i] - table[i - 1] if i < len(table) else 0
+        if i - start == 1 and d in (1, -1):
+            step = d
+        elif d != step or i == len(table):
+            out.append((start, i - start))
+            start, step = i, 0
+    return out
+
+
+def _chip(color: str, label: str, index: int, fill: float, prompt: float, title: str,
+          cls: str = "", mark: str = "") -> str:
+    return (f'<span class="ch {cls}" style="--c:{color};--f:{fill:.0%};--p:{prompt:.0%}" title="{escape(title)}">'
+            f'<span class="li">{index}</span>{label}'
+            f'{f"<span class=mk style=background:{mark}></span>" if mark else ""}</span>')
+
+
+class _Card:
+    """One sequence's chips: its device (or, swapped out, host) table."""
+
+    def __init__(self, view: View, s: SeqState, color: str, open_runs: bool = False,
+                 highlight: set[int] = frozenset()):
+        self.st, self.s, self.color, self.open_runs = view.mirror.state, s, color, open_runs
+        self.highlight = highlight
+        self.bs = view.mirror.config.block_size
+        self.origins = view.mirror.origins.get(s.seq_id, {})
+        self.table, self.host = (s.block_table, False) if s.block_table else (s.host_table, True)
+
+    def prompt(self, i: int, n: int = 1) -> float:
+        return min(1.0, max(0.0, (self.s.prompt_tokens - i * self.bs) / (n * self.bs)))
+
+    def held(self, i: int, n: int = 1) -> int:
+        """Tokens in blocks i..i+n of the table, as the pool state holds them (the grid's hover
+        reads the same column)."""
+        column = self.st.host_tokens if self.host else self.st.tokens
+        return int(column[self.table[i:i + n]].sum(dtype=np.int64))
+
+    def block(self, i: int) -> str:
+        b, bs, held, prompt = self.table[i], self.bs, self.held(i), self.prompt(i)
+        part = "prompt" if prompt >= 1 else "output" if prompt <= 0 else "prompt + output"
+        if self.host:
+            return _chip(self.color, f"H{b}", i, 0, prompt, f"logical {i} → host block {b} · {held}/{bs} tokens, "
+                         "swapped out", "host")
+        ref, origin = int(self.st.ref_counts[b]), self.origins.get(i, "")
+        title = (f"logical {i} → physical block {b} · {held}/{bs} tokens · {part}"
+                 + (f" · shared by {ref}" if ref > 1 else "")
+                 + {"prefix_hit": " · from the prefix cache", "cow": " · copied on write"}.get(origin, ""))
+        label = f"{b}" + (f"<sup>×{ref}</sup>" if ref > 1 else "")
+        cls = ("shared " if ref > 1 else "") + ("lit" if b in self.highlight else "")
+        return _chip(self.color, label, i, held / bs, prompt, title, cls, KINDS[origin].color if origin else "")
+
+    def run(self, i: int, n: int) -> str:
+        if n < 3:
+            return "".join(self.block(j) for j in range(i, i + n))
+        first, last = self.table[i], self.table[i + n - 1]
+        lo, hi = min(first, last), max(first, last)
+        shared = 0 if self.host else int((self.st.ref_counts[lo:hi + 1] > 1).sum())
+        origins = {self.origins[j] for j in range(i, i + n) if j in self.origins}
+        mark = KINDS["prefix_hit"].color if "prefix_hit" in origins else KINDS["cow"].color if origins else ""
+        label = ("H" if self.host else "") + f"{first}–{last}"  # ×n means a ref count elsewhere: not here
+        title = (f"logical {i}–{i + n - 1} → {'host' if self.host else 'physical'} blocks {first}–{last}: {n} blocks, "
+                 f"{self.held(i, n)}/{n * self.bs} tokens" + (f", {shared} shared" if shared else ""))
+        chip = _chip(self.color, label, i, 0 if self.host else self.held(i, n) / (n * self.bs), self.prompt(i, n),
+                     title, "run host" if self.host else "run shared" if shared else "run", mark)
+        lit = not self.host and any(self.table[j] in self.highlight for j in range(i, i + n))
+        if not (self.open_runs or lit):  # a run holding a highlighted block opens by itself
+            return chip
+        inner = "".join(self.block(j) for j in range(i, i + min(n, MAX_OPEN)))
+        more = f'<span class="more">+{n - MAX_OPEN} more</span>' if n > MAX_OPEN else ""
+        return f'<div class="opened">{chip}{inner}{more}</div>'
+
+    def chips(self) -> str:
+        if len(self.table) <= PLAIN:
+            return "".join(self.block(j) for j in range(len(self.table)))
+        parts = runs(self.table)
+        out = [self.run(i, n) for i, n in parts[:MAX_RUNS]]
+        if len(parts) > MAX_RUNS:
+            rest = sum(n for _, n in parts[MAX_RUNS:])
+            out.append(f'<span class="more">+{len(parts) - MAX_RUNS} more runs ({rest} blocks)</span>')
+        return "".join(out)
+
+
+def meta(s: SeqState, block_size: int) -> str:
+    """The tokens a sequence has in the cache, and those it still needs computed (a waiting
+    prompt, or a sequence preempted by recompute) with the blocks they take."""
+    known = s.prompt_tokens + s.output_tokens  # every token it has: prompt, and output sampled so far
+    table, host = s.block_table, s.host_table
+    where = (plural(len(table), "block") if table else plural(len(host), "host block") if host else "no blocks")
+    if s.num_tokens + 1 >= known:  # all in the cache, but for the token sampled last
+        return (f"{s.num_tokens:,} tokens = {min(s.prompt_tokens, s.num_tokens):,} prompt + "
+                f"{max(0, s.num_tokens - s.prompt_tokens):,} output (max {s.max_tokens:,}) · {where}")
+    todo = known - s.num_tokens
+    verb = "to recompute" if s.output_tokens else "to compute"
+    need = -(-known // block_size)
+    return (f"{s.num_tokens:,} of {known:,} tokens in the cache ({s.prompt_tokens:,} prompt + "
+            f"{s.output_tokens:,} output, max {s.max_tokens:,}) · {todo:,} {verb} · {where}"
+            + (f", needs {plural(need, 'block')} of {block_size}" if len(table) < need else ""))
+
+
+def card(view: View, s: SeqState, colors: dict[str, int], pinned: bool = False, open_runs: bool = False,
+         highlight: set[int] = frozenset()) -> str:
+    color = seq_color(colors.get(s.seq_id, 0))
+    text = escape(s.text[-600:]) + ("▌" if s.status == "running" and view.live else "")
+    return (f'<div class="seq{" pin" if pinned else ""}" style="--c:{color}"><div class="top">'
+            f'<span class="id">{escape(s.seq_id)}</span><span class="st {s.status}">{s.status}</span>'
+            f'<span class="meta">{meta(s, view.mirror.config.block_size)}</span></div>'
+            f'<div class="chips">{_Card(view, s, color, open_runs, highlight).chips()}</div>'
+            f'<div class="txt"><span>{text}</span></div></div>')
+
+
+def chosen(view: View, query: str = "", sort: str = "status") -> list[SeqState]:
+    """The live sequences whose id or request id contains `query`, in the `sort` order."""
+    q = query.strip().lower()
+    seqs = [s for s in view.mirror.state.seqs.values()
+            if not q or q in s.seq_id.lower() or q in s.request_id.lower()]
+    return sorted(seqs, key=SORTS[sort])
+
+
+def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = None, pinned: str | None = None,
+           open_runs: bool = False, highlight: set[int] = frozenset()) -> str:
+    """The cards of `seqs` (default: every live sequence, by status), `pinned` first; with
+    `open_runs`, each run of consecutive blocks also lists its blocks; `highlight`: device
+    blocks to ring (a lesson's stop points at them)."""
+    seqs = chosen(view) if seqs is None else seqs
+    if not seqs:
+        return CSS + '<div class="bt"><div class="meta">No live sequence: submit a prompt or run a scenario.</div></div>'
+    pin = view.mirror.state.seqs.get(pinned) if pinned else None
+    cards = ([card(view, pin, colors, True, open_runs, highlight)] if pin else []) + [
+        card(view, s, colors, False, open_runs, highlight) for s in seqs if s is not pin]
+    return CSS + f'<div class="bt">{KEY}{"".join(cards)}</div>'
+
+
+def listing(view: View, seqs: list[SeqState]) -> pd.DataFrame:
+    """One row per sequence, for the scrolled list."""
+    now = view.mirror.t
+    return pd.DataFrame(
+        [(s.seq_id, s.status, len(s.block_table), len(s.host_table), s.num_tokens, s.prompt_tokens,
+          s.output_tokens, None if s.added is None else round(now - s.added, 1)) for s in seqs],
+        columns=["sequence", "status", "blocks", "host blocks", "tokens", "prompt", "output", "age (s)"])
+
+
+def panel(view: View, colors: dict[str, int], highlight: set[int] = frozenset()) -> None:
+    """Search and sort, the cards, and (with many sequences) the list that pins a card;
+    `highlight` as in `render`."""
+    c = st.columns([4, 3, 3], vertical_alignment="center")
+    query = c[0].text_input("Find a sequence", key="bt_query", placeholder="id, e.g. r12 or sys1",
+                            label_visibility="collapsed")
+    sort = c[1].selectbox("Order", list(SORTS), index=2, key="bt_sort", label_visibility="collapsed",
+                          help="blocks held: most first · age: oldest first · status: running, swapped, waiting")
+    open_runs = c[2].toggle("Open runs", key="bt_open", help="List the blocks of each run of consecutive blocks")
+    key = ("tables", query, sort)
+    if key not in view.memo:
+        view.memo[key] = chosen(view, query, sort)
+    seqs = view.memo[key]
+    total = len(view.mirror.state.seqs)
+    pinned = st.session_state.get("bt_pin")
+    if pinned not in view.mirror.state.seqs:
+        pinned = None
+    few = len(seqs) <= ALL_CARDS
+    st.caption(f"{len(seqs):,} of {total:,} live sequences" + ("" if few else
+               f" · the first {CARDS} as cards, all in the list below (click one to pin its card)"))
+    with st.container(height=460 if not few else 640, border=False):
+        st.html(render(view, colors, seqs if few else seqs[:CARDS], pinned, open_runs, highlight))
+    if not few:
+        st.session_state["bt_rows"] = [s.seq_id for s in seqs]
+        version = st.session_state.get("bt_version", 0)
+        st.dataframe(listing(view, seqs), key=f"bt_list_{version}", on_select=_pin, selection_mode="single-row",
+                     hide_index=True, height=260, width="stretch")
+
+
+def _pin() -> None:
+    version = st.session_state.get("bt_version", 0)
+    rows = st.session_state[f"bt_list_{version}"].selection.rows
+    if rows:
+        st.session_state["bt_pin"] = st.session_state["bt_rows"][rows[0]]
+        st.session_state["bt_version"] = version + 1  # a fresh list: its rows move as the engine runs
+
+
+def render_finished(finished: list[Finished], colors: dict[str, int]) -> str:
+    if not finished:
+        return CSS + '<div class="bt"><div class="meta">No request has finished yet.</div></div>'
+    reasons = {"stop": "stopped (end of text)", "length": "reached max tokens", "abort": "aborted",
+               "error": "failed"}
+    rows = [f'<div class="seq" style="--c:{seq_color(colors.get(f.seq_id, 0))}"><div class="top">'
+            f'<span class="id">{escape(f.seq_id)}</span><span class="st">{reasons.get(f.reason, f.reason)}</span>'
+            f'<span class="meta">{f.output_tokens} output tokens</span></div>'
+            f'<div class="txt"><span>{escape(f.text[-600:])}</span></div></div>' for f in reversed(finished)]
+    return CSS + f'<div class="bt fin">{"".join(rows)}</div>'

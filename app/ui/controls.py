@@ -1,0 +1,272 @@
+"""Sidebar controls: where the events come from, prompts, scenario presets, the engine's
+pause / step / pace / run-to-next-key-event, abort, prefix-cache clearing and clean slate, and
+a reset with a new pool. Everything that shows the engine's state redraws with it, in every
+tab (`engine_panel` is a fragment on a timer)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import streamlit as st
+
+from kvscope_contract import protocol as p
+from kvscope_contract.kinds import KINDS
+from app.data.client import EngineClient, View
+from app.ui.commands import last_error, send
+from app.ui.connection import Hosted, restart
+from app.data.key_events import KEY_KINDS
+from app.data.scenarios import SCENARIOS
+from app.data.source import VLLM_PYTHON, Source, recordings
+from app.panels.words import plural
+
+SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
+         "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)",
+                "fleet": "A fleet of engines"}
+PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
+_runs = itertools.count(1)  # scenario runs, process-wide: request ids stay unique across sessions
+
+
+def connection(source: Source, client: EngineClient | None, hosted: Hosted | None) -> None:
+    """Choose the source; a change is stored in the session and the app reruns on it."""
+    with st.expander("Connection", expanded=client is None or client.status.state != "connected"):
+        if client is not None and client.notices:
+            for t, level, text in list(client.notices)[-3:]:
+                st.caption(f"{'⚠️' if level == 'warning' else '❌'} {text}")
+        kind = st.radio("Source", list(SOURCE_KINDS), format_func=SOURCE_KINDS.get,
+                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind")
+        if kind == "embedded":
+            model = st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
+                                  help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
+                                       "or a local Hugging Face Llama-family folder", key="src_model")
+            new = Source("embedded", model=model.strip() or "smollm2",
+                         engine_args=source.engine_args if source.kind == "embedded" else ())
+        elif kind == "attach":
+            url = st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url")
+            token = st.text_input("Token", source.token, type="password", key="src_token",
+                                  help="Needed when the engine was started with --token")
+            new = Source("attach", url=url.strip(), token=token.strip())
+        elif kind == "vllm":
+            model = st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
+                                  help="smollm2 (bundled) or a model folder; vLLM runs from .venv-vllm (make vllm-venv)")
+            new = Source("vllm", model=model.strip() or "smollm2",
+                         engine_args=source.engine_args if source.kind == "vllm" else ())
+        elif kind == "kv_events":
+            url = st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq",
+                                help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
+            tok = st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok",
+                                help="a folder with tokenizer.json, to show the text of each block")
+            new = Source("kv_events", url=url.strip(), tokenizer=tok.strip())
+        elif kind == "fleet":
+            path = st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
+                                 help="a TOML file listing engines (docs/fleet.md); empty: add them on the fleet page")
+            new = Source("fleet", path=str(Path(path).expanduser().resolve()) if path.strip() else "")
+        else:
+            files = [str(f) for f in recordings()]
+            if source.kind == "replay" and source.path not in files:
+                files.insert(0, source.path)
+            picked = st.selectbox("Recording", files + ["other file…"], format_func=lambda f: Path(f).name,
+                                  index=files.index(source.path) if source.path in files else 0, key="src_file")
+            if picked == "other file…" or not files:
+                picked = st.text_input("Path to a recording (.jsonl)", key="src_path")
+            speed = st.select_slider("Speed", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0], source.speed, key="src_speed")
+            new = Source("replay", path=str(Path(picked).expanduser().resolve()) if picked else "", speed=speed)
+        cols = st.columns(2)
+        if cols[0].button("Connect", type="primary", disabled=new == source, width="stretch"):
+            if new.kind == "attach" and not new.url.startswith(("ws://", "wss://")):
+                st.error("The URL must start with ws:// or wss://")
+            elif new.kind == "replay" and not Path(new.path).is_file():
+                st.error(f"No recording at {new.path}")
+            elif new.kind == "vllm" and not VLLM_PYTHON.exists():
+                st.error("vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)")
+            elif new.kind == "fleet" and new.path and not Path(new.path).is_file():
+                st.error(f"No fleet file at {new.path}")
+            elif new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
+                st.error("The endpoint must start with tcp:// or ipc://")
+            else:
+                st.session_state["source"] = new
+                st.session_state["travel"] = None
+                st.rerun()
+        if source.kind in ("embedded", "replay", "vllm") and cols[1].button(
+                {"embedded": "Restart engine", "replay": "Restart replay", "vllm": "Restart vLLM"}[source.kind],
+                width="stretch", help="Start it again (an engine with the pool config and pace it last had)"):
+            restart(source)
+            st.rerun()
+        if hosted is not None:
+            hosted.auto_restart = st.toggle(
+                "Restart it when it dies", hosted.auto_restart, key="auto_restart",
+                help="Off: a dead engine is shown with its last lines and waits for Restart")
+
+
+def prompt_form(client: EngineClient) -> None:
+    disabled = not client.supports("submit")
+    with st.form("prompt", border=False):
+        text = st.text_area("Prompt", "Explain in two sentences how a paged KV cache saves memory.",
+                            height=90, key="prompt_text")
+        c = st.columns(3)
+        n = c[0].number_input("n", 1, 16, 1, help="parallel samples sharing the prompt's blocks", key="prompt_n")
+        max_tokens = c[1].number_input("max tokens", 1, 4096, 96, key="prompt_max")
+        temperature = c[2].number_input("temperature", 0.0, 2.0, 0.0, 0.1, key="prompt_temp",
+                                        help="0 = greedy")
+        with st.expander("More"):
+            chat = st.toggle("Chat template", True, key="prompt_chat",
+                             help="Wrap the prompt as a user message of the model's chat template")
+            seed = st.number_input("seed (0 = none)", 0, 2**31, 0, key="prompt_seed")
+            ignore_eos = st.toggle("Ignore end of text", False, key="prompt_ignore_eos",
+                                   help="Always generate max tokens")
+        if st.form_submit_button("Submit", type="primary", disabled=disabled, width="stretch"):
+            if not text.strip():
+                st.error("Write a prompt first.")
+                return
+            body = {"messages": [p.ChatMessage("user", text)]} if chat else {"prompt": text}
+            send(client, p.Submit(**body, n=int(n), max_tokens=int(max_tokens), temperature=float(temperature),
+                                  seed=int(seed) or None, ignore_eos=ignore_eos), "Submit")
+
+
+def unsupported_note(client: EngineClient) -> None:
+    if client.is_replay:
+        st.info("Replaying a recording: prompts, scenarios and resets need a live engine.")
+    elif client.hello and client.hello.supports is not None:
+        st.info(f"{client.hello.server} does not take every command: the controls it cannot "
+                "carry out are disabled.")
+
+
+def _not_here(client: EngineClient, op: str) -> str | None:
+    if client.supports(op):
+        return None
+    return f"{client.hello.server if client.hello else 'This server'} cannot do this"
+
+
+def clean_slate(client: EngineClient) -> None:
+    """Drop what the last scenario left in the prefix cache and count afresh; the history
+    before stays reachable by time travel."""
+    if client.supports("clear_prefix_cache"):
+        send(client, p.ClearPrefixCache(), "Clear the prefix cache", quiet=True)
+    client.clean_slate()
+    st.session_state["travel"] = None
+
+
+def scenarios(client: EngineClient, view: View) -> None:
+    cfg = view.mirror.config
+    fresh = st.toggle("Start from a clean slate", True, key="scenario_clean",
+                      help="Before the scenario: clear the prefix cache and start the counters and "
+                           "the timeline afresh (the history before stays reachable by time travel)")
+    for sc in SCENARIOS:
+        if st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch(cfg), width="stretch",
+                     disabled=not client.supports("submit")):
+            cmds = sc.build(cfg, next(_runs))
+            if fresh:
+                clean_slate(client)
+            sent = [c for c in cmds if send(client, c, f"{sc.title}: " + (
+                f"reset to {c.config.num_device_blocks} blocks" if isinstance(c, p.ResetCmd) else
+                f"submit {c.request_id}"), quiet=True)]
+            ids = [c.request_id for c in sent if isinstance(c, p.Submit)]
+            if ids:
+                st.toast(f"{sc.title}: {', '.join(ids)}", icon=":material/play_circle:")
+            st.session_state["travel"] = None
+            st.session_state["last_scenario"] = sc.key
+    if (key := st.session_state.get("last_scenario")) is not None:
+        sc = next(s for s in SCENARIOS if s.key == key)
+        st.caption(f"**Watch:** {sc.watch(cfg)}.")
+
+
+def _follow(key: str, engine_value) -> None:
+    """Keep a widget on the engine's value when the engine changes it (another tab, a reset),
+    without fighting the user's own edits in between."""
+    seen = f"{key}__engine"
+    if st.session_state.get(seen) != engine_value:
+        st.session_state[seen] = st.session_state[key] = engine_value
+
+
+def pacing(client: EngineClient) -> None:
+    loop = client.loop
+    c = st.columns(2)
+    c[0].button("Resume" if loop.paused else "Pause", key="pause_resume", width="stretch",
+                icon=":material/play_arrow:" if loop.paused else ":material/pause:",
+                type="primary" if loop.paused else "secondary", disabled=_not_here(client, "pause") is not None,
+                on_click=send, args=(client, p.Resume() if loop.paused else p.Pause(),
+                                     "Resume" if loop.paused else "Pause", True))
+    if c[1].button("Step", icon=":material/redo:", key="step", width="stretch", disabled=not loop.paused,
+                   help="Run engine steps (pause first)"):
+        send(client, p.StepCmd(count=int(st.session_state.get("step_count", 1))), "Step", quiet=True)
+        st.session_state["travel"] = None
+    st.number_input("steps per Step", 1, 1000, 1, key="step_count")
+    _follow("pace", min(PACES, key=lambda v: abs(v - loop.step_delay_ms)))
+    st.select_slider("Pace (ms between steps)", PACES, key="pace",
+                     on_change=lambda: send(client, p.Pace(step_delay_ms=st.session_state["pace"]),
+                                            f"Pace {st.session_state['pace']} ms", quiet=True),
+                     help="Slow the engine down so a human can follow each step (0 = full speed)")
+    kinds = st.session_state.get("until_kinds", list(KEY_KINDS))
+    if st.button("Run to the next key event", icon=":material/fast_forward:", key="run_until", width="stretch",
+                 disabled=not kinds or _not_here(client, "run_until") is not None,
+                 help="Run steps until a prefix hit, a fork, a copy-on-write, an eviction, a swap or a "
+                      "preemption (as chosen below), then pause and explain it"):
+        send(client, p.RunUntil(kinds=kinds), "Run to the next key event", quiet=True)
+        st.session_state["travel"] = None
+    with st.expander("Key events to stop at"):
+        st.multiselect("Stop at", KEY_KINDS, default=list(KEY_KINDS), key="until_kinds",
+                       format_func=lambda k: KINDS[k].label, label_visibility="collapsed")
+    if loop.until:
+        st.caption(f":material/fast_forward: running until: {', '.join(KINDS[k].label for k in loop.until)}")
+
+
+def requests(client: EngineClient, view: View) -> None:
+    rids = sorted({s.request_id for s in view.mirror.state.seqs.values()})
+    c = st.columns([3, 2])
+    rid = c[0].selectbox("Request", rids, key="abort_rid", label_visibility="collapsed", index=None,
+                         placeholder="request to abort" if rids else "no live request")
+    if c[1].button("Abort", key="abort", disabled=not rid or _not_here(client, "abort") is not None,
+                   width="stretch"):
+        send(client, p.Abort(request_id=rid), f"Abort {rid}")
+    caching = view.mirror.config.enable_prefix_caching
+    st.button("Clear prefix cache", key="clear_cache", width="stretch",
+              disabled=not caching or _not_here(client, "clear_prefix_cache") is not None,
+              help="Evict every cached block that no sequence holds" if caching else "Prefix caching is off",
+              on_click=send, args=(client, p.ClearPrefixCache(), "Clear the prefix cache"))
+    st.button("Clean slate", key="clean_slate", width="stretch", on_click=clean_slate, args=(client,),
+              help="Clear the prefix cache and start counters and timeline afresh; the history "
+                   "before stays reachable by time travel")
+
+
+def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
+    """A new pool, starting from the engine's. Its widgets take the pool's values as their own
+    defaults under keys named after the pool: a fresh tab's browser sends back what it was
+    given (a form widget whose value came only through session state came back as its minimum
+    in some tabs, and Reset applied it), and a pool changed by another tab or a reset gets
+    widgets of its own; the user's edits stand while the pool stays."""
+    pool = (f"{cfg.block_size}-{cfg.num_device_blocks}-{cfg.num_host_blocks}-{cfg.max_num_seqs}-"
+            f"{cfg.preemption_mode}-{cfg.enable_prefix_caching:d}")
+    with st.form("reset", border=False):
+        bs = st.select_slider("Block size (tokens)", p.BLOCK_SIZES, cfg.block_size, key=f"reset_bs@{pool}",
+                              help="Small: little waste, long tables. Large: short tables, more waste.")
+        c = st.columns(2)
+        dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, cfg.num_device_blocks, key=f"reset_dev@{pool}")
+        host = c[1].number_input("Host blocks", 0, p.MAX_HOST_BLOCKS, cfg.num_host_blocks, key=f"reset_host@{pool}")
+        c = st.columns(2)
+        seqs = c[0].number_input("Max running", 1, p.MAX_NUM_SEQS, cfg.max_num_seqs, key=f"reset_seqs@{pool}")
+        modes = ["swap", "recompute"]
+        mode = c[1].selectbox("Preemption", modes, modes.index(cfg.preemption_mode), key=f"reset_mode@{pool}")
+        caching = st.toggle("Prefix caching", cfg.enable_prefix_caching, key=f"reset_caching@{pool}")
+        st.caption("A reset aborts every request; the model stays loaded.")
+        if st.form_submit_button("Reset engine", width="stretch", disabled=_not_here(client, "reset") is not None):
+            send(client, p.ResetCmd(config=p.ResetConfig(
+                block_size=int(bs), num_device_blocks=int(dev), num_host_blocks=int(host),
+                max_num_seqs=int(seqs), preemption_mode=mode, enable_prefix_caching=caching)),
+                f"Reset to {int(dev)} × {int(bs)}")
+            st.session_state["travel"] = None
+
+
+def engine_panel(client: EngineClient, view: View) -> None:
+    """Everything in the sidebar that follows the engine (a fragment body: it redraws on a timer)."""
+    cfg = view.mirror.config
+    st.subheader("Scenarios")
+    scenarios(client, view)
+    st.subheader("Engine")
+    pacing(client)
+    requests(client, view)
+    st.caption(f"Pool: {plural(cfg.num_device_blocks, 'block')} × {plural(cfg.block_size, 'token')} · "
+               f"{plural(cfg.num_host_blocks, 'host block')} · prefix caching {'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
+    if client.supports("reset"):
+        with st.expander("Reset pool"):
+            reset_form(client, cfg)
+    if err := last_error():
+        st.caption(f":red[Last error:] {err}")

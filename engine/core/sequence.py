@@ -1,0 +1,59 @@
+"""A sequence: the tokens of one sample of a request, and where their KV lives."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvscope_contract.protocol import DEFAULT_MAX_TOKENS
+from engine.model.detokenizer import Detokenizer
+
+
+class SeqStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_prompt_tokens: int = -1
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0   # tokens whose K/V the cache holds
+    num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks (memo)
+    arrival: int = 0  # admission order: the latest arrival is preempted first
+    text: str = ""    # decoded output so far
+    detokenizer: Detokenizer | None = None
+    generator: object = None  # a seeded torch.Generator, or None for the global one
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]

@@ -1,0 +1,99 @@
+"""The engine: requests in, one scheduled forward per step, tokens and allocator events out.
+
+`EngineCore` (engine/core/engine_core.py) does the scheduling and bookkeeping; this adds the model: a
+tokenizer, the paged model runner and a sampler. Single-threaded by design: the server runs it
+in its own thread and hands it commands between steps.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from kvscope_contract import protocol as p
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore, Output, StepResult
+from engine.model.detokenizer import Detokenizer
+from engine.model.model_loader import LoadedModel, apply_chat_template, load_model
+from engine.model.model_runner import ModelRunner
+from engine.model.sampler import make_generator, sample
+from engine.core.scheduler import Batch
+from engine.core.sequence import SamplingParams, Sequence
+
+__all__ = ["LLMEngine", "Output", "StepResult"]
+
+
+class LLMEngine(EngineCore):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 progress=None):
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype,
+                                           **({"progress": progress} if progress else {}))
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(self.loaded, config.pool, config.memory_fraction)
+        config.pool = self._with_bytes(config.pool)
+        super().__init__(config.pool, config.max_num_batched_tokens, config.watermark)
+
+    def _with_bytes(self, pool: p.PoolConfig) -> p.PoolConfig:
+        return msgspec.structs.replace(pool, bytes_per_block=self.runner.bytes_per_block(pool.block_size))
+
+    def hello(self) -> p.Hello:
+        return p.Hello(engine=self.runner.info(), config=self.pool)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
+                    *, messages: list[dict] | None = None, request_id: str | None = None) -> list[str]:
+        """Queue a request; returns its sequence ids. Raises CommandError when it cannot run."""
+        if messages is not None:
+            ids = apply_chat_template(self.tokenizer, messages)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt or [])
+        return self.add_tokens(ids, params or SamplingParams(), request_id)
+
+    def reset(self, pool: p.PoolConfig) -> None:
+        """Drop every request and rebuild both pools; the model stays loaded."""
+        self.runner.allocate(pool)  # raises, changing nothing, if it does not fit
+        pool = self._with_bytes(pool)
+        self.config.pool = pool
+        self._reset_pools(pool)
+
+    # ------------------------------------------------------------------ the model's part of a step
+    def _track(self, seq: Sequence, index: int) -> None:
+        """Sample `index` of its request: its own detokenizer and seeded generator."""
+        super()._track(seq, index)
+        seq.detokenizer = Detokenizer.after_prompt(seq.num_prompt_tokens)
+        seq.generator = make_generator(seq.params, index)
+
+    def _execute(self, batch: Batch):
+        """One (logits, greedy token) per completing row: the argmax of every row in one call,
+        as most rows sample greedily (batch 32 here: 0.9 ms row by row, 0.44 ms in one call)."""
+        logits = self.runner.execute(batch)
+        if logits is None:
+            return None
+        greedy = any(r.seq.params.temperature == 0 for r in batch.rows if r.completes)
+        return list(zip(logits, logits.argmax(-1).tolist() if greedy else [None] * len(logits)))
+
+    def _sample(self, seq: Sequence, payload) -> int:
+        logits, greedy = payload
+        return greedy if seq.params.temperature == 0 else sample(logits, seq.params, seq.generator)
+
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        return token in self.loaded.eos_token_ids
+
+    def _detokenize(self, seq: Sequence) -> str:
+        return seq.detokenizer.step(self.tokenizer, seq.token_ids)
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.batch_decode(list(zip(ids)))  # one token each (2 µs a token)
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+                 ) -> list[list[Output]]:
+        """Run `prompts` to completion; returns, per prompt, its samples in seq-id order.
+        The allocator's events stay in `self.log` for the caller to drain."""
+        rids = [self.add_request(prompt, params)[0] for prompt in prompts]
+        done: dict[str, list[Output]] = {}
+        while self.has_unfinished():
+            for out in self.step().finished:
+                done.setdefault(out.request_id, []).append(out)
+        return [sorted(done.get(r, []), key=lambda o: (len(o.seq_id), o.seq_id)) for r in rids]

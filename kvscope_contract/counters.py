@@ -1,0 +1,64 @@
+"""The counters every consumer of the event stream folds the same way: prefix-cache hits and
+lookups, preemptions, recomputes, swaps. The dashboard's tally (app/data/mirror.py), the engine's
+/metrics (engine/serve/metrics.py), the lab's fast meter and its reference (engine/lab/) all fold
+events through `EventCounts.count`, so their numbers agree by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvscope_contract import protocol as p
+
+
+def hit_rate(hit_tokens: int, looked_up_tokens: int) -> float:
+    """Hit tokens over tokens looked up (every admission, re-admissions after a recompute
+    included); 0 before the first lookup."""
+    return hit_tokens / looked_up_tokens if looked_up_tokens else 0.0
+
+
+@dataclass
+class EventCounts:
+    looked_up_tokens: int = 0    # tokens looked up in the prefix cache at every admission
+    hit_tokens: int = 0          # of those, tokens whose K/V came from the cache
+    preemptions: int = 0
+    recomputes: int = 0          # preemptions by recompute (the rest swapped)
+    swap_outs: int = 0           # sequences moved to the host pool
+    swap_ins: int = 0            # and back
+    swapped_out_blocks: int = 0  # blocks copied to the host pool
+    swapped_in_blocks: int = 0   # and back
+
+    def count(self, ev: p.Event, block_size: int, looked_up: int = 0) -> None:
+        """Fold one event in. `looked_up` is `PoolState.prefix_lookup(ev)` on the pool just
+        before `ev` (or the same rule kept another way, as the lab's meter does)."""
+        self.looked_up_tokens += looked_up
+        match ev:
+            case p.PrefixHit():
+                self.hit_tokens += block_size
+            case p.Preempt():
+                self.preemptions += 1
+                self.recomputes += ev.mode == "recompute"
+            case p.SwapOut():
+                self.swap_outs += len(ev.group)
+                self.swapped_out_blocks += len(ev.mapping)
+            case p.SwapIn():
+                self.swap_ins += len(ev.group)
+                self.swapped_in_blocks += len(ev.mapping)
+
+    @property
+    def hit_rate(self) -> float:
+        return hit_rate(self.hit_tokens, self.looked_up_tokens)
+
+    @property
+    def swapped_blocks(self) -> int:
+        """Blocks copied between the pools, both ways: what swapping costs."""
+        return self.swapped_out_blocks + self.swapped_in_blocks
+
+    def lab_fields(self) -> dict[str, int]:
+        """The `LabRow` fields these counters fill."""
+        return dict(hit_tokens=self.hit_tokens, looked_up_tokens=self.looked_up_tokens,
+                    preemptions=self.preemptions, recomputes=self.recomputes, swap_outs=self.swap_outs,
+                    swap_ins=self.swap_ins, swapped_blocks=self.swapped_blocks)
+
+    @property
+    def preemptions_by_mode(self) -> dict[str, int]:
+        return {"recompute": self.recomputes, "swap": self.preemptions - self.recomputes}

@@ -1,0 +1,110 @@
+"""What the lab reports: one workload run under several allocator configs, side by side.
+
+`python -m engine.lab ... --json` prints a `LabReport`; the dashboard's Lab view reads it (the
+dashboard reaches the engine only through this contract) and both export the same CSV.
+"""
+from __future__ import annotations
+
+import csv
+import io
+
+import msgspec
+from msgspec import Struct
+
+from kvscope_contract import counters
+from kvscope_contract.protocol import PoolConfig
+
+
+# the workloads `python -m engine.lab` builds by name (engine/lab/workload.py), and what each is
+PRESETS = {"mixed": "Long and short mixed", "chat": "Chat with shared system prompts",
+           "parallel": "Parallel sampling (n=4)"}
+
+
+class LabConfig(Struct, kw_only=True):
+    """One allocator configuration: the pool, plus the engine knobs that steer the allocator."""
+    pool: PoolConfig
+    watermark: float = 0.01             # fraction of device blocks kept free when admitting
+    max_num_batched_tokens: int = 1024  # tokens per step; longer prompts are prefilled in chunks
+
+    @property
+    def label(self) -> str:
+        p = self.pool
+        return (f"{p.num_device_blocks}×{p.block_size}"
+                f"{'' if p.enable_prefix_caching else ' no-cache'} {p.preemption_mode}"
+                + (f" wm {self.watermark:g}" if self.watermark != 0.01 else ""))
+
+
+class PeakGrid(Struct, kw_only=True):
+    """The device pool at the end of the step where the most blocks were in use."""
+    step: int
+    states: list[int]  # per block: 0 free, 1 cached, 2 used, 3 shared (kvscope_contract.state)
+    tokens: list[int]  # tokens held per block (PoolState.block_tokens)
+
+
+class LabRow(Struct, kw_only=True):
+    config: LabConfig
+    steps: int                  # engine steps the workload took
+    peak_used: int              # most device blocks held at the end of a step
+    mean_used: float            # device blocks held, averaged over steps
+    slot_util: float            # tokens held / slots of held blocks, over all steps (internal fragmentation)
+    hit_tokens: int             # prompt tokens served by the prefix cache
+    looked_up_tokens: int       # tokens looked up in the cache at every admission (re-admissions too)
+    preemptions: int
+    recomputes: int             # preemptions by recompute (the rest swapped)
+    swap_outs: int
+    swap_ins: int
+    swapped_blocks: int         # blocks copied between the pools, both ways: what swapping costs
+    computed_tokens: int        # tokens run through the model, recomputed ones included: what recompute costs
+    peak_entries: int           # most block-table entries held at once (all sequences)
+    mean_entries: float
+    finished: int               # sequences that ran to the end
+    rejected: list[str] = []    # requests this pool can never hold (prompt + max tokens too long)
+    peak: PeakGrid | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return counters.hit_rate(self.hit_tokens, self.looked_up_tokens)
+
+
+class LabReport(Struct, kw_only=True):
+    workload: str
+    requests: int
+    sequences: int
+    workload_tokens: int        # prompt tokens of every request + output tokens of every sample
+    notes: list[str] = []       # how the workload was read (e.g. prompts rebuilt from hashes)
+    rows: list[LabRow] = []
+    seconds: float = 0.0        # wall time of all the runs
+
+
+COLUMNS = ("config", "block_size", "device_blocks", "prefix_caching", "preemption", "watermark",
+           "steps", "peak_used", "mean_used", "slot_util", "hit_rate", "preemptions", "recomputes",
+           "swap_outs", "swap_ins", "swapped_blocks", "computed_tokens", "peak_entries", "mean_entries",
+           "finished", "rejected")
+
+
+def row_values(row: LabRow) -> dict:
+    """One row as the table and the CSV show it."""
+    p = row.config.pool
+    return dict(zip(COLUMNS, (
+        row.config.label, p.block_size, p.num_device_blocks, p.enable_prefix_caching, p.preemption_mode,
+        row.config.watermark, row.steps, row.peak_used, round(row.mean_used, 2), round(row.slot_util, 4),
+        round(row.hit_rate, 4), row.preemptions, row.recomputes, row.swap_outs, row.swap_ins,
+        row.swapped_blocks, row.computed_tokens, row.peak_entries, round(row.mean_entries, 2),
+        row.finished, len(row.rejected))))
+
+
+def to_csv(report: LabReport) -> str:
+    out = io.StringIO()
+    w = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for row in report.rows:
+        w.writerow(row_values(row))
+    return out.getvalue()
+
+
+def decode_report(data: str | bytes) -> LabReport:
+    return msgspec.json.decode(data, type=LabReport)
+
+
+def encode_report(report: LabReport) -> bytes:
+    return msgspec.json.encode(report)

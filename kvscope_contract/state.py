@@ -1,0 +1,705 @@
+"""The event reducer: the state of the block pools as a pure function of the event stream.
+
+`PoolState.from_snapshot(s)` then `apply(event)` for each event gives exactly the state the
+engine's next snapshot describes (protocol invariant 1). The server, the dashboard, replay,
+time travel and the tests all use this one reducer. No torch, no I/O, no clock: `apply` only
+mutates the state it is called on, and `clone()` gives checkpoints for scrubbing.
+
+Per-block state lives in numpy arrays, so a pool of a million blocks clones in milliseconds
+and every view reads it vectorised. Besides what the wire carries (ref count, hash, host
+owner) the reducer keeps two derived columns up to date, O(1) per block an event touches:
+the tokens each block holds (the rule of docs/protocol.md) and `holder`, the XOR of the keys
+of the sequences that hold a block, which is the one holder's key when `ref_count == 1`.
+Sequences are copied on write: a clone shares them until either side changes one.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvscope_contract import protocol as p
+
+# A device block's state, as the views colour it (see docs/protocol.md, snapshot). RESERVED:
+# a block the allocator never hands out (`PoolConfig.reserved_blocks`), counted in no state.
+FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
+STATE_NAMES = ("free", "cached", "used", "shared", "reserved")  # by code
+TOKENS = np.uint16  # tokens per block (block_size <= 256)
+MASK64 = (1 << 64) - 1  # a block hash goes on the wire as its low 64 bits, 16 hex digits
+
+
+def hash_hex(h: int) -> str:
+    return f"{h & MASK64:016x}"
+
+
+class InvariantError(ValueError):
+    """An event that cannot follow the current state (names the event)."""
+
+
+@dataclass
+class SeqState:
+    seq_id: str
+    request_id: str
+    status: p.Status = "waiting"
+    block_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    max_tokens: int = p.DEFAULT_MAX_TOKENS
+    text: str = ""
+    key: int = 0  # this state's small integer name for the sequence (1, 2, ... in creation order)
+    added: float | None = None  # engine time of its request_added or fork (None: before a snapshot)
+
+    def clone(self) -> SeqState:
+        c = copy.copy(self)
+        c.block_table, c.host_table = self.block_table[:], self.host_table[:]
+        return c
+
+
+class BlockCounts(NamedTuple):
+    free: int       # no holder, never hashed (the `free_blocks` of a `step` event)
+    cached: int     # no holder, hashed: evictable, still hit-able
+    used: int       # held by at least one sequence
+    shared: int     # held by two or more (counted in `used` too)
+    host_used: int  # host blocks holding a swapped-out block
+
+
+def used_blocks(config: p.PoolConfig, free: int, cached: int) -> int:
+    """Device blocks some sequence holds, from a pool's free and cached counts (a `step`
+    event's): the rest of the pool but its reserved blocks, as `PoolState.counts` counts them."""
+    return config.num_device_blocks - len(config.reserved_blocks) - free - cached
+
+
+def held_tokens(num_tokens: int, index: int, block_size: int) -> int:
+    """Tokens in logical block `index` of a sequence whose cache holds `num_tokens`."""
+    return min(block_size, max(0, num_tokens - index * block_size))
+
+
+def hash_value(h: str) -> tuple[int, bool]:
+    """A block hash as a 64-bit number, and whether it is the protocol's 16 lowercase hex
+    digits (then the number gives it back exactly; any other string gets a digest)."""
+    if len(h) == 16:
+        try:
+            v = int(h, 16)
+        except ValueError:
+            v = -1
+        if v >= 0 and f"{v:016x}" == h:
+            return v, True
+    return int.from_bytes(hashlib.blake2b(h.encode(), digest_size=8).digest(), "big"), False
+
+
+_HEX = np.full(256, 255, np.uint8)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
+
+
+def hash_columns(hashes) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """Per block hash (str or None) -> (has a hash, `hash_value`, {block: the unusual ones}),
+    vectorised for the protocol's 16 hex digits."""
+    hashes = list(hashes)
+    has = np.fromiter((h is not None for h in hashes), bool, len(hashes))
+    ids = np.flatnonzero(has)
+    given = [hashes[i] for i in ids.tolist()]
+    values, odd = np.zeros(len(hashes), np.uint64), {}
+    try:
+        raw = np.array(given, dtype="S16").reshape(len(given))
+    except UnicodeEncodeError:
+        raw = None
+    if raw is not None and len(given):
+        nibbles = _HEX[raw.view(np.uint8).reshape(len(given), 16)]
+        values[ids] = ((nibbles[:, 0::2] << 4) | nibbles[:, 1::2]).copy().view(">u8").ravel()
+        lens = np.fromiter(map(len, given), np.int64, len(given))
+        unusual = np.flatnonzero((lens != 16) | (nibbles == 255).any(axis=1)).tolist()
+    else:
+        unusual = range(len(given))
+    for j in unusual:
+        b, h = int(ids[j]), given[j]
+        values[b], canonical = hash_value(h)
+        if not canonical:
+            odd[b] = h
+    return has, values, odd
+
+
+def table_entries(tables: list[list[int]], num_tokens: list[int], block_size: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every entry of many block tables at once: (block id, holder index from 1, tokens held),
+    `held_tokens` vectorised."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    flat = np.fromiter((b for t in tables for b in t), np.int64, int(lens.sum()))
+    holder = np.repeat(np.arange(1, len(tables) + 1), lens)
+    index = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    held = np.clip(np.repeat(np.asarray(num_tokens, np.int64), lens) - index * block_size, 0, block_size)
+    return flat, holder, held
+
+
+@dataclass
+class PoolState:
+    config: p.PoolConfig
+    last_event: int = 0  # the number (`seq`) of the last event applied
+    ref_counts: np.ndarray = None   # int32 per device block
+    has_hash: np.ndarray = None     # bool per device block
+    hash64: np.ndarray = None       # uint64 per device block: `hash_value` of its hash, 0 without
+    odd_hashes: dict = field(default_factory=dict)  # block -> a hash not in the protocol's form, as given
+    tokens: np.ndarray = None       # TOKENS per device block (derived, see `block_tokens`)
+    holder: np.ndarray = None       # int32 per device block: XOR of its holders' keys
+    host_ref_counts: np.ndarray = None  # int32 per host block: the swapped sequences holding it
+    host_holder: np.ndarray = None  # int32 per host block: XOR of its holders' keys, 0 when free
+    host_tokens: np.ndarray = None  # TOKENS per host block (the most among its holders)
+    seqs: dict[str, SeqState] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)  # key -> seq_id of every live sequence
+    next_key: int = 1
+    _mine: set = field(default_factory=set, repr=False, compare=False)  # seq_ids not shared with a clone
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def empty(cls, config: p.PoolConfig, last_event: int = 0) -> PoolState:
+        n, m = config.num_device_blocks, config.num_host_blocks
+        return cls(config=config, last_event=last_event, ref_counts=np.zeros(n, np.int32),
+                   has_hash=np.zeros(n, bool), hash64=np.zeros(n, "<u8"), tokens=np.zeros(n, TOKENS),
+                   holder=np.zeros(n, np.int32), host_ref_counts=np.zeros(m, np.int32),
+                   host_holder=np.zeros(m, np.int32), host_tokens=np.zeros(m, TOKENS))
+
+    @classmethod
+    def build(cls, config: p.PoolConfig, last_event: int, ref_counts, hashes, seqs: list[SeqState]
+              ) -> PoolState:
+        """A state from the wire's columns (ref counts; hashes: `hash_columns` of them) and
+        every live sequence in creation order; host owners and the derived columns follow
+        from the tables."""
+        st = cls.empty(config, last_event)
+        st.ref_counts[:] = ref_counts
+        st.has_hash[:], st.hash64[:], odd = hashes
+        st.odd_hashes = dict(odd)
+        for s in seqs:
+            st._add_seq(s)
+        bs, nums = config.block_size, [s.num_tokens for s in seqs]
+        keys = np.fromiter((s.key for s in seqs), np.int32, len(seqs))
+        flat, who, held = table_entries([s.block_table for s in seqs], nums, bs)
+        tokens = np.where(st.has_hash, bs, 0)
+        np.maximum.at(tokens, flat, held)
+        st.tokens[:] = tokens
+        np.bitwise_xor.at(st.holder, flat, keys[who - 1])
+        hflat, hwho, hheld = table_entries([s.host_table for s in seqs], nums, bs)
+        np.add.at(st.host_ref_counts, hflat, 1)
+        np.maximum.at(st.host_tokens, hflat, hheld.astype(TOKENS))
+        np.bitwise_xor.at(st.host_holder, hflat, keys[hwho - 1])
+        return st
+
+    @classmethod
+    def from_snapshot(cls, snap: p.Snapshot) -> PoolState:
+        if snap.columns is not None:
+            return _from_columns(snap)
+        n = snap.config.num_device_blocks
+        ref, hashes = np.zeros(n, np.int32), [None] * n
+        for b in snap.device_blocks:
+            ref[b.id], hashes[b.id] = b.ref_count, b.hash
+        seqs = [SeqState(s.seq_id, s.request_id, s.status, list(s.block_table), list(s.host_table),
+                         s.num_tokens, s.prompt_tokens, s.output_tokens, s.max_tokens, s.text)
+                for s in snap.seqs]
+        return cls.build(snap.config, snap.seq, ref, hash_columns(hashes), seqs)
+
+    def clone(self) -> PoolState:
+        """A deep copy in O(blocks) memcpy: sequences are shared until one side changes one."""
+        c = copy.copy(self)
+        for name in _ARRAYS:
+            setattr(c, name, getattr(self, name).copy())
+        c.seqs, c.names, c.odd_hashes = dict(self.seqs), dict(self.names), dict(self.odd_hashes)
+        self._mine, c._mine = set(), set()
+        return c
+
+    def nbytes(self) -> int:
+        """About what a copy of this state holds on its own once the original has moved on: its
+        arrays, and its sequences (their tables' entries at 8 bytes, and the objects)."""
+        entries = sum(len(s.block_table) + len(s.host_table) for s in self.seqs.values())
+        return sum(getattr(self, a).nbytes for a in _ARRAYS) + 8 * entries + 600 * len(self.seqs)
+
+    # ------------------------------------------------------------------ derived views
+    def hashed(self) -> np.ndarray:
+        return self.has_hash
+
+    def hash_of(self, b: int) -> str | None:
+        if not self.has_hash[b]:
+            return None
+        return self.odd_hashes.get(b) or f"{int(self.hash64[b]):016x}"
+
+    def hash_strings(self, ids: np.ndarray) -> list[str]:
+        """The hashes of blocks `ids` (which all have one), vectorised."""
+        digits = self.hash64[ids].astype(">u8").tobytes().hex()
+        out = [digits[i:i + 16] for i in range(0, len(digits), 16)]
+        for j, b in enumerate(ids.tolist()) if self.odd_hashes else ():
+            out[j] = self.odd_hashes.get(b, out[j])
+        return out
+
+    @property
+    def hash32(self) -> np.ndarray:
+        """The first 32 bits of each block's hash (uint32; 0 without one): a view."""
+        return self.hash64.view("<u4")[1::2]
+
+    def block_states(self) -> np.ndarray:
+        """FREE, CACHED, USED, SHARED or RESERVED per device block (uint8)."""
+        ref = self.ref_counts
+        out = np.where(self.has_hash, CACHED, FREE).astype(np.uint8)
+        out[ref == 1] = USED
+        out[ref >= 2] = SHARED
+        out[self.config.reserved_blocks] = RESERVED
+        return out
+
+    def counts(self, states: np.ndarray | None = None) -> BlockCounts:
+        """`states`: this state's `block_states()`, when the caller has them already."""
+        states = self.block_states() if states is None else states
+        n = np.bincount(states, minlength=RESERVED + 1).tolist()  # one pass: FREE..RESERVED
+        return BlockCounts(n[FREE], n[CACHED], n[USED] + n[SHARED], n[SHARED],
+                           int(np.count_nonzero(self.host_ref_counts)))
+
+    def block_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens held per device block and per host block (derived, see protocol.md): a
+        shared block shows the most among its holders, a cached block with no holder is full."""
+        return self.tokens.astype(np.int64), self.host_tokens.astype(np.int64)
+
+    def tokens_in_used_blocks(self) -> int:
+        """Tokens stored in the device blocks some sequence holds, a shared block once: over
+        `used * block_size` slots, the slot utilisation (1 - internal fragmentation)."""
+        return int(self.tokens[self.block_states() >= USED].sum(dtype=np.int64))
+
+    def prefix_lookup(self, ev: p.AnyEvent) -> int:
+        """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the
+        first `prefix_hit` or `alloc` of a waiting sequence: every token it holds so far, a
+        re-admission after a recompute preemption included); 0 for any other event, and with
+        prefix caching off. Call it before applying `ev`. Counted here, hits (one block per
+        `prefix_hit`) never outnumber the tokens looked up, at any event."""
+        if not (isinstance(ev, (p.PrefixHit, p.Alloc)) and ev.logical_index == 0
+                and self.config.enable_prefix_caching):
+            return 0
+        s = self.seqs.get(ev.seq_id)
+        return s.prompt_tokens + s.output_tokens if s is not None and s.status == "waiting" else 0
+
+    def snapshot(self) -> p.Snapshot:
+        """The wire's snapshot, one object per block (protocol v1)."""
+        return p.Snapshot(
+            seq=self.last_event, config=self.config,
+            device_blocks=[p.DeviceBlock(i, r, h, n) for i, (r, h, n) in enumerate(zip(
+                self.ref_counts.tolist(), self._hash_list(), self.tokens.tolist()))],
+            host_blocks=[p.HostBlock(i, o, n, r) for i, (o, n, r) in enumerate(zip(
+                self.host_first_holders(), self.host_tokens.tolist(), self.host_ref_counts.tolist()))],
+            seqs=self.seq_infos(with_tables=True))
+
+    def host_first_holders(self) -> list[str | None]:
+        """Per host block, the first sequence (in creation order) that holds it; None when free."""
+        out: list[str | None] = [None] * len(self.host_ref_counts)
+        for s in self.seqs.values():
+            for h in s.host_table:
+                out[h] = out[h] or s.seq_id
+        return out
+
+    def _hash_list(self) -> list[str | None]:
+        out: list[str | None] = [None] * len(self.has_hash)
+        ids = np.flatnonzero(self.has_hash)
+        for b, h in zip(ids.tolist(), self.hash_strings(ids)):
+            out[b] = h
+        return out
+
+    def seq_infos(self, with_tables: bool) -> list[p.SeqInfo]:
+        return [p.SeqInfo(seq_id=s.seq_id, request_id=s.request_id, status=s.status,
+                          block_table=list(s.block_table) if with_tables else [],
+                          host_table=list(s.host_table) if with_tables else [],
+                          num_tokens=s.num_tokens, prompt_tokens=s.prompt_tokens,
+                          output_tokens=s.output_tokens, max_tokens=s.max_tokens, text=s.text)
+                for s in self.seqs.values()]
+
+    def columnar_snapshot(self) -> p.Snapshot:
+        """The same snapshot with its pools and tables as packed arrays (feature `columnar`)."""
+        return p.Snapshot(seq=self.last_event, config=self.config, device_blocks=[], host_blocks=[],
+                          seqs=self.seq_infos(with_tables=False),
+                          columns=_pack_columns(self))
+
+    # ------------------------------------------------------------------ the reducer
+    def apply(self, ev: p.AnyEvent) -> None:
+        if ev.seq != self.last_event + 1:
+            raise InvariantError(f"event {ev.seq} ({ev.__struct_config__.tag}) does not follow "
+                                 f"event {self.last_event}: events must be numbered one by one")
+        try:
+            _HANDLERS[type(ev)](self, ev)
+        except InvariantError as e:
+            raise InvariantError(f"event {ev.seq} ({ev.__struct_config__.tag}): {e}") from None
+        except (IndexError, KeyError) as e:
+            raise InvariantError(f"event {ev.seq} ({ev.__struct_config__.tag}) names an unknown "
+                                 f"block or sequence: {e!r}") from None
+        self.last_event = ev.seq
+
+    def _live(self, seq_id: str) -> SeqState:
+        s = self.seqs.get(seq_id)
+        if s is None:
+            raise InvariantError(f"no live sequence {seq_id!r}")
+        return s
+
+    def _seq(self, seq_id: str) -> SeqState:
+        """The live sequence, ready to change: copied first if a clone shares it."""
+        s = self._live(seq_id)
+        if seq_id not in self._mine:
+            s = self.seqs[seq_id] = s.clone()
+            self._mine.add(seq_id)
+        return s
+
+    def _add_seq(self, s: SeqState) -> None:
+        if s.seq_id in self.seqs:
+            raise InvariantError(f"sequence {s.seq_id!r} already exists")
+        s.key, self.next_key = self.next_key, self.next_key + 1
+        self.seqs[s.seq_id], self.names[s.key] = s, s.seq_id
+        self._mine.add(s.seq_id)
+
+    def _check_block(self, b: int) -> None:
+        if not 0 <= b < len(self.ref_counts):
+            raise InvariantError(f"device block {b} is outside the pool of {len(self.ref_counts)}")
+
+    def _check_host(self, h: int) -> None:
+        if not 0 <= h < len(self.host_ref_counts):
+            raise InvariantError(f"host block {h} is outside the host pool of {len(self.host_ref_counts)}")
+
+    def _take_free(self, b: int, s: SeqState, index: int) -> None:
+        self._check_block(b)
+        if b in self.config.reserved_blocks:
+            raise InvariantError(f"block {b} is reserved: the allocator never hands it out")
+        if self.ref_counts[b] or self.has_hash[b]:
+            raise InvariantError(f"block {b} is not free (ref_count {self.ref_counts[b]}, "
+                                 f"hash {self.hash_of(b)})")
+        self.ref_counts[b] = 1
+        self.holder[b] = s.key
+        self.tokens[b] = held_tokens(s.num_tokens, index, self.config.block_size)
+
+    def _join(self, b: int, s: SeqState) -> None:
+        """`s` becomes one more holder of block b (its tokens: the holders agree on them)."""
+        self.ref_counts[b] += 1
+        self.holder[b] ^= s.key
+
+    def _leave(self, b: int, s: SeqState, index: int) -> None:
+        """`s` stops holding block b (logical `index` of its table, where every holder has it)."""
+        self.ref_counts[b] -= 1
+        self.holder[b] ^= s.key
+        self._settle(b, held_tokens(s.num_tokens, index, self.config.block_size), index)
+
+    def _settle(self, b: int, gone: int, index: int) -> None:
+        """Block b's tokens after a holder that showed `gone` of them left or emptied it: full
+        when hashed; else the most among the holders left. Several holders write a block only
+        after copying it on write, so they agree with each other: only a partly filled block
+        whose count came from the one that left needs a look at the others."""
+        bs, ref = self.config.block_size, self.ref_counts[b]
+        if self.has_hash[b]:
+            self.tokens[b] = bs
+        elif ref <= 1:
+            self.tokens[b] = ref and held_tokens(self.seqs[self.names[self.holder[b]]].num_tokens, index, bs)
+        elif gone == self.tokens[b] and gone < bs:
+            self.tokens[b] = max((held_tokens(t.num_tokens, index, bs) for t in self.seqs.values()
+                                  if index < len(t.block_table) and t.block_table[index] == b), default=0)
+
+    def _set_table(self, s: SeqState, index: int, b: int) -> None:
+        if index == len(s.block_table):
+            s.block_table.append(b)
+        elif index < len(s.block_table):
+            s.block_table[index] = b
+        else:
+            raise InvariantError(f"logical index {index} skips past the end of {s.seq_id}'s "
+                                 f"table of {len(s.block_table)}")
+
+    def _request_added(self, ev: p.RequestAdded) -> None:
+        self._add_seq(SeqState(ev.seq_id, ev.request_id, prompt_tokens=ev.prompt_tokens,
+                               max_tokens=ev.max_tokens, added=ev.t))
+
+    def _fork(self, ev: p.Fork) -> None:
+        parent = self._live(ev.parent_seq_id)
+        if ev.block_ids != parent.block_table:
+            raise InvariantError(f"block_ids {ev.block_ids} are not {parent.seq_id}'s table "
+                                 f"{parent.block_table}")
+        child = SeqState(ev.seq_id, ev.request_id, parent.status, list(parent.block_table), [],
+                         parent.num_tokens, parent.prompt_tokens, parent.output_tokens,
+                         parent.max_tokens, parent.text, added=ev.t)
+        self._add_seq(child)
+        ids = np.asarray(ev.block_ids, np.int64)
+        self.ref_counts[ids] += 1
+        self.holder[ids] ^= child.key
+
+    def _alloc(self, ev: p.Alloc) -> None:
+        s = self._seq(ev.seq_id)
+        if ev.logical_index > len(s.block_table):
+            self._set_table(s, ev.logical_index, ev.block_id)  # raises: skips past the end
+        self._take_free(ev.block_id, s, ev.logical_index)
+        self._set_table(s, ev.logical_index, ev.block_id)
+
+    def _prefix_hit(self, ev: p.PrefixHit) -> None:
+        s = self._seq(ev.seq_id)
+        self._check_block(ev.block_id)
+        if (have := self.hash_of(ev.block_id)) != ev.hash:
+            raise InvariantError(f"block {ev.block_id} carries hash {have}, not {ev.hash}")
+        self._set_table(s, ev.logical_index, ev.block_id)
+        self._join(ev.block_id, s)
+
+    def _cached(self, ev: p.Cached) -> None:
+        b = ev.block_id
+        self._check_block(b)
+        if not self.ref_counts[b]:
+            raise InvariantError(f"block {b} is cached while no sequence holds it")
+        self.hash64[b], canonical = hash_value(ev.hash)
+        self.has_hash[b], self.tokens[b] = True, self.config.block_size
+        if not canonical:
+            self.odd_hashes[b] = ev.hash
+        elif self.odd_hashes:
+            self.odd_hashes.pop(b, None)
+
+    def _evict(self, ev: p.Evict) -> None:
+        b = ev.block_id
+        self._check_block(b)
+        if self.ref_counts[b] or self.hash_of(b) != ev.hash:
+            raise InvariantError(f"block {b} is not a cached block with hash {ev.hash} "
+                                 f"(ref_count {self.ref_counts[b]}, hash {self.hash_of(b)})")
+        self.hash64[b], self.has_hash[b], self.tokens[b] = 0, False, 0
+        if self.odd_hashes:
+            self.odd_hashes.pop(b, None)
+
+    def _cow(self, ev: p.Cow) -> None:
+        s = self._seq(ev.seq_id)
+        i, src = ev.logical_index, ev.src_block_id
+        if i >= len(s.block_table) or s.block_table[i] != src:
+            raise InvariantError(f"{s.seq_id} does not hold block {src} at index {i}")
+        if self.ref_counts[src] < 2:
+            raise InvariantError(f"copy-on-write of block {src}, which is not shared")
+        self._take_free(ev.dst_block_id, s, i)
+        s.block_table[i] = ev.dst_block_id
+        self._leave(src, s, i)
+
+    def _free(self, ev: p.Free) -> None:
+        s = self._seq(ev.seq_id)
+        b, table = ev.block_id, s.block_table
+        if table and table[-1] == b:
+            index = len(table) - 1
+            table.pop()
+        elif b in table:
+            index = table.index(b)
+            del table[index]
+        else:
+            raise InvariantError(f"{s.seq_id} does not hold block {b}")
+        self._leave(b, s, index)
+        if self.ref_counts[b] != ev.ref_count:
+            raise InvariantError(f"block {b} has ref_count {self.ref_counts[b]} after the free, "
+                                 f"the event says {ev.ref_count}")
+
+    def _preempt(self, ev: p.Preempt) -> None:
+        s = self._seq(ev.seq_id)
+        if ev.mode == "swap":
+            s.status = "swapped"
+            return
+        before, bs = s.num_tokens, self.config.block_size
+        s.status, s.num_tokens = "waiting", 0
+        for i, b in enumerate(s.block_table):  # its blocks no longer show its tokens
+            self._settle(b, held_tokens(before, i, bs), i)
+
+    def _group(self, ids: list[str], table: str, pairs: list[tuple[int, int]]) -> list[SeqState]:
+        """The sequences a swap moves, after checking that `pairs` (copied and shared) name each
+        block of their `table`s once, and no target twice."""
+        if len(set(ids)) != len(ids):
+            raise InvariantError(f"seq_ids {ids} name a sequence twice")
+        group = [self._seq(i) for i in ids]
+        firsts = list(dict.fromkeys(b for s in group for b in getattr(s, table)))
+        if sorted(a for a, _ in pairs) != sorted(firsts):
+            raise InvariantError(f"mapping and shared {pairs}: does not cover {', '.join(ids)}'s "
+                                 f"{table.replace('_', ' ')}s {firsts}, each block once")
+        targets = [t for _, t in pairs]
+        if len(set(targets)) != len(targets):
+            raise InvariantError(f"mapping and shared {pairs} name a target block twice")
+        return group
+
+    def _swap_out(self, ev: p.SwapOut) -> None:
+        group = self._group(ev.group, "block_table", ev.mapping + ev.shared)
+        for pairs, held in ((ev.mapping, False), (ev.shared, True)):
+            for _, h in pairs:
+                self._check_host(h)
+                if bool(self.host_ref_counts[h]) != held:
+                    raise InvariantError(f"host block {h} is {'not ' if held else 'already '}held")
+        to_host, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        for s in group:
+            table, s.block_table = s.block_table, []  # out of the tables before `_leave` looks at them
+            for i, d in enumerate(table):
+                h = to_host[d]
+                self.host_ref_counts[h] += 1
+                self.host_holder[h] ^= s.key
+                self.host_tokens[h] = max(self.host_tokens[h], held_tokens(s.num_tokens, i, bs))
+                self._leave(d, s, i)
+            s.host_table = [to_host[d] for d in table]
+
+    def _swap_in(self, ev: p.SwapIn) -> None:
+        group = self._group(ev.group, "host_table", ev.mapping + ev.shared)
+        for _, d in ev.shared:
+            self._check_block(d)
+            if not self.ref_counts[d]:
+                raise InvariantError(f"block {d} is shared by a swap in, but no sequence holds it")
+        to_device, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        taken = {d for _, d in ev.shared}
+        for s in group:
+            table, s.host_table = s.host_table, []
+            for i, h in enumerate(table):
+                d = to_device[h]
+                if d in taken:  # a block the group shares, or one a sibling still holds, is joined
+                    self._join(d, s)
+                    self.tokens[d] = max(self.tokens[d], held_tokens(s.num_tokens, i, bs))
+                else:
+                    self._take_free(d, s, i)
+                    taken.add(d)
+                self._host_leave(h, s)
+            s.block_table = [to_device[h] for h in table]
+            s.status = "running"
+
+    def _host_leave(self, h: int, s: SeqState) -> None:
+        """`s` stops holding host block h: its tokens are then the most among the holders left."""
+        self.host_ref_counts[h] -= 1
+        self.host_holder[h] ^= s.key
+        if not self.host_ref_counts[h]:
+            self.host_holder[h], self.host_tokens[h] = 0, 0
+            return
+        bs = self.config.block_size
+        self.host_tokens[h] = max(held_tokens(t.num_tokens, i, bs) for t in self.seqs.values()
+                                  for i, x in enumerate(t.host_table) if x == h)
+
+    def _append(self, ev: p.Append) -> None:
+        s = self._seq(ev.seq_id)
+        bs, table = self.config.block_size, s.block_table
+        if ev.num_tokens > len(table) * bs:
+            raise InvariantError(f"{s.seq_id} holds {ev.num_tokens} tokens in "
+                                 f"{len(table)} blocks of {bs}")
+        before = s.num_tokens
+        s.num_tokens = ev.num_tokens
+        s.output_tokens += len(ev.token_ids)
+        s.text += ev.text
+        lo, hi = sorted((before, ev.num_tokens))
+        for i in range(lo // bs, min(len(table), -(-hi // bs))):  # the blocks whose count moved
+            b, held = table[i], held_tokens(ev.num_tokens, i, bs)
+            if self.has_hash[b]:
+                self.tokens[b] = bs
+            elif self.ref_counts[b] == 1:
+                self.tokens[b] = held
+            elif ev.num_tokens > before:
+                self.tokens[b] = max(held, self.tokens[b])
+            else:
+                self._settle(b, held_tokens(before, i, bs), i)
+
+    def _status(self, ev: p.StatusChange) -> None:
+        self._seq(ev.seq_id).status = ev.status
+
+    def _finish(self, ev: p.Finish) -> None:
+        s = self._seq(ev.seq_id)
+        if s.block_table:
+            raise InvariantError(f"{s.seq_id} finishes still holding blocks {s.block_table}")
+        table, s.host_table = s.host_table, []
+        for h in table:  # a swapped sequence's host copies go with it, unless others share them
+            self._host_leave(h, s)
+        del self.seqs[ev.seq_id], self.names[s.key]
+        self._mine.discard(ev.seq_id)
+
+    def _step(self, ev: p.StepDone) -> None:
+        pass
+
+    def _reset(self, ev: p.Reset) -> None:
+        fresh = PoolState.empty(ev.config, self.last_event)
+        for name in ("config", *_ARRAYS):
+            setattr(self, name, getattr(fresh, name))
+        self.seqs, self.names, self._mine = {}, {}, set()
+
+
+I32, U16 = np.dtype("<i4"), np.dtype("<u2")
+
+
+def _tables(tables: list[list[int]]) -> tuple[bytes, bytes]:
+    lens = np.fromiter(map(len, tables), I32, len(tables))
+    return np.fromiter((b for t in tables for b in t), I32, int(lens.sum())).tobytes(), lens.tobytes()
+
+
+def _untables(flat: bytes, lens: bytes) -> list[list[int]]:
+    cuts = np.cumsum(np.frombuffer(lens, I32))[:-1]
+    return [t.tolist() for t in np.split(np.frombuffer(flat, I32), cuts)] if lens else []
+
+
+def _pack_columns(st: PoolState) -> p.SnapshotColumns:
+    seqs = list(st.seqs.values())
+    host_seq = np.zeros(len(st.host_ref_counts), I32)
+    for i, s in reversed(list(enumerate(seqs, 1))):  # the first holder wins, as in `host_blocks`
+        if s.host_table:
+            host_seq[s.host_table] = i
+    hashed = np.flatnonzero(st.has_hash)
+    tables, lengths = _tables([s.block_table for s in seqs])
+    host_tables, host_lengths = _tables([s.host_table for s in seqs])
+    return p.SnapshotColumns(
+        ref_count=st.ref_counts.astype(I32).tobytes(), num_tokens=st.tokens.astype(U16).tobytes(),
+        hash_block_ids=hashed.astype(I32).tobytes(), hashes=st.hash64[hashed].astype("<u8").tobytes(),
+        odd_hashes=sorted(st.odd_hashes.items()),
+        host_seq=host_seq.tobytes(), host_num_tokens=st.host_tokens.astype(U16).tobytes(),
+        block_tables=tables, block_table_lengths=lengths, host_tables=host_tables,
+        host_table_lengths=host_lengths)
+
+
+def _from_columns(snap: p.Snapshot) -> PoolState:
+    c, n = snap.columns, snap.config.num_device_blocks
+    ref = np.frombuffer(c.ref_count, I32)
+    if len(ref) != n:
+        raise ValueError(f"columnar snapshot: {len(ref)} ref counts for {n} device blocks")
+    ids = np.frombuffer(c.hash_block_ids, I32)
+    has, values = np.zeros(n, bool), np.zeros(n, np.uint64)
+    has[ids], values[ids] = True, np.frombuffer(c.hashes, "<u8")
+    odd = dict(c.odd_hashes)
+    for b, h in odd.items():
+        values[b] = hash_value(h)[0]
+    hashes = (has, values, odd)
+    tables = _untables(c.block_tables, c.block_table_lengths)
+    host_tables = _untables(c.host_tables, c.host_table_lengths)
+    seqs = [SeqState(s.seq_id, s.request_id, s.status, tables[i] if tables else [],
+                     host_tables[i] if host_tables else [], s.num_tokens, s.prompt_tokens,
+                     s.output_tokens, s.max_tokens, s.text) for i, s in enumerate(snap.seqs)]
+    return PoolState.build(snap.config, snap.seq, ref, hashes, seqs)
+
+
+_ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_ref_counts",
+           "host_holder", "host_tokens")
+
+_HANDLERS = {
+    p.RequestAdded: PoolState._request_added, p.Fork: PoolState._fork, p.Alloc: PoolState._alloc,
+    p.PrefixHit: PoolState._prefix_hit, p.Cached: PoolState._cached, p.Evict: PoolState._evict,
+    p.Cow: PoolState._cow, p.Free: PoolState._free, p.Preempt: PoolState._preempt,
+    p.SwapOut: PoolState._swap_out, p.SwapIn: PoolState._swap_in, p.Append: PoolState._append,
+    p.StatusChange: PoolState._status, p.Finish: PoolState._finish, p.StepDone: PoolState._step,
+    p.Reset: PoolState._reset,
+}
+
+
+def check_invariants(state: PoolState) -> None:
+    """Invariants 2-4 of the protocol, and the derived columns against a fresh derivation;
+    raises InvariantError naming the first that fails."""
+    seqs = list(state.seqs.values())
+    n = len(state.ref_counts)
+    flat, _, _ = table_entries([s.block_table for s in seqs], [s.num_tokens for s in seqs], 1)
+    holders = np.bincount(flat, minlength=n)
+    if (state.ref_counts < 0).any():
+        b = int(np.flatnonzero(state.ref_counts < 0)[0])
+        raise InvariantError(f"block {b}: negative ref_count {state.ref_counts[b]}")
+    if (bad := np.flatnonzero(holders != state.ref_counts)).size:
+        b = int(bad[0])
+        raise InvariantError(f"block {b}: ref_count {state.ref_counts[b]} but {holders[b]} sequences hold it")
+    hflat, _, _ = table_entries([s.host_table for s in seqs], [0] * len(seqs), 1)
+    host_holders = np.bincount(hflat, minlength=len(state.host_ref_counts))
+    if (bad := np.flatnonzero(host_holders != state.host_ref_counts)).size:
+        h = int(bad[0])
+        raise InvariantError(f"host block {h}: ref_count {state.host_ref_counts[h]} but "
+                             f"{host_holders[h]} sequences hold it")
+    for s in seqs:
+        if len(set(s.host_table)) != len(s.host_table) or len(set(s.block_table)) != len(s.block_table):
+            raise InvariantError(f"{s.seq_id} names a block twice in its tables")
+    fresh = PoolState.build(state.config, state.last_event, state.ref_counts,
+                            (state.has_hash, state.hash64, state.odd_hashes), [s.clone() for s in seqs])
+    for name in ("tokens", "host_tokens"):
+        if (bad := np.flatnonzero(getattr(fresh, name) != getattr(state, name))).size:
+            raise InvariantError(f"{name} of block {int(bad[0])} is {getattr(state, name)[bad[0]]}, "
+                                 f"derived afresh {getattr(fresh, name)[bad[0]]}")
+    for table, column in (("block_table", state.holder), ("host_table", state.host_holder)):
+        xor = np.zeros(len(column), np.int32)  # in this state's keys (a fresh build numbers them anew)
+        for s in seqs:
+            xor[getattr(s, table)] ^= s.key
+        if (bad := np.flatnonzero(xor != column)).size:
+            raise InvariantError(f"holder of {table.split('_')[0]} block {int(bad[0])} is "
+                                 f"{column[bad[0]]}, its holders' keys XOR to {xor[bad[0]]}")

@@ -1,0 +1,54 @@
+"""A lesson walked in a real browser: `streamlit run app/main.py` with its embedded engine (tiny
+model), Debian's chromium through playwright. Lessons mode, the first lesson started and run to
+its end with Next alone; each stop's caption shows and the grid rings its blocks; Back travels
+to a stop reached before."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tools.shoot_docs import CHROMIUM, ROOT, open_dashboard, start_app, walk_lesson
+
+SHOT = ROOT / "out" / "test_browser_lesson.png"
+
+
+@pytest.fixture
+def app_url():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
+    proc, url = start_app("tiny")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_walk_a_lesson_with_next_and_back(app_url):
+    from playwright.sync_api import sync_playwright
+
+    url = app_url
+    with sync_playwright() as pw:
+        browser, page, errors = open_dashboard(pw, url, height=1400, timeout_ms=120_000)
+        walk_lesson(page, "1. Block tables and on-demand allocation", 1, timeout_ms=60_000)
+        text = page.inner_text("body")
+        assert "Admission, on demand" in text and "block table, logical → physical" in text
+        page.wait_for_function("window.__kvscope_grid.n === 24 && window.__kvscope_grid.highlight > 0",
+                               timeout=20_000)  # the lesson's own pool, its blocks ringed
+        side = page.get_by_test_id("stSidebar")
+        for i in range(2, 6):
+            side.get_by_role("button", name="Next").click()
+            page.wait_for_function("n => { const t = document.body.innerText; "
+                                   "return t.includes(`stop ${n} of 5`) && !t.includes('running until'); }",
+                                   arg=i, timeout=60_000)
+        assert "End of the lesson" in page.inner_text("body")
+        SHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(SHOT))
+        side.get_by_role("button", name="Back").click()
+        page.wait_for_function("window.__kvscope_grid.live === false", timeout=20_000)
+        page.wait_for_function("() => { const t = document.body.innerText; "
+                               "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }",
+                               timeout=20_000)
+        assert not errors, errors
+        browser.close()

@@ -1,0 +1,151 @@
+"""The teaching parts of the dashboard under AppTest against a real engine (tiny model): every
+lesson run from Start to its last stop with Next only (captions filled, blocks highlighted, the
+engine paused where the stop says), Back and forward through stops already reached, the Lab
+on a preset and on this session's requests, and the prefix tree and lifetimes panels."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvscope_contract import protocol as p
+from kvscope_contract.kinds import kind_of
+from app.modes.lesson import all_lessons
+from tests.lesson_claims import CLAIMS, AtStop
+from tests.integration.test_app import at, engine, events, grid_data, html_with, observer, recording, rerun_until  # noqa: F401
+
+LESSONS = {lesson.key: lesson for lesson in all_lessons()}
+
+
+def card(at) -> str:
+    """The lesson card's text (its markdown blocks)."""
+    return "\n".join(m.value for m in at.markdown if "stop " in m.value or "**" in m.value)
+
+
+def reached(at, i: int, n: int):
+    run = at.session_state["lesson"]
+    return run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
+
+
+def start(at, key: str, stops: int) -> None:
+    """Lessons mode, `key` picked and started, then Next until `stops` stops were reached."""
+    n = len(LESSONS[key].stops)
+    at.segmented_control(key="mode").set_value("Lessons").run()
+    at.selectbox(key="lesson_pick").set_value(key).run()
+    at.button(key="lesson_start").click().run()
+    for i in range(stops):
+        if i:
+            at.button(key="lesson_next").click().run()
+        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+
+
+def check_claims(observer, key: str, i: int, run) -> None:
+    """The stop's caption's claims (tests/lesson_claims.py) against the observer's pool at the stop."""
+    r = run.reached[i]
+    values, fx = run.memo["words"]
+    with observer.lock:
+        h = observer.history
+        state = h.at(r.end).state
+        upto = [e for e in h.events if e.seq <= r.end]
+        step = h.last_step_events(r.end)
+        hit = h.event(r.at) if r.at is not None else None
+    reset = max((e.seq for e in upto if isinstance(e, p.Reset)), default=0)
+    CLAIMS[key, i](AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit))
+
+
+def test_captions_name_only_views_the_dashboard_has():
+    """A caption that sends the reader to a view, panel or card names one the dashboard draws."""
+    ui = "\n".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "app").glob("*.py"))
+    for key, lesson in LESSONS.items():
+        for i, stop in enumerate(lesson.stops):
+            for name, _ in re.findall(r'(?:\*\*|")([A-Z][\w ]+?)(?:\*\*|")\s+(view|panel|card|tab)\b', stop.caption):
+                assert f'"{name}"' in ui or f"<b>{name}</b>" in ui, f"{key} stop {i + 1}: no view named {name!r}"
+            assert not re.search(r"\(\w+ panel\)", stop.caption), f"{key} stop {i + 1}: {stop.caption}"
+
+
+def test_every_stop_of_every_lesson_has_its_claims_checked():
+    assert set(CLAIMS) == {(key, i) for key, lesson in LESSONS.items() for i in range(len(lesson.stops))}
+
+
+@pytest.mark.parametrize("key", list(LESSONS))
+def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
+    lesson = LESSONS[key]
+    n = len(lesson.stops)
+    at.segmented_control(key="mode").set_value("Lessons").run()
+    at.selectbox(key="lesson_pick").set_value(key).run()
+    at.button(key="lesson_start").click().run()
+    for i, stop in enumerate(lesson.stops):
+        if i:
+            at.button(key="lesson_next").click().run()
+        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+        run = at.session_state["lesson"]
+        text = card(at)
+        assert not run.errors and not run.notes, (run.errors, run.notes)
+        assert "?" not in re.sub(r"`[^`]*`", "", text.split("\n", 1)[1]), text  # every placeholder filled
+        assert observer.loop.paused if observer.hello and "loop" in observer.hello.features else True
+        data = rerun_until(at, lambda a: grid_data(a), what="the grid")
+        blocks = run.memo["words"][1].blocks
+        assert data["highlight"] == blocks
+        if stop.until:  # the engine stopped at an event of the stop's kinds, in the step shown
+            hit = run.reached[i].at
+            with observer.lock:
+                ev = observer.history.event(hit)
+            assert ev is not None and kind_of(ev) in stop.until
+            if kind_of(ev) not in ("finish", "cached", "step"):
+                assert blocks, f"{key} stop {i + 1} highlights nothing"
+        if blocks and data["live"]:
+            assert "lit" in html_with(at, 'class="bt"')  # the block tables ring them too
+        check_claims(observer, key, i, run)  # what the caption says, against the pool at the stop
+    assert at.session_state["lesson"].done
+    assert "End of the lesson" in "\n".join(c.value for c in at.caption)
+
+
+def test_back_travels_to_a_stop_already_reached_and_next_returns(at, observer):
+    start(at, "01_block_tables", 2)
+    first_end = at.session_state["lesson"].reached[0].end
+    at.button(key="lesson_back").click().run()
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and not d["live"] and d, what="time travel")
+    assert data["seq"] == first_end and "stop 1 of 5" in card(at) and "reached earlier" in card(at)
+    before = observer.history.last_event
+    at.button(key="lesson_next").click().run()  # back to the stop reached last: nothing runs again
+    rerun_until(at, lambda a: "stop 2 of 5" in card(a), what="stop 2 again")
+    assert observer.history.last_event == before and len(at.session_state["lesson"].reached) == 2
+    at.button(key="lesson_restart").click().run()  # starts over: reset, submit, stop 1
+    rerun_until(at, lambda a: reached(a, 0, 5), 60, "stop 1 after a restart")
+    assert any(isinstance(e, p.Reset) for e in observer.history.events if e.seq > before)
+
+
+def test_the_lab_runs_a_preset_and_this_sessions_requests(at, observer):
+    at.segmented_control(key="mode").set_value("Lab").run()
+    at.multiselect(key="lab_bs").set_value([4, 64]).run()
+    at.button(key="lab_run").click().run(timeout=120)
+    table = at.dataframe[0].value
+    assert list(table["block_size"]) == [4, 64] and table["slot_util"][0] > table["slot_util"][1]
+    assert len(at.get("image")) == 2  # each pool at its peak
+    # this session's requests: one prompt through the engine, then the lab on it at two pool sizes
+    at.segmented_control(key="mode").set_value("Explore").run()
+    at.text_area(key="prompt_text").set_value("A prompt for the lab to replay.")
+    at.number_input(key="prompt_max").set_value(12)
+    next(b for b in at.sidebar.button if b.label == "Submit").click().run()
+    rerun_until(at, lambda a: events(observer, "finish"), 60, "the request to finish")
+    at.segmented_control(key="mode").set_value("Lab").run()
+    at.radio(key="lab_source").set_value("This session's requests").run()
+    at.multiselect(key="lab_bs").set_value([16]).run()
+    at.text_input(key="lab_blocks").set_value("8,256").run()
+    at.button(key="lab_run").click().run(timeout=120)
+    table = at.dataframe[0].value
+    assert list(table["device_blocks"]) == [8, 256] and (table["finished"] >= 1).all()
+    assert not [e for e in at.error]
+
+
+def test_prefix_tree_and_lifetimes_panels_follow_the_engine(at, observer):
+    start(at, "04_prefix_caching", 2)
+    next(c for c in at.segmented_control if c.label == "History").set_value("Prefix tree").run()
+    tree = html_with(at, 'class="pt"')
+    hits = [e for e in events(observer, "prefix_hit")]
+    assert hits and f"block {hits[-1].block_id}" in tree and "hits" in tree
+    assert 'class="tx"' in tree and "KVScope" in tree  # cached blocks labelled with their tokens' text
+    next(c for c in at.segmented_control if c.label == "History").set_value("Lifetimes").run()
+    text = "\n".join(m.value for m in at.markdown)
+    assert "block lifetime" in text and "Blocks held per request" in text

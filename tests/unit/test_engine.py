@@ -1,0 +1,283 @@
+"""The paged engine against transformers, and its events against the reducer."""
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import kernels
+from engine.model import model_runner
+from kvscope_contract import protocol as p
+from engine.config import EngineConfig
+from engine.model.engine import LLMEngine
+from engine.model.model_loader import apply_chat_template, load_model
+from engine.core.sequence import SamplingParams
+from kvscope_contract.state import PoolState, check_invariants
+from tests.unit.test_cpu_kernels import isa  # noqa: F401  (a fixture: each C++ kernel variant this CPU runs)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 4,",
+    "Paged attention stores the keys and values of every token in fixed-size blocks, so that",
+    "Q:",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", dtype="float32")  # the exact reference: tokens equal transformers'
+
+
+def make(loaded, **pool) -> LLMEngine:
+    cfg = EngineConfig(model="tiny", max_num_batched_tokens=pool.pop("max_num_batched_tokens", 1024),
+                       pool=p.PoolConfig(**{"num_device_blocks": 128, "num_host_blocks": 64, **pool}))
+    return LLMEngine(cfg, loaded)
+
+
+def hf_greedy(loaded, prompt_ids: list[int], max_new: int) -> list[int]:
+    out = loaded.model.generate(
+        torch.tensor([prompt_ids], device=loaded.device), attention_mask=None,
+        generation_config=GenerationConfig(max_new_tokens=max_new, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def run_with_events(engine: LLMEngine, prompts, params: SamplingParams):
+    first = engine.snapshot()
+    outs = engine.generate(prompts, params)
+    events = engine.log.drain()
+    state = PoolState.from_snapshot(first)
+    for ev in events:
+        state.apply(ev)
+    check_invariants(state)
+    assert state.snapshot() == engine.snapshot()
+    return outs, events
+
+
+def run_to_end(engine: LLMEngine) -> list:
+    """Step until every request is done; the outputs in the order they finished."""
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step().finished
+    return finished
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.token_ids for group in outs for o in group]
+
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_generate(tiny, isa):
+    engine = make(tiny)
+    outs, events = run_with_events(engine, PROMPTS, GREEDY)
+    appends = [e for e in events if isinstance(e, p.Append)]
+    assert len(appends) == len(PROMPTS) * GREEDY.max_tokens  # one per sampled token, no more
+    assert all(len(e.token_ids) == 1 for e in appends)
+    for prompt, (out,) in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(tiny, out.prompt_token_ids, GREEDY.max_tokens), prompt
+        assert out.finish_reason == "length"
+
+
+def test_every_cpu_path_gives_the_same_tokens(tiny, isa, monkeypatch):
+    """The engine as it chooses (C++ kernels of variant `isa`, packed oneDNN GEMMs when faster),
+    the C++ GEMV on every decode step, and the plain torch path (no C++ kernels, F.linear): the
+    same greedy tokens, so each equals transformers' as the test above shows."""
+    def run(prompts, backend=None) -> list[list[int]]:
+        if backend:
+            monkeypatch.setattr(model_runner, "_PREPARED", weakref.WeakKeyDictionary())
+            monkeypatch.setattr(model_runner, "choose_backend", lambda layers: backend)
+        return token_ids(run_with_events(make(tiny), prompts, GREEDY)[0])
+
+    chosen = run(PROMPTS)
+    gemv = run(PROMPTS[:3], ("torch", True))  # decode at 3 rows
+    monkeypatch.setattr(kernels.cpu_build, "_state", {"loaded": False, "why": "this test"})
+    plain = run(PROMPTS, ("torch", False))
+    assert chosen == plain
+    assert gemv == plain[:3]
+
+
+def test_prefix_caching_on_and_off_give_identical_outputs(tiny):
+    system = "You are a helpful assistant who answers briefly and precisely. " * 3
+    prompts = [system + q for q in ("Why is the sky blue?", "Name a prime.", "Hello!")]
+    on, on_events = run_with_events(make(tiny, block_size=8), prompts * 2, GREEDY)
+    off, off_events = run_with_events(make(tiny, block_size=8, enable_prefix_caching=False),
+                                      prompts * 2, GREEDY)
+    assert token_ids(on) == token_ids(off)
+    assert Counter(e.__struct_config__.tag for e in on_events)["prefix_hit"] > 0
+    assert not any(isinstance(e, (p.PrefixHit, p.Cached)) for e in off_events)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_tiny_pool_forces_preemption_without_changing_outputs(tiny, mode):
+    roomy, _ = run_with_events(make(tiny, block_size=4), PROMPTS, GREEDY)
+    tight, events = run_with_events(
+        make(tiny, block_size=4, num_device_blocks=24, num_host_blocks=48, preemption_mode=mode),
+        PROMPTS, GREEDY)
+    assert token_ids(tight) == token_ids(roomy)
+    preempts = [e for e in events if isinstance(e, p.Preempt)]
+    assert preempts and {e.mode for e in preempts} == {mode}
+    if mode == "swap":
+        kinds = Counter(e.__struct_config__.tag for e in events)
+        assert kinds["swap_out"] == kinds["swap_in"] == len(preempts)
+
+
+def test_chunked_prefill_gives_identical_outputs(tiny):
+    whole, _ = run_with_events(make(tiny), PROMPTS, GREEDY)
+    chunked, events = run_with_events(make(tiny, max_num_batched_tokens=8, max_num_seqs=8),
+                                      PROMPTS, GREEDY)
+    assert token_ids(chunked) == token_ids(whole)
+    assert any(isinstance(e, p.Append) and not e.token_ids for e in events)  # a mid-prompt chunk
+
+
+def test_parallel_sampling_shares_the_prompt_and_copies_the_partial_block_on_write(tiny):
+    engine = make(tiny, block_size=8)
+    params = SamplingParams(max_tokens=6, n=4, temperature=1.0, seed=7, ignore_eos=True)
+    prompt = list(range(1000, 1020))  # 20 tokens: two full blocks and a partial one
+    engine.add_request(prompt, params, request_id="fam")
+    engine.step()  # the prefill, then the fork
+    seqs = list(engine.seqs.values())
+    assert [s.seq_id for s in seqs] == ["fam", "fam.1", "fam.2", "fam.3"]
+    table = list(seqs[0].block_table)
+    assert all(s.block_table == table for s in seqs)
+    assert [engine.block_manager.ref_counts[b] for b in table] == [4, 4, 4]
+    finished = run_to_end(engine)
+    events = engine.log.drain()
+    cows = [e for e in events if isinstance(e, p.Cow)]
+    assert len(cows) == 3 and {(c.logical_index, c.src_block_id) for c in cows} == {(2, table[2])}
+    first = sorted(o.token_ids for o in finished)
+    again = make(tiny, block_size=8)
+    again.add_request(prompt, params)
+    assert sorted(o.token_ids for o in run_to_end(again)) == first
+    assert len({tuple(t) for t in first}) > 1  # the samples differ
+
+
+def test_samples_yet_to_fork_count_against_max_num_seqs(tiny):
+    engine = make(tiny, max_num_seqs=3)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, ignore_eos=True))
+    for prompt in PROMPTS[1:4]:
+        engine.add_request(prompt, params)
+    finished = run_to_end(engine)
+    steps = [e for e in engine.log.drain() if isinstance(e, p.StepDone)]
+    assert max(s.num_running for s in steps) == 3 and len(finished) == 5
+    assert (steps[0].num_running, steps[0].num_waiting) == (3, 2)  # r1 and the child it forks, r2
+
+
+def test_abort_and_finish_free_every_block(tiny):
+    engine = make(tiny)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="a")
+    engine.add_request(PROMPTS[2], SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = [out for _ in range(5) for out in engine.step().finished]
+    aborted = engine.abort("a")
+    assert [o.finish_reason for o in aborted] == ["abort"] and engine.abort("nobody") == []
+    finished += run_to_end(engine)
+    assert sum(engine.block_manager.ref_counts) == 0 and not engine.seqs
+    assert [o.finish_reason for o in finished] == ["length"]
+
+
+def test_requests_that_can_never_fit_are_refused(tiny):
+    engine = make(tiny, block_size=4, num_device_blocks=8)
+    with pytest.raises(p.CommandError) as e:
+        engine.add_request("word " * 40, SamplingParams(max_tokens=4))
+    assert e.value.code == "too_long" and "blocks of 4" in e.value.message
+    engine.add_request("hi", SamplingParams(max_tokens=4), request_id="x")
+    with pytest.raises(p.CommandError) as e:
+        engine.add_request("hi", request_id="x")
+    assert e.value.code == "duplicate_id"
+
+
+def test_chat_messages_go_through_the_chat_template(tiny):
+    engine = make(tiny)
+    engine.add_request(messages=[{"role": "user", "content": "Hi"}],
+                       params=SamplingParams(max_tokens=4, ignore_eos=True))
+    (out,) = run_to_end(engine)
+    assert out.prompt_token_ids == apply_chat_template(tiny.tokenizer, [{"role": "user", "content": "Hi"}])
+    assert len(out.prompt_token_ids) > 3 and len(out.token_ids) == 4
+
+
+def test_an_eos_token_ends_the_sequence_with_reason_stop(tiny):
+    ids = tiny.tokenizer.encode(PROMPTS[2], add_special_tokens=False)
+    greedy = hf_greedy(tiny, ids, 12)
+    eos = greedy[5]  # the random tiny model never says its real EOS: make its 6th token one
+    ends = greedy[:greedy.index(eos) + 1]
+    engine = make(replace(tiny, eos_token_ids=[eos]))
+    (out,), = engine.generate([ids], SamplingParams(max_tokens=12))
+    assert out.finish_reason == "stop" and out.token_ids == ends and len(ends) < 12
+    finish = [e for e in engine.log.drain() if isinstance(e, p.Finish)]
+    assert [(e.seq_id, e.reason) for e in finish] == [(out.seq_id, "stop")]
+    (out,), = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert out.finish_reason == "length" and out.token_ids == greedy
+
+
+def test_top_p_samples_only_from_the_nucleus(tiny):
+    """top_p so small that only the most likely token is left gives greedy output at any
+    temperature; top_p 1 with the same seed does not."""
+    ids = tiny.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    greedy = hf_greedy(tiny, ids, 16)
+    engine = make(tiny)
+    hot = SamplingParams(max_tokens=16, temperature=2.0, seed=3, ignore_eos=True)
+    (a,), (b,) = engine.generate([ids, ids], replace(hot, top_p=1e-6))
+    (full,), = engine.generate([ids], hot)
+    assert a.token_ids == b.token_ids == greedy and full.token_ids != greedy
+
+
+def test_reset_keeps_the_model_and_rebuilds_the_pools(tiny):
+    engine = make(tiny)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8))
+    engine.step()
+    engine.reset(p.PoolConfig(block_size=32, num_device_blocks=16, num_host_blocks=0))
+    snap = engine.snapshot()
+    assert snap.config.block_size == 32 and len(snap.device_blocks) == 16 and not snap.seqs
+    assert snap.config.bytes_per_block == engine.runner.bytes_per_block(32)
+    engine.runner.memory_fraction = 1e-4
+    with pytest.raises(p.CommandError, match="GiB"):
+        engine.reset(p.PoolConfig(block_size=256, num_device_blocks=65536))
+    assert engine.pool.block_size == 32  # a refused reset changes nothing
+    (out,), = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2", dtype="float32")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_generate(smollm2, isa):
+    loaded = smollm2
+    engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), loaded)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outs, _ = run_with_events(engine, PROMPTS[:4], params)  # decode at 4 rows: the C++ GEMV where chosen
+    for (out,) in outs:
+        assert out.token_ids == hf_greedy(loaded, out.prompt_token_ids, params.max_tokens)
+    assert "Paris" in outs[0][0].text
+    engine.add_request(messages=[{"role": "user", "content": "Say hello."}], params=SamplingParams(max_tokens=64))
+    (out,) = run_to_end(engine)  # the real model ends its answer with its EOS token
+    assert out.finish_reason == "stop" and out.token_ids[-1] in loaded.eos_token_ids and len(out.token_ids) < 64
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_engine_stays_close_to_fp32_transformers(smollm2, isa):
+    """bf16 (the default on CPUs with AVX512-BF16 or AMX; on the other variants bf16 weights are
+    widened to fp32 in the kernels) against the fp32 reference: the same next token after each
+    prompt, and logits within bf16's precision."""
+    bf16, ref = load_model("smollm2", dtype="bfloat16"), smollm2
+    engine = LLMEngine(EngineConfig(pool=p.PoolConfig(num_device_blocks=256)), bf16)
+    for prompt in PROMPTS[:5]:
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        batch = engine.scheduler.schedule()
+        logits = engine.runner.execute(batch)[0]
+        engine.abort(batch.rows[0].seq.request_id)
+        with torch.inference_mode():
+            expected = ref.model(torch.tensor([ids])).logits[0, -1].float()
+        assert logits.argmax() == expected.argmax(), prompt
+        assert torch.nn.functional.cosine_similarity(logits, expected, dim=0) > 0.995, prompt

@@ -1,0 +1,208 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine.model import model_loader as ml
+from engine.model.model_loader import ModelLoadError, apply_chat_template, default_cache_dir, load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CPU_DTYPE = torch.bfloat16 if ml.cpu_has_bf16() else torch.float32
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ml.LoadedModel:
+    return load_model("tiny", device="cpu")
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---------------------------------------------------------------------------- tiny
+def test_tiny_dims(tiny: ml.LoadedModel) -> None:
+    lm = load_model("tiny", device="cpu", progress=lambda _: None)  # its load time: bench/model_load.py
+    c = lm.model.config
+    assert isinstance(lm.model, LlamaForCausalLM) and not lm.model.training
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (2, 96, 6, 2, 16)
+    assert c.vocab_size == len(lm.tokenizer) == 49152
+    assert lm.model.get_input_embeddings().weight[lm.eos_token_ids].abs().sum(-1).min() > 0  # no zeroed pad row
+    assert c._attn_implementation == "sdpa"
+    assert (lm.name, lm.device, lm.dtype) == ("tiny-llama", torch.device("cpu"), DEFAULT_CPU_DTYPE)
+    assert next(lm.model.parameters()).dtype == DEFAULT_CPU_DTYPE
+
+
+def test_tiny_deterministic_and_leaves_global_rng_alone(tiny: ml.LoadedModel) -> None:
+    before = torch.get_rng_state()
+    assert _same_weights(tiny.model, load_model("tiny", device="cpu").model)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_tiny_greedy_is_not_degenerate(tiny: ml.LoadedModel) -> None:
+    ids = tiny.tokenizer("The capital of France is", return_tensors="pt")
+    out = tiny.model.generate(**ids, max_new_tokens=24, do_sample=False)[0, ids.input_ids.shape[1]:]
+    assert len(set(out.tolist())) >= 8
+
+
+def test_tokenizer_round_trip(tiny: ml.LoadedModel) -> None:
+    tok = tiny.tokenizer
+    for text in ["Hello, world!", "In 2018, 12,345 people paid €3.50 each.\n\tdef f(x): return x**2", "naïve café 東京"]:
+        ids = tok.encode(text)
+        assert ids and ids[0] != tok.bos_token_id  # SmolLM2 adds no BOS to plain text
+        assert tok.decode(ids) == text
+
+
+def test_eos_ids(tiny: ml.LoadedModel) -> None:
+    tok = tiny.tokenizer
+    assert tiny.eos_token_ids == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) == [2, 0]
+    assert tiny.model.generation_config.eos_token_id == tiny.eos_token_ids
+
+
+def test_chat_template(tiny: ml.LoadedModel) -> None:
+    tok = tiny.tokenizer
+    ids = apply_chat_template(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    prompt = tok.encode("<|im_start|>assistant\n")
+    assert ids[-len(prompt):] == prompt  # ends with the generation prompt
+    text = tok.decode(ids)
+    assert "<|im_start|>system\nYou are a helpful AI assistant" in text  # SmolLM2's default system turn
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in text
+    own = apply_chat_template(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert tok.decode(own) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_without_template_falls_back_to_plain_text() -> None:
+    tok = load_model("tiny", device="cpu").tokenizer
+    tok.chat_template = None
+    assert apply_chat_template(tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == tok.encode("a\nb")
+
+
+def test_default_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 where the CPU has AVX512-BF16 or AMX, fp32 elsewhere; a flag keeps fp32 anywhere."""
+    for has, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert ml._resolve_dtype(None, torch.device("cpu")) == expected
+        assert ml._resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert ml._resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
+
+
+def test_dtype_and_progress() -> None:
+    lines: list[str] = []
+    lm = load_model("tiny", device="cpu", dtype="bf16", progress=lines.append)
+    assert lm.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in lm.model.parameters())
+    assert lines and lines[-1].startswith("ready: tiny-llama on cpu in bfloat16 (") and lines[-1].endswith(" s)")
+    assert load_model("tiny", device="cpu", dtype="float16").dtype == torch.float16
+    with pytest.raises(ModelLoadError, match="unknown dtype 'int8'"):
+        load_model("tiny", device="cpu", dtype="int8")
+
+
+def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KVSCOPE_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("KVSCOPE_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "kvscope"
+
+
+# ---------------------------------------------------------------------------- local folders
+def test_local_folder_round_trip(tiny: ml.LoadedModel, tmp_path: Path) -> None:
+    folder = tmp_path / "my-llama"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    lm = load_model(str(folder), device="cpu")
+    assert lm.name == "my-llama" and lm.eos_token_ids == [2, 0]
+    assert lm.model.config._attn_implementation == "sdpa" and not lm.model.training
+    assert _same_weights(tiny.model, lm.model)
+
+
+def _folder(tmp_path: Path, config: dict | None, weights: bool = True, tokenizer: bool = True) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    if weights:
+        (tmp_path / "model.safetensors").write_bytes(b"")
+    if tokenizer:
+        (tmp_path / "tokenizer.json").write_text("{}")
+    return tmp_path
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p / "nope", r"neither a bundled model \(smollm2, tiny\) nor an existing folder"),
+    (lambda p: _folder(p, None, weights=False, tokenizer=False),
+     r"missing config.json, weights \(\*.safetensors or pytorch_model\*.bin\), a tokenizer"),
+    (lambda p: _folder(p, {"model_type": "llama"}, weights=False), r"missing weights"),
+    (lambda p: _folder(p, {"model_type": "gpt2"}), r"model_type 'gpt2' is not supported; .*llama, mistral, qwen2, qwen3"),
+    (lambda p: _folder(p, {"model_type": "mistral", "sliding_window": 4096}), "sliding-window attention"),
+    (lambda p: _folder(p, {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}),
+     "sliding-window attention"),
+])
+def test_bad_path_is_refused_clearly(tmp_path: Path, make, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(make(tmp_path / "m")), device="cpu")
+
+
+def test_publish_keeps_the_first_finished_copy(tmp_path: Path) -> None:
+    dest = tmp_path / "Model"
+    for i in range(2):
+        tmp = ml._temp_folder(dest)
+        (tmp / "config.json").write_text(str(i))
+        ml._publish(tmp, dest)
+        assert not tmp.exists()
+    assert (dest / "config.json").read_text() == "0"
+    assert [p.name for p in tmp_path.iterdir()] == ["Model"]
+
+
+# ---------------------------------------------------------------------------- the real SmolLM2
+@pytest.mark.slow
+def test_smollm2(monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = load_model("smollm2", device="cpu")  # converts into the user's cache on the first run
+    c = lm.model.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
+    assert (lm.name, lm.dtype, lm.eos_token_ids) == ("SmolLM2-135M-Instruct", DEFAULT_CPU_DTYPE, [2, 0])
+    assert getattr(lm.model, "hf_quantizer", None) is None and c._attn_implementation == "sdpa"
+    tok = lm.tokenizer
+    ids = tok("The capital of France is", return_tensors="pt")
+    out = lm.model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.input_ids.shape[1]:])
+    chat = apply_chat_template(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    out = lm.model.generate(torch.tensor([chat]), max_new_tokens=24, do_sample=False)[0, len(chat):].tolist()
+    assert "Paris" in tok.decode(out) and out[-1] in lm.eos_token_ids  # stops on <|im_end|>
+    # a second load reads the cached safetensors and never touches the GGUF
+    monkeypatch.setattr(ml, "_convert_smollm2", lambda *a: pytest.fail("converted again"))
+    again = load_model("smollm2", device="cpu")
+    assert Path(again.model.name_or_path) == default_cache_dir() / "SmolLM2-135M-Instruct"
+    assert _same_weights(lm.model, again.model)
+
+
+@pytest.mark.slow
+def test_two_processes_convert_into_a_fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = {**os.environ, "KVSCOPE_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    code = "from engine.model.model_loader import load_model; print(load_model('smollm2', device='cpu').name)"
+    logs = [(tmp_path / f"out{i}", tmp_path / f"err{i}") for i in range(2)]
+    procs = []
+    for out, err in logs:  # files, not pipes: the two run at once and neither may block on a full pipe
+        with out.open("w") as o, err.open("w") as e:
+            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=o, stderr=e))
+    for proc, (out, err) in zip(procs, logs):
+        assert proc.wait(timeout=600) == 0, err.read_text()
+        assert out.read_text().strip() == "SmolLM2-135M-Instruct"
+        assert "de-quantizing weights" in err.read_text() and "ready: SmolLM2-135M-Instruct" in err.read_text()
+    dest = cache / "SmolLM2-135M-Instruct"
+    assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-tokenizer"]
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "chat_template.jinja"} <= {p.name for p in dest.iterdir()}
+    assert "quantization_config" not in json.loads((dest / "config.json").read_text())
+    monkeypatch.setenv("KVSCOPE_CACHE", str(cache))
+    monkeypatch.setattr(ml, "_convert_smollm2", lambda *a: pytest.fail("converted again"))
+    lines: list[str] = []
+    lm = load_model("smollm2", device="cpu", progress=lines.append)
+    assert lines[0].startswith(f"loading SmolLM2-135M-Instruct from {dest} (")
+    assert Path(lm.model.name_or_path) == dest

@@ -1,0 +1,93 @@
+"""Every view of one redraw describes one state at one event (issue 17, item 7): the grid's
+canvas keeps up with the views drawn beside it even when its acknowledgements lag, a block
+table's chips say what the grid's hover says at every event (mid-step ones included), and the
+timeline counts used blocks by the contract's one rule."""
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+
+from kvscope_contract import protocol as p
+from app.panels import grid, tables
+from app.data.event_history import EventHistory
+from tests.pool_driver import PoolDriver
+from tests.unit.test_grid import busy_history, view_at
+
+
+def canvas(held: dict, data: bytes) -> tuple[dict, bool]:
+    """What assets/grid.js does with a message: (the columns it then holds, whether it applied
+    the message; a delta from a frame it does not hold is dropped)."""
+    head, parts = grid.read(data)
+    if head["kind"] == "full":
+        return {"token": head["token"], "dev": parts["dev"].copy(), "host": parts["host"].copy(),
+                "seqs": {k: v for k, *v in head["seqs"]}}, True
+    if held.get("token") not in head.get("bases", [head["base"]]):
+        return held, False
+    dev, host = held["dev"].copy(), held["host"].copy()
+    if "devIdx" in parts:
+        dev[parts["devIdx"]] = parts["dev"]
+        host[parts["hostIdx"]] = parts["host"]
+    seqs = {k: v for k, v in held["seqs"].items() if k not in head["gone"]} | {k: v for k, *v in head["seqs"]}
+    return {"token": head["token"], "dev": dev, "host": host, "seqs": seqs}, True
+
+
+def outgoing(frame: grid.Frame, have, sent: list[int], frames: dict[int, grid.Frame]) -> bytes:
+    """What grid.show sends for `frame` when the canvas last acknowledged `have`."""
+    also = grid.unacknowledged(sent, have, frame.token)
+    return grid.message(frame, frames.get(have), None, [frames[t] for t in also])
+
+
+def test_the_canvas_keeps_up_while_its_acknowledgements_lag():
+    """The server redraws (a heartbeat, a travel) before the canvas's acknowledgement of the
+    last frame arrives: the next delta must still apply, or the grid's header shows an older
+    step than the status line and the metrics drawn with it."""
+    h, _ = busy_history(seed=3, ops=400)
+    rng = random.Random(4)
+    points = sorted(rng.sample(range(h.first_event, h.last_event + 1), 60))
+    frames = [grid.build(view_at(h, n), {}) for n in points]
+    by_token = {f.token: f for f in frames}
+    sent: list[int] = []
+    held, _ = canvas({}, outgoing(frames[0], None, sent, by_token))
+    acked = frames[0].token
+    for i, frame in enumerate(frames[1:], 1):
+        held, applied = canvas(held, outgoing(frame, acked, sent, by_token))
+        assert applied and held["token"] == frame.token, f"frame {i} dropped: the grid stays at an older event"
+        assert held["dev"].tobytes() == frame.dev.tobytes() and held["host"].tobytes() == frame.host.tobytes()
+        assert held["seqs"] == frame.seqs
+        if rng.random() < 0.3:  # now and then the acknowledgement arrives, of a frame some redraws old
+            acked = frames[max(0, i - rng.randrange(0, 4))].token
+
+
+def test_a_block_tables_chips_say_what_the_hover_says_at_every_event():
+    """At a mid-step event (a block cached for the token this step computes, before the
+    append) the table's chip and the grid's hover show one token count."""
+    h, _ = busy_history(seed=5, ops=300)
+    chip = re.compile(r'title="logical \d+ → physical block (\d+) · (\d+)/(\d+) tokens')
+    checked = 0
+    for n in range(h.first_event, h.last_event + 1, 3):
+        view = view_at(h, n)
+        frame = grid.build(view, {})
+        for b, held, _ in chip.findall(tables.render(view, {})):
+            assert int(held) == int(frame.dev["tokens"][int(b)]), (n, b)
+            checked += 1
+    assert checked > 1000
+
+
+def test_the_timeline_counts_used_blocks_by_the_contracts_rule():
+    """A pool with a reserved block (vLLM's null block, which the engine's free count leaves
+    out): the timeline's used blocks equal the header's, which leave the reserved block out."""
+    from kvscope_contract.state import PoolState
+    cfg = p.PoolConfig(block_size=4, num_device_blocks=16, num_host_blocks=0, reserved_blocks=[0])
+    h = EventHistory(PoolState.empty(cfg).snapshot())
+    evs = [p.RequestAdded(request_id="r1", seq_id="r1", prompt_tokens=9, max_tokens=4),
+           *(p.Alloc(seq_id="r1", block_id=b, logical_index=i) for i, b in enumerate((1, 2, 3))),
+           p.StatusChange(seq_id="r1", status="running"), p.Append(seq_id="r1", num_tokens=9, token_ids=[5]),
+           p.StepDone(num_running=1, num_waiting=0, num_swapped=0, prefill_tokens=9, decode_tokens=0,
+                      duration_ms=5.0, free_blocks=12, cached_blocks=0)]
+    for i, ev in enumerate(evs, 1):
+        ev.seq, ev.step = i, 1
+        h.append(ev)
+    point, counts = h.points[-1], h.live.state.counts()
+    assert (point.used, point.cached, point.free) == (counts.used, counts.cached, counts.free) == (3, 0, 12)

@@ -1,0 +1,55 @@
+"""Item 13 of issue 17: counts said in words by one rule, no fractional step ticks, and the
+card that compares reservation with paging says what it shows when paging holds more."""
+from __future__ import annotations
+
+import re
+
+from kvscope_contract import protocol as p
+from app.panels import header, tables, timeline
+from app.data.client import View
+from app.data.event_history import EventHistory
+from app.panels.words import plural
+from tests.pool_driver import PoolDriver
+
+
+def test_one_rule_for_plurals():
+    assert plural(1, "block") == "1 block" and plural(2, "block") == "2 blocks"
+    assert plural(0, "slot") == "0 slots" and plural(1_048_576, "block") == "1,048,576 blocks"
+    assert plural(1, "prefix", "prefixes") == "1 prefix" and plural(3, "prefix", "prefixes") == "3 prefixes"
+
+
+def test_what_paging_saves_says_when_paging_holds_more():
+    """Block size 64, short sequences: paging holds more slots than the reservation; the card
+    says so (the lesson) instead of dropping its summary line."""
+    cfg = p.PoolConfig(block_size=64, num_device_blocks=8, bytes_per_block=64 * 1024)
+    more = header.summary(205, 256, cfg)
+    assert "Paging holds <b>51 more slots</b>" in more and "internal fragmentation" in more
+    assert "<b>1 fewer slot</b>" in header.summary(257, 256, cfg)
+    assert header.summary(0, 0, cfg) == ""
+
+
+def test_a_one_block_sequence_is_said_in_the_singular():
+    d = PoolDriver(p.PoolConfig(block_size=16, num_device_blocks=8, num_host_blocks=0))
+    h = EventHistory(d.first)
+    d.admit(d.add(list(range(10))))
+    for ev in d.drain():
+        h.append(ev)
+    html = tables.render(View(h.at(h.last_event), True, 1, []), {})
+    assert "· 1 block<" in html and not re.search(r"\b1 blocks\b", html)
+
+
+def test_step_ticks_are_whole_numbers():
+    for spec in (timeline.blocks_chart([], [], None, 8), timeline.rates_chart([], None)):
+        axes = [layer["encoding"]["x"].get("axis", {}) for layer in spec["layer"] if "x" in layer.get("encoding", {})]
+        area = axes[0]
+        assert area.get("format") == "d" and area.get("tickMinStep") == 1, axes
+
+
+def test_big_numbers_carry_thousands_separators():
+    from app.panels.eventlog import describe
+    from app.panels.header import _short
+    step = p.StepDone(num_running=251, num_waiting=1259, num_swapped=0, prefill_tokens=4096, decode_tokens=253,
+                      duration_ms=3.3, free_blocks=2, cached_blocks=1_032_419)
+    text = describe(step)[2]
+    assert "1,032,419 cached" in text and "4,096 prefill" in text and "1,259 waiting" in text
+    assert _short(1_048_576) == "1.05 M" and _short(65_536) == "65,536"

@@ -1,0 +1,92 @@
+"""A real `vllm serve` (vLLM 0.32, from .venv-vllm) with the KVScope plugin, for the tests.
+
+It runs integrations.vllm.serve with the vLLM virtualenv's Python on free ports, its KV events
+published over ZMQ too, and is ready once both the plugin's WebSocket and vLLM's OpenAI server
+answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.waiting import free_port
+from kvscope_contract.ready import ready_url
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+NO_VLLM = "no .venv-vllm here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
+BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class VllmServer:
+    num_blocks: int
+    api: str = ""
+    ws: str = ""
+    kv_events: str = ""         # tcp://... with ?replay=...
+    env: dict = field(default_factory=dict)  # more environment for vLLM
+    lines: deque = field(default_factory=lambda: deque(maxlen=400))
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 600) -> VllmServer:
+        port, pub, replay = free_port(), free_port(), free_port()
+        self.api = f"http://127.0.0.1:{port}"
+        self.kv_events = f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+        env = {**os.environ, "KVSCOPE_PORT": "0", "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "integrations.vllm.serve", "--port", str(port),
+             "--num-blocks", str(self.num_blocks), "--", "--kv-events-config", json.dumps(events)],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, errors="replace")
+        threading.Thread(target=self._follow, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not (self.ws and self._api_up()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("vLLM did not come up:\n" + "\n".join(list(self.lines)[-40:]))
+            time.sleep(0.5)
+        return self
+
+    def _follow(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            if not self.ws and (url := ready_url(line)):
+                self.ws = url
+
+    def _api_up(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.api + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+        req = urllib.request.Request(self.api + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metric(self, name: str) -> float:
+        """A counter or gauge from vLLM's own /metrics (summed over its labels)."""
+        with urllib.request.urlopen(self.api + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

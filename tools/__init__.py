@@ -1,0 +1,2 @@
+"""Developer tools that drive the dashboard in a real browser: the docs' screenshots and the
+offline demo recording."""

@@ -1,0 +1,150 @@
+"""Take the documentation's screenshots in a real browser: `streamlit run app/main.py` on the
+embedded engine, Debian's chromium through playwright.
+
+    python -m tools.shoot_docs [--model smollm2] [--out assets]
+
+Writes screenshot.png (the README's: a shared system prompt, then parallel sampling up to its
+first copy-on-write), lesson.png (the prefix caching lesson at its prefix hit, with the prefix
+tree open) and lab.png (the long and short mixed preset at block sizes 4, 16 and 64).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.streamlit_argv import streamlit_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+TOP = "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.executable,
+                    out=subprocess.DEVNULL, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py -- APP_ARGS`, headless on a free port in a process group of its
+    own, once it listens (a browser that comes too early is refused): (process, url). `out`:
+    where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        streamlit_argv(python, app_args, "--server.port", str(port), "--server.fileWatcherType", "none",
+                       main="app/main.py"),  # relative: the app of `cwd`
+        cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"streamlit did not listen on port {port} (exit code {proc.poll()})")
+
+
+def start_app(model: str) -> tuple[subprocess.Popen, str]:
+    return start_streamlit(["--model", model])
+
+
+def open_dashboard(pw, url: str, height: int = 1250, timeout_ms: int = 240_000):
+    """(browser, page, errors) with the dashboard drawn: its grid has blocks."""
+    browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    page = browser.new_page(viewport={"width": 1500, "height": height})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=timeout_ms)
+    return browser, page, errors
+
+
+def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000) -> None:
+    """Lessons mode, pick the lesson, Start, then Next until `stops` stops were reached."""
+    side = page.get_by_test_id("stSidebar")
+    side.get_by_text("Lessons", exact=True).click()
+    side.get_by_label("Lesson").click()
+    page.get_by_role("option", name=key_title).click()
+    side.get_by_role("button", name="Start the lesson").click()
+    for i in range(stops):
+        if i:
+            side.get_by_role("button", name="Next").click()
+        try:
+            page.wait_for_function("n => { const t = document.body.innerText; "
+                                   "return t.includes(`stop ${n} of`) && !t.includes('running until'); }",
+                                   arg=i + 1, timeout=timeout_ms)
+        except Exception as e:
+            raise AssertionError(f"stop {i + 1} not reached; the page says: {page.inner_text('body')[:2500]}") from e
+
+
+def shoot_explore(page, path: Path) -> None:
+    """Two scenarios on one paused pool: four requests share a system prompt, four samples of one
+    prompt fork; run from key event to key event up to the first copy-on-write, which the page
+    then explains with its blocks ringed."""
+    side = page.get_by_test_id("stSidebar")
+    side.get_by_role("button", name="Pause", exact=True).click()
+    side.get_by_role("button", name="Resume", exact=True).wait_for(timeout=30_000)
+    side.get_by_role("button", name="Shared system prompt", exact=True).click()
+    page.wait_for_function("document.body.innerText.includes('sys1-4')", timeout=60_000)
+    side.get_by_text("Start from a clean slate").click()  # keep the first scenario's blocks in view
+    side.get_by_role("button", name="Parallel sampling (n=4)", exact=True).click()
+    page.wait_for_function("document.body.innerText.includes('par2')", timeout=60_000)
+    for _ in range(40):
+        side.get_by_role("button", name="Run to the next key event", exact=True).click()
+        page.wait_for_timeout(1500)
+        page.wait_for_function("!document.body.innerText.includes('running until')", timeout=120_000)
+        if page.evaluate("/Copy-on-write\\s+[1-9]/.test(document.body.innerText)"):
+            break
+    time.sleep(3)
+    page.evaluate(TOP)
+    page.screenshot(path=str(path))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--out", type=Path, default=ROOT / "assets")
+    args = ap.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    app, url = start_app(args.model)
+    try:
+        with sync_playwright() as pw:
+            browser, page, _ = open_dashboard(pw, url, height=1250)
+            shoot_explore(page, args.out / "screenshot.png")
+            browser.close()
+            browser, page, _ = open_dashboard(pw, url, height=1700)
+            walk_lesson(page, "4. Prefix caching", 2)
+            page.get_by_text("Prefix tree", exact=True).click()
+            page.wait_for_selector(".pt", timeout=30_000)
+            time.sleep(2)
+            page.evaluate(TOP)
+            page.screenshot(path=str(args.out / "lesson.png"))
+            page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click()
+            page.get_by_role("button", name="Run the lab").click()
+            page.wait_for_selector("[data-testid='stImage'] img", timeout=120_000)
+            time.sleep(2)
+            page.evaluate(TOP)
+            page.screenshot(path=str(args.out / "lab.png"))
+            browser.close()
+    finally:
+        os.killpg(app.pid, signal.SIGTERM)
+        app.wait(timeout=30)
+    print(f"wrote screenshot.png, lesson.png and lab.png in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
