@@ -246,7 +246,8 @@ def test_command_line_for_vllm_and_its_kv_events():
 
 def test_the_dashboard_never_imports_torch():
     """It must start fast and attach to a remote engine on a machine without torch."""
-    modules = ", ".join(f"app.{f.stem}" for f in sorted((ROOT / "app").glob("*.py"))
+    modules = ", ".join(".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                        for f in sorted((ROOT / "app").rglob("*.py"))
                         if f.stem not in ("__init__", "__main__", "main"))
     code = (f"import sys\nimport {modules}\n"
             "bad = [m for m in ('torch', 'transformers', 'engine.model.engine') if m in sys.modules]\n"

@@ -4,11 +4,13 @@ contract; no module imports itself back through a cycle."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("app", "engine", "kernels", "integrations")
+PACKAGES = ("kvscope_contract", "app", "engine", "kernels", "integrations", "tools")
 
 
 def imports(path: Path) -> set[str]:
@@ -31,27 +33,48 @@ def project_modules() -> dict[str, Path]:
 
 
 def test_the_contract_imports_only_the_standard_library_msgspec_and_numpy():
-    for f in (ROOT / "engine" / "contract").glob("*.py"):
+    for f in (ROOT / "kvscope_contract").rglob("*.py"):
         for name in imports(f):
             top = name.split(".")[0]
             assert (top in sys.stdlib_module_names or top in ("msgspec", "numpy", "__future__")
-                    or name.startswith("kvscope_contract")), f"{f.name} imports {name}"
+                    or top == "kvscope_contract"), f"{f.relative_to(ROOT)} imports {name}"
+
+
+def test_importing_the_contract_leaves_the_engine_unloaded():
+    """engine/__init__.py sets the engine's OpenMP spin; a dashboard that imports the contract
+    must not get it (nor the engine package at all)."""
+    modules = ", ".join(module_name(f) for f in sorted((ROOT / "kvscope_contract").rglob("*.py")))
+    code = (f"import os, sys\nimport {modules}\n"
+            "assert 'engine' not in sys.modules, 'the contract loaded the engine package'\n"
+            "assert 'GOMP_SPINCOUNT' not in os.environ, 'the contract set the engine OpenMP spin'")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT, env=env)
 
 
 def test_the_dashboard_reaches_the_engine_only_through_the_contract():
-    for f in (ROOT / "app").glob("*.py"):
+    for f in (ROOT / "app").rglob("*.py"):
         for name in imports(f):
-            if name.split(".")[0] in ("engine", "kernels", "torch", "transformers"):
-                assert name.startswith("kvscope_contract"), f"app/{f.name} imports {name}"
+            assert name.split(".")[0] not in ("engine", "kernels", "torch", "transformers"), \
+                f"{f.relative_to(ROOT)} imports {name}"
+
+
+def test_the_dashboard_data_layer_never_imports_streamlit():
+    """app/data/ is what a script, a test or another front end can use without a Streamlit
+    session: sources, the client, the history, the mirror."""
+    data = list((ROOT / "app" / "data").rglob("*.py"))
+    assert len(data) > 5
+    for f in data:
+        for name in imports(f):
+            assert name.split(".")[0] not in ("streamlit", "altair"), f"{f.relative_to(ROOT)} imports {name}"
 
 
 def test_the_kv_event_mode_needs_neither_torch_nor_vllm():
     """The dashboard imports it: a ZMQ stream is read without any engine installed (of KVScope's
     engine, only the torch-free contract)."""
-    for f in (ROOT / "integrations" / "kv_events").glob("*.py"):
+    for f in (ROOT / "integrations" / "kv_events").rglob("*.py"):
         for name in imports(f):
-            assert name.split(".")[0] not in ("torch", "transformers", "vllm", "engine", "kernels") \
-                or name.startswith("kvscope_contract"), f"integrations/kv_events/{f.name} imports {name}"
+            assert name.split(".")[0] not in ("torch", "transformers", "vllm", "engine", "kernels"), \
+                f"{f.relative_to(ROOT)} imports {name}"
 
 
 def test_no_import_cycles():
