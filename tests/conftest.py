@@ -1,3 +1,9 @@
+"""Fixtures every kind of test shares: the tiny model and a factory of in-process engine servers.
+The one protocol client is tests/protocol_client.py; waiting helpers are in tests/waiting.py."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
 import pytest
 
 
@@ -6,3 +12,27 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(deselect with -m 'not slow')")
     config.addinivalue_line("markers", "vllm: needs a real vLLM in .venv-vllm (`make test-vllm`)")
     config.addinivalue_line("markers", "wheel: builds the wheel and installs it into a fresh venv (`make test-wheel`)")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The random 2-layer Llama in fp32, the exact reference (tokens equal transformers'), on
+    the default device; loaded once per run."""
+    from engine.model.model_loader import load_model
+    return load_model("tiny", dtype="float32")
+
+
+@pytest.fixture
+def serve_engine() -> Iterator[Callable]:
+    """serve_engine(engine, **kw) -> a running server (engine.serve.server.start_in_thread's
+    Serving: .url, .stop()); every server started is stopped after the test."""
+    from engine.serve.server import start_in_thread
+    servers = []
+
+    def start(engine, **kw):
+        servers.append(start_in_thread(engine, **kw))
+        return servers[-1]
+
+    yield start
+    for srv in servers:
+        srv.stop()

@@ -113,11 +113,6 @@ def test_a_recording_replayed_at_its_own_config_gives_the_recorded_numbers():
     assert recorded.hit_tokens > 0 and recorded.swap_outs > 0  # the comparison covers hits and swaps
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from engine.model.model_loader import load_model
-    return load_model("tiny")
-
 
 LIVE = {"tight swap": CONFIGS["tight swap"], "chunked": CONFIGS["chunked"],
         "tight recompute": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=40, preemption_mode="recompute")),

@@ -14,23 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from engine.model.engine import LLMEngine
-from engine.model.model_loader import load_model
-from engine.serve.server import start_in_thread
-from tests.integration.test_server import SYSTEM, Client
+from tests.integration.test_server import SYSTEM
+from tests.protocol_client import Client
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away",
            "1, 2, 3, 4,", "Paged attention stores keys and values in blocks, so that", "Q:"]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
 @pytest.fixture
-def serve(tiny):
-    servers = []
-
+def serve(tiny, serve_engine):
     def make(token: str | None = None, **pool):
         engine = LLMEngine(EngineConfig(model="tiny", pool=p.PoolConfig(**pool)), tiny)
         admissions: list[tuple[int, int]] = []  # (tokens looked up, tokens found cached) per admission
@@ -42,13 +34,9 @@ def serve(tiny):
             return cached
 
         engine.block_manager.allocate = recording_allocate
-        srv = start_in_thread(engine, token=token)
-        servers.append(srv)
-        return srv, admissions
+        return serve_engine(engine, token=token), admissions
 
-    yield make
-    for srv in servers:
-        srv.stop()
+    return make
 
 
 def scrape(url: str, token: str | None = None) -> dict[tuple[str, str], float]:

@@ -16,7 +16,6 @@ from websockets.sync.client import connect
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState, check_invariants
-from engine.serve.server import start_in_thread
 from engine.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,16 +60,11 @@ class Mirror:
 
 
 @pytest.fixture
-def serve():
-    servers = []
-
+def serve(serve_engine):
     def start(engine: SyntheticEngine, step_delay_ms: float = 5):
-        servers.append(start_in_thread(engine, step_delay_ms=step_delay_ms))
-        return servers[-1]
+        return serve_engine(engine, step_delay_ms=step_delay_ms)
 
-    yield start
-    for srv in servers:
-        srv.stop()
+    return start
 
 
 def test_the_protocol_takes_production_sizes():

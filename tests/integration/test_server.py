@@ -13,34 +13,21 @@ from websockets.exceptions import InvalidStatus
 from kvscope_contract import protocol as p
 from engine.config import EngineConfig
 from engine.model.engine import LLMEngine
-from engine.model.model_loader import load_model
 from engine.serve.hub import Hub, serve_in_thread
 from engine.serve.replay import Playback, Recording
-from engine.serve.server import start_in_thread
 from kvscope_contract.state import PoolState, check_invariants
 from tests.protocol_client import Client
 
 SYSTEM = "You are KVScope's demo assistant. Answer in one short sentence, politely. " * 2
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
 @pytest.fixture
-def make_server(tiny):
-    servers = []
-
+def make_server(tiny, serve_engine):
     def make(pool: dict | None = None, memory_fraction: float = 0.5, **kw):
         cfg = EngineConfig(model="tiny", pool=p.PoolConfig(**(pool or {})), memory_fraction=memory_fraction)
-        srv = start_in_thread(LLMEngine(cfg, tiny), **kw)
-        servers.append(srv)
-        return srv
+        return serve_engine(LLMEngine(cfg, tiny), **kw)
 
-    yield make
-    for srv in servers:
-        srv.stop()
+    return make
 
 
 def test_hello_snapshot_then_submit_ack_and_events_through_finish(make_server, tiny):

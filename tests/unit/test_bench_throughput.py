@@ -2,15 +2,7 @@
 ratios, and the greedy agreement it prints (vLLM's side is exercised by running the bench)."""
 from __future__ import annotations
 
-import pytest
-
 from bench import throughput as tp
-from engine.model.model_loader import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", dtype="float32")
 
 
 def test_rounds_interleave_and_the_report_reads_right(tiny):

@@ -29,11 +29,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny", dtype="float32")  # the exact reference: tokens equal transformers'
-
-
 def make(loaded, **pool) -> LLMEngine:
     cfg = EngineConfig(model="tiny", max_num_batched_tokens=pool.pop("max_num_batched_tokens", 1024),
                        pool=p.PoolConfig(**{"num_device_blocks": 128, "num_host_blocks": 64, **pool}))

@@ -16,7 +16,9 @@ DEFAULT_CPU_DTYPE = torch.bfloat16 if ml.cpu_has_bf16() else torch.float32
 
 
 @pytest.fixture(scope="module")
-def tiny() -> ml.LoadedModel:
+def tiny_cpu() -> ml.LoadedModel:
+    """On the CPU whatever the machine has (conftest's `tiny` takes the default device): these
+    tests compare with CPU loads and check the CPU defaults."""
     return load_model("tiny", device="cpu")
 
 
@@ -26,7 +28,7 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------- tiny
-def test_tiny_dims(tiny: ml.LoadedModel) -> None:
+def test_tiny_dims(tiny_cpu: ml.LoadedModel) -> None:
     lm = load_model("tiny", device="cpu", progress=lambda _: None)  # its load time: bench/model_load.py
     c = lm.model.config
     assert isinstance(lm.model, LlamaForCausalLM) and not lm.model.training
@@ -38,34 +40,34 @@ def test_tiny_dims(tiny: ml.LoadedModel) -> None:
     assert next(lm.model.parameters()).dtype == DEFAULT_CPU_DTYPE
 
 
-def test_tiny_deterministic_and_leaves_global_rng_alone(tiny: ml.LoadedModel) -> None:
+def test_tiny_deterministic_and_leaves_global_rng_alone(tiny_cpu: ml.LoadedModel) -> None:
     before = torch.get_rng_state()
-    assert _same_weights(tiny.model, load_model("tiny", device="cpu").model)
+    assert _same_weights(tiny_cpu.model, load_model("tiny", device="cpu").model)
     assert torch.equal(before, torch.get_rng_state())
 
 
-def test_tiny_greedy_is_not_degenerate(tiny: ml.LoadedModel) -> None:
-    ids = tiny.tokenizer("The capital of France is", return_tensors="pt")
-    out = tiny.model.generate(**ids, max_new_tokens=24, do_sample=False)[0, ids.input_ids.shape[1]:]
+def test_tiny_greedy_is_not_degenerate(tiny_cpu: ml.LoadedModel) -> None:
+    ids = tiny_cpu.tokenizer("The capital of France is", return_tensors="pt")
+    out = tiny_cpu.model.generate(**ids, max_new_tokens=24, do_sample=False)[0, ids.input_ids.shape[1]:]
     assert len(set(out.tolist())) >= 8
 
 
-def test_tokenizer_round_trip(tiny: ml.LoadedModel) -> None:
-    tok = tiny.tokenizer
+def test_tokenizer_round_trip(tiny_cpu: ml.LoadedModel) -> None:
+    tok = tiny_cpu.tokenizer
     for text in ["Hello, world!", "In 2018, 12,345 people paid €3.50 each.\n\tdef f(x): return x**2", "naïve café 東京"]:
         ids = tok.encode(text)
         assert ids and ids[0] != tok.bos_token_id  # SmolLM2 adds no BOS to plain text
         assert tok.decode(ids) == text
 
 
-def test_eos_ids(tiny: ml.LoadedModel) -> None:
-    tok = tiny.tokenizer
-    assert tiny.eos_token_ids == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) == [2, 0]
-    assert tiny.model.generation_config.eos_token_id == tiny.eos_token_ids
+def test_eos_ids(tiny_cpu: ml.LoadedModel) -> None:
+    tok = tiny_cpu.tokenizer
+    assert tiny_cpu.eos_token_ids == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) == [2, 0]
+    assert tiny_cpu.model.generation_config.eos_token_id == tiny_cpu.eos_token_ids
 
 
-def test_chat_template(tiny: ml.LoadedModel) -> None:
-    tok = tiny.tokenizer
+def test_chat_template(tiny_cpu: ml.LoadedModel) -> None:
+    tok = tiny_cpu.tokenizer
     ids = apply_chat_template(tok, [{"role": "user", "content": "What is the capital of France?"}])
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
@@ -112,14 +114,14 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 
 # ---------------------------------------------------------------------------- local folders
-def test_local_folder_round_trip(tiny: ml.LoadedModel, tmp_path: Path) -> None:
+def test_local_folder_round_trip(tiny_cpu: ml.LoadedModel, tmp_path: Path) -> None:
     folder = tmp_path / "my-llama"
-    tiny.model.save_pretrained(folder)
-    tiny.tokenizer.save_pretrained(folder)
+    tiny_cpu.model.save_pretrained(folder)
+    tiny_cpu.tokenizer.save_pretrained(folder)
     lm = load_model(str(folder), device="cpu")
     assert lm.name == "my-llama" and lm.eos_token_ids == [2, 0]
     assert lm.model.config._attn_implementation == "sdpa" and not lm.model.training
-    assert _same_weights(tiny.model, lm.model)
+    assert _same_weights(tiny_cpu.model, lm.model)
 
 
 def _folder(tmp_path: Path, config: dict | None, weights: bool = True, tokenizer: bool = True) -> Path:
