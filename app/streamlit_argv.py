@@ -1,5 +1,5 @@
 """How the dashboard is started: `streamlit run app/main.py` headless, without usage stats.
-`kvscope` (app/__main__.py) and the headless tools and tests (tools/shoot_docs.py) build their
+`kvscope` (app/__main__.py) and the headless tools and tests (tools/launch.py) build their
 command here; the Makefile's `make run` says the same in make's words (STREAMLIT_FLAGS)."""
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from app.panels import grid
 from app.data.client import View
 from app.data.event_history import EventHistory
 from app.data.launcher import ServerProcess
-from tools.shoot_docs import CHROMIUM, FLAGS, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, start_streamlit
 from engine.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,8 @@ import signal
 from collections import defaultdict
 from pathlib import Path
 
-from tools.shoot_docs import CHROMIUM, FLAGS, ROOT, TOP, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT, start_streamlit
+from tools.shoot_docs import TOP
 
 PHASE_COLOURS = {"waiting": "#9ca3af", "running": "#2563eb", "swapped out": "#f59e0b", "preempted": "#dc2626"}
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tools.shoot_docs import CHROMIUM, FLAGS, ROOT, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT, start_streamlit
 
 SHOT = ROOT / "out" / "test_browser.png"
 

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from tools.shoot_docs import CHROMIUM, ROOT, open_dashboard, start_app, walk_lesson
+from tools.launch import CHROMIUM, ROOT
+from tools.shoot_docs import open_dashboard, start_app, walk_lesson
 
 SHOT = ROOT / "out" / "test_browser_lesson.png"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.data.launcher import ServerProcess
-from tools.shoot_docs import start_streamlit
+from tools.launch import start_streamlit
 from tests.browser.test_browser import CHROMIUM, FLAGS, open_grid
 
 BLOCKS = 1 << 20

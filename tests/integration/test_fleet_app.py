@@ -12,7 +12,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from app.data.client import EngineClient
-from tools.shoot_docs import CHROMIUM, FLAGS, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, start_streamlit
 from tests.integration.test_fleet import synthetic
 from tests.waiting import wait
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.shoot_docs import CHROMIUM, FLAGS
+from tools.launch import CHROMIUM, FLAGS
 from tests.protocol_client import Client
 from tests.integration.test_export_perfetto import decode
 from tests.waiting import free_port, wait

@@ -1,0 +1,44 @@
+"""Launching the dashboard for a real browser, one way for every tool and test: Streamlit's
+headless argv on a free loopback port, waiting until it listens, and Debian's chromium with the
+flags a headless run needs (driven through playwright, never `playwright install`)."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.streamlit_argv import streamlit_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.executable,
+                    out=subprocess.DEVNULL, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py -- APP_ARGS`, headless on a free port in a process group of its
+    own, once it listens (a browser that comes too early is refused): (process, url). `out`:
+    where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        streamlit_argv(python, app_args, "--server.port", str(port), "--server.fileWatcherType", "none",
+                       main="app/main.py"),  # relative: the app of `cwd`
+        cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"streamlit did not listen on port {port} (exit code {proc.poll()})")
