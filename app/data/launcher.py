@@ -32,7 +32,7 @@ _BOOT = ("import ctypes, os, runpy, signal, sys\n"
 
 @dataclass(eq=False)
 class ServerProcess:
-    module: str                 # engine.server, engine.replay or integrations.vllm.serve
+    module: str                 # engine.serve.server, engine.serve.replay or integrations.vllm.serve
     args: list[str]
     python: str = sys.executable  # vLLM's server runs in its own virtualenv
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=300))

@@ -36,7 +36,7 @@ class Source:
     path: str = ""                      # replay; fleet: its fleet file ("": an empty fleet)
     speed: float = 1.0                  # replay
     model: str = "smollm2"              # embedded
-    engine_args: tuple[str, ...] = ()   # embedded: further engine.server flags; vllm: serve's
+    engine_args: tuple[str, ...] = ()   # embedded: further engine.serve.server flags; vllm: serve's
     tokenizer: str = ""                 # kv_events: a folder with tokenizer.json, for block text
 
     @property
