@@ -25,16 +25,13 @@ from engine.serve.cli import add_listen_args, refuse_open_bind, serve_until_sign
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from kvscope_contract.ready import ready_line, ws_url
+from kvscope_contract.synthetic_vocab import INDEX, VOCAB, WORDS
 from engine.core.engine_core import EngineCore, StepResult
 from engine.serve.hub import Hub
 from engine.core.sequence import SamplingParams, Sequence
 from engine.serve.server import EngineLoop
 
 log = logging.getLogger("kvscope")
-SYLLABLES = ["ka", "lo", "mi", "re", "su", "ta", "no", "vi", "de", "po", "ra", "ne", "ku", "si", "ba", "to"]
-VOCAB = 4096
-WORDS = [f" {SYLLABLES[i % 16]}{SYLLABLES[(i // 16) % 16]}{SYLLABLES[i // 256]}" for i in range(VOCAB)]
-INDEX = {w.strip(): i for i, w in enumerate(WORDS)}
 INFO = p.EngineInfo(model="synthetic load (random tokens)", device="cpu", dtype="bfloat16",
                     num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2's shapes, for bytes per block
 

@@ -27,6 +27,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent, TraceP
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from kvscope_contract import protocol as p
+from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState
 
 SEQUENCE_ID = 1  # every packet comes from one writer
@@ -251,7 +252,6 @@ def export(start: PoolState, events: Iterable[p.AnyEvent], title: str = "KVScope
 
 
 def export_recording(path: Path) -> bytes:
-    from engine.serve.replay import Recording  # its hub imports are not needed by the dashboard's export
 
     rec = Recording(path)
     return export(PoolState.from_snapshot(rec.start), (ev for batch in rec.batches for ev in batch),

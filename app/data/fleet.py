@@ -376,7 +376,7 @@ def tokenize(engine: FleetEngine, text: str, timeout: float = 5.0) -> list[int] 
             return None
     c = engine.client
     if c is not None and c.hello is not None and "synthetic" in c.hello.server:
-        from engine.synthetic import INDEX  # its words; it names any other word by a hash of its own process
+        from kvscope_contract.synthetic_vocab import INDEX
         words = text.split()
         return [INDEX[w] for w in words] if all(w in INDEX for w in words) else None
     return None

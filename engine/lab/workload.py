@@ -12,7 +12,7 @@ from pathlib import Path
 from kvscope_contract import protocol as p
 from kvscope_contract.lab import PRESETS
 from kvscope_contract.state import PoolState
-from engine.serve.replay import Recording
+from kvscope_contract.recording import Recording
 
 SYNTHETIC = 1 << 40  # rebuilt prompt tokens live far above any vocabulary, so they never equal real ones
 

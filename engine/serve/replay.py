@@ -19,43 +19,13 @@ import msgspec
 from engine.serve.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
 from kvscope_contract import protocol as p
 from kvscope_contract.ready import ready_line, ws_url
+from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState
 from engine.serve.hub import PACING_COMMANDS, Client, Hub, Pacing
 
 log = logging.getLogger("kvscope")
 MAX_GAP_S = 1.0
 REPLAY_COMMANDS = (*PACING_COMMANDS, "snapshot")
-
-
-class Recording:
-    """A recording's messages, read up to the first damaged line (a recording cut short by a
-    killed engine ends in half a line): everything whole before it replays, and `damage`
-    says which lines were skipped and why."""
-
-    def __init__(self, path: Path):
-        messages: list = []
-        lines = path.read_bytes().splitlines()
-        self.damage = ""
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                messages.append(p.decode_server_message(line))
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                last = n == len(lines)
-                self.damage = (f"line {n} of {len(lines)} is {'cut short' if last else 'damaged'} ({e})"
-                               + ("" if last else f"; lines {n}-{len(lines)} were skipped"))
-                break
-        hellos = [m for m in messages if isinstance(m, p.Hello)]
-        snaps = [i for i, m in enumerate(messages) if isinstance(m, p.Snapshot)]
-        if not hellos or not snaps:
-            raise ValueError(f"{path} is not a KVScope recording: it needs a hello and a snapshot"
-                             + (f" before its damage: {self.damage}" if self.damage else ""))
-        self.hello = msgspec.structs.replace(hellos[0], replay=True, supports=list(REPLAY_COMMANDS))
-        self.start: p.Snapshot = messages[snaps[0]]
-        # later snapshots (after a reset) follow from the events: the reducer rebuilds them
-        self.batches = [m.events for m in messages[snaps[0]:] if isinstance(m, p.Events) and m.events]
-        self.num_events = sum(len(b) for b in self.batches)
 
 
 class Playback:
@@ -79,7 +49,7 @@ class Playback:
             self._task.cancel()
 
     def hello(self) -> p.Hello:
-        return self.pacing.stamp(self.rec.hello)
+        return self.pacing.stamp(msgspec.structs.replace(self.rec.hello, replay=True, supports=list(REPLAY_COMMANDS)))
 
     def request_snapshot(self) -> None:
         self.hub.deliver_snapshot(self.state.clone())  # same loop: after every event so far

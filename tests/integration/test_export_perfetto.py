@@ -14,7 +14,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState
 from app.data.export_perfetto import COUNTERS, export, ns
-from engine.serve.replay import Recording
+from kvscope_contract.recording import Recording
 
 DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo_recording.jsonl"
 

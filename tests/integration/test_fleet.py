@@ -12,7 +12,7 @@ from app.data import fleet_load
 from app.data.fleet import Endpoint, Fleet, FleetFileError, load_fleet
 from app.data.fleet_content import chain_ids
 from app.data.launcher import ServerProcess
-from engine.synthetic import INDEX, WORDS
+from kvscope_contract.synthetic_vocab import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
 from tests.waiting import wait

@@ -20,7 +20,7 @@ from engine.lab import report
 from engine.lab.reference import row_from_events
 from engine.lab.sim import Lab
 from engine.lab.workload import PRESETS, Request, Workload, from_messages, from_recording, load
-from engine.serve.replay import Recording
+from kvscope_contract.recording import Recording
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "assets" / "demo_recording.jsonl"

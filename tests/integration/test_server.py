@@ -14,7 +14,8 @@ from kvscope_contract import protocol as p
 from engine.config import EngineConfig
 from engine.model.engine import LLMEngine
 from engine.serve.hub import Hub, serve_in_thread
-from engine.serve.replay import Playback, Recording
+from engine.serve.replay import Playback
+from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState, check_invariants
 from tests.protocol_client import Client
 
@@ -296,7 +297,7 @@ def test_replay_never_imports_torch():
 def test_the_shipped_demo_recording_replays_consistently_and_shows_every_mechanism():
     from pathlib import Path
 
-    from engine.serve.replay import Recording
+    from kvscope_contract.recording import Recording
 
     path = Path(__file__).resolve().parents[2] / "assets" / "demo_recording.jsonl"
     assert path.stat().st_size < 2_000_000

@@ -13,7 +13,8 @@ from engine.serve.hub import Hub, serve_in_thread
 from engine.lab.record import record
 from engine.lab.sim import Lab
 from engine.lab.workload import load
-from engine.serve.replay import Playback, Recording
+from engine.serve.replay import Playback
+from kvscope_contract.recording import Recording
 from app.data.client import EngineClient
 from app.data.follow import Follower
 from app.data.prefix_events import ForestBuilder
