@@ -252,7 +252,7 @@ class FleetEngine:
             step = tl.last_step
             row.running = step.num_running if step else sum(s.status == "running" for s in m.state.seqs.values())
             row.waiting = step.num_waiting if step else sum(s.status == "waiting" for s in m.state.seqs.values())
-            row.tokens_per_s = tl.tokens_per_s(m.t)
+            row.tokens_per_s = tl.tokens_per_s()
             row.last_event_age_s = now - c.received_at if c.received_at else None
             row.unknown_content = content.unknown if content else 0
         return row

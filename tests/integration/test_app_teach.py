@@ -56,7 +56,7 @@ def check_claims(observer, key: str, i: int, run) -> None:
 
 def test_captions_name_only_views_the_dashboard_has():
     """A caption that sends the reader to a view, panel or card names one the dashboard draws."""
-    ui = "\n".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "app").glob("*.py"))
+    ui = "\n".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "app").rglob("*.py"))
     for key, lesson in LESSONS.items():
         for i, stop in enumerate(lesson.stops):
             for name, _ in re.findall(r'(?:\*\*|")([A-Z][\w ]+?)(?:\*\*|")\s+(view|panel|card|tab)\b', stop.caption):
