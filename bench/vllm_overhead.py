@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import threading
 import time
 from pathlib import Path
 
 from bench.prompts import make_prompts
+from kvscope_contract.ready import free_port
 
 BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_llm(model: str, observed_port: int | None):

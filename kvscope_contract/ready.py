@@ -1,9 +1,11 @@
-"""The line an engine server (engine.server, engine.replay, bench.synthetic, the vLLM plugin)
-prints once it listens, and the one reader of its address: the dashboard's launcher, the
-tests and the benches wait for it."""
+"""Where a server listens: a free port to start it on, the line an engine server
+(engine.serve.server, engine.serve.replay, engine.synthetic, the vLLM plugin) prints once it
+listens, and the one reader of its address: the dashboard's launcher, the tests and the benches
+wait for it."""
 from __future__ import annotations
 
 import re
+import socket
 
 _READY = re.compile(r"ready: (ws://\S+)")
 
@@ -21,3 +23,10 @@ def ready_url(line: str) -> str | None:
     """The address in a ready line, or None for any other line."""
     m = _READY.search(line)
     return m.group(1) if m else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS's pick), for a server started next."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,8 +1,8 @@
 """Small helpers the app and browser tests share."""
 from __future__ import annotations
 
-import socket
 import time
+from kvscope_contract.ready import free_port
 
 
 def wait(cond, timeout: float = 20.0, what: str = "condition"):
@@ -15,7 +15,3 @@ def wait(cond, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

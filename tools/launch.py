@@ -10,17 +10,12 @@ import time
 from pathlib import Path
 
 from app.streamlit_argv import streamlit_argv
+from kvscope_contract.ready import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.executable,

@@ -20,15 +20,9 @@ from pathlib import Path
 
 from app.data.launcher import ServerProcess
 from app.data.source import ROOT, VLLM_PYTHON
+from kvscope_contract.ready import free_port
 
 STREAMLIT_FLAGS = ["--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(num_blocks: int) -> tuple[ServerProcess, dict]:

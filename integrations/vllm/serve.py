@@ -13,19 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
+from kvscope_contract.ready import free_port
 
 # `smollm2`: the bundled model, as `make install` converts it (engine/model/model_loader.py)
 BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def vllm_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
