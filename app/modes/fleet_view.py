@@ -95,7 +95,7 @@ def card(row: EngineRow, picture: str | None) -> str:
             ("last event", _n(row.last_event_age_s, "{:.1f} s ago")), ("stream gaps", f"{row.gaps:,}")]
     body = "".join(f"<span>{k}</span><b>{html.escape(v)}</b>" for k, v in nums)
     img = (f'<img src="{picture}" title="{row.blocks:,} blocks: used (blue), shared (indigo), cached (grey), free (light)">'
-           if picture else f'<div class="err">no pool: a KV-event stream says only what is cached</div>'
+           if picture else '<div class="err">no pool: a KV-event stream says only what is cached</div>'
            if row.kind == "kv-events" else "")
     alarm = f'<div class="alarm">⚠ {html.escape(row.alarm)}</div>' if row.alarm else ""
     err = f'<div class="err" title="{html.escape(row.error)}">{html.escape(row.error)}</div>' if row.error else ""

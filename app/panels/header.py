@@ -135,7 +135,6 @@ def reservation_card(view: View) -> None:
                 f'linear-gradient(to right,{color} {100 * used:.1f}%,color-mix(in srgb,{color} 25%,transparent) '
                 f'{100 * used:.1f}%)"></div></div>')
 
-    saved = res - pag
     body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
                 _mib(u["reserved_bytes"]), "#e15759")
             + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)

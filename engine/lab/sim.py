@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import time
 from collections import deque
 
 from kvscope_contract import protocol as p

@@ -12,7 +12,6 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
 
 from kvscope_contract import protocol as p
 from engine.model.detokenizer import Detokenizer
