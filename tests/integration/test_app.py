@@ -512,11 +512,9 @@ def test_clean_slate_starts_the_counters_afresh_and_the_past_stays_reachable(at,
     assert metric(at, "Prefix hit rate") != "0%"
 
 
-def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monkeypatch):
-    """Bug 4: kill -9 the embedded engine. The page says so (exit, last lines), claims nothing
-    live, keeps the history, never restarts on its own; Restart brings back the same pool."""
-    import os
-    import signal
+def embedded_tiny_512x8(monkeypatch):
+    """The dashboard on its embedded engine (the tiny model) reset to 512 blocks of 8 tokens:
+    (the app, the engine's Hosted, the grid's data)."""
     from app.ui.connection import hosted
     for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
         monkeypatch.delenv(var, raising=False)
@@ -525,8 +523,16 @@ def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monk
     at = AppTest.from_file(MAIN, default_timeout=30)
     rerun_until(at, grid_data, 90, "the embedded engine's grid")
     reset_pool(at, reset_bs=8, reset_dev=512)
-    rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8), what="the 512 x 8 pool")
-    h = hosted("engine.serve.server", ("--model", "tiny", "--port", "0"))
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8) and d, what="512 x 8")
+    return at, hosted("engine.serve.server", ("--model", "tiny", "--port", "0")), data
+
+
+def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monkeypatch):
+    """Bug 4: kill -9 the embedded engine. The page says so (exit, last lines), claims nothing
+    live, keeps the history, never restarts on its own; Restart brings back the same pool."""
+    import os
+    import signal
+    at, h, _ = embedded_tiny_512x8(monkeypatch)
     dead = h.process
     os.kill(dead.pid, signal.SIGKILL)
     banner = rerun_until(at, lambda a: next((e.value for e in a.error if "died" in e.value), None), what="the death")

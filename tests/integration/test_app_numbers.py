@@ -188,19 +188,10 @@ def test_the_history_before_a_restart_stays_browsable(monkeypatch):
     browsed with time travel (as the page promised), and the page goes back to the live engine."""
     import os
     import signal
-    from app.ui.connection import hosted
-    from tests.integration.test_app import reset_pool
-    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
-    st.cache_resource.clear()
-    at = AppTest.from_file(MAIN, default_timeout=30)
-    rerun_until(at, grid_data, 90, "the embedded engine's grid")
-    reset_pool(at, reset_bs=8, reset_dev=512)
-    before = rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8) and d, what="512 x 8")
-    h = hosted("engine.serve.server", ("--model", "tiny", "--port", "0"))
+    from tests.integration.test_app import embedded_tiny_512x8
+    at, h, before = embedded_tiny_512x8(monkeypatch)
     old = h.client
-    os.kill(h.process._proc.pid, signal.SIGKILL)
+    os.kill(h.process.pid, signal.SIGKILL)
     banner = rerun_until(at, lambda a: next((e.value for e in a.error if "died" in e.value), None), what="the death")
     assert "after a restart too" in banner
     at.button(key="restart_dead").click().run()

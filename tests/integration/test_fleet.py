@@ -4,6 +4,8 @@ duplicates, the merged forest and the router's score compared with what the engi
 say (their snapshots, their prefix hits), and one engine's death."""
 from __future__ import annotations
 
+import os
+import signal
 from collections import Counter
 
 import pytest
@@ -106,7 +108,7 @@ def test_duplicates_forest_and_scores_equal_what_the_engines_say(pair):
 
 def test_a_dead_engine_is_shown_and_the_other_stays_live(pair):
     fleet, procs = pair
-    procs[0]._proc.kill()
+    os.kill(procs[0].pid, signal.SIGKILL)
     rows = wait(lambda: (r := {x.name: x for x in fleet.rows()})["a"].state == "down" and r, 15, "a marked down")
     assert rows["b"].state == "live" and rows["a"].error
     run(fleet, "b", SYSTEM)  # b answers and its numbers move while a is down

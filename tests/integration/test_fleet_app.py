@@ -109,7 +109,7 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
             page.wait_for_function("[...document.querySelectorAll('[data-engine]')].every(e => "
                                    "/cached\\s*[1-9]/.test(e.innerText))", timeout=60_000)
             # kill one engine: its card says down within seconds, the other stays live and keeps redrawing
-            procs[0]._proc.kill()
+            os.kill(procs[0].pid, signal.SIGKILL)
             card["pod-a"].locator(".st.down").wait_for(timeout=20_000)
             assert card["pod-a"].locator(".alarm").inner_text().strip().endswith("down")
             before = cached("pod-b")
