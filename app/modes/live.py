@@ -115,11 +115,13 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
             f", the end of the step of the key event ({at:,})" if view.event != at else ", the key event")
         st.info(f"{where} · {key.text}", icon=":material/fast_forward:")
     header.metrics(view, client)
-    header.reservation_card(view)  # here, not beside the tables: drawn from the header's state, in its redraw
     travel.bar(client, view, connected)
     grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
               on_block=history_panels.show_block_in_log, extra={
                   "connected": connected, "highlight": lesson if lesson is not None else key.blocks if key else []})
+    # in the same redraw as the header (their numbers agree), below the grid: the card comes and
+    # goes with the sequences, and the grid must not move under the pointer when it does
+    header.reservation_card(view)
 
 
 def stopped_at(client: EngineClient, view: View):
