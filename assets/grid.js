@@ -21,7 +21,7 @@ const DETAIL = 5;                 // cells at least this wide get per-block deta
 const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 const fmt = (x) => Number(x).toLocaleString("en-US");
 const noun = (n, word, many) => (n === 1 ? word : many || word + "s");
-const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/panels/words.py
+const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/data/words.py
 
 // ------------------------------------------------------------------ frames
 function columnsDev(buf) {

@@ -22,7 +22,7 @@ from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, kind_of, touched_blocks
 from kvscope_contract.state import held_tokens
 from app.data.key_events import KEY_KINDS, block_ranges, explain
-from app.panels.words import plural
+from app.data.words import plural
 
 LESSONS_DIR = Path(__file__).resolve().parent / "lessons"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

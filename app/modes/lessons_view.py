@@ -12,7 +12,7 @@ from app.data.client import EngineClient
 from app.ui.commands import send
 from app.modes.lesson import Lesson, all_lessons, caption
 from app.modes.lesson_runner import LessonRun
-from app.panels.words import plural
+from app.data.words import plural
 
 KEY = "lesson"  # session state: the LessonRun in progress
 BEFORE = "pool_before_lesson"  # session state: (ResetConfig, paused, pace) the engine had before a lesson

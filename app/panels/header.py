@@ -8,7 +8,7 @@ from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
 from app.ui.palette import USED
-from app.panels.words import plural
+from app.data.words import plural
 from app.data.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",

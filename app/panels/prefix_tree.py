@@ -10,7 +10,7 @@ from collections.abc import Callable
 from html import escape
 
 from app.ui.palette import CACHED, LIT, USED
-from app.panels.words import plural
+from app.data.words import plural
 from kvscope_contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, Node, PrefixForest
 
 STATE_COLORS = {IN_USE: USED, CACHED_ONLY: CACHED, UNKNOWN: "#0f766e"}

@@ -19,7 +19,7 @@ import streamlit as st
 from app.data.client import View
 from app.data.mirror import Finished
 from app.ui.palette import ACCENT, LIT, seq_color
-from app.panels.words import plural
+from app.data.words import plural
 from kvscope_contract.kinds import KINDS
 from kvscope_contract.state import SeqState
 

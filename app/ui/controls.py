@@ -17,7 +17,7 @@ from app.ui.connection import Hosted, restart
 from app.data.key_events import KEY_KINDS
 from app.data.scenarios import SCENARIOS
 from app.data.source import VLLM_PYTHON, Source, recordings
-from app.panels.words import plural
+from app.data.words import plural
 
 SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)",

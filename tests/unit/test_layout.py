@@ -66,6 +66,8 @@ def test_the_dashboard_data_layer_never_imports_streamlit():
     for f in data:
         for name in imports(f):
             assert name.split(".")[0] not in ("streamlit", "altair"), f"{f.relative_to(ROOT)} imports {name}"
+            # the bottom room: panels, modes and the sidebar build on it, never the other way
+            assert not name.startswith(("app.panels", "app.modes", "app.ui")), f"{f.relative_to(ROOT)} imports {name}"
 
 
 def test_the_kv_event_mode_needs_neither_torch_nor_vllm():

@@ -8,7 +8,7 @@ from kvscope_contract import protocol as p
 from app.panels import header, tables, timeline
 from app.data.client import View
 from app.data.event_history import EventHistory
-from app.panels.words import plural
+from app.data.words import plural
 from tests.pool_driver import PoolDriver
 
 
