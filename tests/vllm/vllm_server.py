@@ -35,7 +35,19 @@ class VllmServer:
     lines: deque = field(default_factory=lambda: deque(maxlen=400))
     proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 600) -> VllmServer:
+    def start(self, timeout: float = 600, tries: int = 2) -> VllmServer:
+        """Start it; once more on fresh ports if it dies while starting (seen once in a clean
+        clone's run: its engine core failed at start, and the same start passed right after;
+        free_port's ports are free when picked, not when vLLM binds them)."""
+        for _ in range(tries - 1):
+            try:
+                return self._start(timeout)
+            except RuntimeError:
+                pass
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> VllmServer:
+        self.ws = ""
         port, pub, replay = free_port(), free_port(), free_port()
         self.api = f"http://127.0.0.1:{port}"
         self.kv_events = f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"
