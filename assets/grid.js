@@ -57,6 +57,7 @@ async function parse(bytes) {
 
 function apply(s, { head, part }) {
   if (head.style) { s.style = head.style; layout(s.style); }
+  if (!s.style) return false;  // a grid mounted afresh while Python thought it had the style: ask again, with it
   if (head.kind === "full") {
     s.dev = columnsDev(part("dev", DEV));
     s.host = columnsDev(part("host", HOST));

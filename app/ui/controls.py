@@ -27,7 +27,8 @@ _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay uniq
 
 
 def connection(source: Source, client: EngineClient | None, hosted: Hosted | None) -> None:
-    """Choose the source; a change is stored in the session and the app reruns on it."""
+    """Choose the source. Connect and Restart act in their click's callback, before the run they
+    start draws anything: a busy page's fragments may cut that run short, and must not lose the click."""
     with st.expander("Connection", expanded=client is None or client.status.state != "connected"):
         if client is not None and client.notices:
             for t, level, text in list(client.notices)[-3:]:
@@ -35,66 +36,98 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
         kind = st.radio("Source", list(SOURCE_KINDS), format_func=SOURCE_KINDS.get,
                         index=list(SOURCE_KINDS).index(source.kind), key="src_kind")
         if kind == "embedded":
-            model = st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
-                                  help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
-                                       "or a local Hugging Face Llama-family folder", key="src_model")
-            new = Source("embedded", model=model.strip() or "smollm2",
-                         engine_args=source.engine_args if source.kind == "embedded" else ())
+            st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
+                          help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
+                               "or a local Hugging Face Llama-family folder", key="src_model")
         elif kind == "attach":
-            url = st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url")
-            token = st.text_input("Token", source.token, type="password", key="src_token",
-                                  help="Needed when the engine was started with --token")
-            new = Source("attach", url=url.strip(), token=token.strip())
+            st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url")
+            st.text_input("Token", source.token, type="password", key="src_token",
+                          help="Needed when the engine was started with --token")
         elif kind == "vllm":
-            model = st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
-                                  help="smollm2 (bundled) or a model folder; vLLM runs from .venv-vllm (make vllm-venv)")
-            new = Source("vllm", model=model.strip() or "smollm2",
-                         engine_args=source.engine_args if source.kind == "vllm" else ())
+            st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
+                          help="smollm2 (bundled) or a model folder; vLLM runs from .venv-vllm (make vllm-venv)")
         elif kind == "kv_events":
-            url = st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq",
-                                help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
-            tok = st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok",
-                                help="a folder with tokenizer.json, to show the text of each block")
-            new = Source("kv_events", url=url.strip(), tokenizer=tok.strip())
+            st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq",
+                          help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
+            st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok",
+                          help="a folder with tokenizer.json, to show the text of each block")
         elif kind == "fleet":
-            path = st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
-                                 help="a TOML file listing engines (docs/fleet.md); empty: add them on the fleet page")
-            new = Source("fleet", path=str(Path(path).expanduser().resolve()) if path.strip() else "")
+            st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
+                          help="a TOML file listing engines (docs/fleet.md); empty: add them on the fleet page")
         else:
             files = [str(f) for f in recordings()]
             if source.kind == "replay" and source.path not in files:
                 files.insert(0, source.path)
-            picked = st.selectbox("Recording", files + ["other file…"], format_func=lambda f: Path(f).name,
+            picked = st.selectbox("Recording", files + [OTHER_FILE], format_func=lambda f: Path(f).name,
                                   index=files.index(source.path) if source.path in files else 0, key="src_file")
-            if picked == "other file…" or not files:
-                picked = st.text_input("Path to a recording (.jsonl)", key="src_path")
-            speed = st.select_slider("Speed", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0], source.speed, key="src_speed")
-            new = Source("replay", path=str(Path(picked).expanduser().resolve()) if picked else "", speed=speed)
+            if picked == OTHER_FILE or not files:
+                st.text_input("Path to a recording (.jsonl)", key="src_path")
+            st.select_slider("Speed", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0], source.speed, key="src_speed")
+        if error := st.session_state.pop(CONNECT_ERROR, None):
+            st.error(error)
         cols = st.columns(2)
-        if cols[0].button("Connect", type="primary", disabled=new == source, width="stretch"):
-            if new.kind == "attach" and not new.url.startswith(("ws://", "wss://")):
-                st.error("The URL must start with ws:// or wss://")
-            elif new.kind == "replay" and not Path(new.path).is_file():
-                st.error(f"No recording at {new.path}")
-            elif new.kind == "vllm" and not VLLM_PYTHON.exists():
-                st.error("vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)")
-            elif new.kind == "fleet" and new.path and not Path(new.path).is_file():
-                st.error(f"No fleet file at {new.path}")
-            elif new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
-                st.error("The endpoint must start with tcp:// or ipc://")
-            else:
-                st.session_state["source"] = new
-                st.session_state["travel"] = None
-                st.rerun()
-        if source.kind in ("embedded", "replay", "vllm") and cols[1].button(
-                {"embedded": "Restart engine", "replay": "Restart replay", "vllm": "Restart vLLM"}[source.kind],
-                width="stretch", help="Start it again (an engine with the pool config and pace it last had)"):
-            restart(source)
-            st.rerun()
+        cols[0].button("Connect", type="primary", disabled=chosen(source, st.session_state) == source,
+                       width="stretch", on_click=_connect, args=(source,))
+        if source.kind in ("embedded", "replay", "vllm"):
+            cols[1].button({"embedded": "Restart engine", "replay": "Restart replay", "vllm": "Restart vLLM"}[source.kind],
+                           width="stretch", on_click=restart, args=(source,),
+                           help="Start it again (an engine with the pool config and pace it last had)")
         if hosted is not None:
             hosted.auto_restart = st.toggle(
                 "Restart it when it dies", hosted.auto_restart, key="auto_restart",
                 help="Off: a dead engine is shown with its last lines and waits for Restart")
+
+
+OTHER_FILE = "other file…"
+CONNECT_ERROR = "connect_error"  # session state: why the last Connect was refused
+
+
+def _path(text: str) -> str:
+    return str(Path(text).expanduser().resolve()) if text.strip() else ""
+
+
+def chosen(source: Source, values) -> Source:
+    """The source the Connection panel's widgets (their values by key) describe."""
+    kind = values.get("src_kind", source.kind)
+    if kind == "embedded":
+        return Source("embedded", model=values.get("src_model", "").strip() or "smollm2",
+                      engine_args=source.engine_args if source.kind == "embedded" else ())
+    if kind == "attach":
+        return Source("attach", url=values.get("src_url", "").strip(), token=values.get("src_token", "").strip())
+    if kind == "vllm":
+        return Source("vllm", model=values.get("src_vllm", "").strip() or "smollm2",
+                      engine_args=source.engine_args if source.kind == "vllm" else ())
+    if kind == "kv_events":
+        return Source("kv_events", url=values.get("src_zmq", "").strip(), tokenizer=values.get("src_tok", "").strip())
+    if kind == "fleet":
+        return Source("fleet", path=_path(values.get("src_fleet", "")))
+    picked = values.get("src_file") or OTHER_FILE
+    if picked == OTHER_FILE:
+        picked = values.get("src_path", "")
+    return Source("replay", path=_path(picked), speed=values.get("src_speed", source.speed))
+
+
+def _refusal(new: Source) -> str | None:
+    if new.kind == "attach" and not new.url.startswith(("ws://", "wss://")):
+        return "The URL must start with ws:// or wss://"
+    if new.kind == "replay" and not Path(new.path).is_file():
+        return f"No recording at {new.path}"
+    if new.kind == "vllm" and not VLLM_PYTHON.exists():
+        return "vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)"
+    if new.kind == "fleet" and new.path and not Path(new.path).is_file():
+        return f"No fleet file at {new.path}"
+    if new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
+        return "The endpoint must start with tcp:// or ipc://"
+    return None
+
+
+def _connect(source: Source) -> None:
+    """Connect's callback: the session's new source, or why not."""
+    new = chosen(source, st.session_state)
+    if error := _refusal(new):
+        st.session_state[CONNECT_ERROR] = error
+    else:
+        st.session_state.update({"source": new, "travel": None})
 
 
 def prompt_form(client: EngineClient) -> None:

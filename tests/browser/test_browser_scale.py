@@ -1,7 +1,8 @@
 """A million-block pool in a real browser: the app attached to the real engine with its model
 replaced by random tokens (engine/synthetic.py), Debian's chromium driven by playwright. The
 page loads and draws the overview; the zoomed view zooms (wheel, keys, buttons) and pans by
-the overview; hovering a block explains it, its text included; nothing throws."""
+the overview; hovering a block explains it, its text included; nothing throws. Leaving that busy
+engine for a replay, and coming back, never waits on it."""
 from __future__ import annotations
 
 import signal
@@ -16,17 +17,22 @@ from tests.browser.test_browser import CHROMIUM, FLAGS, open_grid
 BLOCKS = 1 << 20
 
 
-@pytest.fixture
-def big_app():
+@pytest.fixture(scope="module")
+def big_engine():
     eng = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks",
                                             "4096", "--fill", "0.2", "--warm-steps", "0", "--live", "48", "--max-num-seqs", "48",
                                             "--max-tokens", "48", "--step-delay-ms", "100"]).start()
     assert eng.wait_ready(300), "\n".join(eng.tail(30))
-    app, url = start_streamlit(["--engine", eng.url])
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def big_app(big_engine):
+    app, url = start_streamlit(["--engine", big_engine.url])
     yield url
     app.send_signal(signal.SIGTERM)
     app.wait(timeout=30)
-    eng.stop()
 
 
 @pytest.mark.slow
@@ -80,5 +86,32 @@ def test_a_million_blocks_load_draw_an_overview_and_zoom(big_app):
                 page.wait_for_timeout(1200)  # the text comes with the next frame
                 if "“" in tip.inner_text():
                     break
+        assert not errors, errors
+        browser.close()
+
+
+@pytest.mark.slow
+def test_leaving_a_busy_million_block_engine_for_a_replay_and_back_never_waits_on_it(big_engine, big_app):
+    """Connect acts in its click's callback: the busy page's fragments, rerunning all the time,
+    cannot cut the click's run short before it switches (once this waited for minutes)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        errors: list[str] = []
+        for _ in range(3):  # each time a fresh tab on the engine, busy and drawing, then the replay
+            page = open_grid(browser, big_app, BLOCKS, errors)
+            page.wait_for_function("window.__kvscope_grid.draws > 2 && window.__kvscope_grid.live", timeout=60_000)
+            sidebar = page.get_by_test_id("stSidebar")
+            panel = sidebar.locator("details", has_text="Connection")
+            if panel.get_attribute("open") is None:
+                panel.get_by_text("Connection", exact=True).click()
+            expect(panel).to_have_attribute("open", "", timeout=30_000)
+            panel.get_by_text("Replay a recording", exact=True).click()
+            connect = sidebar.get_by_role("button", name="Connect")
+            expect(connect).to_be_enabled(timeout=60_000)
+            connect.click()
+            page.get_by_text("Replaying a recording").first.wait_for(timeout=30_000)
+            page.close()
         assert not errors, errors
         browser.close()
