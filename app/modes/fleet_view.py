@@ -25,6 +25,7 @@ from app.data.fleet_index import FleetIndex, pick
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
+from app.modes import fleet_lesson_view
 
 REDRAW_S = 0.5          # the engines' cards
 INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache
@@ -125,7 +126,9 @@ def page(source: Source) -> None:
         load_panel(fleet)
     if not fleet.members():
         st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
-                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`.")
+                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`; or start the "
+                "routing lesson below, which starts two KVScope engines of its own.")
+    st.fragment(fleet_lesson_view.panel, run_every=fleet_lesson_view.REDRAW_S)(fleet, source)
     c = st.columns([2, 1, 2, 1])
     c[0].selectbox("Sort by", list(SORTS), key="fleet_sort")
     c[1].toggle("Descending", False, key="fleet_desc")
