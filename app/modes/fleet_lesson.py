@@ -101,8 +101,9 @@ def all_fleet_lessons(folder: Path = FLEET_LESSONS_DIR) -> list[FleetLesson]:
     return [load(f) for f in sorted(folder.glob("*.toml"))]
 
 
-def first_words(system: str, n: int = 3) -> str:
-    return "“" + " ".join(system.split()[:n]).rstrip(".,") + "”"
+def first_words(system: str) -> str:
+    """A system prompt by its opening words (each of the load's opens with its role: "Billing desk assistant.")."""
+    return "“" + " ".join(system.split(".")[0].split()[:4]) + "”"
 
 
 # ------------------------------------------------------------------------------ the engines

@@ -11,6 +11,7 @@ from app.modes.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption, c
 
 KEY = "fleet_lesson"  # session state: the FleetLessonRun in progress
 REDRAW_S = 0.5
+OPEN = "fleet_lesson_open"  # session state: show the lesson's card open (arriving from the Lessons mode)
 
 
 def lessons():
@@ -31,7 +32,7 @@ def panel(fleet: Fleet, source: Source) -> None:
     run = current()
     all_ = lessons()
     lesson = run.lesson if run is not None else next(iter(all_.values()))
-    with st.expander(f":material/school: Lesson: {lesson.title}", expanded=run is not None):
+    with st.expander(f":material/school: Lesson: {lesson.title}", expanded=run is not None or bool(st.session_state.get(OPEN))):
         with st.container(key="fleet_lesson_card"):
             _card(fleet, source, run, lesson)
 
