@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if not VLLM_PYTHON.exists():
         sys.exit("no .venv-vllm: `make vllm-venv` builds it (about 5 minutes)")
     os.environ.setdefault("PYTHONHASHSEED", "0")  # the same block hashes on every server
+    # /reset_prefix_cache, for "Clear every prefix cache" and the routing lesson (the servers bind 127.0.0.1)
+    os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     procs, servers = zip(*(start_server(args.num_blocks) for _ in range(args.servers)))
     folder = Path(tempfile.mkdtemp(prefix="kvscope-fleet-"))
     path = fleet_file(list(servers), folder)

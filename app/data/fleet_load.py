@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
+import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -73,6 +77,57 @@ def assign(requests: Sequence[ChatRequest], engines: Sequence[str], policy: Poli
         return [(engines[int(hashlib.blake2b(affinity_key(r).encode(), digest_size=4).hexdigest(), 16) % len(engines)], r)
                 for r in requests]
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+# ------------------------------------------------------------------------------ over HTTP
+_models: dict[str, str] = {}  # OpenAI server -> the model it serves (asked once)
+
+
+def served_model(api: str, timeout: float = 5.0) -> str:
+    """The first model an OpenAI server lists at /v1/models (vLLM serves one)."""
+    if api not in _models:
+        with urllib.request.urlopen(api.rstrip("/") + "/v1/models", timeout=timeout) as r:
+            _models[api] = json.loads(r.read())["data"][0]["id"]
+    return _models[api]
+
+
+def chat_body(cmd: p.Submit, model: str) -> dict:
+    """The OpenAI chat (or completion) request that asks what `cmd` asks."""
+    body = {"model": model, "max_tokens": cmd.max_tokens, "temperature": cmd.temperature, "top_p": cmd.top_p,
+            "n": cmd.n, "ignore_eos": cmd.ignore_eos, **({"seed": cmd.seed} if cmd.seed is not None else {})}
+    if cmd.messages is not None:
+        return {**body, "messages": [{"role": m.role, "content": m.content} for m in cmd.messages]}
+    return {**body, "prompt": cmd.prompt}
+
+
+def post_openai(api: str, cmd: p.Submit, timeout: float = 600.0) -> dict:
+    """Send `cmd` to an OpenAI server (vLLM, SGLang) and wait for the answer; its error in words."""
+    path = "/v1/chat/completions" if cmd.messages is not None else "/v1/completions"
+    req = urllib.request.Request(api.rstrip("/") + path, json.dumps(chat_body(cmd, served_model(api))).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{api}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+
+
+def post_in_background(api: str, cmd: p.Submit | None, failed: Callable[[str], object], path: str = "") -> threading.Thread:
+    """`post_openai` on a thread of its own (or an empty POST to `path`): the page never waits for
+    a server's answer; a failure is handed to `failed`, in words."""
+    def go() -> None:
+        try:
+            if cmd is not None:
+                post_openai(api, cmd)
+            else:
+                urllib.request.urlopen(urllib.request.Request(api.rstrip("/") + path, b"", method="POST"), timeout=60).close()
+        except urllib.error.HTTPError as e:
+            failed(f"{path or cmd.request_id}: HTTP {e.code}: {e.read()[:200].decode(errors='replace')}")
+        except Exception as e:  # a server down, a bad answer: said on the page
+            failed(f"{path or cmd.request_id or 'request'}: {e}")
+    t = threading.Thread(target=go, daemon=True, name=f"load {api}")
+    t.start()
+    return t
 
 
 def send_all(plan: Sequence[tuple[str, ChatRequest]], send: Callable[[str, p.Submit], object],

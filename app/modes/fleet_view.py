@@ -16,7 +16,6 @@ import itertools
 import numpy as np
 import streamlit as st
 
-from kvscope_contract import protocol as p
 from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
 from app.data import fleet_load
 from app.panels import prefix_tree
@@ -271,23 +270,24 @@ def load_panel(fleet: Fleet) -> None:
             targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
             plan = fleet_load.assign(fleet_load.workload(int(n), int(systems), f"{policy[:2]}{next(_runs)}"),
                                      [e.name for e in targets], policy)
-            failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].client.send(cmd), int(max_tokens))
+            failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].submit(cmd), int(max_tokens))
             st.session_state["fleet_sent"] = (
                 f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
                 + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
         if msg := st.session_state.get("fleet_sent"):
             st.caption(msg)
+        for e in fleet.members():  # requests sent over HTTP fail later, on their own threads
+            for err in list(e.load_errors)[-2:]:
+                st.caption(f":red[{e.name}: {err}]")
         if st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
                      help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)"):
             for e in takers(fleet):
-                if e.client.supports("clear_prefix_cache"):
-                    e.client.send(p.ClearPrefixCache())
+                e.clear_prefix_cache()
 
 
 def takers(fleet: Fleet) -> list:
-    """The engines that take prompts now: live WebSocket engines whose server carries out `submit`."""
-    return [e for e in fleet.members() if e.client is not None and e.client.status.state == "connected"
-            and e.client.supports("submit")]
+    """The engines that take prompts now (see FleetEngine.takes_prompts)."""
+    return [e for e in fleet.members() if e.takes_prompts()]
 
 
 # ------------------------------------------------------------------------------ leaving and coming back

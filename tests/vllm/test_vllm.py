@@ -484,3 +484,38 @@ def test_m_find_ranks_reads_vllms_kv_event_sources(vllm):
 
     found = kv_event_sources(vllm.api)
     assert found is not None and [(e.url, e.kind, e.rank) for e in found] == [(vllm.kv_events, "kv-events", 0)]
+
+
+def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_openai_api(vllm):
+    """An engine attached only by its ZMQ KV events, with its server's OpenAI URL as `api`: the
+    load generator's chats reach vLLM over HTTP (vLLM's own request counter), the stream then holds
+    their prompts' blocks by content (the chat prompt as vLLM's /tokenize gives it), "Clear every
+    prefix cache" empties it, and a server that does not answer is said on the page, not raised."""
+    from app.data import fleet_load
+    from app.data.fleet import Endpoint, Fleet
+    from app.data.fleet_content import chain_ids
+
+    f = Fleet.of([Endpoint("z", vllm.kv_events, "kv-events", vllm.api),
+                  Endpoint("gone", "tcp://127.0.0.1:9", "kv-events", "http://127.0.0.1:9")])
+    try:
+        z = f.engines["z"]
+        assert z.takes_prompts() and z.clear_prefix_cache()
+        wait(lambda: not z.contents() and not z.load_errors, 30, "an empty prefix cache")
+        before = vllm.metric("vllm:request_success_total")
+        plan = fleet_load.assign(fleet_load.workload(4, 2, "kv"), ["z"], "affinity")
+        assert fleet_load.send_all(plan, lambda n, cmd: f.engines[n].submit(cmd), max_tokens=4) == {}
+        wait(lambda: vllm.metric("vllm:request_success_total") >= before + 4, 300, "vLLM to answer the 4 chats")
+        assert not z.load_errors, list(z.load_errors)
+        for _, req in plan:
+            ids = vllm.post("/tokenize", {"model": BUNDLED.name, "messages": [
+                {"role": "system", "content": req.system}, {"role": "user", "content": req.question}]})["tokens"]
+            want = chain_ids(ids, 32)
+            wait(lambda: set(want) <= {c.cid for c in z.contents()}, 30, f"{req.request_id}'s blocks in the stream")
+        assert f.index().duplicated_blocks() == 0 and f.index().unknown_blocks() == 0
+        assert z.clear_prefix_cache()
+        wait(lambda: not z.contents(), 30, "the stream to say the cache was cleared")
+        f.engines["gone"].submit(fleet_load.workload(1)[0].command())
+        wait(lambda: f.engines["gone"].load_errors, 30, "the dead server's error")
+        assert "refused" in f.engines["gone"].load_errors[0].lower() or "error" in f.engines["gone"].load_errors[0].lower()
+    finally:
+        f.close()
