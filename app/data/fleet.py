@@ -245,6 +245,15 @@ class FleetEngine:
         else:
             raise ValueError(f"{self.name} takes no prompts: a KV-event stream needs `api`, its server's OpenAI URL")
 
+    def lookups(self) -> tuple[int, int] | None:
+        """(prefix-hit tokens, tokens looked up) since this dashboard attached; None for a KV-event
+        stream (it says what is cached, not what requests found)."""
+        if self.client is None:
+            return None
+        with self.client.lock:
+            view = self.client.view()
+            return (view.mirror.tally.hit_tokens, view.mirror.tally.looked_up_tokens) if view else None
+
     def clear_prefix_cache(self) -> bool:
         """Ask the engine to empty its prefix cache (a vLLM only with VLLM_SERVER_DEV_MODE=1: its
         `/reset_prefix_cache`); False where it cannot be asked."""

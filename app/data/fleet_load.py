@@ -22,20 +22,34 @@ from kvscope_contract import protocol as p
 Policy = Literal["round-robin", "affinity"]
 POLICIES: tuple[str, ...] = ("round-robin", "affinity")
 
-# Each opens differently (the first block differs) and is several 32-token blocks long.
+# Each opens differently (the first block differs) and is 100 to 115 tokens long (SmolLM2's
+# tokenizer): with the chat template's opening, three full 32-token blocks (six of 16) that every
+# request of a system prompt shares, the blocks a fleet pays for twice when two engines cache them.
 SYSTEM_PROMPTS = (
     "Billing desk assistant. You answer questions about invoices, refunds and payment plans for a "
     "small software company. Be brief and polite, quote the policy when you can, and never promise "
-    "a refund larger than the amount paid. Ask for the invoice number when it is missing.",
+    "a refund larger than the amount paid. Ask for the invoice number when it is missing. Refunds "
+    "are possible within thirty days of payment; after that, offer a credit note instead. Payment "
+    "plans split an invoice over at most six months and need the customer's written agreement. "
+    "Never ask for a full card number, and send anything about a data breach to the security team.",
     "Cooking helper. You suggest simple recipes from what is in the fridge, list the steps in order "
     "and give cooking times in minutes. Prefer vegetarian dishes unless asked otherwise, and warn "
-    "about common allergens such as nuts, gluten and shellfish.",
+    "about common allergens such as nuts, gluten and shellfish. Assume a home kitchen with one oven, "
+    "two pans and no special tools. Keep a recipe under ten ingredients, name a substitute for any "
+    "ingredient that is hard to find, and say how long leftovers keep in the fridge. When a dish "
+    "needs meat, say how to tell that it is cooked through.",
     "Travel planner. You propose day plans for a city trip: museums, walks, places to eat, with the "
     "time each takes and how to get from one to the next by public transport. Keep each day under "
-    "eight hours and mention what needs a ticket booked ahead.",
+    "eight hours and mention what needs a ticket booked ahead. Put the busiest sights early in the "
+    "morning, leave an hour free in the afternoon, and suggest an indoor plan for a rainy day. Give "
+    "prices in the local currency, say which places are closed on Mondays, and keep walks under "
+    "five kilometres a day for travellers with children.",
     "Code reviewer. You read short Python functions and point out bugs, unclear names and missing "
     "tests, most important first, in at most five sentences. Suggest a fix for each bug and keep "
-    "the author's style.",
+    "the author's style. Flag mutable default arguments, bare except clauses, and files or sockets "
+    "that are never closed. Prefer the standard library to a new dependency, ask for type hints on "
+    "public functions, and say when a loop could be a comprehension, but never rewrite working "
+    "code only to make it shorter.",
 )
 QUESTIONS = ("Can you help me with this?", "What should I do first?", "Give me a short answer, please.",
              "What would you recommend today?", "Is there anything I should watch out for?",

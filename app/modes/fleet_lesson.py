@@ -68,6 +68,7 @@ class FleetLesson(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 PLACEHOLDERS = {
     "engines": "the two engines' names", "blocks": "device blocks per engine", "bs": "block size",
+    "caching": "whether both engines cache prefixes",
     "physical": "cached blocks in both pools", "contents": "distinct cached contents",
     "duplicated": "duplicated blocks (every copy but one)", "dup_mib": "their MiB",
     "on_both": "contents cached on both engines", "on_both_engines": "where they are (both engines' names)",
@@ -337,7 +338,9 @@ class FleetLessonRun:
         cfg = self._client(a).view().mirror.config
         on_both = sum(1 for held in ix.holders.values() if len(held) > 1)
         w = {k: "" for k in PLACEHOLDERS}
+        caching = {self._client(n).view().mirror.config.enable_prefix_caching for n in self.engines}
         w.update(engines=f"**{a}** and **{b}**", blocks=f"{cfg.num_device_blocks:,}", bs=str(cfg.block_size),
+                 caching="prefix caching on" if caching == {True} else "prefix caching off on one of them",
                  physical=f"{sum(ix.copies(c) for c in ix.holders):,}", contents=f"{len(ix.holders):,}",
                  duplicated=f"{ix.duplicated_blocks():,}", dup_mib=f"{ix.duplicated_bytes() / 2**20:,.2f}",
                  on_both=f"{on_both:,}", on_both_engines=f"both {a} and {b}")

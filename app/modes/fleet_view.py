@@ -183,7 +183,7 @@ def prefix_cache(fleet: Fleet) -> None:
         key = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{engine_color(names, {n})}"></span> {html.escape(n)}'
                        for n in names) + f' <span style="display:inline-block;width:10px;height:10px;background:{SHARED_COLOR}"></span> several'
         st.caption("The merged prefix forest: each cached content once, coloured by the engine holding it "
-                   "(indigo: several; ×n: how many engines).")
+                   "(indigo: several, named on the block; ×n copies: the physical blocks holding it).")
         st.html(f'<div style="font-size:12px">{key}</div>')
         holders = ix.holders
         st.html(prefix_tree.render(ix.forest(), max_nodes=300,
@@ -270,12 +270,14 @@ def load_panel(fleet: Fleet) -> None:
             targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
             plan = fleet_load.assign(fleet_load.workload(int(n), int(systems), f"{policy[:2]}{next(_runs)}"),
                                      [e.name for e in targets], policy)
+            st.session_state["fleet_load_base"] = {e.name: e.lookups() for e in targets}
             failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].submit(cmd), int(max_tokens))
             st.session_state["fleet_sent"] = (
                 f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
                 + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
         if msg := st.session_state.get("fleet_sent"):
             st.caption(msg)
+        st.fragment(load_since, run_every=1.0)(fleet)
         for e in fleet.members():  # requests sent over HTTP fail later, on their own threads
             for err in list(e.load_errors)[-2:]:
                 st.caption(f":red[{e.name}: {err}]")
@@ -283,6 +285,21 @@ def load_panel(fleet: Fleet) -> None:
                      help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)"):
             for e in takers(fleet):
                 e.clear_prefix_cache()
+
+
+def load_since(fleet: Fleet) -> None:
+    """Each engine's prefix hit rate over the requests since the last Send (a card's hit rate counts
+    everything since the page attached, both policies' runs together)."""
+    base = st.session_state.get("fleet_load_base") or {}
+    parts = []
+    for name, before in base.items():
+        eng = fleet.engines.get(name)
+        now = eng.lookups() if eng is not None else None
+        if before is not None and now is not None and now[1] > before[1]:
+            hit, looked = now[0] - before[0], now[1] - before[1]
+            parts.append(f"{name} **{hit / looked:.0%}** ({hit:,} of {looked:,} tokens)")
+    if parts:
+        st.caption("Hit rate since this Send: " + " · ".join(parts))
 
 
 def takers(fleet: Fleet) -> list:

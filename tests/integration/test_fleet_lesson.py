@@ -81,7 +81,7 @@ def empty(at: AtStop) -> None:
         st, _ = e.snapshot()
         assert not st.seqs and st.counts().used == 0
         assert num(at.words["blocks"]) == st.config.num_device_blocks and num(at.words["bs"]) == st.config.block_size
-        assert st.config.enable_prefix_caching
+        assert st.config.enable_prefix_caching and at.words["caching"] == "prefix caching on"
 
 
 def duplicates(at: AtStop) -> int:
