@@ -235,3 +235,60 @@ def test_the_lessons_list_opens_the_routing_lesson_on_the_fleet_page(at):
     at.sidebar.button(key="lesson_fleet_open").click().run()
     assert at.session_state["source"].kind == "fleet" and at.title[0].value == "KVScope · Fleet"
     assert at.button(key="fleet_lesson_start") and LESSONS["routing"].goal in card(at)
+
+
+@pytest.mark.slow
+def test_the_routing_lesson_in_a_browser(tmp_path):
+    """`make run ARGS="--fleet"`, then the lesson in Chromium: Start starts two SmolLM2 engines, each
+    Next shows its stop's card, and the page's own fleet-wide numbers agree with the captions
+    (duplicated blocks after round-robin, none after affinity)."""
+    import os
+    import signal
+
+    from playwright.sync_api import sync_playwright
+    from tools.launch import CHROMIUM, FLAGS, start_streamlit
+
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
+    lesson = LESSONS["routing"]
+    log = tmp_path / "streamlit.log"
+    with log.open("w") as out:
+        streamlit, url = start_streamlit(["--fleet"], out=out)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1400})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            main = page.get_by_test_id("stMain")
+            main.get_by_text("Lesson: Routing across a fleet").click()
+            main.get_by_role("button", name="Start the lesson").click()
+            card = page.locator(".st-key-fleet_lesson_card")
+
+            def duplicated() -> str:
+                return page.get_by_test_id("stMetric").filter(has_text="duplicated blocks").inner_text().split("\n")[-1]
+
+            for i, stop in enumerate(lesson.stops):
+                if i:
+                    card.get_by_role("button", name="Next").click()
+                card.get_by_text(re.compile(rf"stop {i + 1} of {len(lesson.stops)} · {re.escape(stop.title)}$")) \
+                    .wait_for(timeout=300_000)  # the stop's own title (while running: what it is doing)
+                text = card.inner_text()
+                lead = stop.caption.split("**")[1]  # the caption's bold opening
+                assert lead in text and "Error" not in text, text
+                if stop.do == "send":  # the page's own index, redrawn every 2 s, says what the caption says
+                    said = re.search(r"Duplicated blocks: (\d+)|holds (\d+) duplicated blocks", text)
+                    n = next(g for g in said.groups() if g is not None)
+                    page.wait_for_function("(n) => [...document.querySelectorAll('[data-testid=stMetric]')].some("
+                                           "m => m.innerText.startsWith('duplicated blocks') && m.innerText.trim()"
+                                           ".endsWith('\\n' + n))", arg=n, timeout=30_000)
+                    assert (int(n) > 0) == (stop.policy == "round-robin") and duplicated() == n
+            for name in ("lesson-a", "lesson-b"):  # the engines it started, live on the page
+                page.locator(f'[data-engine="{name}"] .st.live').wait_for(timeout=10_000)
+            assert not errors, errors
+            browser.close()
+    finally:
+        streamlit.send_signal(signal.SIGTERM)
+        streamlit.wait(timeout=20)
+        print(log.read_text()[-3000:])
