@@ -287,9 +287,13 @@ class FleetLessonRun:
                 raise TimeoutError(f"{stop.policy}: {sent} of {len(plan)} requests sent, not all finished")
             for name in self.engines:
                 c = self._client(name)
+                if c.status.state != "connected":  # said at once, not after the stop's timeout
+                    raise RuntimeError(f"{name} is {c.status.state}: {c.status.last_error or 'no reason given'}")
                 view = c.view()
+                if view is None:
+                    continue
                 if name in in_flight:
-                    if view is None or view.mirror.tally.finished < in_flight[name] or view.mirror.state.seqs:
+                    if view.mirror.tally.finished < in_flight[name] or view.mirror.state.seqs:
                         continue
                     del in_flight[name]
                 if queues[name]:

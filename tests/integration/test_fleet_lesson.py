@@ -292,3 +292,37 @@ def test_the_routing_lesson_in_a_browser(tmp_path):
         streamlit.send_signal(signal.SIGTERM)
         streamlit.wait(timeout=20)
         print(log.read_text()[-3000:])
+
+
+def test_an_engine_killed_during_the_lesson_is_said_at_once():
+    """On a fleet that has two engines already (engine.synthetic: the real engine core, random
+    tokens), the lesson uses them; one killed before a stop: the stop ends with the reason within
+    seconds instead of waiting out its timeout, and the other engine stays usable."""
+    import os
+    import signal
+    import time
+
+    from app.data.fleet import Endpoint, Fleet
+    from app.modes.fleet_lesson import FleetLessonRun
+    from tests.integration.test_fleet import synthetic
+
+    procs = [synthetic(), synthetic()]
+    fleet = Fleet.of([Endpoint("a", procs[0].url), Endpoint("b", procs[1].url)])
+    try:
+        run = FleetLessonRun(LESSONS["routing"], fleet)
+        wait(lambda: all(fleet.engines[n].client.view() is not None for n in "ab"), 30, "both engines")
+        run.next()
+        run.wait()
+        assert not run.errors and run.engines == ["a", "b"] and run.reached[0]["physical"] == "0"
+        os.kill(procs[1].pid, signal.SIGKILL)
+        wait(lambda: fleet.engines["b"].client.status.state != "connected", 15, "b seen gone")
+        t0 = time.monotonic()
+        run.next()
+        run.wait(60)
+        assert run.pending is None and time.monotonic() - t0 < 30
+        assert len(run.reached) == 1 and run.errors and "stop 2: b is" in run.errors[0], run.errors
+        assert fleet.engines["a"].client.status.state == "connected"
+    finally:
+        fleet.close()
+        for proc in procs:
+            proc.stop()
