@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[kvscope] the fleet page: http://localhost:{args.port}", flush=True)
     dash = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), "--server.port",
                              str(args.port), *STREAMLIT_FLAGS, "--", "--fleet", str(path)], cwd=ROOT)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stopped: clean up as on Ctrl-C
     try:
         return dash.wait()
     except KeyboardInterrupt:
-        dash.terminate()
-        return dash.wait()
-    finally:
+        return 130
+    finally:  # the dashboard too (a child of ours, not of the servers' log threads)
+        if dash.poll() is None:
+            dash.terminate()
+            dash.wait(timeout=30)
         for proc in procs:
             proc.stop()
 
