@@ -123,10 +123,6 @@ def page(source: Source) -> None:
     with st.sidebar:
         engines_panel(fleet)
         load_panel(fleet)
-    if not fleet.members():
-        st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
-                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`; or start the "
-                "routing lesson below, which starts two KVScope engines of its own.")
     st.fragment(fleet_lesson_view.panel, run_every=fleet_lesson_view.REDRAW_S)(fleet, source)
     c = st.columns([2, 1, 2, 1])
     c[0].selectbox("Sort by", list(SORTS), key="fleet_sort")
@@ -140,6 +136,10 @@ def page(source: Source) -> None:
 
 def cards(fleet: Fleet, source: Source) -> None:
     members = {e.name: e for e in fleet.members()}
+    if not members:  # here, not above: the lesson adds engines while only the fragments redraw
+        st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
+                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`; or start the "
+                "routing lesson above, which starts two KVScope engines of its own.")
     rows = [r for r in fleet.rows() if r.name in members]  # one removed meanwhile: gone
     st.session_state["fleet_rows"] = rows
     live = sum(r.state == "live" for r in rows)

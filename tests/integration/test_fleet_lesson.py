@@ -191,6 +191,7 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
     at = AppTest.from_file(MAIN, default_timeout=60)
     at.run()
     assert at.title[0].value == "KVScope · Fleet" and not at.exception
+    assert any("No engine yet" in i.value for i in at.info)
     lesson = LESSONS["routing"]
     n = len(lesson.stops)
     at.button(key="fleet_lesson_start").click().run()
@@ -211,6 +212,7 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
                     obs = EngineClient(url)
                     engines.append(Engine(name, url, obs))
                 wait(lambda: all(e.observer.view() is not None for e in engines), 30, "the observers")
+                assert not any("No engine yet" in x.value for x in at.info)  # its two engines are the fleet's
             text = card(at)
             assert caption(stop, run.words()) in text and "?" not in caption(stop, run.words())
             CLAIMS["routing", i](AtStop(run.words(), engines, run))
