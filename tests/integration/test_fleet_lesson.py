@@ -201,7 +201,7 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
         for i, stop in enumerate(lesson.stops):
             if i:
                 at.button(key="fleet_lesson_next").click().run()
-            wait(lambda: at.run() and (run.pending is None and len(run.reached) == i + 1 or run.errors), 300,
+            wait(lambda: at.run() and (run.pending is None and len(run.reached) == i + 1 or run.errors), 600,
                  f"stop {i + 1}")
             assert not run.errors, run.errors
             at.run()
@@ -275,7 +275,7 @@ def test_the_routing_lesson_in_a_browser(tmp_path):
                 if i:
                     card.get_by_role("button", name="Next").click()
                 card.get_by_text(re.compile(rf"stop {i + 1} of {len(lesson.stops)} · {re.escape(stop.title)}$")) \
-                    .wait_for(timeout=300_000)  # the stop's own title (while running: what it is doing)
+                    .wait_for(timeout=600_000)  # the stop's own title (while running: what it is doing)
                 text = card.inner_text()
                 lead = stop.caption.split("**")[1]  # the caption's bold opening
                 assert lead in text and "Error" not in text, text
