@@ -102,7 +102,7 @@ vllm-venv: $(VLLM_STAMP) $(SMOLLM2_DIR)/config.json
 
 # the tests against a real vLLM (tests/vllm/test_vllm.py); `make test` skips them without .venv-vllm
 test-vllm: install vllm-venv
-	$(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) tests/vllm/test_vllm.py tests/vllm/test_kv_events.py
+	$(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) tests/vllm/test_vllm.py tests/vllm/test_kv_events.py tests/vllm/test_run_fleet.py
 
 # the dashboard on a real vLLM serving the bundled SmolLM2, its pool of $(VLLM_BLOCKS) blocks live;
 # the dashboard starts vLLM (VLLM_BLOCKS=256 make run-vllm for a bigger pool) and shows its progress

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 import time
 import tomllib
 import urllib.request
@@ -36,6 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from kvscope_contract import protocol as p
+from app.data import fleet_load
 from app.data.client import EngineClient
 from app.data.fleet_content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
 from app.data.fleet_index import EngineCache, FleetIndex
@@ -215,6 +217,7 @@ class FleetEngine:
         self.endpoint = endpoint.check()
         self.client: FleetClient | None = None
         self.subscriber = None
+        self.load_errors: deque[str] = deque(maxlen=20)  # the load generator's failed HTTP requests
         if endpoint.kind == "kv-events":
             from integrations.kv_events.subscriber import KVEventsSubscriber  # pyzmq only when asked for
             self.subscriber = KVEventsSubscriber(endpoint.address)
@@ -224,6 +227,45 @@ class FleetEngine:
     @property
     def name(self) -> str:
         return self.endpoint.name
+
+    def takes_prompts(self) -> bool:
+        """Whether the load generator can send to it now: a live WebSocket engine that carries out
+        `submit`, or a KV-event stream whose endpoint names its server's OpenAI API."""
+        if self.client is not None:
+            return self.client.status.state == "connected" and self.client.supports("submit")
+        return bool(self.endpoint.api)
+
+    def submit(self, cmd: p.Submit) -> None:
+        """Send a request: over the engine's WebSocket, or to the OpenAI server of a KV-event stream
+        (on a thread: its failures come back in `load_errors`)."""
+        if self.client is not None:
+            self.client.send(cmd)
+        elif self.endpoint.api:
+            fleet_load.post_in_background(self.endpoint.api, cmd, self.load_errors.append)
+        else:
+            raise ValueError(f"{self.name} takes no prompts: a KV-event stream needs `api`, its server's OpenAI URL")
+
+    def lookups(self) -> tuple[int, int] | None:
+        """(prefix-hit tokens, tokens looked up) since this dashboard attached; None for a KV-event
+        stream (it says what is cached, not what requests found)."""
+        if self.client is None:
+            return None
+        with self.client.lock:
+            view = self.client.view()
+            return (view.mirror.tally.hit_tokens, view.mirror.tally.looked_up_tokens) if view else None
+
+    def clear_prefix_cache(self) -> bool:
+        """Ask the engine to empty its prefix cache (a vLLM only with VLLM_SERVER_DEV_MODE=1: its
+        `/reset_prefix_cache`); False where it cannot be asked."""
+        if self.client is not None:
+            if not self.client.supports("clear_prefix_cache"):
+                return False
+            self.client.send(p.ClearPrefixCache())
+            return True
+        if not self.endpoint.api:
+            return False
+        fleet_load.post_in_background(self.endpoint.api, None, self.load_errors.append, path="/reset_prefix_cache")
+        return True
 
     def row(self, now: float | None = None) -> EngineRow:
         now = time.time() if now is None else now

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if not VLLM_PYTHON.exists():
         sys.exit("no .venv-vllm: `make vllm-venv` builds it (about 5 minutes)")
     os.environ.setdefault("PYTHONHASHSEED", "0")  # the same block hashes on every server
+    # /reset_prefix_cache, for "Clear every prefix cache" and the routing lesson (the servers bind 127.0.0.1)
+    os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     procs, servers = zip(*(start_server(args.num_blocks) for _ in range(args.servers)))
     folder = Path(tempfile.mkdtemp(prefix="kvscope-fleet-"))
     path = fleet_file(list(servers), folder)
@@ -60,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[kvscope] the fleet page: http://localhost:{args.port}", flush=True)
     dash = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), "--server.port",
                              str(args.port), *STREAMLIT_FLAGS, "--", "--fleet", str(path)], cwd=ROOT)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stopped: clean up as on Ctrl-C
     try:
         return dash.wait()
     except KeyboardInterrupt:
-        dash.terminate()
-        return dash.wait()
-    finally:
+        return 130
+    finally:  # the dashboard too (a child of ours, not of the servers' log threads)
+        if dash.poll() is None:
+            dash.terminate()
+            dash.wait(timeout=30)
         for proc in procs:
             proc.stop()
 

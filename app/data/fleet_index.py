@@ -109,15 +109,15 @@ class FleetIndex:
 
     # ------------------------------------------------------------------ the merged forest
     def forest(self) -> PrefixForest:
-        """Every cached content once, under its parent's content id; a node's `holders` is the
-        number of engines holding it and its `copies` the physical blocks fleet-wide."""
+        """Every cached content once, under its parent's content id; a node's `copies` is the
+        physical blocks fleet-wide (which engines hold it: `holders`). Its `holders` (the sequences
+        holding it, in a single engine's forest) stays unknown: the index does not follow them."""
         f = PrefixForest()
         order = self._parents_first()
         for i, cid in enumerate(order):
             parent = self.parent.get(cid)
             node = f.store(cid, parent if parent not in (None, ROOT) else None, at=i, tokens=self.tokens.get(cid, ()))
             node.copies = self.copies(cid)
-            node.holders = len(self.holders[cid])
         return f
 
     def _parents_first(self) -> list[str]:

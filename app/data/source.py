@@ -35,7 +35,7 @@ class Source:
     token: str = ""                     # attach
     path: str = ""                      # replay; fleet: its fleet file ("": an empty fleet)
     speed: float = 1.0                  # replay
-    model: str = "smollm2"              # embedded
+    model: str = "smollm2"              # embedded; fleet: the engines a fleet lesson starts
     engine_args: tuple[str, ...] = ()   # embedded: further engine.serve.server flags; vllm: serve's
     tokenizer: str = ""                 # kv_events: a folder with tokenizer.json, for block text
 
@@ -107,7 +107,7 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     args, rest = parser(env).parse_known_args(argv)
     rest += shlex.split(env.get("KVSCOPE_ENGINE_ARGS", ""))
     if args.fleet is not None:
-        return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "")
+        return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "", model=args.model)
     if args.kv_events:
         return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)
     if args.vllm is not None:

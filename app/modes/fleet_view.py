@@ -16,7 +16,6 @@ import itertools
 import numpy as np
 import streamlit as st
 
-from kvscope_contract import protocol as p
 from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
 from app.data import fleet_load
 from app.panels import prefix_tree
@@ -25,6 +24,7 @@ from app.data.fleet_index import FleetIndex, pick
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
+from app.modes import fleet_lesson_view
 
 REDRAW_S = 0.5          # the engines' cards
 INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache
@@ -123,9 +123,7 @@ def page(source: Source) -> None:
     with st.sidebar:
         engines_panel(fleet)
         load_panel(fleet)
-    if not fleet.members():
-        st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
-                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`.")
+    st.fragment(fleet_lesson_view.panel, run_every=fleet_lesson_view.REDRAW_S)(fleet, source)
     c = st.columns([2, 1, 2, 1])
     c[0].selectbox("Sort by", list(SORTS), key="fleet_sort")
     c[1].toggle("Descending", False, key="fleet_desc")
@@ -138,6 +136,10 @@ def page(source: Source) -> None:
 
 def cards(fleet: Fleet, source: Source) -> None:
     members = {e.name: e for e in fleet.members()}
+    if not members:  # here, not above: the lesson adds engines while only the fragments redraw
+        st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
+                "or a KV-event stream), or start with `make run ARGS=\"--fleet fleet.toml\"`; or start the "
+                "routing lesson above, which starts two KVScope engines of its own.")
     rows = [r for r in fleet.rows() if r.name in members]  # one removed meanwhile: gone
     st.session_state["fleet_rows"] = rows
     live = sum(r.state == "live" for r in rows)
@@ -181,7 +183,7 @@ def prefix_cache(fleet: Fleet) -> None:
         key = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{engine_color(names, {n})}"></span> {html.escape(n)}'
                        for n in names) + f' <span style="display:inline-block;width:10px;height:10px;background:{SHARED_COLOR}"></span> several'
         st.caption("The merged prefix forest: each cached content once, coloured by the engine holding it "
-                   "(indigo: several; ×n: how many engines).")
+                   "(indigo: several, named on the block; ×n copies: the physical blocks holding it).")
         st.html(f'<div style="font-size:12px">{key}</div>')
         holders = ix.holders
         st.html(prefix_tree.render(ix.forest(), max_nodes=300,
@@ -268,23 +270,41 @@ def load_panel(fleet: Fleet) -> None:
             targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
             plan = fleet_load.assign(fleet_load.workload(int(n), int(systems), f"{policy[:2]}{next(_runs)}"),
                                      [e.name for e in targets], policy)
-            failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].client.send(cmd), int(max_tokens))
+            st.session_state["fleet_load_base"] = {e.name: e.lookups() for e in targets}
+            failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].submit(cmd), int(max_tokens))
             st.session_state["fleet_sent"] = (
                 f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
                 + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
         if msg := st.session_state.get("fleet_sent"):
             st.caption(msg)
+        st.fragment(load_since, run_every=1.0)(fleet)
+        for e in fleet.members():  # requests sent over HTTP fail later, on their own threads
+            for err in list(e.load_errors)[-2:]:
+                st.caption(f":red[{e.name}: {err}]")
         if st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
                      help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)"):
             for e in takers(fleet):
-                if e.client.supports("clear_prefix_cache"):
-                    e.client.send(p.ClearPrefixCache())
+                e.clear_prefix_cache()
+
+
+def load_since(fleet: Fleet) -> None:
+    """Each engine's prefix hit rate over the requests since the last Send (a card's hit rate counts
+    everything since the page attached, both policies' runs together)."""
+    base = st.session_state.get("fleet_load_base") or {}
+    parts = []
+    for name, before in base.items():
+        eng = fleet.engines.get(name)
+        now = eng.lookups() if eng is not None else None
+        if before is not None and now is not None and now[1] > before[1]:
+            hit, looked = now[0] - before[0], now[1] - before[1]
+            parts.append(f"{name} **{hit / looked:.0%}** ({hit:,} of {looked:,} tokens)")
+    if parts:
+        st.caption("Hit rate since this Send: " + " · ".join(parts))
 
 
 def takers(fleet: Fleet) -> list:
-    """The engines that take prompts now: live WebSocket engines whose server carries out `submit`."""
-    return [e for e in fleet.members() if e.client is not None and e.client.status.state == "connected"
-            and e.client.supports("submit")]
+    """The engines that take prompts now (see FleetEngine.takes_prompts)."""
+    return [e for e in fleet.members() if e.takes_prompts()]
 
 
 # ------------------------------------------------------------------------------ leaving and coming back

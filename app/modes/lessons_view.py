@@ -12,6 +12,8 @@ from app.data.client import EngineClient
 from app.ui.commands import send
 from app.modes.lesson import Lesson, all_lessons, caption
 from app.modes.lesson_runner import LessonRun
+from app.modes import fleet_lesson_view
+from app.data.source import Source
 from app.data.words import plural
 
 KEY = "lesson"  # session state: the LessonRun in progress
@@ -59,9 +61,12 @@ def sidebar(client: EngineClient) -> None:
     if run is not None:
         run.poll(client)  # the other views follow on their own timers
     all_ = lessons()
-    keys = list(all_)
+    fleet = {FLEET + k: v for k, v in fleet_lesson_view.lessons().items()}  # lessons over two engines
+    keys = list(all_) + list(fleet)
     pick = st.selectbox("Lesson", keys, index=keys.index(run.lesson.key) if run else 0, key="lesson_pick",
-                        format_func=lambda k: f"{keys.index(k) + 1}. {all_[k].title}")
+                        format_func=lambda k: f"{keys.index(k) + 1}. {(all_ | fleet)[k].title}")
+    if pick in fleet:
+        return _fleet_lesson(fleet[pick])
     lesson = all_[pick]
     can_drive = client.supports("run_until") and client.supports("reset") and client.supports("submit")
     if not can_drive:
@@ -91,6 +96,23 @@ def sidebar(client: EngineClient) -> None:
         st.caption(f":red[{msg}]")
     for note in run.notes[-3:]:
         st.caption(f":orange[{note}]")
+
+
+FLEET = "fleet:"  # the picker's key of a lesson that runs on the fleet page
+
+
+def _fleet_lesson(lesson) -> None:
+    """A lesson over two engines runs on the fleet page: say so and go there."""
+    st.caption(lesson.goal)
+    st.caption("It runs over two engines, on the fleet page: it starts two KVScope engines of its own.")
+    if st.button("Open it on the fleet page", type="primary", icon=":material/hub:", key="lesson_fleet_open",
+                 width="stretch"):
+        source = st.session_state.get("source")
+        model = source.model if source is not None and source.kind == "embedded" else "smollm2"
+        st.session_state["source"] = Source("fleet", model=model)
+        st.session_state[fleet_lesson_view.OPEN] = True
+        st.session_state["travel"] = None
+        st.rerun()
 
 
 def stage(client: EngineClient) -> list[int]:

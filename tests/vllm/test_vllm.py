@@ -484,3 +484,85 @@ def test_m_find_ranks_reads_vllms_kv_event_sources(vllm):
 
     found = kv_event_sources(vllm.api)
     assert found is not None and [(e.url, e.kind, e.rank) for e in found] == [(vllm.kv_events, "kv-events", 0)]
+
+
+def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_openai_api(vllm):
+    """An engine attached only by its ZMQ KV events, with its server's OpenAI URL as `api`: the
+    load generator's chats reach vLLM over HTTP (vLLM's own request counter), the stream then holds
+    their prompts' blocks by content (the chat prompt as vLLM's /tokenize gives it), "Clear every
+    prefix cache" empties it, and a server that does not answer is said on the page, not raised."""
+    from app.data import fleet_load
+    from app.data.fleet import Endpoint, Fleet
+    from app.data.fleet_content import chain_ids
+
+    f = Fleet.of([Endpoint("z", vllm.kv_events, "kv-events", vllm.api),
+                  Endpoint("gone", "tcp://127.0.0.1:9", "kv-events", "http://127.0.0.1:9")])
+    try:
+        z = f.engines["z"]
+
+        def cleared() -> int:  # vLLM's own word that it reset its prefix cache
+            return sum("Successfully reset prefix cache" in line for line in list(vllm.lines))
+        resets = cleared()
+        assert z.takes_prompts() and z.clear_prefix_cache()
+        wait(lambda: cleared() > resets or z.load_errors, 30, "vLLM to reset its prefix cache")
+        assert not z.load_errors, list(z.load_errors)
+        before = vllm.metric("vllm:request_success_total")
+        plan = fleet_load.assign(fleet_load.workload(4, 2, "kv"), ["z"], "affinity")
+        assert fleet_load.send_all(plan, lambda n, cmd: f.engines[n].submit(cmd), max_tokens=4) == {}
+        wait(lambda: vllm.metric("vllm:request_success_total") >= before + 4, 300, "vLLM to answer the 4 chats")
+        assert not z.load_errors, list(z.load_errors)
+        sent = set()
+        for _, req in plan:
+            ids = vllm.post("/tokenize", {"model": BUNDLED.name, "messages": [
+                {"role": "system", "content": req.system}, {"role": "user", "content": req.question}]})["tokens"]
+            want = chain_ids(ids, 32)
+            sent |= set(want)
+            wait(lambda: set(want) <= {c.cid for c in z.contents()}, 30, f"{req.request_id}'s blocks in the stream")
+        assert f.index().duplicated_blocks() == 0 and f.index().unknown_blocks() == 0
+        # cleared: vLLM queues the AllBlocksCleared event and publishes it with its next step's
+        # events, so the stream says so once the server runs a request again
+        resets = cleared()
+        assert z.clear_prefix_cache()
+        wait(lambda: cleared() > resets or z.load_errors, 30, "vLLM to reset its prefix cache")
+        assert not z.load_errors, list(z.load_errors)
+        before = vllm.metric("vllm:request_success_total")
+        other = fleet_load.ChatRequest(fleet_load.SYSTEM_PROMPTS[3], "Is this loop fine?", "kv-after")
+        z.submit(other.command(4))
+        wait(lambda: vllm.metric("vllm:request_success_total") > before, 120, "vLLM to answer after the clear")
+        ids = vllm.post("/tokenize", {"model": BUNDLED.name, "messages": [
+            {"role": "system", "content": other.system}, {"role": "user", "content": other.question}]})["tokens"]
+        after = set(chain_ids(ids, 32))
+        wait(lambda: after <= (now := {c.cid for c in z.contents()}) and not now & sent, 30,
+             "the stream to hold only what was cached after the clear")
+        f.engines["gone"].submit(fleet_load.workload(1)[0].command())
+        wait(lambda: f.engines["gone"].load_errors, 30, "the dead server's error")
+        assert "refused" in f.engines["gone"].load_errors[0].lower() or "error" in f.engines["gone"].load_errors[0].lower()
+    finally:
+        f.close()
+
+
+def test_o_the_routing_lesson_runs_on_two_vllms(vllm, second, fleet):
+    """The fleet page's routing lesson on two vLLMs with the plugin (as `make run-fleet` starts
+    them): round-robin leaves as many duplicated blocks as the servers' own snapshots hold twice,
+    affinity none, the hit rate rises, and the conversation the router scores is found cached on
+    the engine it picks as far as its score says."""
+    from app.modes.fleet_lesson import FleetLessonRun, all_fleet_lessons
+
+    lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
+    run = FleetLessonRun(lesson, fleet)
+    for i in range(len(lesson.stops)):
+        run.next()
+        run.wait()
+        assert not run.errors and len(run.reached) == i + 1, run.errors
+        words = run.reached[i]
+        if lesson.stops[i].do == "send":
+            settled(fleet, (vllm, second))
+            both = snapshot_hashes(vllm) + snapshot_hashes(second)
+            assert int(words["duplicated"]) == sum(n - 1 for n in both.values())
+            assert (int(words["duplicated"]) > 0) == (lesson.stops[i].policy == "round-robin")
+    assert run.engines == ["a", "b"]
+    rates = {k: int(v["hit_rate"].split("%")[0]) for k, v in run.records.items()}
+    assert rates["affinity"] > rates["round-robin"] > 0
+    pr = run.probe
+    score = next(s for s in pr["scores"] if s.engine == pr["picked"])
+    assert pr["reused"] == score.reusable_tokens > 0 and pr["picked"] == pr["first_engine"]
