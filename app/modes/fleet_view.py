@@ -76,7 +76,7 @@ CSS = """<style>
 .fc { font: 12px/1.45 var(--st-font, system-ui, sans-serif); }
 .fc .hd { display: flex; justify-content: space-between; gap: 6px; font-weight: 700; font-size: 14px; }
 .fc .st { font-weight: 600; font-size: 11px; padding: 0 6px; border-radius: 8px; color: #fff; background: #16a34a; }
-.fc .st.down, .fc .st.silent { background: #dc2626; } .fc .st.connecting { background: #64748b; }
+.fc .st.down, .fc .st.silent, .fc .st.stalled { background: #dc2626; } .fc .st.connecting { background: #64748b; }
 .fc .alarm { color: #dc2626; font-weight: 700; }
 .fc img { width: 100%; image-rendering: pixelated; border-radius: 3px; margin: 4px 0; min-height: 12px; }
 .fc .nums { display: grid; grid-template-columns: 1fr 1fr; column-gap: 8px; }
@@ -86,7 +86,8 @@ CSS = """<style>
 </style>"""
 
 
-def card(row: EngineRow, picture: str | None) -> str:
+def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
+    """`drawn`: the page's redraw number (data-drawn: what a test or bench counts redraws by)."""
     pct = (lambda x: f"{100 * x / row.blocks:.0f}%") if row.blocks else (lambda x: "")
     nums = [("used", f"{row.used:,} {pct(row.used)}" if row.blocks else "–"),
             ("cached", f"{row.cached:,} {pct(row.cached)}"), ("free", f"{row.free:,} {pct(row.free)}" if row.blocks else "–"),
@@ -99,7 +100,7 @@ def card(row: EngineRow, picture: str | None) -> str:
            if row.kind == "kv-events" else "")
     alarm = f'<div class="alarm">⚠ {html.escape(row.alarm)}</div>' if row.alarm else ""
     err = f'<div class="err" title="{html.escape(row.error)}">{html.escape(row.error)}</div>' if row.error else ""
-    return (f'<div class="fc{" out" if row.alarm else ""}" data-engine="{html.escape(row.name)}">'
+    return (f'<div class="fc{" out" if row.alarm else ""}" data-engine="{html.escape(row.name)}" data-drawn="{drawn}">'
             f'<div class="hd"><span>{html.escape(row.name)}</span><span class="st {row.state}">{row.state}</span></div>'
             f'<div style="opacity:.7">{html.escape(row.kind)} · {html.escape(row.url)}</div>{alarm}{img}'
             f'<div class="nums">{body}</div>{err}</div>')
@@ -131,7 +132,7 @@ def page(source: Source) -> None:
     c[1].toggle("Descending", False, key="fleet_desc")
     c[2].text_input("Filter by name", key="fleet_filter", placeholder="all engines")
     c[3].toggle("Only those standing out", False, key="fleet_alarms",
-                help="down, silent, out of free blocks, or preempting")
+                help="down, stalled, silent, out of free blocks, or preempting")
     st.fragment(cards, run_every=REDRAW_S)(fleet, source)
     st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet)
 
@@ -140,6 +141,7 @@ def cards(fleet: Fleet, source: Source) -> None:
     members = {e.name: e for e in fleet.members()}
     rows = [r for r in fleet.rows() if r.name in members]  # one removed meanwhile: gone
     st.session_state["fleet_rows"] = rows
+    drawn = st.session_state["fleet_drawn"] = st.session_state.get("fleet_drawn", 0) + 1
     live = sum(r.state == "live" for r in rows)
     sort = st.session_state.get("fleet_sort") or "name"
     rows = sorted(rows, key=SORTS[sort], reverse=bool(st.session_state.get("fleet_desc")))
@@ -152,7 +154,7 @@ def cards(fleet: Fleet, source: Source) -> None:
             eng = members[row.name]
             states = eng.block_states()
             with col.container(border=True):
-                st.html(CSS + card(row, overview_png(states) if states is not None and len(states) else None))
+                st.html(CSS + card(row, overview_png(states) if states is not None and len(states) else None, drawn))
                 if st.button("Open", key=f"open_{row.name}", width="stretch",
                              help="Show this engine in the single-engine views: grid, tables, history, time travel"):
                     open_engine(eng.endpoint, source)
