@@ -30,7 +30,9 @@ def engines(tmp_path):
 
 
 def card_of(at: AppTest, name: str) -> str:
-    return next(h.value for h in at.html if f'data-engine="{name}"' in h.value)
+    """One engine's card out of the page's grid of cards."""
+    grid = next(h.value for h in at.html if f'data-engine="{name}"' in h.value)
+    return next(c for c in grid.split('<div class="fc')[1:] if f'data-engine="{name}"' in c)
 
 
 def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
@@ -68,9 +70,11 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
     at.sidebar.selectbox(key="fleet_remove_pick").set_value("nowhere")
     at.sidebar.button(key="fleet_remove").click().run()
     assert not any('data-engine="nowhere"' in h.value for h in at.html)
+    assert 'class="st live"' in card_of(at, "pod-a") and 'class="st live"' in card_of(at, "pod-b")
 
     # Open: the single-engine views of that engine; Back: the fleet again
-    at.button(key="open_pod-b").click().run()
+    at.selectbox(key="fleet_open_pick").set_value("pod-b").run()
+    at.button(key="fleet_open").click().run()
     assert at.session_state["source"].kind == "attach" and at.session_state["source"].url == procs[1].url
     wait(lambda: at.run() and not at.exception and any("Block tables" in t.label for t in at.tabs), 60, "pod-b's views")
     at.sidebar.button(key="fleet_back_btn").click().run()
@@ -159,9 +163,10 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
             assert not errors, errors  # the fleet page's own redraws raised nothing
             # Open pod-b: its single-engine views; Back to the fleet. (The pool grid, switched to from
             # another page in the same tab, can raise createImageData errors of its own: not asserted here.)
-            page.locator("[data-testid=stVerticalBlock]", has=page.locator('[data-engine="pod-b"]')).last \
-                .get_by_role("button", name="Open", exact=True).click()
             main = page.get_by_test_id("stMain")
+            main.get_by_role("combobox", name="Open an engine").click()
+            page.get_by_role("option", name="pod-b", exact=True).click()
+            page.locator(".st-key-fleet_open button").click()  # enabled once the choice has rerun the page
             main.get_by_text("Connected · attached engine", exact=False).wait_for(timeout=180_000)
             assert re.search(r"\b[\d,]+ / 64\b", main.inner_text()) and procs[1].url in main.inner_text()  # pod-b's pool
             page.get_by_role("button", name="Back to the fleet").click()
