@@ -29,7 +29,7 @@ from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
 
-REDRAW_S = 0.5          # the engines' cards
+REDRAW_S = 0.4          # the engines' cards: 2.5 a second, so a late one still leaves 2
 INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache, at least this far apart (and 3x its merge time)
 OVERVIEW_CELLS = 1024   # cells of an engine's overview: a cell is the mean colour of its blocks
 OVERVIEW_COLS = 64
