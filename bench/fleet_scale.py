@@ -171,15 +171,15 @@ def stall(args, page, procs: list[ServerProcess]) -> dict:
     t0 = time.monotonic()
     os.kill(stopped.pid, signal.SIGSTOP)
     os.kill(killed.pid, signal.SIGKILL)
-    marked: dict[str, float] = {}
+    marked: dict[str, tuple[float, str]] = {}  # victim -> (seconds after the signal, the state it was first shown in)
     others_max, drawn = 0.0, []
     try:
         while time.monotonic() - t0 < args.stall_seconds:
             cards = page.evaluate(CARDS_JS)
             now = time.monotonic() - t0
             for name, want in (("e00", ("stalled", "down")), ("e01", ("down",))):
-                if name not in marked and cards.get(name, [None])[0] in want:
-                    marked[name] = now
+                if name not in marked and (state := cards.get(name, [None])[0]) in want:
+                    marked[name] = (now, state)
             ages = [a for name, (_, text, _) in cards.items() if name not in ("e00", "e01") and (a := age_s(text)) is not None]
             others_max = max([others_max, *ages])
             drawn.append((now, max(d for _, _, d in cards.values())))
@@ -188,7 +188,7 @@ def stall(args, page, procs: list[ServerProcess]) -> dict:
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
     redraws = (drawn[-1][1] - drawn[0][1]) / (drawn[-1][0] - drawn[0][0]) if len(drawn) > 1 else 0.0
-    return {"stopped_marked_s": marked.get("e00"), "killed_marked_s": marked.get("e01"), "victims_end": state,
+    return {"stopped_marked": marked.get("e00"), "killed_marked": marked.get("e01"), "victims_end": state,
             "others_age_max_during_s": others_max, "others_age_before_s": max((a for n, a in before.items()
                                                                                 if n not in ("e00", "e01") and a is not None), default=None),
             "runs_per_s_during": redraws}
@@ -221,10 +221,10 @@ def report(args, results: list[dict], engines_rss: float) -> str:
                          f"(largest residual {worst:.0f} MiB).")
     lines.append(f"The engines' processes together: {engines_rss:,.0f} MiB RSS.")
     for r in results:
-        if "stopped_marked_s" in r:
-            f = lambda x: "never" if x is None else f"{x:.1f} s"  # noqa: E731
-            lines.append(f"\nStall test at {r['n']} engines: the SIGSTOPped engine marked {r['victims_end']['e00']} after "
-                         f"{f(r['stopped_marked_s'])}, the SIGKILLed one down after {f(r['killed_marked_s'])}; the "
+        if "stopped_marked" in r:
+            f = lambda x: "never marked" if x is None else f"marked {x[1]} after {x[0]:.1f} s"  # noqa: E731
+            lines.append(f"\nStall test at {r['n']} engines: the SIGSTOPped engine {f(r['stopped_marked'])} "
+                         f"({r['victims_end']['e00']} at the end), the SIGKILLed one {f(r['killed_marked'])}; the "
                          f"other {r['n'] - 2} engines' largest last-event age {r['others_age_max_during_s']:.1f} s during "
                          f"{args.stall_seconds:g} s of it (at most {r['age_max_s']:.1f} s in the {args.seconds:g} s "
                          f"before); fragment runs/s meanwhile {r['runs_per_s_during']:.2f}.")
