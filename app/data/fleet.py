@@ -339,15 +339,15 @@ class FleetEngine:
         steps every few redraws at most; a fleet of 64 need not redraw 64 pictures each time)."""
         if self.client is None:
             return None
-        with self.client.lock:
+        with self.client.lock:  # the state and its event number read together
             h = self.client.history
-            key = (self.client.epoch, h.last_event) if h else None
-        if key is None:
-            return None
-        if self._picture[0] != (key, draw):
-            states = self.block_states()
-            self._picture = ((key, draw), draw(states) if states is not None and len(states) else None)
-        return self._picture[1]
+            if h is None:
+                return None
+            key = (self.client.epoch, h.last_event, draw)
+            if self._picture[0] != key:
+                states = h.live.state.block_states()
+                self._picture = (key, draw(states) if len(states) else None)
+            return self._picture[1]
 
     def close(self) -> None:
         if self.client is not None:

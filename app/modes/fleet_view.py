@@ -165,8 +165,8 @@ def cards(fleet: Fleet) -> None:
     text = (st.session_state.get("fleet_filter") or "").strip().lower()
     rows = [r for r in rows if text in r.name.lower() and (r.alarm or not st.session_state.get("fleet_alarms"))]
     st.caption(f"{len(members)} engines · {live} live · shown: {len(rows)} · redrawn every {REDRAW_S:g} s")
-    # one element for every card: a fleet of 64 as 200 Streamlit elements (columns, containers,
-    # buttons) took seconds a redraw to build, send and lay out; as one grid, a few milliseconds
+    # one element for every card: a fleet of 64 as ~200 Streamlit elements (columns, containers,
+    # buttons) redrew 0.3 times a second on 2 loaded cores, as one grid about 2 (docs/benchmarks.md)
     cells = "".join(card(row, members[row.name].picture(overview_png), drawn) for row in rows)
     st.html(CSS + f'<div class="fleet-grid">{cells}</div>')
 
