@@ -9,6 +9,10 @@ Requests keep arriving so that `--live` are in the engine at once: prompts start
 few shared system prompts (prefix hits), some ask for parallel samples (forks, copy-on-write).
 Before serving, it runs unpaced until `--fill` of the device pool is used or cached, then
 `--warm-steps` steps at the serving batch size.
+
+`--engines N` serves N such pools from this one process, each its own engine core, engine
+thread and server, on ports P..P+N-1 (`--port P`; 0: each a free port), each printing its own
+ready line: a fleet for bench/fleet_scale.py without a process per engine.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from types import SimpleNamespace
 
 import msgspec
 
-from engine.serve.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
+from engine.serve.cli import add_listen_args, refuse_open_bind, serve_all_until_signal, setup_logging
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from kvscope_contract.ready import ready_line, ws_url
@@ -132,23 +136,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fill", type=float, default=0.8, help="used or cached share of the pool before serving")
     ap.add_argument("--warm-steps", type=int, default=200, help="steps run after the fill, before serving")
     ap.add_argument("--step-delay-ms", type=float, default=50.0)
+    ap.add_argument("--engines", type=int, default=1, help="pools served from this process, each on its own port")
     args = ap.parse_args(argv)
     setup_logging()
     if refuse_open_bind(args.host, args.token):
         return 2
+    if args.engines < 1:
+        log.error("--engines must be at least 1, got %d", args.engines)
+        return 2
     pool = p.PoolConfig(block_size=args.block_size, num_device_blocks=args.num_device_blocks,
                         num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs)
-    engine = SyntheticEngine(EngineConfig(model="synthetic", pool=pool, max_num_batched_tokens=args.max_num_batched_tokens),
-                             args.live, args.prompt_tokens, args.max_tokens)
-    t0 = time.monotonic()
-    engine.fill(args.fill)
-    engine.warm(args.warm_steps)
-    free, cached, used, shared, _ = engine.capture().state().counts()
-    log.info("filled in %.1f s: %d used (%d shared), %d cached, %d free, %d sequences",
-             time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
-    hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token)
-    serve_until_signal(hub, args.host, args.port, lambda port: log.info(
-        ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks")))
+    hubs = []
+    for i in range(args.engines):
+        engine = SyntheticEngine(EngineConfig(model="synthetic", pool=pool, max_num_batched_tokens=args.max_num_batched_tokens),
+                                 args.live, args.prompt_tokens, args.max_tokens, seed=i)
+        t0 = time.monotonic()
+        engine.fill(args.fill)
+        engine.warm(args.warm_steps)
+        free, cached, used, shared, _ = engine.capture().state().counts()
+        log.info("engine %d filled in %.1f s: %d used (%d shared), %d cached, %d free, %d sequences",
+                 i, time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
+        hubs.append((Hub(EngineLoop(engine, args.step_delay_ms), token=args.token), args.port + i if args.port else 0))
+    serve_all_until_signal(hubs, args.host, lambda i, port: log.info(
+        ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks"
+                   + (f" (engine {i + 1} of {args.engines})" if args.engines > 1 else ""))))
     return 0
 
 

@@ -65,6 +65,9 @@ class View:
 
 
 class EngineClient:
+    PING_INTERVAL_S: float | None = 20.0  # WebSocket keepalive: an engine that answers no ping within
+    PING_TIMEOUT_S: float | None = 20.0   # the timeout (a stopped process) is dropped and retried
+
     def __init__(self, url: str, token: str | None = None, *, max_events: int = 1_000_000):
         self.url, self.token, self.max_events = url, token or None, max_events
         self.lock = threading.RLock()
@@ -93,7 +96,8 @@ class EngineClient:
         while not self._stop.is_set():
             try:
                 with connect(with_features(self.url, p.FEATURES), max_size=None, compression=None, open_timeout=5,
-                             close_timeout=1, additional_headers=headers) as ws:
+                             close_timeout=1, additional_headers=headers, ping_interval=self.PING_INTERVAL_S,
+                             ping_timeout=self.PING_TIMEOUT_S) as ws:
                     self._ws = ws
                     for frame in ws:
                         self._on_frame(frame)
@@ -159,7 +163,7 @@ class EngineClient:
             if h is not None:
                 self._notice("warning", f"the engine started over (event {snap.seq} after "
                                         f"{h.last_event}): the history starts again")
-            self.history, self.epoch = EventHistory(snap, self.max_events), self.epoch + 1
+            self.history, self.epoch = self._new_history(snap), self.epoch + 1
         else:
             h.resync(snap)
         for s in snap.seqs:
@@ -169,6 +173,9 @@ class EngineClient:
         if self.status.state != "connected":
             self.status.attempts = 0
             self._set_state("connected", "")
+
+    def _new_history(self, snap: p.Snapshot) -> EventHistory:
+        return EventHistory(snap, self.max_events)
 
     def _on_event(self, ev: p.AnyEvent) -> None:
         h = self.history

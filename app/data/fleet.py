@@ -31,7 +31,7 @@ import tomllib
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -39,13 +39,17 @@ import numpy as np
 from kvscope_contract import protocol as p
 from app.data import fleet_load
 from app.data.client import EngineClient
+from app.data.event_history import EventHistory
+from app.data.mirror import Mirror
 from app.data.fleet_content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
 from app.data.fleet_index import EngineCache, FleetIndex
 
 Kind = Literal["kvscope", "vllm-plugin", "kv-events"]
 ENDPOINT_KINDS: tuple[str, ...] = ("kvscope", "vllm-plugin", "kv-events")
-FLEET_EVENTS = 20_000  # events each fleet member keeps for its own history (the single-engine views keep their own)
+FLEET_EVENTS = 2_000  # events each fleet member keeps: the page reads only the live state (Open starts its own client)
+FLEET_CHECKPOINT_BYTES = 0  # nor travels in time: the first and the latest checkpoint only, not a pool per 500 events
 SILENT_S = 30.0         # a KV-event stream without a batch this long is marked silent
+STALL_S = 5.0           # an engine with running requests that sends no event this long is marked stalled
 
 
 class FleetFileError(ValueError):
@@ -146,11 +150,21 @@ def kv_event_sources(api: str, timeout: float = 3.0) -> list[Endpoint] | None:
 
 # ------------------------------------------------------------------------------ one engine
 class FleetClient(EngineClient):
-    """The dashboard's client, also naming every cached block by its content."""
+    """The dashboard's client, also naming every cached block by its content. It keeps a short
+    history (the page draws the live state; Open attaches a client of its own) and pings often,
+    so a stopped engine is dropped within PING_INTERVAL_S + PING_TIMEOUT_S even when idle."""
+    PING_INTERVAL_S, PING_TIMEOUT_S = 5.0, 10.0
 
     def __init__(self, url: str, token: str | None = None, *, max_events: int = FLEET_EVENTS):
         self.content: ContentTracker | None = None
         super().__init__(url, token, max_events=max_events)
+
+    def _new_history(self, snap: p.Snapshot) -> EventHistory:
+        return EventHistory(snap, self.max_events, checkpoint_bytes=FLEET_CHECKPOINT_BYTES)
+
+    def live(self) -> Mirror | None:
+        """The live state (not a copy: read it under `lock`), or None before the first snapshot."""
+        return self.history.live if self.history else None
 
     def _on_snapshot(self, snap: p.Snapshot) -> None:
         super()._on_snapshot(snap)
@@ -176,7 +190,7 @@ class EngineRow:
     name: str
     kind: str
     url: str
-    state: str            # live, connecting, down, silent, closed
+    state: str            # live, connecting, stalled, down, silent, closed
     error: str = ""
     model: str = ""
     blocks: int = 0
@@ -201,13 +215,21 @@ class EngineRow:
     @property
     def alarm(self) -> str:
         """Why this engine stands out, or ""."""
-        if self.state in ("down", "silent"):
+        if self.state in ("down", "silent", "stalled"):
             return self.state
         if self.out_of_free:
             return "no free blocks"
         if self.preemptions:
             return "preempting"
         return ""
+
+
+def stalled(row: EngineRow, loop: p.LoopState) -> bool:
+    """A live engine that should be stepping (requests running, not paused) but has sent no
+    event for STALL_S beyond its step delay. An idle engine sends nothing and is not stalled;
+    if its process stops, the keepalive drops it instead."""
+    return (row.state == "live" and bool(row.running) and not loop.paused and row.last_event_age_s is not None
+            and row.last_event_age_s > STALL_S + loop.step_delay_ms / 1000)
 
 
 class FleetEngine:
@@ -218,6 +240,7 @@ class FleetEngine:
         self.client: FleetClient | None = None
         self.subscriber = None
         self.load_errors: deque[str] = deque(maxlen=20)  # the load generator's failed HTTP requests
+        self._picture: tuple = (None, None)  # ((epoch, last event, drawer), the picture drawn then)
         if endpoint.kind == "kv-events":
             from integrations.kv_events.subscriber import KVEventsSubscriber  # pyzmq only when asked for
             self.subscriber = KVEventsSubscriber(endpoint.address)
@@ -274,16 +297,15 @@ class FleetEngine:
         if self.subscriber is not None:
             return self._kv_events_row(row, now)
         c = self.client
-        with c.lock:
-            st, view, content = c.status, c.view(), c.content
+        with c.lock:  # the live state itself, read under the client's lock: no copy of the pool per redraw
+            st, m, content = c.status, c.live(), c.content
             row.state = {"connected": "live", "reconnecting": "down", "failed": "down"}.get(st.state, st.state)
             row.error = st.last_error if row.state != "live" else ""
             row.gaps = st.resyncs
             if c.hello:
                 row.model = c.hello.engine.model
-            if view is None:
+            if m is None:
                 return row
-            m = view.mirror
             counts = m.state.counts()
             cfg = m.config
             tl = m.tally
@@ -296,6 +318,10 @@ class FleetEngine:
             row.waiting = step.num_waiting if step else sum(s.status == "waiting" for s in m.state.seqs.values())
             row.tokens_per_s = tl.tokens_per_s()
             row.last_event_age_s = now - c.received_at if c.received_at else None
+            if stalled(row, c.loop):
+                row.state = "stalled"
+                row.error = (f"no event for {row.last_event_age_s:.0f} s while {row.running} requests run "
+                             "(a stopped process, or an engine stuck in a step)")
             row.unknown_content = content.unknown if content else 0
         return row
 
@@ -347,8 +373,23 @@ class FleetEngine:
         if self.client is None:
             return None
         with self.client.lock:
-            view = self.client.view()
-            return view.mirror.state.block_states() if view else None
+            m = self.client.live()
+            return m.state.block_states() if m else None
+
+    def picture(self, draw: Callable[[np.ndarray], str]) -> str | None:
+        """`draw(block_states())`, drawn again only when the pool has changed since (an engine
+        steps every few redraws at most; a fleet of 64 need not redraw 64 pictures each time)."""
+        if self.client is None:
+            return None
+        with self.client.lock:  # the state and its event number read together
+            h = self.client.history
+            if h is None:
+                return None
+            key = (self.client.epoch, h.last_event, draw)
+            if self._picture[0] != key:
+                states = h.live.state.block_states()
+                self._picture = (key, draw(states) if len(states) else None)
+            return self._picture[1]
 
     def close(self) -> None:
         if self.client is not None:

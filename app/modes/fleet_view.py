@@ -3,7 +3,7 @@ the user likes; an engine out of free blocks, preempting, down or silent stands 
 cache across the fleet by content, a prompt scored per engine as a prefix-aware router would,
 and in the sidebar the engines (add, remove, find a server's ranks) and a load generator.
 
-`make run ARGS="--fleet fleet.toml"` opens it; "Open" on an engine switches the dashboard's
+`make run ARGS="--fleet fleet.toml"` opens it; "Open an engine" switches the dashboard's
 source to that engine (its grid, tables, history, time travel) and "Back to the fleet" returns.
 """
 from __future__ import annotations
@@ -12,6 +12,8 @@ import base64
 import html
 import io
 import itertools
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import streamlit as st
@@ -21,13 +23,14 @@ from app.data import fleet_load
 from app.panels import prefix_tree
 from app.data.fleet import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
 from app.data.fleet_index import FleetIndex, pick
+from app.data.refreshed import Refreshed
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
 from app.modes import fleet_lesson_view
 
-REDRAW_S = 0.5          # the engines' cards
-INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache
+REDRAW_S = 0.4          # the engines' cards: 2.5 a second, so a late one still leaves 2
+INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache, at least this far apart (and 3x its merge time)
 OVERVIEW_CELLS = 1024   # cells of an engine's overview: a cell is the mean colour of its blocks
 OVERVIEW_COLS = 64
 COLUMNS = 4
@@ -51,13 +54,18 @@ def fleet_of(path: str) -> Fleet:
 # ------------------------------------------------------------------------------ drawing
 def overview_png(states: np.ndarray) -> str:
     """A small picture of the pool, blocks in order, as a data URL: each pixel the mean colour of
-    its blocks (a density heat where there are more blocks than pixels)."""
+    its blocks (a density heat where there are more blocks than pixels). Counts each state per
+    cell (one bincount) rather than averaging colours per block: a 32,768-block pool in ~0.3 ms."""
     n = len(states)
     per = -(-n // OVERVIEW_CELLS) if n > OVERVIEW_CELLS else 1
     cells = -(-n // per)
-    rgb = np.array([STATE_RGB[s] for s in range(5)], np.float32)[states]
-    pad = np.full((cells * per - n, 3), 255, np.float32)
-    mean = np.concatenate([rgb, pad]).reshape(cells, per, 3).mean(axis=1)
+    kinds = len(STATE_RGB) + 1  # the states, and white for the last cell's padding
+    padded = np.full(cells * per, kinds - 1, np.intp)
+    padded[:n] = states
+    padded += (np.arange(cells * per) // per) * kinds  # each cell its own range of bins
+    counts = np.bincount(padded, minlength=cells * kinds).reshape(cells, kinds)
+    lut = np.array([STATE_RGB[s] for s in range(kinds - 1)] + [(255, 255, 255)], np.float64)
+    mean = counts @ lut / per
     cols = min(OVERVIEW_COLS, cells)
     rows = -(-cells // cols)
     img = np.full((rows * cols, 3), 255, np.uint8)
@@ -76,17 +84,20 @@ CSS = """<style>
 .fc { font: 12px/1.45 var(--st-font, system-ui, sans-serif); }
 .fc .hd { display: flex; justify-content: space-between; gap: 6px; font-weight: 700; font-size: 14px; }
 .fc .st { font-weight: 600; font-size: 11px; padding: 0 6px; border-radius: 8px; color: #fff; background: #16a34a; }
-.fc .st.down, .fc .st.silent { background: #dc2626; } .fc .st.connecting { background: #64748b; }
+.fc .st.down, .fc .st.silent, .fc .st.stalled { background: #dc2626; } .fc .st.connecting { background: #64748b; }
 .fc .alarm { color: #dc2626; font-weight: 700; }
 .fc img { width: 100%; image-rendering: pixelated; border-radius: 3px; margin: 4px 0; min-height: 12px; }
 .fc .nums { display: grid; grid-template-columns: 1fr 1fr; column-gap: 8px; }
 .fc .nums b { font-variant-numeric: tabular-nums; }
 .fc .err { color: #b91c1c; font-size: 11px; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
-.fc.out { box-shadow: inset 4px 0 0 #dc2626; padding-left: 8px; }
-</style>"""
+.fleet-grid { display: grid; grid-template-columns: repeat({COLUMNS}, minmax(0, 1fr)); gap: 12px; }
+.fleet-grid .fc { border: 1px solid rgba(49, 51, 63, .2); border-radius: 8px; padding: 10px 12px; min-width: 0; }
+.fc.out { box-shadow: inset 4px 0 0 #dc2626; padding-left: 14px; }
+</style>""".replace("{COLUMNS}", str(COLUMNS))
 
 
-def card(row: EngineRow, picture: str | None) -> str:
+def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
+    """`drawn`: the page's redraw number (data-drawn: what a test or bench counts redraws by)."""
     pct = (lambda x: f"{100 * x / row.blocks:.0f}%") if row.blocks else (lambda x: "")
     nums = [("used", f"{row.used:,} {pct(row.used)}" if row.blocks else "–"),
             ("cached", f"{row.cached:,} {pct(row.cached)}"), ("free", f"{row.free:,} {pct(row.free)}" if row.blocks else "–"),
@@ -99,7 +110,7 @@ def card(row: EngineRow, picture: str | None) -> str:
            if row.kind == "kv-events" else "")
     alarm = f'<div class="alarm">⚠ {html.escape(row.alarm)}</div>' if row.alarm else ""
     err = f'<div class="err" title="{html.escape(row.error)}">{html.escape(row.error)}</div>' if row.error else ""
-    return (f'<div class="fc{" out" if row.alarm else ""}" data-engine="{html.escape(row.name)}">'
+    return (f'<div class="fc{" out" if row.alarm else ""}" data-engine="{html.escape(row.name)}" data-drawn="{drawn}">'
             f'<div class="hd"><span>{html.escape(row.name)}</span><span class="st {row.state}">{row.state}</span></div>'
             f'<div style="opacity:.7">{html.escape(row.kind)} · {html.escape(row.url)}</div>{alarm}{img}'
             f'<div class="nums">{body}</div>{err}</div>')
@@ -129,12 +140,19 @@ def page(source: Source) -> None:
     c[1].toggle("Descending", False, key="fleet_desc")
     c[2].text_input("Filter by name", key="fleet_filter", placeholder="all engines")
     c[3].toggle("Only those standing out", False, key="fleet_alarms",
-                help="down, silent, out of free blocks, or preempting")
-    st.fragment(cards, run_every=REDRAW_S)(fleet, source)
-    st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet)
+                help="down, stalled, silent, out of free blocks, or preempting")
+    names = [e.name for e in fleet.members()]
+    o = st.columns([5, 1], vertical_alignment="bottom")
+    chosen = o[0].selectbox("Open an engine", names, index=None, key="fleet_open_pick", placeholder="choose an engine",
+                           help="Show it in the single-engine views: grid, tables, history, time travel")
+    if o[1].button("Open", key="fleet_open", width="stretch", disabled=chosen is None) and chosen in fleet.engines:
+        open_engine(fleet.engines[chosen].endpoint, source)
+        st.rerun()  # the whole page: another source
+    st.fragment(cards, run_every=REDRAW_S)(fleet)
+    st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet, source.path)
 
 
-def cards(fleet: Fleet, source: Source) -> None:
+def cards(fleet: Fleet) -> None:
     members = {e.name: e for e in fleet.members()}
     if not members:  # here, not above: the lesson adds engines while only the fragments redraw
         st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "
@@ -142,55 +160,78 @@ def cards(fleet: Fleet, source: Source) -> None:
                 "routing lesson above, which starts two KVScope engines of its own.")
     rows = [r for r in fleet.rows() if r.name in members]  # one removed meanwhile: gone
     st.session_state["fleet_rows"] = rows
+    drawn = st.session_state["fleet_drawn"] = st.session_state.get("fleet_drawn", 0) + 1
     live = sum(r.state == "live" for r in rows)
     sort = st.session_state.get("fleet_sort") or "name"
     rows = sorted(rows, key=SORTS[sort], reverse=bool(st.session_state.get("fleet_desc")))
     text = (st.session_state.get("fleet_filter") or "").strip().lower()
     rows = [r for r in rows if text in r.name.lower() and (r.alarm or not st.session_state.get("fleet_alarms"))]
     st.caption(f"{len(members)} engines · {live} live · shown: {len(rows)} · redrawn every {REDRAW_S:g} s")
-    for i in range(0, len(rows), COLUMNS):
-        cols = st.columns(COLUMNS)
-        for col, row in zip(cols, rows[i:i + COLUMNS]):
-            eng = members[row.name]
-            states = eng.block_states()
-            with col.container(border=True):
-                st.html(CSS + card(row, overview_png(states) if states is not None and len(states) else None))
-                if st.button("Open", key=f"open_{row.name}", width="stretch",
-                             help="Show this engine in the single-engine views: grid, tables, history, time travel"):
-                    open_engine(eng.endpoint, source)
-                    st.rerun()  # the whole page: another source
+    # one element for every card: a fleet of 64 as ~200 Streamlit elements (columns, containers,
+    # buttons) redrew 0.3 times a second on 2 loaded cores, as one grid about 2 (docs/benchmarks.md)
+    cells = "".join(card(row, members[row.name].picture(overview_png), drawn) for row in rows)
+    st.html(CSS + f'<div class="fleet-grid">{cells}</div>')
 
 
-def prefix_cache(fleet: Fleet) -> None:
-    st.subheader("The prefix cache across the fleet")
-    rows = st.session_state.get("fleet_rows") or fleet.rows()
-    ix = fleet.index(rows)
+@dataclass(frozen=True)
+class PrefixCacheView:
+    """The fleet-wide prefix cache at one moment, with everything the page shows of it."""
+    ix: FleetIndex
+    numbers: list[tuple[str, str, str]]  # (label, value, help) of the metrics
+    identity: str
+    disagree: bool
+    names: list[str]
+    forest_html: str
+
+
+def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
+    """Merge, count and draw (seconds at 64 engines: run by `Refreshed`, off the page's thread)."""
+    ix = fleet.index()
     names = [e.name for e in fleet.members()]
-    distinct = len(ix.holders)
-    physical = sum(ix.copies(c) for c in ix.holders)
-    c = st.columns(5)
-    c[0].metric("cached contents", f"{distinct:,}", help="distinct cached blocks, by content")
-    c[1].metric("physical blocks", f"{physical:,}", help="cached blocks in every engine's pool")
-    c[2].metric("duplicated blocks", f"{ix.duplicated_blocks():,}",
-                help="every copy but one of content the fleet holds more than once")
-    c[3].metric("duplicated", f"{ix.duplicated_bytes() / 2**20:,.1f} MiB",
-                help="those blocks' bytes, at each engine's bytes per block")
-    c[4].metric("on 2+ engines", f"{sum(n for k, n in ix.shared_by().items() if k > 1):,}",
-                help="contents cached by more than one engine")
-    (st.warning if ix.hash_disagreements() else st.caption)(ix.identity())
+    numbers = [("cached contents", f"{len(ix.holders):,}", "distinct cached blocks, by content"),
+               ("physical blocks", f"{sum(ix.copies(c) for c in ix.holders):,}", "cached blocks in every engine's pool"),
+               ("duplicated blocks", f"{ix.duplicated_blocks():,}",
+                "every copy but one of content the fleet holds more than once"),
+               ("duplicated", f"{ix.duplicated_bytes() / 2**20:,.1f} MiB", "those blocks' bytes, at each engine's bytes per block"),
+               ("on 2+ engines", f"{sum(n for k, n in ix.shared_by().items() if k > 1):,}",
+                "contents cached by more than one engine")]
+    holders = ix.holders
+    forest = prefix_tree.render(ix.forest(), max_nodes=300, text=lambda n: ",".join(sorted(holders.get(n.key, {}))),
+                                color=lambda n: engine_color(names, set(holders.get(n.key, {}))))
+    return PrefixCacheView(ix, numbers, ix.identity(), bool(ix.hash_disagreements()), names, forest)
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def prefix_cache_of(path: str) -> Refreshed[PrefixCacheView]:
+    """The fleet's prefix cache, kept fresh in the background and shared by every session."""
+    fleet = fleet_of(path)
+    return Refreshed(lambda: prefix_cache_view(fleet), INDEX_REDRAW_S)
+
+
+def prefix_cache(fleet: Fleet, path: str) -> None:
+    st.subheader("The prefix cache across the fleet")
+    shared = prefix_cache_of(path)
+    fresh = shared.get(wait_s=5)
+    if fresh is None:
+        st.caption("Merging the engines' prefix caches…" + (f" (the last try failed: {shared.error})" if shared.error else ""))
+        return
+    v = fresh.value
+    for col, (label, value, help_) in zip(st.columns(len(v.numbers)), v.numbers):
+        col.metric(label, value, help=help_)
+    (st.warning if v.disagree else st.caption)(v.identity)
     left, right = st.columns([3, 2])
     with left:
-        key = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{engine_color(names, {n})}"></span> {html.escape(n)}'
-                       for n in names) + f' <span style="display:inline-block;width:10px;height:10px;background:{SHARED_COLOR}"></span> several'
+        key = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{engine_color(v.names, {n})}"></span> {html.escape(n)}'
+                       for n in v.names) + f' <span style="display:inline-block;width:10px;height:10px;background:{SHARED_COLOR}"></span> several'
         st.caption("The merged prefix forest: each cached content once, coloured by the engine holding it "
-                   "(indigo: several, named on the block; ×n copies: the physical blocks holding it).")
+                   "(indigo: several, named on the block; ×n copies: the physical blocks holding it). "
+                   f"As of {max(0.0, time.time() - fresh.at):.0f} s ago; "
+                   f"merging took {fresh.took_s:.1f} s, so it is merged again every "
+                   f"{max(INDEX_REDRAW_S, shared.spacing * fresh.took_s):.0f} s.")
         st.html(f'<div style="font-size:12px">{key}</div>')
-        holders = ix.holders
-        st.html(prefix_tree.render(ix.forest(), max_nodes=300,
-                                   text=lambda n: ",".join(sorted(holders.get(n.key, {}))),
-                                   color=lambda n: engine_color(names, set(holders.get(n.key, {})))))
+        st.html(v.forest_html)
     with right:
-        route_panel(fleet, ix, rows)
+        route_panel(fleet, v.ix, st.session_state.get("fleet_rows") or fleet.rows())
 
 
 def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:

@@ -46,11 +46,18 @@ def refuse_open_bind(host: str, token: str | None) -> bool:
 
 def serve_until_signal(hub: Hub, host: str, port: int, on_ready=None) -> None:
     """Serve `hub` in this thread until SIGINT or SIGTERM; `on_ready(port)` once listening."""
+    serve_all_until_signal([(hub, port)], host, on_ready and (lambda _, bound: on_ready(bound)))
+
+
+def serve_all_until_signal(hubs: list[tuple[Hub, int]], host: str, on_ready=None) -> None:
+    """Serve each (hub, port) on one event loop in this thread until SIGINT or SIGTERM, each its
+    own server; `on_ready(i, port)` once hub i listens."""
     async def main() -> None:
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-        await hub.serve(host, port, on_ready, stop)
+        await asyncio.gather(*(hub.serve(host, port, on_ready and (lambda bound, i=i: on_ready(i, bound)), stop)
+                               for i, (hub, port) in enumerate(hubs)))
 
     asyncio.run(main())

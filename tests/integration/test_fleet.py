@@ -11,9 +11,10 @@ from collections import Counter
 import pytest
 
 from app.data import fleet_load
-from app.data.fleet import Endpoint, Fleet, FleetFileError, load_fleet
+from app.data.fleet import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet
 from app.data.fleet_content import chain_ids
 from app.data.launcher import ServerProcess
+from kvscope_contract.ready import ready_url
 from kvscope_contract.synthetic_vocab import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
@@ -114,6 +115,57 @@ def test_a_dead_engine_is_shown_and_the_other_stays_live(pair):
     assert rows["b"].state == "live" and rows["a"].error
     run(fleet, "b", SYSTEM)  # b answers and its numbers move while a is down
     assert {x.name: x for x in fleet.rows()}["b"].cached >= 3
+
+
+def busy(engines: int) -> ServerProcess:
+    """`engines` synthetic engines in one process, each always running a few requests."""
+    proc = ServerProcess("engine.synthetic", ["--port", "0", "--engines", str(engines), "--num-device-blocks", "256",
+                                             "--num-host-blocks", "0", "--live", "2", "--max-num-seqs", "2",
+                                             "--prompt-tokens", "32", "--max-tokens", "24", "--fill", "0",
+                                             "--warm-steps", "0", "--step-delay-ms", "100"]).start()
+    assert wait(lambda: proc.returncode is not None or len(urls_of(proc)) == engines, 120, "the engines ready"), \
+        "\n".join(proc.tail(30))
+    assert proc.returncode is None, "\n".join(proc.tail(30))
+    return proc
+
+
+def urls_of(proc: ServerProcess) -> list[str]:
+    return [u for line in list(proc.lines) if (u := ready_url(line))]
+
+
+def test_a_stopped_engine_delays_no_other_and_is_marked(tmp_path):
+    """SIGSTOP one of six busy engines: the five others' events keep arriving at their pace while
+    it is marked stalled, then down (no answer to the keepalive); SIGCONT: live again."""
+    victim, others = busy(1), busy(5)
+    fleet = Fleet.of([Endpoint("victim", victim.url)] + [Endpoint(f"e{i}", u) for i, u in enumerate(urls_of(others))])
+    names = [f"e{i}" for i in range(5)]
+    try:
+        wait(lambda: all(r.state == "live" and r.running and r.last_event_age_s is not None for r in fleet.rows()),
+             60, "six busy engines live, their events arriving")
+        last = {n: fleet.engines[n].client.history.last_event for n in names}
+        os.kill(victim.pid, signal.SIGSTOP)
+        worst, seen = 0.0, set()
+        for want in ("stalled", "down"):
+            def marked():
+                rows = {r.name: r for r in fleet.rows()}
+                for n in names:  # never one of the others held up: live, with fresh events
+                    nonlocal worst
+                    assert rows[n].state == "live", rows[n]
+                    worst = max(worst, rows[n].last_event_age_s)
+                seen.add(rows["victim"].state)
+                return rows["victim"].state == want
+            wait(marked, 60, f"the stopped engine marked {want}")
+        assert "stalled" in seen and worst < STALL_S, (seen, worst)
+        moved = {n: fleet.engines[n].client.history.last_event - last[n] for n in names}
+        assert all(m > 50 for m in moved.values()), moved  # ~15 s of a step every 100 ms each
+        assert "ConnectionClosed" in {r.name: r for r in fleet.rows()}["victim"].error or \
+            "ping" in {r.name: r for r in fleet.rows()}["victim"].error.lower()
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    wait(lambda: {r.name: r for r in fleet.rows()}["victim"].state == "live", 60, "the engine live again")
+    fleet.close()
+    victim.stop()
+    others.stop()
 
 
 def test_round_robin_duplicates_the_system_prompts_and_affinity_does_not(pair):
