@@ -704,8 +704,11 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // out [M, N] = x [M, K] . w [N, K]^T (+ bias [N]) for M <= 4, accumulated in float32. At small M
 // a linear layer is a stream of its weights: every weight row is read once, from memory, and
 // dotted with the M rows of x, which stay in L1. Output rows come in blocks of 16, each block a
-// contiguous run of weights; four weight rows are dotted at a time (four independent FMA chains),
-// and the W sums of each x row reduce to one vector with sum_lanes. bf16 weights: AVX512-BF16's
+// contiguous run of weights; R weight rows are dotted at a time (R * M independent FMA chains),
+// and the W sums of each x row reduce to one vector with sum_lanes. At one row of x all 16 rows of
+// a block stream at once: 16 read streams keep more cache misses in flight than 4, and one core
+// then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.4x
+// the 4-row kernel); at more rows of x the accumulators of 16 rows would not fit in registers. bf16 weights: AVX512-BF16's
 // dot product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they
 // are widened to float32 as they stream in (a shift) and multiplied with x converted once to
 // float32: half the bytes of fp32 weights, the same fp32 arithmetic.
@@ -731,28 +734,32 @@ template <> struct Gemv<c10::BFloat16> {
 
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
+// weight rows dotted at once for M rows of x
+constexpr int rows_at_once(int M) { return M == 1 ? kBlock : 4; }
 
 template <typename T, int M>
 void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
                 int64_t o_row) {
   using G = Gemv<T>;
+  constexpr int R = rows_at_once(M);
   vf part[M][kBlock];
-  for (int i = 0; i < kBlock; i += 4) {
+  for (int i = 0; i < kBlock; i += R) {
     const T* r = w + i * K;
-    vf acc[M][4];
+    vf acc[M][R];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = zero();
+      for (int j = 0; j < R; ++j) acc[m][j] = zero();
     for (int64_t k = 0; k < K; k += G::kChunk) {
       typename G::X xs[M];
       for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
-      for (int j = 0; j < 4; ++j) {
-        __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
+      for (int j = 0; j < R; ++j) {
+        // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them)
+        if constexpr (R < kBlock) __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
         const typename G::X wv = G::load_w(r + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = G::dot(acc[m][j], wv, xs[m]);
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) part[m][i + j] = acc[m][j];
+      for (int j = 0; j < R; ++j) part[m][i + j] = acc[m][j];
   }
   for (int b0 = 0; b0 < kBlock; b0 += W) {
     const vf b = bias ? load(bias + b0) : zero();
