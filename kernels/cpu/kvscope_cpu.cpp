@@ -735,7 +735,7 @@ template <> struct Gemv<c10::BFloat16> {
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
 // weight rows dotted at once for M rows of x
-constexpr int rows_at_once(int M) { return M == 1 ? kBlock : M == 2 ? 8 : 4; }
+constexpr int rows_at_once(int M) { return M == 1 ? kBlock : 8; }
 
 template <typename T, int M>
 void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
