@@ -11,8 +11,8 @@ its spread (min..max), and each side's ratio to the first as the median of per-r
 On a shared machine, `--threads 1 --cpu-time` times one thread by its CPU time, which leaves out
 the time it waited for a core (the memory it shares with other processes still counts).
 
---baseline REV also builds kernels/cpu/kvscope_cpu.cpp as it was at git revision REV, for each
-variant named, as side `<isa>@REV` (its own op namespace), to A/B a kernel change in one process.
+--baseline REV also runs kernels/cpu/kvscope_cpu.cpp as it was at git revision REV, for each
+variant named, as side `<isa>@REV` (bench/baseline.py), to A/B a kernel change in one process.
 --emulate avx2 limits torch and oneDNN to AVX2, as bench.throughput --isa avx2 does.
 
     python -m bench.gemv [--sides avx2,torch] [--baseline HEAD] [--rows 1,4] [--dtype float32] [--rounds 5]
@@ -22,41 +22,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench import baseline
 from bench.rounds import interleave, ratios
 from bench.throughput import ISA_ENV, cpu_report, isa_environment, machine, reexec_with
-from engine.model.model_loader import default_cache_dir
+from bench.baseline import BUILD_DIR
 from kernels import cpu_build
 
-BUILD_DIR = default_cache_dir() / "kernels"
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
           "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}  # name: (N, K)
 COPY_BYTES = 128 << 20  # per shape: far beyond the last-level cache
-
-
-def baseline_ops(isa: str, rev: str):
-    """torch.ops.kvscope_base_<isa>: the kernels' source at git revision `rev`, built for `isa`."""
-    root = Path(__file__).resolve().parents[1]
-    text = subprocess.run(["git", "show", f"{rev}:kernels/cpu/kvscope_cpu.cpp"], cwd=root, check=True,
-                          capture_output=True, text=True).stdout
-    text = text.replace("#define KVSCOPE_NS kvscope_", "#define KVSCOPE_NS kvscope_base_")
-    out = BUILD_DIR / f"kvscope_cpu-base-{isa}-{rev.replace('/', '_')}.so"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kvscope_cpu.cpp"
-        src.write_text(text)
-        run = subprocess.run(cpu_build.compile_command(isa, out, source=src), capture_output=True, text=True)
-        if run.returncode:
-            raise SystemExit(f"building {isa}@{rev} failed:\n{run.stderr[-2000:]}")
-    torch.ops.load_library(str(out))
-    return getattr(torch.ops, f"kvscope_base_{isa}")
 
 
 def gemv_call(side: str, ops) -> Callable:
@@ -106,7 +86,8 @@ def main() -> None:
         plain = name in ("torch", "read")
         sides[name] = gemv_call(name, None if plain else cpu_build.load_variant(BUILD_DIR, name))
         if args.baseline and not plain:
-            sides[f"{name}@{args.baseline}"] = gemv_call(name, baseline_ops(name, args.baseline))
+            ops = getattr(torch.ops, f"kvscope_{baseline.load(name, args.baseline)}")
+            sides[f"{name}@{args.baseline}"] = gemv_call(name, ops)
     print(f"bench.gemv, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{'CPU time' if args.cpu_time else 'wall clock'}", flush=True)

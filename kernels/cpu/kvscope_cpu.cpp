@@ -707,11 +707,11 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // contiguous run of weights; R weight rows are dotted at a time (R * M independent FMA chains),
 // and the W sums of each x row reduce to one vector with sum_lanes. At one row of x all 16 rows of
 // a block stream at once: 16 read streams keep more cache misses in flight than 4, and one core
-// then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.4x
-// the 4-row kernel); at more rows of x the accumulators of 16 rows would not fit in registers. bf16 weights: AVX512-BF16's
-// dot product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they
-// are widened to float32 as they stream in (a shift) and multiplied with x converted once to
-// float32: half the bytes of fp32 weights, the same fp32 arithmetic.
+// then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.3x
+// the 4-row kernel); at more rows of x, 8 rows at a time (1.2x). bf16 weights: AVX512-BF16's dot
+// product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they are
+// widened to float32 as they stream in (a shift) and multiplied with x converted once to float32:
+// half the bytes of fp32 weights, the same fp32 arithmetic.
 template <typename T> struct Gemv {  // weights of T widened to float32, x in float32
   static constexpr int64_t kChunk = W;
   using XT = float;  // x's element type inside the kernel
@@ -734,8 +734,14 @@ template <> struct Gemv<c10::BFloat16> {
 
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
-// weight rows dotted at once for M rows of x
+// weight rows dotted at once for M rows of x (measured with bench/gemv.py): at one row the whole
+// block on AVX2 and AVX-512, otherwise 8 (more accumulators than registers, yet faster than 4);
+// the portable variant's arrays of floats stay in registers only up to 8 rows
+#if defined(KVSCOPE_ISA_GENERIC)
+constexpr int rows_at_once(int) { return 8; }
+#else
 constexpr int rows_at_once(int M) { return M == 1 ? kBlock : 8; }
+#endif
 
 template <typename T, int M>
 void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
