@@ -325,6 +325,44 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
       __builtin_prefetch(reinterpret_cast<const char*>(rows + i * c_tok) + b);
 }
 
+// acc[g] = inv[g] * sum_t s[g, t] V_t for G heads, whose output rows stay in (at most 16) registers
+// while V streams: CS vector chunks of each row at a time for up to 16 / CS heads; each slice of a V
+// row is loaded once for all those heads. Where G heads' whole rows do not fit (AVX2, D = 64, three
+// heads per KV head: 24 vectors), the row is split into slices and V read once per slice (mostly
+// from the cache), not once per head.
+template <typename T, int CS>
+void weighted_values(const T* vc, const int32_t* table, int64_t L, int64_t bs, int64_t c_blk, int64_t c_tok,
+                     int64_t G, int64_t DC, const float* s, const float* inv, float* acc) {
+  if constexpr (CS > 1) {
+    if (G * CS > 16) return weighted_values<T, CS / 2>(vc, table, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
+  }
+  constexpr int HM = 16 / CS;
+  const int64_t D = DC * W;
+  for (int64_t g0 = 0; g0 < G; g0 += HM)
+    for (int64_t c0 = 0; c0 < DC; c0 += CS) {
+      vf av[HM][CS];
+      for (int g = 0; g < HM; ++g)
+        for (int c = 0; c < CS; ++c) av[g][c] = zero();
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk + W * c0;
+        const int64_t n = std::min(bs, L - t0);
+        if (c0 == 0 && t0 + bs < L)
+          prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+        for (int64_t i = 0; i < n; ++i) {
+          vf v[CS];
+          for (int c = 0; c < CS; ++c) v[c] = load(vb + i * c_tok + W * c);
+          for (int g = 0; g < HM; ++g) {
+            if (g0 + g >= G) break;
+            const vf p = set1(s[(g0 + g) * L + t0 + i]);
+            for (int c = 0; c < CS; ++c) av[g][c] = fma(p, v[c], av[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < HM && g0 + g < G; ++g)
+        for (int c = 0; c < CS; ++c) store(acc + (g0 + g) * D + W * (c0 + c), mul(av[g][c], set1(inv[g0 + g])));
+    }
+}
+
 template <typename T, int DC>
 void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
                  int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc, float* inv) {
@@ -348,31 +386,7 @@ void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int3
     for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
     inv[g] = 1.f / sum;
   }
-  constexpr int GM = DC > 0 ? 16 / DC : 0;  // heads whose output rows fit in 16 vectors at once
-  if constexpr (DC > 0) {
-    if (G <= GM) {  // each V row is loaded once for all G heads; their outputs stay in registers
-      vf av[GM > 0 ? GM : 1][DC > 0 ? DC : 1];
-      for (int g = 0; g < GM; ++g)
-        for (int c = 0; c < DC; ++c) av[g][c] = zero();
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
-        const int64_t n = std::min(bs, L - t0);
-        if (t0 + bs < L) prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
-        for (int64_t i = 0; i < n; ++i) {
-          vf v[DC];
-          for (int c = 0; c < DC; ++c) v[c] = load(vb + i * c_tok + W * c);
-          for (int g = 0; g < GM; ++g) {
-            if (g >= G) break;
-            const vf p = set1(s[g * L + t0 + i]);
-            for (int c = 0; c < DC; ++c) av[g][c] = fma(p, v[c], av[g][c]);
-          }
-        }
-      }
-      for (int g = 0; g < GM && g < G; ++g)
-        for (int c = 0; c < DC; ++c) store(acc + g * D + W * c, mul(av[g][c], set1(inv[g])));
-      return;
-    }
-  }
+  if constexpr (DC > 0) return weighted_values<T, DC>(vc, table, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
   for (int64_t g = 0; g < G; ++g) {  // any number of heads: one head at a time
     float* a = acc + g * D;
     std::fill(a, a + D, 0.f);
