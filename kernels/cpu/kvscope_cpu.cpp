@@ -107,6 +107,7 @@ inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
@@ -152,6 +153,7 @@ inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
@@ -201,6 +203,7 @@ inline void store(float* p, vf a) { std::memcpy(p, a.x, sizeof a.x); }
 inline vf add(vf a, vf b) { return each([&](int i) { return a.x[i] + b.x[i]; }); }
 inline vf sub(vf a, vf b) { return each([&](int i) { return a.x[i] - b.x[i]; }); }
 inline vf mul(vf a, vf b) { return each([&](int i) { return a.x[i] * b.x[i]; }); }
+inline vf div(vf a, vf b) { return each([&](int i) { return a.x[i] / b.x[i]; }); }
 inline vf fma(vf a, vf b, vf c) { return each([&](int i) { return a.x[i] * b.x[i] + c.x[i]; }); }
 inline vf vmax(vf a, vf b) { return each([&](int i) { return std::max(a.x[i], b.x[i]); }); }
 inline vf vmin(vf a, vf b) { return each([&](int i) { return std::min(a.x[i], b.x[i]); }); }
@@ -690,7 +693,9 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 }
 
 // ---------------------------------------------------------------------------- SiLU and multiply
-// out [T, I] = silu(gu[:, :I]) * gu[:, I:], silu rounded to the dtype first (HF: act(gate) * up)
+// out [T, I] = silu(gate) * up for gu = [gate | up], silu rounded to the dtype first (HF: act(gate)
+// * up). silu by the vector layer (exp_lanes is fast_exp lane by lane, the same bits): g++ left
+// the scalar loop unvectorized in the AVX2 variant (7x slower than the AVX-512 one).
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
@@ -698,8 +703,19 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   for (int64_t t = 0; t < T_; ++t) {
     const T* g = gate_up.data_ptr<T>() + t * gate_up.stride(0);
     T* o = out.data_ptr<T>() + t * out.stride(0);
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
+    int64_t i = 0;
+    for (; i + W <= I; i += W) {
+      const vf x = load(g + i);
+      const vf act = div(x, add(set1(1.f), exp_lanes(sub(zero(), x))));
+      if constexpr (std::is_same_v<T, float>) {
+        store(o + i, mul(act, load(g + I + i)));
+      } else {
+        alignas(64) float a[W];
+        store(a, act);
+        for (int j = 0; j < W; ++j) o[i + j] = to<T>(rnd<T>(a[j]) * f32(g[I + i + j]));
+      }
+    }
+    for (; i < I; ++i) {
       const float x = f32(g[i]);
       o[i] = to<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + i]));
     }
