@@ -11,7 +11,8 @@ bench.throughput --isa avx2 does.
 
     python -m bench.cpu_variants --sides avx2:float32,avx2:bfloat16 --emulate avx2 [--rounds 3]
     python -m bench.cpu_variants --sides generic:float32,torch:float32
-    python -m bench.cpu_variants --sides avx2:float32,avx2@HEAD~1:float32 --emulate avx2 --jobs "batch 1"
+    python -m bench.cpu_variants --sides avx2:float32,avx2@HEAD~1:float32 --emulate avx2 --jobs "batch 1" \
+        --linear onednn+gemv
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from bench.throughput import (ISA_ENV, KVScopeSide, cpu_report, isa_environment,
                               memory_read_bandwidth, reexec_with, report, run_rounds, weight_bytes)
 from bench.baseline import BUILD_DIR
 from engine.model.model_loader import load_model
+from engine.model import model_runner
 from engine.model.model_runner import load_cpu_kernels
 from kernels import cpu_build, linear
 
@@ -63,6 +65,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--jobs", default="batch", help="comma-separated prefixes of job names (default: both batches)")
+    ap.add_argument("--linear", default=None, choices=["torch", "onednn", "torch+gemv", "onednn+gemv"],
+                    help="the GEMM backend (and GEMV or not) on every side; by default each side times the "
+                         "choice (kernels.linear.choose_backend), which on a loaded machine can flip between "
+                         "sides and runs, so an A/B of kernel code should pin it")
     ap.add_argument("--emulate", choices=sorted(ISA_ENV), default=None, help="limit torch and oneDNN to this ISA")
     args = ap.parse_args()
     if args.emulate:
@@ -71,6 +77,9 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     load_cpu_kernels(print)
     print(cpu_report(), flush=True)
+    if args.linear:
+        backend, _, gemv = args.linear.partition("+")
+        model_runner.choose_backend = lambda layers, repeats=5: (backend, bool(gemv))
     sides = [VariantSide(spec, args.model) for spec in args.sides.split(",")]
     jobs = [j for j in make_jobs(sides[0].loaded.tokenizer, args.requests, args.new_tokens)
             if any(j.name.startswith(x) for x in args.jobs.split(","))]
