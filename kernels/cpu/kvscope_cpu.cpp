@@ -767,20 +767,21 @@ template <> struct Gemv<c10::BFloat16> {
 
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
-// weight rows dotted at once for M rows of x (measured with bench/gemv.py): at one row the whole
-// block on AVX2 and AVX-512, otherwise 8 (more accumulators than registers, yet faster than 4);
-// the portable variant's arrays of floats stay in registers only up to 8 rows
+// weight rows dotted at once for M rows of x of T (measured with bench/gemv.py): at one row of
+// fp32 the whole block on AVX2 and AVX-512, otherwise 8 (more accumulators than registers, yet
+// faster than 4; bf16 weights at one row: 16 at once were 1.5x slower than 4, each load widened
+// in registers); the portable variant's arrays of floats stay in registers only up to 8 rows
 #if defined(KVSCOPE_ISA_GENERIC)
-constexpr int rows_at_once(int) { return 8; }
+template <typename T> constexpr int rows_at_once(int) { return 8; }
 #else
-constexpr int rows_at_once(int M) { return M == 1 ? kBlock : 8; }
+template <typename T> constexpr int rows_at_once(int M) { return M == 1 && std::is_same_v<T, float> ? kBlock : 8; }
 #endif
 
 template <typename T, int M>
 void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
                 int64_t o_row) {
   using G = Gemv<T>;
-  constexpr int R = rows_at_once(M);
+  constexpr int R = rows_at_once<T>(M);
   vf part[M][kBlock];
   for (int i = 0; i < kBlock; i += R) {
     const T* r = w + i * K;
