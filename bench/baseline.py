@@ -28,12 +28,16 @@ def variant_name(isa: str, rev: str) -> str:
 
 
 def load(isa: str, rev: str) -> str:
-    """Build (cached) and load the revision's `isa` kernels; returns their variant_name."""
+    """Build (cached) and load the revision's `isa` kernels; returns their variant_name. A
+    revision git does not know (or without the kernels' source) is a ValueError saying so."""
     name = variant_name(isa, rev)
     if name in _loaded:
         return name
-    text = subprocess.run(["git", "show", f"{rev}:kernels/cpu/kvscope_cpu.cpp"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
+    show = subprocess.run(["git", "show", f"{rev}:kernels/cpu/kvscope_cpu.cpp"], cwd=ROOT, capture_output=True,
+                          text=True)
+    if show.returncode:
+        raise ValueError(f"no kernels at git revision {rev!r}: {show.stderr.strip()}")
+    text = show.stdout
     text = text.replace("#define KVSCOPE_NS kvscope_", f"#define KVSCOPE_NS kvscope_{name.removesuffix(isa)}")
     key = hashlib.sha256("\n".join([text, isa, torch.__version__]).encode()).hexdigest()[:16]
     lib = BUILD_DIR / f"kvscope_cpu-{name}-{key}.so"
