@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.skipif(not ok, reason=f"C++ CPU kernels cannot be buil
               pytest.mark.skipif(not in_git, reason="not a git checkout: no revision to build")]
 
 
+@pytest.mark.slow  # a g++ build of the revision's kernels (~30 s on 2 cores)
 def test_a_revisions_kernels_load_beside_todays_and_compute_the_same_gemv():
     isa = "generic"  # every CPU runs it
     today = cpu_build.load_variant(baseline.BUILD_DIR, isa)
