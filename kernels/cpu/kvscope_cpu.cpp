@@ -740,8 +740,8 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // contiguous run of weights; R weight rows are dotted at a time (R * M independent FMA chains),
 // and the W sums of each x row reduce to one vector with sum_lanes. At one row of x all 16 rows of
 // a block stream at once: 16 read streams keep more cache misses in flight than 4, and one core
-// then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.3x
-// the 4-row kernel); at more rows of x, 8 rows at a time (1.2x). bf16 weights: AVX512-BF16's dot
+// then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.4x
+// the 4-row kernel); at more rows of x, 8 rows at a time (1.2-1.3x). bf16 weights: AVX512-BF16's dot
 // product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they are
 // widened to float32 as they stream in (a shift) and multiplied with x converted once to float32:
 // half the bytes of fp32 weights, the same fp32 arithmetic.
