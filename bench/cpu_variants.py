@@ -1,7 +1,8 @@
 """KVScope against itself on the CPU, interleaved: C++ kernel variants, dtypes, the torch path.
 
-Each side is `variant:dtype`, the variant one of kernels.cpu_build.ISAS or `torch` (no C++
-kernels: the path a CPU without them takes). Every side has its own copy of the model, prepared
+Each side is `variant:dtype`, the variant one of kernels.cpu_build.ISAS, `torch` (no C++
+kernels: the path a CPU without them takes) or `<isa>@REV` (the kernels as they were at git
+revision REV, bench/baseline.py: a kernel change end to end). Every side has its own copy of the model, prepared
 (GEMM backends, GEMV choice) under its own variant; before each of its runs the engine's kernel
 calls are pointed at that variant. The jobs are bench.throughput's (32 prompts of 16..256
 tokens, 128 new tokens; batch 32 and batch 1), in rounds A B, B A, ... with medians and spread.
@@ -10,6 +11,8 @@ bench.throughput --isa avx2 does.
 
     python -m bench.cpu_variants --sides avx2:float32,avx2:bfloat16 --emulate avx2 [--rounds 3]
     python -m bench.cpu_variants --sides generic:float32,torch:float32
+    python -m bench.cpu_variants --sides avx2:float32,avx2@HEAD~1:float32 --emulate avx2 --jobs "batch 1" \
+        --linear onednn+gemv
 """
 from __future__ import annotations
 
@@ -19,19 +22,25 @@ import time
 
 import torch
 
+from bench import baseline
 from bench.throughput import (ISA_ENV, KVScopeSide, cpu_report, isa_environment, machine, make_jobs,
                               memory_read_bandwidth, reexec_with, report, run_rounds, weight_bytes)
-from engine.model.model_loader import default_cache_dir, load_model
+from bench.baseline import BUILD_DIR
+from engine.model.model_loader import load_model
+from engine.model import model_runner
 from engine.model.model_runner import load_cpu_kernels
 from kernels import cpu_build, linear
-
-BUILD_DIR = default_cache_dir() / "kernels"
 
 
 class VariantSide(KVScopeSide):
     def __init__(self, spec: str, model: str):
         self.variant, dtype = spec.split(":")
-        if self.variant != "torch":
+        self.ops_name = self.variant  # torch.ops.kvscope_<ops_name>
+        if "@" in self.variant:
+            isa, rev = self.variant.split("@")
+            cpu_build.load_variant(BUILD_DIR, isa)  # checks that this CPU runs it
+            self.ops_name = baseline.load(isa, rev)
+        elif self.variant != "torch":
             cpu_build.load_variant(BUILD_DIR, self.variant)
         super().__init__(load_model(model, dtype=dtype))  # its own copy: prepared under its own variant
         self.name = f"{self.variant} {dtype}"
@@ -40,8 +49,8 @@ class VariantSide(KVScopeSide):
     def run(self, job):
         if self.variant == "torch":
             cpu_build._state.update(loaded=False, why="bench.cpu_variants: the torch path", isa=None)
-        else:
-            cpu_build.use(self.variant, BUILD_DIR)
+        else:  # the engine's kernel calls go to torch.ops.kvscope_<isa in the state>
+            cpu_build._state.update(loaded=True, why="", isa=self.ops_name)
         if not self.prepared:  # the GEMM/GEMV choice is made for this variant, not taken from another side's
             linear._choice.clear()
             self.prepared = True
@@ -56,6 +65,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--jobs", default="batch", help="comma-separated prefixes of job names (default: both batches)")
+    ap.add_argument("--linear", default=None, choices=["torch", "onednn", "torch+gemv", "onednn+gemv"],
+                    help="the GEMM backend (and GEMV or not) on every side; by default each side times the "
+                         "choice (kernels.linear.choose_backend), which on a loaded machine can flip between "
+                         "sides and runs, so an A/B of kernel code should pin it")
     ap.add_argument("--emulate", choices=sorted(ISA_ENV), default=None, help="limit torch and oneDNN to this ISA")
     args = ap.parse_args()
     if args.emulate:
@@ -64,6 +77,9 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     load_cpu_kernels(print)
     print(cpu_report(), flush=True)
+    if args.linear:
+        backend, _, gemv = args.linear.partition("+")
+        model_runner.choose_backend = lambda layers, repeats=5: (backend, bool(gemv))
     sides = [VariantSide(spec, args.model) for spec in args.sides.split(",")]
     jobs = [j for j in make_jobs(sides[0].loaded.tokenizer, args.requests, args.new_tokens)
             if any(j.name.startswith(x) for x in args.jobs.split(","))]

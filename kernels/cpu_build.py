@@ -110,7 +110,7 @@ def target_flags(isa: str, native: bool = True) -> list[str]:
 
 
 def compile_command(isa: str, out: Path, compiler: str = "g++", native: bool = True,
-                    compile_only: bool = False) -> list[str]:
+                    compile_only: bool = False, source: Path = SOURCE) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     libs = Path(torch.__file__).parent / "lib"
     link = [] if compile_only else [f"-L{libs}", f"-Wl,-rpath,{libs}", "-lc10", "-ltorch_cpu", "-ltorch"]
@@ -118,7 +118,7 @@ def compile_command(isa: str, out: Path, compiler: str = "g++", native: bool = T
     return ([compiler, *flags, *target_flags(isa, native), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
              "-DTORCH_API_INCLUDE_EXTENSION_H"]
             + [f"-I{p}" for p in cpp.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-            + [str(SOURCE), "-o", str(out)] + link)
+            + [str(source), "-o", str(out)] + link)
 
 
 def library_path(build_dir: Path, isa: str) -> Path:

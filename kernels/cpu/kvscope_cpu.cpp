@@ -107,6 +107,7 @@ inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
@@ -152,6 +153,7 @@ inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
@@ -201,6 +203,7 @@ inline void store(float* p, vf a) { std::memcpy(p, a.x, sizeof a.x); }
 inline vf add(vf a, vf b) { return each([&](int i) { return a.x[i] + b.x[i]; }); }
 inline vf sub(vf a, vf b) { return each([&](int i) { return a.x[i] - b.x[i]; }); }
 inline vf mul(vf a, vf b) { return each([&](int i) { return a.x[i] * b.x[i]; }); }
+inline vf div(vf a, vf b) { return each([&](int i) { return a.x[i] / b.x[i]; }); }
 inline vf fma(vf a, vf b, vf c) { return each([&](int i) { return a.x[i] * b.x[i] + c.x[i]; }); }
 inline vf vmax(vf a, vf b) { return each([&](int i) { return std::max(a.x[i], b.x[i]); }); }
 inline vf vmin(vf a, vf b) { return each([&](int i) { return std::min(a.x[i], b.x[i]); }); }
@@ -325,6 +328,44 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
       __builtin_prefetch(reinterpret_cast<const char*>(rows + i * c_tok) + b);
 }
 
+// acc[g] = inv[g] * sum_t s[g, t] V_t for G heads, whose output rows stay in (at most 16) registers
+// while V streams: CS vector chunks of each row at a time for up to 16 / CS heads; each slice of a V
+// row is loaded once for all those heads. Where G heads' whole rows do not fit (AVX2, D = 64, three
+// heads per KV head: 24 vectors), the row is split into slices and V read once per slice (mostly
+// from the cache), not once per head.
+template <typename T, int CS>
+void weighted_values(const T* vc, const int32_t* table, int64_t L, int64_t bs, int64_t c_blk, int64_t c_tok,
+                     int64_t G, int64_t DC, const float* s, const float* inv, float* acc) {
+  if constexpr (CS > 1) {
+    if (G * CS > 16) return weighted_values<T, CS / 2>(vc, table, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
+  }
+  constexpr int HM = 16 / CS;
+  const int64_t D = DC * W;
+  for (int64_t g0 = 0; g0 < G; g0 += HM)
+    for (int64_t c0 = 0; c0 < DC; c0 += CS) {
+      vf av[HM][CS];
+      for (int g = 0; g < HM; ++g)
+        for (int c = 0; c < CS; ++c) av[g][c] = zero();
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk + W * c0;
+        const int64_t n = std::min(bs, L - t0);
+        if (c0 == 0 && t0 + bs < L)
+          prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+        for (int64_t i = 0; i < n; ++i) {
+          vf v[CS];
+          for (int c = 0; c < CS; ++c) v[c] = load(vb + i * c_tok + W * c);
+          for (int g = 0; g < HM; ++g) {
+            if (g0 + g >= G) break;
+            const vf p = set1(s[(g0 + g) * L + t0 + i]);
+            for (int c = 0; c < CS; ++c) av[g][c] = fma(p, v[c], av[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < HM && g0 + g < G; ++g)
+        for (int c = 0; c < CS; ++c) store(acc + (g0 + g) * D + W * (c0 + c), mul(av[g][c], set1(inv[g0 + g])));
+    }
+}
+
 template <typename T, int DC>
 void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
                  int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc, float* inv) {
@@ -348,31 +389,7 @@ void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int3
     for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
     inv[g] = 1.f / sum;
   }
-  constexpr int GM = DC > 0 ? 16 / DC : 0;  // heads whose output rows fit in 16 vectors at once
-  if constexpr (DC > 0) {
-    if (G <= GM) {  // each V row is loaded once for all G heads; their outputs stay in registers
-      vf av[GM > 0 ? GM : 1][DC > 0 ? DC : 1];
-      for (int g = 0; g < GM; ++g)
-        for (int c = 0; c < DC; ++c) av[g][c] = zero();
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
-        const int64_t n = std::min(bs, L - t0);
-        if (t0 + bs < L) prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
-        for (int64_t i = 0; i < n; ++i) {
-          vf v[DC];
-          for (int c = 0; c < DC; ++c) v[c] = load(vb + i * c_tok + W * c);
-          for (int g = 0; g < GM; ++g) {
-            if (g >= G) break;
-            const vf p = set1(s[g * L + t0 + i]);
-            for (int c = 0; c < DC; ++c) av[g][c] = fma(p, v[c], av[g][c]);
-          }
-        }
-      }
-      for (int g = 0; g < GM && g < G; ++g)
-        for (int c = 0; c < DC; ++c) store(acc + g * D + W * c, mul(av[g][c], set1(inv[g])));
-      return;
-    }
-  }
+  if constexpr (DC > 0) return weighted_values<T, DC>(vc, table, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
   for (int64_t g = 0; g < G; ++g) {  // any number of heads: one head at a time
     float* a = acc + g * D;
     std::fill(a, a + D, 0.f);
@@ -676,7 +693,9 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 }
 
 // ---------------------------------------------------------------------------- SiLU and multiply
-// out [T, I] = silu(gu[:, :I]) * gu[:, I:], silu rounded to the dtype first (HF: act(gate) * up)
+// out [T, I] = silu(gate) * up for gu = [gate | up], silu rounded to the dtype first (HF: act(gate)
+// * up). silu by the vector layer (exp_lanes is fast_exp lane by lane, the same bits): g++ left
+// the scalar loop unvectorized in the AVX2 variant (7x slower than by the vector layer).
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
@@ -684,10 +703,24 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   for (int64_t t = 0; t < T_; ++t) {
     const T* g = gate_up.data_ptr<T>() + t * gate_up.stride(0);
     T* o = out.data_ptr<T>() + t * out.stride(0);
+    int64_t i = 0;
+#if !defined(KVSCOPE_ISA_GENERIC)  // the portable variant keeps the loop below: its compiler vectorizes it
+    for (; i + W <= I; i += W) {
+      const vf x = load(g + i);
+      const vf act = div(x, add(set1(1.f), exp_lanes(sub(zero(), x))));
+      if constexpr (std::is_same_v<T, float>) {
+        store(o + i, mul(act, load(g + I + i)));
+      } else {
+        alignas(64) float a[W];
+        store(a, act);
+        for (int j = 0; j < W; ++j) o[i + j] = to<T>(rnd<T>(a[j]) * f32(g[I + i + j]));
+      }
+    }
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float x = f32(g[i]);
-      o[i] = to<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + i]));
+    for (int64_t j = i; j < I; ++j) {
+      const float x = f32(g[j]);
+      o[j] = to<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + j]));
     }
   }
 }
@@ -704,11 +737,14 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // out [M, N] = x [M, K] . w [N, K]^T (+ bias [N]) for M <= 4, accumulated in float32. At small M
 // a linear layer is a stream of its weights: every weight row is read once, from memory, and
 // dotted with the M rows of x, which stay in L1. Output rows come in blocks of 16, each block a
-// contiguous run of weights; four weight rows are dotted at a time (four independent FMA chains),
-// and the W sums of each x row reduce to one vector with sum_lanes. bf16 weights: AVX512-BF16's
-// dot product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they
-// are widened to float32 as they stream in (a shift) and multiplied with x converted once to
-// float32: half the bytes of fp32 weights, the same fp32 arithmetic.
+// contiguous run of weights; R weight rows are dotted at a time (R * M independent FMA chains),
+// and the W sums of each x row reduce to one vector with sum_lanes. At one row of x all 16 rows of
+// a block stream at once: 16 read streams keep more cache misses in flight than 4, and one core
+// then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.4x
+// the 4-row kernel); at more rows of x, 8 rows at a time (1.2-1.3x). bf16 weights: AVX512-BF16's dot
+// product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they are
+// widened to float32 as they stream in (a shift) and multiplied with x converted once to float32:
+// half the bytes of fp32 weights, the same fp32 arithmetic.
 template <typename T> struct Gemv {  // weights of T widened to float32, x in float32
   static constexpr int64_t kChunk = W;
   using XT = float;  // x's element type inside the kernel
@@ -731,28 +767,39 @@ template <> struct Gemv<c10::BFloat16> {
 
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
+// weight rows dotted at once for M rows of x of T (measured with bench/gemv.py): at one row of
+// fp32 the whole block on AVX2 and AVX-512, otherwise 8 (more accumulators than registers, yet
+// faster than 4; bf16 weights at one row: 16 at once were 1.5x slower than 4, each load widened
+// in registers); the portable variant's arrays of floats stay in registers only up to 8 rows
+#if defined(KVSCOPE_ISA_GENERIC)
+template <typename T> constexpr int rows_at_once(int) { return 8; }
+#else
+template <typename T> constexpr int rows_at_once(int M) { return M == 1 && std::is_same_v<T, float> ? kBlock : 8; }
+#endif
 
 template <typename T, int M>
 void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
                 int64_t o_row) {
   using G = Gemv<T>;
+  constexpr int R = rows_at_once<T>(M);
   vf part[M][kBlock];
-  for (int i = 0; i < kBlock; i += 4) {
+  for (int i = 0; i < kBlock; i += R) {
     const T* r = w + i * K;
-    vf acc[M][4];
+    vf acc[M][R];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = zero();
+      for (int j = 0; j < R; ++j) acc[m][j] = zero();
     for (int64_t k = 0; k < K; k += G::kChunk) {
       typename G::X xs[M];
       for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
-      for (int j = 0; j < 4; ++j) {
-        __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
+      for (int j = 0; j < R; ++j) {
+        // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them)
+        if constexpr (R < kBlock) __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
         const typename G::X wv = G::load_w(r + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = G::dot(acc[m][j], wv, xs[m]);
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) part[m][i + j] = acc[m][j];
+      for (int j = 0; j < R; ++j) part[m][i + j] = acc[m][j];
   }
   for (int b0 = 0; b0 < kBlock; b0 += W) {
     const vf b = bias ? load(bias + b0) : zero();
