@@ -8,7 +8,7 @@ from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
 from app.ui.palette import USED
-from app.data.words import plural
+from app.data.words import plural, rate
 from app.data.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
@@ -96,11 +96,11 @@ def metrics(view: View, client: EngineClient) -> None:
     if caching and client.hello and client.hello.server.startswith("vllm"):
         row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
                        f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
-    row[3].metric("Tokens/s", f"{tl.tokens_per_s():,.1f}",
+    row[3].metric("Tokens/s", rate(tl.tokens_per_s()),
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
                   help=f"Tokens generated per second of the engine's own step time (the steps' durations, "
-                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event "
-                       f"({tl.generated:,} in all).")
+                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event: "
+                       f"{tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all).")
     row = st.columns(4)
     row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
                   help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "

@@ -8,7 +8,7 @@ from kvscope_contract import protocol as p
 from app.panels import header, tables, timeline
 from app.data.client import View
 from app.data.event_history import EventHistory
-from app.data.words import plural
+from app.data.words import plural, rate
 from tests.pool_driver import PoolDriver
 
 
@@ -16,6 +16,14 @@ def test_one_rule_for_plurals():
     assert plural(1, "block") == "1 block" and plural(2, "block") == "2 blocks"
     assert plural(0, "slot") == "0 slots" and plural(1_048_576, "block") == "1,048,576 blocks"
     assert plural(1, "prefix", "prefixes") == "1 prefix" and plural(3, "prefix", "prefixes") == "3 prefixes"
+
+
+def test_a_rate_fits_a_metric_card():
+    """Walk of issue 17: tens of thousands of tokens/s read "80,13…" on a 1M-block pool."""
+    assert rate(0) == "0.0" and rate(97.64) == "97.6" and rate(999.94) == "999.9"
+    assert rate(999.96) == "1.0 k" and rate(3353.2) == "3.4 k" and rate(80_135.2) == "80.1 k"
+    assert rate(801_234) == "801 k" and rate(2_500_000) == "2.5 M"
+    assert all(len(rate(x)) <= 6 for x in (0, 5.25, 999.94, 999.96, 12_345.6, 999_940, 1e6, 9.9e6))
 
 
 def test_what_paging_saves_says_when_paging_holds_more():
