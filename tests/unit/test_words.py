@@ -53,6 +53,22 @@ def test_step_ticks_are_whole_numbers():
         assert area.get("format") == "d" and area.get("tickMinStep") == 1, axes
 
 
+def test_lifetime_histograms_bin_whole_steps():
+    """Walk of issue 17: seven reuse gaps of 152 steps (vLLM, Overload) drew one bar from 151.5 to
+    152.5 under ticks 151.5, 151.7, ...: bins are whole steps, ticks too."""
+    import numpy as np
+    from app.panels.history_panels import _histogram
+    for values in ([152] * 7, [0, 1, 1, 5], list(range(3, 250, 7)), [7, 1000]):
+        spec = _histogram(np.array(values))
+        bins = spec["data"]["values"]
+        assert all(isinstance(b["from"], int) and isinstance(b["to"], int) for b in bins), bins
+        assert len(bins) <= 20 and sum(b["blocks"] for b in bins) == len(values)
+        assert bins[0]["from"] <= min(values) and max(values) < bins[-1]["to"]
+        axis = spec["encoding"]["x"]["axis"]
+        assert axis["format"] == "d" and axis["tickMinStep"] == 1
+    assert _histogram(np.array([152] * 7))["data"]["values"] == [{"from": 152, "to": 153, "blocks": 7}]
+
+
 def test_big_numbers_carry_thousands_separators():
     from app.panels.eventlog import describe
     from app.panels.header import _short
