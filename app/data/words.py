@@ -17,3 +17,11 @@ def rate(x: float) -> str:
     if x >= 999.95:
         return f"{x / 1e3:.1f} k"
     return f"{x:.1f}"
+
+
+def count(n: int) -> str:
+    """A count that fits a metric card's chip beside another: exact below 100,000 ('91,296'),
+    then in thousands ('365 k') or millions ('1.05 M')."""
+    if n >= 999_500:
+        return f"{n / 1e6:.3g} M"
+    return f"{n:,}" if n < 100_000 else f"{n / 1e3:.0f} k"

@@ -8,7 +8,7 @@ from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
 from app.ui.palette import USED
-from app.data.words import plural, rate
+from app.data.words import count, plural, rate
 from app.data.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
@@ -89,10 +89,10 @@ def metrics(view: View, client: EngineClient) -> None:
                        f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
     caching = cfg.enable_prefix_caching
     row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
-                  f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens" if caching else "caching off",
+                  f"{count(tl.hit_tokens)} / {count(tl.looked_up_tokens)} tokens" if caching else "caching off",
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
-                  f"since {tl.since}. Found tokens are not computed again.")
+                  f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed again.")
     if caching and client.hello and client.hello.server.startswith("vllm"):
         row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
                        f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)

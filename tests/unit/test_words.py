@@ -8,7 +8,7 @@ from kvscope_contract import protocol as p
 from app.panels import header, tables, timeline
 from app.data.client import View
 from app.data.event_history import EventHistory
-from app.data.words import plural, rate
+from app.data.words import count, plural, rate
 from tests.pool_driver import PoolDriver
 
 
@@ -24,6 +24,14 @@ def test_a_rate_fits_a_metric_card():
     assert rate(999.96) == "1.0 k" and rate(3353.2) == "3.4 k" and rate(80_135.2) == "80.1 k"
     assert rate(801_234) == "801 k" and rate(2_500_000) == "2.5 M"
     assert all(len(rate(x)) <= 6 for x in (0, 5.25, 999.94, 999.96, 12_345.6, 999_940, 1e6, 9.9e6))
+
+
+def test_a_count_fits_a_metric_chip():
+    """Walk of issue 17: the hit rate's chip read "91,296 / 364,810 …" on a 1M-block pool."""
+    assert count(0) == "0" and count(91_296) == "91,296" and count(99_999) == "99,999"
+    assert count(364_810) == "365 k" and count(999_499) == "999 k" and count(999_500) == "1 M"
+    assert count(1_048_576) == "1.05 M" and count(12_345_678) == "12.3 M"
+    assert f"{count(91_296)} / {count(364_810)} tokens" == "91,296 / 365 k tokens"
 
 
 def test_what_paging_saves_says_when_paging_holds_more():
