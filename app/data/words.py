@@ -20,8 +20,8 @@ def rate(x: float) -> str:
 
 
 def count(n: int) -> str:
-    """A count that fits a metric card's chip beside another: exact below 100,000 ('91,296'),
-    then in thousands ('365 k') or millions ('1.05 M')."""
+    """A count that fits a metric card's chip beside another: exact below 10,000 ('9,999'),
+    then three digits in thousands ('41.8 k', '365 k') or millions ('1.05 M')."""
     if n >= 999_500:
         return f"{n / 1e6:.3g} M"
-    return f"{n:,}" if n < 100_000 else f"{n / 1e3:.0f} k"
+    return f"{n:,}" if n < 10_000 else f"{n / 1e3:.3g} k"

@@ -62,6 +62,13 @@ def _short(n: int) -> str:
     return f"{n / 1e6:.3g} M" if n >= 1_000_000 else f"{n:,}"
 
 
+def _of_tokens(part: int, whole: int) -> str:
+    """'288 / 474 tokens' where it fits the card's chip (about 16 characters), else the bare counts
+    ('9,999 / 9,999', '41.8 k / 180 k'); the tooltip has them exact."""
+    full = f"{part:,} / {whole:,} tokens"
+    return full if len(full) <= 16 else f"{count(part)} / {count(whole)}"
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
 
@@ -89,7 +96,7 @@ def metrics(view: View, client: EngineClient) -> None:
                        f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
     caching = cfg.enable_prefix_caching
     row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
-                  f"{count(tl.hit_tokens)} / {count(tl.looked_up_tokens)} tokens" if caching else "caching off",
+                  _of_tokens(tl.hit_tokens, tl.looked_up_tokens) if caching else "caching off",
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed again.")

@@ -28,10 +28,14 @@ def test_a_rate_fits_a_metric_card():
 
 def test_a_count_fits_a_metric_chip():
     """Walk of issue 17: the hit rate's chip read "91,296 / 364,810 …" on a 1M-block pool."""
-    assert count(0) == "0" and count(91_296) == "91,296" and count(99_999) == "99,999"
+    from app.panels.header import _of_tokens
+    assert count(0) == "0" and count(9_999) == "9,999" and count(10_000) == "10 k" and count(41_776) == "41.8 k"
     assert count(364_810) == "365 k" and count(999_499) == "999 k" and count(999_500) == "1 M"
     assert count(1_048_576) == "1.05 M" and count(12_345_678) == "12.3 M"
-    assert f"{count(91_296)} / {count(364_810)} tokens" == "91,296 / 365 k tokens"
+    assert _of_tokens(288, 474) == "288 / 474 tokens" and _of_tokens(0, 9_999) == "0 / 9,999 tokens"
+    assert _of_tokens(224, 4_889) == "224 / 4,889"
+    assert _of_tokens(91_296, 364_810) == "91.3 k / 365 k"
+    assert all(len(_of_tokens(a, b)) <= 16 for a, b in ((9_999, 9_999), (41_776, 180_001), (999_999, 12_345_678)))
 
 
 def test_what_paging_saves_says_when_paging_holds_more():
