@@ -69,6 +69,8 @@ class ServerProcess:
         return self.returncode is not None and self.url is not None and not self.stopping
 
     def exit_reason(self) -> str:
+        if self._proc is None and self.returncode is not None:
+            return "it could not be started"  # no process ever ran: no exit code, no signal
         code = self.returncode
         if code is not None and code < 0:
             try:
@@ -95,6 +97,8 @@ class ServerProcess:
                                           errors="replace")
         except OSError as e:
             self.lines.append(f"could not start {self.command}: {e}")
+            if self.module.startswith("integrations.vllm") and not os.path.exists(self.python):
+                self.lines.append("vLLM runs from its own virtualenv, .venv-vllm: `make vllm-venv` creates it")
             self.returncode = -1
             self._handled.set()
             return

@@ -8,7 +8,7 @@ from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
 from app.ui.palette import USED
-from app.data.words import plural
+from app.data.words import count, plural, rate
 from app.data.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
@@ -62,6 +62,13 @@ def _short(n: int) -> str:
     return f"{n / 1e6:.3g} M" if n >= 1_000_000 else f"{n:,}"
 
 
+def _of_tokens(part: int, whole: int) -> str:
+    """'288 / 474 tokens' where it fits the card's chip (about 16 characters), else the bare counts
+    ('9,999 / 9,999', '41.8 k / 180 k'); the tooltip has them exact."""
+    full = f"{part:,} / {whole:,} tokens"
+    return full if len(full) <= 16 else f"{count(part)} / {count(whole)}"
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
 
@@ -89,18 +96,18 @@ def metrics(view: View, client: EngineClient) -> None:
                        f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
     caching = cfg.enable_prefix_caching
     row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
-                  f"{tl.hit_tokens:,} / {tl.looked_up_tokens:,} tokens" if caching else "caching off",
+                  _of_tokens(tl.hit_tokens, tl.looked_up_tokens) if caching else "caching off",
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
-                  f"since {tl.since}. Found tokens are not computed again.")
+                  f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed again.")
     if caching and client.hello and client.hello.server.startswith("vllm"):
         row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
                        f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
-    row[3].metric("Tokens/s", f"{tl.tokens_per_s():,.1f}",
+    row[3].metric("Tokens/s", rate(tl.tokens_per_s()),
                   f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
                   help=f"Tokens generated per second of the engine's own step time (the steps' durations, "
-                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event "
-                       f"({tl.generated:,} in all).")
+                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event: "
+                       f"{tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all).")
     row = st.columns(4)
     row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
                   help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "

@@ -73,7 +73,7 @@ def lifetimes(client: EngineClient, view: View) -> None:
         st.vega_lite_chart({
             "data": {"values": rows}, "height": 180,
             "mark": {"type": "line", "interpolate": "step-after", "point": False},
-            "encoding": {"x": {"field": "step", "type": "quantitative", "title": "engine step"},
+            "encoding": {"x": {"field": "step", "type": "quantitative", "title": "engine step", "axis": STEP_AXIS},
                          "y": {"field": "blocks", "type": "quantitative", "title": "blocks held"},
                          "color": {"field": "request", "type": "nominal",
                                    "scale": {"domain": list(colors), "range": list(colors.values())}}}},
@@ -85,13 +85,21 @@ def lifetimes(client: EngineClient, view: View) -> None:
                "holder leaving to its eviction; reuse gap: between its registration or a hit and the next hit.")
 
 
+STEP_AXIS = {"format": "d", "tickMinStep": 1}  # steps are whole numbers: no 151.5 ticks
+
+
 def _histogram(values: np.ndarray) -> dict:
-    counts, edges = np.histogram(values, bins=min(20, max(1, int(values.max()) - int(values.min()) + 1)))
-    data = [{"from": float(a), "to": float(b), "blocks": int(c)} for a, b, c in zip(edges, edges[1:], counts)]
+    """Bins of whole steps (at most 20), so that one value alone is one bar from n to n + 1."""
+    lo, hi = int(values.min()), int(values.max())
+    width = -(-(hi - lo + 1) // 20)
+    edges = np.arange(lo, hi + width + 1, width)
+    counts, _ = np.histogram(values, bins=edges)
+    data = [{"from": int(a), "to": int(b), "blocks": int(c)} for a, b, c in zip(edges, edges[1:], counts)]
     return {"data": {"values": data}, "height": 150, "mark": {"type": "bar", "color": USED},
-            "encoding": {"x": {"field": "from", "type": "quantitative", "bin": {"binned": True}, "title": "steps"},
+            "encoding": {"x": {"field": "from", "type": "quantitative", "bin": {"binned": True}, "title": "steps",
+                               "axis": STEP_AXIS},
                          "x2": {"field": "to"},
-                         "y": {"field": "blocks", "type": "quantitative", "title": "samples"},
+                         "y": {"field": "blocks", "type": "quantitative", "title": "samples", "axis": {"tickMinStep": 1}},
                          "tooltip": [{"field": "from"}, {"field": "to"}, {"field": "blocks"}]}}
 
 

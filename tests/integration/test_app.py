@@ -429,7 +429,8 @@ def test_hit_rate_in_the_header_never_passes_100_percent(at, observer):
     wait(lambda: len(events(observer, "finish", start)) == 4, 90, "the four requests")
     truth = observer.view().mirror.tally
     assert truth.hit_tokens <= truth.looked_up_tokens and events(observer, "preempt", start)
-    rerun_until(at, lambda a: delta(a, "Prefix hit rate") == f"{truth.hit_tokens:,} / {truth.looked_up_tokens:,} tokens")
+    from app.panels.header import _of_tokens
+    rerun_until(at, lambda a: delta(a, "Prefix hit rate") == _of_tokens(truth.hit_tokens, truth.looked_up_tokens))
     assert int(metric(at, "Prefix hit rate").rstrip("%")) <= 100
     assert "every admission" in next(m.help for m in at.metric if m.label == "Prefix hit rate")
 

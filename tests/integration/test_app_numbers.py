@@ -14,6 +14,7 @@ from tests.integration.test_app import MAIN, html_with  # noqa: F401
 from tests.integration.test_app import at, delta, engine, events, grid_data, metric, observer, recording, rerun_until, submit  # noqa: F401
 from tests.integration.test_app_teach import start
 from tests.waiting import wait
+from app.data.words import rate
 
 
 def quiet(c) -> int:
@@ -35,7 +36,7 @@ def rate_at(c, since: int, n: int) -> str:
     steps = [e for e in evs if e.__struct_config__.tag == "step"][-RATE_STEPS:]
     numbers = {e.step for e in steps}
     tokens = sum(len(e.token_ids) for e in evs if e.__struct_config__.tag == "append" and e.step in numbers)
-    return f"{1000 * tokens / sum(e.duration_ms for e in steps):,.1f}"
+    return rate(1000 * tokens / sum(e.duration_ms for e in steps))
 
 
 def test_tokens_per_s_comes_from_step_times_and_holds_while_paused(at, observer):
@@ -49,7 +50,7 @@ def test_tokens_per_s_comes_from_step_times_and_holds_while_paused(at, observer)
     last = quiet(observer)
     live = rerun_until(at, lambda a: (d := grid_data(a)) and d["seq"] == last and metric(a, "Tokens/s"),
                        what="the paused live view")
-    assert float(live.replace(",", "")) > 0 and live == rate_at(observer, start_ev, last), live
+    assert live != "0.0" and live == rate_at(observer, start_ev, last), live
     time.sleep(3.5)  # wall time passes; the engine does not run
     at.run()
     assert metric(at, "Tokens/s") == live
@@ -68,7 +69,7 @@ def test_a_lesson_stop_with_decoding_sequences_shows_its_rate(at, observer):
     start(at, "02_fragmentation", 1)
     assert at.session_state["lesson"].reached
     shown = metric(at, "Tokens/s")
-    assert float(shown.replace(",", "")) > 0
+    assert shown != "0.0"
     time.sleep(3.5)
     at.run()
     assert metric(at, "Tokens/s") == shown
@@ -181,6 +182,16 @@ def test_every_view_of_a_redraw_under_load_shows_one_event(busy_app):
         slots = int(re.search(r"Paged, blocks held × \d+: <b>([\d,]+)</b>", card).group(1).replace(",", ""))
         assert slots == k["used"] * data["bs"]
     assert len(seen) >= 3  # the engine ran between the redraws
+
+
+def test_a_busy_pools_tokens_per_s_fits_its_card(busy_app):
+    """Walk of issue 17: on a busy pool (tens of thousands of tokens/s) the rate read "80,13…",
+    cut by its card; it is said in thousands, exact in the tooltip."""
+    at = busy_app
+    shown = rerun_until(at, lambda a: (v := metric(a, "Tokens/s")) != "0.0" and v, 60, "a rate")
+    assert re.fullmatch(r"\d{1,3}(\.\d)? k", shown), shown  # the busy pool runs thousands of tokens/s
+    exact = next(m.proto.help for m in at.metric if m.label == "Tokens/s")
+    assert re.search(r"this event: [\d,]+\.\d \(", exact), exact
 
 
 def test_the_history_before_a_restart_stays_browsable(monkeypatch):

@@ -83,6 +83,7 @@ def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
         text = card(at)
         assert not run.errors and not run.notes, (run.errors, run.notes)
         assert "?" not in re.sub(r"`[^`]*`", "", text.split("\n", 1)[1]), text  # every placeholder filled
+        assert not re.search(r"\b(\w+) finished\W+\1 finished\b", text), text  # "A and B finished. B finished;"
         assert observer.loop.paused if observer.hello and "loop" in observer.hello.features else True
         data = rerun_until(at, lambda a: grid_data(a), what="the grid")
         blocks = run.memo["words"][1].blocks

@@ -8,7 +8,7 @@ from kvscope_contract import protocol as p
 from app.panels import header, tables, timeline
 from app.data.client import View
 from app.data.event_history import EventHistory
-from app.data.words import plural
+from app.data.words import count, plural, rate
 from tests.pool_driver import PoolDriver
 
 
@@ -16,6 +16,26 @@ def test_one_rule_for_plurals():
     assert plural(1, "block") == "1 block" and plural(2, "block") == "2 blocks"
     assert plural(0, "slot") == "0 slots" and plural(1_048_576, "block") == "1,048,576 blocks"
     assert plural(1, "prefix", "prefixes") == "1 prefix" and plural(3, "prefix", "prefixes") == "3 prefixes"
+
+
+def test_a_rate_fits_a_metric_card():
+    """Walk of issue 17: tens of thousands of tokens/s read "80,13…" on a 1M-block pool."""
+    assert rate(0) == "0.0" and rate(97.64) == "97.6" and rate(999.94) == "999.9"
+    assert rate(999.96) == "1.0 k" and rate(3353.2) == "3.4 k" and rate(80_135.2) == "80.1 k"
+    assert rate(801_234) == "801 k" and rate(2_500_000) == "2.5 M"
+    assert all(len(rate(x)) <= 6 for x in (0, 5.25, 999.94, 999.96, 12_345.6, 999_940, 1e6, 9.9e6))
+
+
+def test_a_count_fits_a_metric_chip():
+    """Walk of issue 17: the hit rate's chip read "91,296 / 364,810 …" on a 1M-block pool."""
+    from app.panels.header import _of_tokens
+    assert count(0) == "0" and count(9_999) == "9,999" and count(10_000) == "10 k" and count(41_776) == "41.8 k"
+    assert count(364_810) == "365 k" and count(999_499) == "999 k" and count(999_500) == "1 M"
+    assert count(1_048_576) == "1.05 M" and count(12_345_678) == "12.3 M"
+    assert _of_tokens(288, 474) == "288 / 474 tokens" and _of_tokens(0, 9_999) == "0 / 9,999 tokens"
+    assert _of_tokens(224, 4_889) == "224 / 4,889"
+    assert _of_tokens(91_296, 364_810) == "91.3 k / 365 k"
+    assert all(len(_of_tokens(a, b)) <= 16 for a, b in ((9_999, 9_999), (41_776, 180_001), (999_999, 12_345_678)))
 
 
 def test_what_paging_saves_says_when_paging_holds_more():
@@ -43,6 +63,22 @@ def test_step_ticks_are_whole_numbers():
         axes = [layer["encoding"]["x"].get("axis", {}) for layer in spec["layer"] if "x" in layer.get("encoding", {})]
         area = axes[0]
         assert area.get("format") == "d" and area.get("tickMinStep") == 1, axes
+
+
+def test_lifetime_histograms_bin_whole_steps():
+    """Walk of issue 17: seven reuse gaps of 152 steps (vLLM, Overload) drew one bar from 151.5 to
+    152.5 under ticks 151.5, 151.7, ...: bins are whole steps, ticks too."""
+    import numpy as np
+    from app.panels.history_panels import _histogram
+    for values in ([152] * 7, [0, 1, 1, 5], list(range(3, 250, 7)), [7, 1000]):
+        spec = _histogram(np.array(values))
+        bins = spec["data"]["values"]
+        assert all(isinstance(b["from"], int) and isinstance(b["to"], int) for b in bins), bins
+        assert len(bins) <= 20 and sum(b["blocks"] for b in bins) == len(values)
+        assert bins[0]["from"] <= min(values) and max(values) < bins[-1]["to"]
+        axis = spec["encoding"]["x"]["axis"]
+        assert axis["format"] == "d" and axis["tickMinStep"] == 1
+    assert _histogram(np.array([152] * 7))["data"]["values"] == [{"from": 152, "to": 153, "blocks": 7}]
 
 
 def test_big_numbers_carry_thousands_separators():
