@@ -148,11 +148,13 @@ def page(source: Source) -> None:
     if o[1].button("Open", key="fleet_open", width="stretch", disabled=chosen is None) and chosen in fleet.engines:
         open_engine(fleet.engines[chosen].endpoint, source)
         st.rerun()  # the whole page: another source
-    st.fragment(cards, run_every=REDRAW_S)(fleet)
+    st.fragment(cards, run_every=REDRAW_S)(fleet, source)
     st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet, source.path)
 
 
-def cards(fleet: Fleet) -> None:
+def cards(fleet: Fleet, source: Source) -> None:
+    if st.session_state.get("source", source) != source:
+        st.rerun()  # the source changed under this fragment (a Connect click can ride its rerun)
     members = {e.name: e for e in fleet.members()}
     if not members:  # here, not above: the lesson adds engines while only the fragments redraw
         st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "

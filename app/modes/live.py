@@ -37,6 +37,8 @@ def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> 
     been restarted meanwhile, by any tab: then the whole page is drawn again), and draws its
     own exception in its own place instead of ending the run."""
     def run(source: Source) -> None:
+        if st.session_state.get("source", source) != source:
+            st.rerun()  # the source changed under this fragment (a Connect click can ride its rerun)
         client, hosted = pick(source)
         if client is None or client.view() is None:
             st.rerun()  # starting again: the whole page shows the progress
