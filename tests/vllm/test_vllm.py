@@ -456,6 +456,34 @@ def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload
     assert dup["round-robin"] > dup["affinity"], dup
 
 
+# runs before test_l, which kills the second server (a module fixture)
+def test_o_the_routing_lesson_runs_on_two_vllms(vllm, second, fleet):
+    """The fleet page's routing lesson on two vLLMs with the plugin (as `make run-fleet` starts
+    them): round-robin leaves as many duplicated blocks as the servers' own snapshots hold twice,
+    affinity none, the hit rate rises, and the conversation the router scores is found cached on
+    the engine it picks as far as its score says."""
+    from app.modes.fleet_lesson import FleetLessonRun, all_fleet_lessons
+
+    lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
+    run = FleetLessonRun(lesson, fleet)
+    for i in range(len(lesson.stops)):
+        run.next()
+        run.wait()
+        assert not run.errors and len(run.reached) == i + 1, run.errors
+        words = run.reached[i]
+        if lesson.stops[i].do == "send":
+            settled(fleet, (vllm, second))
+            both = snapshot_hashes(vllm) + snapshot_hashes(second)
+            assert int(words["duplicated"]) == sum(n - 1 for n in both.values())
+            assert (int(words["duplicated"]) > 0) == (lesson.stops[i].policy == "round-robin")
+    assert run.engines == ["a", "b"]
+    rates = {k: int(v["hit_rate"].split("%")[0]) for k, v in run.records.items()}
+    assert rates["affinity"] > rates["round-robin"] > 0
+    pr = run.probe
+    score = next(s for s in pr["scores"] if s.engine == pr["picked"])
+    assert pr["reused"] == score.reusable_tokens > 0 and pr["picked"] == pr["first_engine"]
+
+
 def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(vllm, second, fleet):
     import os
     import signal
@@ -539,30 +567,3 @@ def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_ope
         assert "refused" in f.engines["gone"].load_errors[0].lower() or "error" in f.engines["gone"].load_errors[0].lower()
     finally:
         f.close()
-
-
-def test_o_the_routing_lesson_runs_on_two_vllms(vllm, second, fleet):
-    """The fleet page's routing lesson on two vLLMs with the plugin (as `make run-fleet` starts
-    them): round-robin leaves as many duplicated blocks as the servers' own snapshots hold twice,
-    affinity none, the hit rate rises, and the conversation the router scores is found cached on
-    the engine it picks as far as its score says."""
-    from app.modes.fleet_lesson import FleetLessonRun, all_fleet_lessons
-
-    lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
-    run = FleetLessonRun(lesson, fleet)
-    for i in range(len(lesson.stops)):
-        run.next()
-        run.wait()
-        assert not run.errors and len(run.reached) == i + 1, run.errors
-        words = run.reached[i]
-        if lesson.stops[i].do == "send":
-            settled(fleet, (vllm, second))
-            both = snapshot_hashes(vllm) + snapshot_hashes(second)
-            assert int(words["duplicated"]) == sum(n - 1 for n in both.values())
-            assert (int(words["duplicated"]) > 0) == (lesson.stops[i].policy == "round-robin")
-    assert run.engines == ["a", "b"]
-    rates = {k: int(v["hit_rate"].split("%")[0]) for k, v in run.records.items()}
-    assert rates["affinity"] > rates["round-robin"] > 0
-    pr = run.probe
-    score = next(s for s in pr["scores"] if s.engine == pr["picked"])
-    assert pr["reused"] == score.reusable_tokens > 0 and pr["picked"] == pr["first_engine"]
