@@ -196,9 +196,10 @@ class FleetLessonRun:
         return self.reached[self.viewing]
 
     # ------------------------------------------------------------------ moving
-    def next(self) -> None:
-        """Show the next stop: one reached already, or run to a new one (on a thread)."""
-        if self.pending is not None:
+    def next(self, seen: int | None = None) -> None:
+        """Show the next stop: one reached already, or run to a new one (on a thread). `seen`: the
+        stop shown when the click was drawn (one click delivered to two runs moves one stop)."""
+        if self.pending is not None or seen not in (None, self.viewing):
             return
         if self.viewing + 1 < len(self.reached):
             self.viewing += 1
@@ -210,8 +211,8 @@ class FleetLessonRun:
         self._thread = threading.Thread(target=self._run, args=(self.pending,), daemon=True, name="fleet-lesson")
         self._thread.start()
 
-    def back(self) -> None:
-        if self.pending is None and self.viewing > 0:
+    def back(self, seen: int | None = None) -> None:
+        if self.pending is None and self.viewing > 0 and seen in (None, self.viewing):
             self.viewing -= 1
 
     def wait(self, timeout: float = STOP_TIMEOUT_S) -> None:

@@ -50,9 +50,10 @@ def _card(fleet: Fleet, source: Source, run: FleetLessonRun | None, lesson) -> N
     c = st.columns([1, 1, 1, 4])
     c[0].button("Next", icon=":material/arrow_forward:", key="fleet_lesson_next", type="primary", width="stretch",
                 disabled=run.pending is not None or bool(run.errors) or (run.done and run.viewing == total - 1),
-                on_click=run.next, help="Run to the next stop (or show the next one reached before)")
+                on_click=run.next, args=(run.viewing,), help="Run to the next stop (or show the next one reached before)")
     c[1].button("Back", icon=":material/arrow_back:", key="fleet_lesson_back", width="stretch",
-                disabled=run.pending is not None or run.viewing <= 0, on_click=run.back)
+                disabled=run.pending is not None or run.viewing <= 0, on_click=run.back,
+                args=(run.viewing,))
     c[2].button("Restart", icon=":material/replay:", key="fleet_lesson_restart", width="stretch",
                 disabled=run.pending is not None, on_click=_start, args=(fleet, run.lesson.key, source.model))
     outline = " · ".join(("**" if i == run.viewing else "") + f"{i + 1}. {s.title}" + ("**" if i == run.viewing else "")

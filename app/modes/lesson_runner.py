@@ -57,11 +57,14 @@ class LessonRun:
         return self.lesson.stops[self.viewing] if self.viewing >= 0 else None
 
     # ------------------------------------------------------------------ moving
-    def next(self, client) -> int | None:
+    def next(self, client, seen: int | None = None) -> int | None:
         """Show the next stop: one reached already (returns the event to travel to), or run the
-        engine to a new one (returns None: live)."""
+        engine to a new one (returns None: live). `seen`: the stop shown when the click was drawn
+        (Streamlit can deliver one click to two runs: it must move one stop, not two)."""
         if self.pending is not None:
             return None
+        if seen is not None and seen != self.viewing:
+            return self._travel_target()
         if self.viewing + 1 < len(self.reached):
             self.viewing += 1
             return self._travel_target()
@@ -70,9 +73,9 @@ class LessonRun:
         self._run(client, len(self.reached))
         return None
 
-    def back(self) -> int | None:
-        """Show the previous stop, as the history kept it."""
-        if self.pending is None and self.viewing > 0:
+    def back(self, seen: int | None = None) -> int | None:
+        """Show the previous stop, as the history kept it (`seen`: as in `next`)."""
+        if self.pending is None and self.viewing > 0 and seen in (None, self.viewing):
             self.viewing -= 1
         return self._travel_target()
 

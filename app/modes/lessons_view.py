@@ -47,12 +47,12 @@ def _start(client: EngineClient, key: str) -> None:
     _travel(None)
 
 
-def _next(client: EngineClient) -> None:
-    _travel(current().next(client))
+def _next(client: EngineClient, seen: int) -> None:
+    _travel(current().next(client, seen))
 
 
-def _back() -> None:
-    _travel(current().back())
+def _back(seen: int) -> None:
+    _travel(current().back(seen))
 
 
 def sidebar(client: EngineClient) -> None:
@@ -79,10 +79,10 @@ def sidebar(client: EngineClient) -> None:
         return
     st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
               disabled=run.pending is not None or (run.done and run.viewing == len(run.lesson.stops) - 1),
-              on_click=_next, args=(client,), help="Run to the next stop (or show the next one reached before)")
+              on_click=_next, args=(client, run.viewing), help="Run to the next stop (or show the next one reached before)")
     c = st.columns(2)
     c[0].button("Back", icon=":material/arrow_back:", key="lesson_back", width="stretch",
-                disabled=run.pending is not None or run.viewing <= 0, on_click=_back,
+                disabled=run.pending is not None or run.viewing <= 0, on_click=_back, args=(run.viewing,),
                 help="Show the previous stop as it was (time travel)")
     c[1].button("Restart", icon=":material/replay:", key="lesson_restart", width="stretch",
                 disabled=not can_drive, on_click=_start, args=(client, pick))

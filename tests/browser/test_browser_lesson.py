@@ -48,8 +48,11 @@ def test_walk_a_lesson_with_next_and_back(app_url):
         page.screenshot(path=str(SHOT))
         side.get_by_role("button", name="Back").click()
         page.wait_for_function("window.__kvscope_grid.live === false", timeout=20_000)
-        page.wait_for_function("() => { const t = document.body.innerText; "
-                               "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }",
-                               timeout=20_000)
+        try:
+            page.wait_for_function("() => { const t = document.body.innerText; "
+                                   "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }",
+                                   timeout=20_000)
+        except Exception:
+            raise AssertionError("Back did not show stop 4: " + page.inner_text("body")[:1500]) from None
         assert not errors, errors
         browser.close()

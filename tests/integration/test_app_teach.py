@@ -108,6 +108,8 @@ def test_back_travels_to_a_stop_already_reached_and_next_returns(at, observer):
     at.button(key="lesson_back").click().run()
     data = rerun_until(at, lambda a: (d := grid_data(a)) and not d["live"] and d, what="time travel")
     assert data["seq"] == first_end and "stop 1 of 5" in card(at) and "reached earlier" in card(at)
+    run = at.session_state["lesson"]  # the same click delivered again (a fragment's run and the page's)
+    assert run.back(seen=1) == first_end and run.next(None, seen=1) == first_end and run.viewing == 0
     before = observer.history.last_event
     at.button(key="lesson_next").click().run()  # back to the stop reached last: nothing runs again
     rerun_until(at, lambda a: "stop 2 of 5" in card(a), what="stop 2 again")
