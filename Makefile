@@ -1,4 +1,5 @@
-# make test: installs everything into .venv (first time only) and runs the whole suite.
+# make test: installs everything into .venv (first time only) and runs the suite; make test-slow the
+# browser walks and the million-block runs (CI runs both, then test-wheel and test-vllm).
 # make run:  installs, then starts the dashboard on the embedded engine with the bundled model.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ ARGS ?=
 STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
 	--browser.gatherUsageStats false
 
-.PHONY: install test test-wheel test-fast run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64 run-fleet
+.PHONY: install test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64 run-fleet
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,7 +42,11 @@ $(PROMTOOL):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
 
 test: install $(CHROMIUM) $(PROMTOOL) check-arm64
-	$(PY) -m pytest -q -rs --timeout=900 -m "not wheel" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -rs --timeout=900 -m "not slow and not wheel" $(PYTEST_ARGS) tests
+
+# the tests marked slow (minutes): Chromium walks, million-block pools, fresh model conversions
+test-slow: install $(CHROMIUM)
+	$(PY) -m pytest -q -rs --timeout=900 -m "slow and not wheel" $(PYTEST_ARGS) tests --ignore=tests/vllm
 
 # the wheel a user would pip install, built and installed into a fresh venv (minutes: it installs
 # torch there too); `.ci/run` runs it after `make test`
@@ -56,9 +61,6 @@ check-arm64: install
 		|| { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu; }
 	$(PY) -c 'from kernels.cpu_build import cross_check; cross_check("$(AARCH64_CXX)")'
 	@echo "check-arm64: the generic CPU kernels compile for aarch64"
-
-test-fast: install $(PROMTOOL)
-	$(PY) -m pytest -q --timeout=300 -m "not slow and not wheel" $(PYTEST_ARGS) tests
 
 bench: install
 	$(PY) -m bench.allocator
