@@ -10,8 +10,8 @@ Per N, over `--seconds`:
 - redraws/s of the fleet page in Chromium: the cards carry the page's redraw number
   (`data-drawn`); a script in the page samples the last card's every 50 ms, so a redraw counts
   once the whole page of cards has reached the browser. Also the server's fragment runs/s.
-- the dashboard's RSS once every card is live and at the end (a line fitted over N: MiB per
-  engine), and its CPU share.
+- the dashboard's RSS once every card is live, ten times over the run and at the end (a line
+  fitted over N: MiB per engine), and its CPU share.
 At the largest N, the stall test: SIGSTOP one victim and SIGKILL the other, then for
 `--stall-seconds` read every card: when each victim is marked (stalled / down), and the largest
 "last event" age of every other engine, against the same window before.
@@ -135,10 +135,13 @@ def measure(args, urls: list[str], n: int, directory: Path, procs: list[ServerPr
             page.evaluate(SAMPLER_JS)
             cpu0, wall0, load0 = cpu_s(streamlit.pid), time.monotonic(), os.getloadavg()[0]
             ages: dict[str, list[float]] = {}
-            while time.monotonic() - wall0 < args.seconds:  # the others' ages, the stall test's baseline
+            out["rss_trace"] = [(0.0, out["rss_live_mib"])]  # (s, MiB): does it level off?
+            while (now := time.monotonic() - wall0) < args.seconds:  # the others' ages, the stall test's baseline
                 for name, (_, text, _) in page.evaluate(CARDS_JS).items():
                     if (a := age_s(text)) is not None:
                         ages.setdefault(name, []).append(a)
+                if now - out["rss_trace"][-1][0] >= args.seconds / 10:
+                    out["rss_trace"].append((round(now), rss_mib(streamlit.pid)))
                 time.sleep(0.25)
             wall = time.monotonic() - wall0
             cards1 = page.evaluate(CARDS_JS)
@@ -220,6 +223,9 @@ def report(args, results: list[dict], engines_rss: float) -> str:
             lines.append(f"\nDashboard RSS {what}: {base:.0f} MiB + {slope:.1f} MiB per engine "
                          f"(largest residual {worst:.0f} MiB).")
     lines.append(f"The engines' processes together: {engines_rss:,.0f} MiB RSS.")
+    for r in results:
+        lines.append(f"\nDashboard RSS over the run at {r['n']} engines (s: MiB): "
+                     + ", ".join(f"{t:.0f}: {m:.0f}" for t, m in r["rss_trace"]))
     for r in results:
         if "stopped_marked" in r:
             f = lambda x: "never marked" if x is None else f"marked {x[1]} after {x[0]:.1f} s"  # noqa: E731

@@ -145,9 +145,9 @@ def page(source: Source) -> None:
     o = st.columns([5, 1], vertical_alignment="bottom")
     chosen = o[0].selectbox("Open an engine", names, index=None, key="fleet_open_pick", placeholder="choose an engine",
                            help="Show it in the single-engine views: grid, tables, history, time travel")
-    if o[1].button("Open", key="fleet_open", width="stretch", disabled=chosen is None) and chosen in fleet.engines:
-        open_engine(fleet.engines[chosen].endpoint, source)
-        st.rerun()  # the whole page: another source
+    # buttons outside the fragments act in their callbacks: a click can reach the server with a
+    # fragment's timed rerun (that fragment's run then runs the callback); `cards` redraws the page
+    o[1].button("Open", key="fleet_open", width="stretch", disabled=chosen is None, on_click=_open, args=(fleet, source))
     st.fragment(cards, run_every=REDRAW_S)(fleet, source)
     st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet, source.path)
 
@@ -282,52 +282,65 @@ def engines_panel(fleet: Fleet) -> None:
         names = [e.name for e in fleet.members()]
         if names:
             c = st.columns([3, 2])
-            gone = c[0].selectbox("Engine", names, key="fleet_remove_pick", label_visibility="collapsed")
-            if c[1].button("Remove", width="stretch", key="fleet_remove"):
-                fleet.remove(gone)
-                st.rerun()
+            c[0].selectbox("Engine", names, key="fleet_remove_pick", label_visibility="collapsed")
+            c[1].button("Remove", width="stretch", key="fleet_remove",
+                        on_click=lambda: fleet.remove(st.session_state["fleet_remove_pick"]))
         api = st.text_input("Find a server's ranks", key="fleet_find", placeholder="http://HOST:8000",
                             help="asks the server's GET /kv_event_sources and adds a KV-event endpoint per rank")
-        if st.button("Find ranks", key="fleet_find_go", disabled=not api.strip()):
-            found = kv_event_sources(api.strip())
-            if found is None:
-                st.error(f"{api} does not answer GET /kv_event_sources (a server without that route): "
-                         "add each rank's endpoint by hand")
-            for e in found or []:
-                try:
-                    fleet.add(e)
-                except ValueError as err:
-                    st.warning(str(err))
+        st.button("Find ranks", key="fleet_find_go", disabled=not api.strip(), on_click=_find_ranks, args=(fleet,))
+        for level, msg in st.session_state.pop(FIND_NOTES, []):
+            getattr(st, level)(msg)
+
+
+FIND_NOTES = "fleet_find_notes"  # session state: what the last Find ranks said, as (level, text)
+
+
+def _find_ranks(fleet: Fleet) -> None:
+    api = st.session_state["fleet_find"].strip()
+    found = kv_event_sources(api)
+    notes = [] if found is not None else [("error", f"{api} does not answer GET /kv_event_sources (a server without "
+                                                    "that route): add each rank's endpoint by hand")]
+    for e in found or []:
+        try:
+            fleet.add(e)
+        except ValueError as err:
+            notes.append(("warning", str(err)))
+    st.session_state[FIND_NOTES] = notes
 
 
 def load_panel(fleet: Fleet) -> None:
     with st.expander("Load generator", expanded=True):
         st.caption("A chat workload with shared system prompts, sent to the engines that take prompts.")
-        policy = st.segmented_control("Routing", fleet_load.POLICIES, default="round-robin", key="fleet_policy") \
-            or "round-robin"
+        st.segmented_control("Routing", fleet_load.POLICIES, default="round-robin", key="fleet_policy")
         c = st.columns(2)
-        n = c[0].number_input("Requests", 1, 256, 12, key="fleet_n")
-        systems = c[1].number_input("System prompts", 1, len(fleet_load.SYSTEM_PROMPTS), 3, key="fleet_systems")
-        max_tokens = st.number_input("Max tokens", 1, 512, 16, key="fleet_max_tokens")
-        if st.button("Send", type="primary", width="stretch", key="fleet_send"):
-            targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
-            plan = fleet_load.assign(fleet_load.workload(int(n), int(systems), f"{policy[:2]}{next(_runs)}"),
-                                     [e.name for e in targets], policy)
-            st.session_state["fleet_load_base"] = {e.name: e.lookups() for e in targets}
-            failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].submit(cmd), int(max_tokens))
-            st.session_state["fleet_sent"] = (
-                f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
-                + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
+        c[0].number_input("Requests", 1, 256, 12, key="fleet_n")
+        c[1].number_input("System prompts", 1, len(fleet_load.SYSTEM_PROMPTS), 3, key="fleet_systems")
+        st.number_input("Max tokens", 1, 512, 16, key="fleet_max_tokens")
+        st.button("Send", type="primary", width="stretch", key="fleet_send", on_click=_send, args=(fleet,))
         if msg := st.session_state.get("fleet_sent"):
             st.caption(msg)
         st.fragment(load_since, run_every=1.0)(fleet)
         for e in fleet.members():  # requests sent over HTTP fail later, on their own threads
             for err in list(e.load_errors)[-2:]:
                 st.caption(f":red[{e.name}: {err}]")
-        if st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
-                     help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)"):
-            for e in takers(fleet):
-                e.clear_prefix_cache()
+        st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
+                  help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)",
+                  on_click=lambda: [e.clear_prefix_cache() for e in takers(fleet)])
+
+
+def _send(fleet: Fleet) -> None:
+    """Send's callback; the form's values by key (a value changed with the click comes with it)."""
+    values = st.session_state
+    policy, n, systems = values.get("fleet_policy") or "round-robin", int(values["fleet_n"]), int(values["fleet_systems"])
+    max_tokens = int(values["fleet_max_tokens"])
+    targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
+    plan = fleet_load.assign(fleet_load.workload(n, systems, f"{policy[:2]}{next(_runs)}"), [e.name for e in targets],
+                             policy)
+    st.session_state["fleet_load_base"] = {e.name: e.lookups() for e in targets}
+    failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].submit(cmd), max_tokens)
+    st.session_state["fleet_sent"] = (
+        f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
+        + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
 
 
 def load_since(fleet: Fleet) -> None:
@@ -351,6 +364,11 @@ def takers(fleet: Fleet) -> list:
 
 
 # ------------------------------------------------------------------------------ leaving and coming back
+def _open(fleet: Fleet, source: Source) -> None:
+    if (chosen := st.session_state.get("fleet_open_pick")) in fleet.engines:
+        open_engine(fleet.engines[chosen].endpoint, source)
+
+
 def open_engine(endpoint: Endpoint, fleet_source: Source) -> None:
     """Show one engine in the single-engine views; the sidebar offers the way back."""
     st.session_state["fleet_back"] = fleet_source
@@ -363,7 +381,5 @@ def back_button() -> None:
     """In the sidebar of the single-engine views, after "Open" on the fleet page."""
     back = st.session_state.get("fleet_back")
     if back is not None and st.session_state.get("source") != back:
-        if st.button("Back to the fleet", icon=":material/arrow_back:", width="stretch", key="fleet_back_btn"):
-            st.session_state["source"] = back
-            st.session_state["travel"] = None
-            st.rerun()
+        st.button("Back to the fleet", icon=":material/arrow_back:", width="stretch", key="fleet_back_btn",
+                  on_click=lambda: st.session_state.update({"source": back, "travel": None}))

@@ -105,14 +105,14 @@ def _fleet_lesson(lesson) -> None:
     """A lesson over two engines runs on the fleet page: say so and go there."""
     st.caption(lesson.goal)
     st.caption("It runs over two engines, on the fleet page: it starts two KVScope engines of its own.")
-    if st.button("Open it on the fleet page", type="primary", icon=":material/hub:", key="lesson_fleet_open",
-                 width="stretch"):
-        source = st.session_state.get("source")
-        model = source.model if source is not None and source.kind == "embedded" else "smollm2"
-        st.session_state["source"] = Source("fleet", model=model)
-        st.session_state[fleet_lesson_view.OPEN] = True
-        st.session_state["travel"] = None
-        st.rerun()
+    st.button("Open it on the fleet page", type="primary", icon=":material/hub:", key="lesson_fleet_open",
+              width="stretch", on_click=_open_fleet)
+
+
+def _open_fleet() -> None:
+    source = st.session_state.get("source")
+    model = source.model if source is not None and source.kind == "embedded" else "smollm2"
+    st.session_state.update({"source": Source("fleet", model=model), fleet_lesson_view.OPEN: True, "travel": None})
 
 
 def stage(client: EngineClient) -> list[int]:
