@@ -21,6 +21,7 @@ import logging
 import random
 import sys
 import time
+import zlib
 from types import SimpleNamespace
 
 import msgspec
@@ -29,13 +30,17 @@ from engine.serve.cli import add_listen_args, refuse_open_bind, serve_all_until_
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from kvscope_contract.ready import ready_line, ws_url
-from kvscope_contract.synthetic_vocab import INDEX, VOCAB, WORDS
 from engine.core.engine_core import EngineCore, StepResult
 from engine.serve.hub import Hub
 from engine.core.sequence import SamplingParams, Sequence
 from engine.serve.server import EngineLoop
 
 log = logging.getLogger("kvscope")
+# the vocabulary: token i is the word WORDS[i] (a prompt of these words is tokens a test can name)
+SYLLABLES = ["ka", "lo", "mi", "re", "su", "ta", "no", "vi", "de", "po", "ra", "ne", "ku", "si", "ba", "to"]
+VOCAB = 4096
+WORDS = [f" {SYLLABLES[i % 16]}{SYLLABLES[(i // 16) % 16]}{SYLLABLES[i // 256]}" for i in range(VOCAB)]
+INDEX = {w.strip(): i for i, w in enumerate(WORDS)}
 INFO = p.EngineInfo(model="synthetic load (random tokens)", device="cpu", dtype="bfloat16",
                     num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2's shapes, for bytes per block
 
@@ -65,8 +70,13 @@ class SyntheticEngine(EngineCore):
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
                     *, messages: list[dict] | None = None, request_id: str | None = None) -> list[str]:
         text = "\n".join(m["content"] for m in messages) if messages else prompt
-        ids = [INDEX.get(w, hash(w) % VOCAB) for w in text.split()] if isinstance(text, str) else list(text or [])
+        ids = self.tokenize(text) if isinstance(text, str) else list(text or [])
         return self.add_tokens(ids, params or SamplingParams(), request_id)
+
+    @staticmethod
+    def tokenize(text: str) -> list[int]:
+        """A word per token; a word outside the vocabulary by its CRC (the same in every process)."""
+        return [INDEX.get(w, zlib.crc32(w.encode()) % VOCAB) for w in text.split()]
 
     def reset(self, pool: p.PoolConfig) -> None:
         self.config.pool = msgspec.structs.replace(pool, bytes_per_block=self._bytes(pool.block_size))
@@ -156,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         free, cached, used, shared, _ = engine.capture().state().counts()
         log.info("engine %d filled in %.1f s: %d used (%d shared), %d cached, %d free, %d sequences",
                  i, time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
-        hubs.append((Hub(EngineLoop(engine, args.step_delay_ms), token=args.token), args.port + i if args.port else 0))
+        hubs.append((Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, tokenize=engine.tokenize), args.port + i if args.port else 0))
     serve_all_until_signal(hubs, args.host, lambda i, port: log.info(
         ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks"
                    + (f" (engine {i + 1} of {args.engines})" if args.engines > 1 else ""))))

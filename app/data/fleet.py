@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -448,15 +448,24 @@ class Fleet:
 # ------------------------------------------------------------------------------ tokens
 def tokenize(engine: FleetEngine, text: str, timeout: float = 5.0) -> list[int] | None:
     """`text` as `engine` tokenizes a plain prompt: its OpenAI server's `/tokenize` (vLLM) when the
-    endpoint gives `api`, the synthetic load's word list for `engine.synthetic`; None otherwise."""
-    if engine.endpoint.api:
-        req = urllib.request.Request(engine.endpoint.api.rstrip("/") + "/tokenize", json.dumps({"prompt": text}).encode(),
+    endpoint gives `api`, a KVScope engine's own `GET /tokenize` (on its WebSocket port); None
+    when neither answers."""
+    e = engine.endpoint
+    if e.api:
+        req = urllib.request.Request(e.api.rstrip("/") + "/tokenize", json.dumps({"prompt": text}).encode(),
                                      {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return list(json.loads(r.read())["tokens"])
-        except (OSError, ValueError, KeyError):
-            return None
+    elif e.kind == "kvscope":
+        parts = urlsplit(e.address)
+        req = urllib.request.Request(urlunsplit(parts._replace(scheme="https" if parts.scheme == "wss" else "http",
+                                                               path="/tokenize", query=urlencode({"prompt": text}))),
+                                     headers={"Authorization": f"Bearer {e.token}"} if e.token else {})
+    else:
+        return None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return list(json.loads(r.read())["tokens"])
+    except (OSError, ValueError, KeyError):
+        return None
     c = engine.client
     if c is not None and c.hello is not None and "synthetic" in c.hello.server:
         from kvscope_contract.synthetic_vocab import INDEX

@@ -29,7 +29,7 @@ from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
 from app.modes import fleet_lesson_view
 
-REDRAW_S = 0.4          # the engines' cards: 2.5 a second, so a late one still leaves 2
+REDRAW_S = 0.3          # the engines' cards: 3.3 a second, so that late ones still leave 2
 INDEX_REDRAW_S = 2.0    # the fleet-wide prefix cache, at least this far apart (and 3x its merge time)
 OVERVIEW_CELLS = 1024   # cells of an engine's overview: a cell is the mean colour of its blocks
 OVERVIEW_COLS = 64
@@ -259,7 +259,7 @@ def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
                    "tokens cached; a tie goes to the engine with the most free and cached blocks).")
     st.dataframe(out, hide_index=True, width="stretch")
     st.caption("Cached tokens: the prompt's longest prefix in full blocks this engine holds, at its block size. "
-               "Engines without a tokenizer here (no `api`, not the synthetic load) show –.")
+               "An engine whose tokenizer cannot be asked (a KV-event stream without `api`) shows –.")
 
 
 # ------------------------------------------------------------------------------ sidebar

@@ -45,10 +45,14 @@ class LLMEngine(EngineCore):
         if messages is not None:
             ids = apply_chat_template(self.tokenizer, messages)
         elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenize(prompt)
         else:
             ids = list(prompt or [])
         return self.add_tokens(ids, params or SamplingParams(), request_id)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """A plain prompt's token ids (no chat template, no special tokens)."""
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def reset(self, pool: p.PoolConfig) -> None:
         """Drop every request and rebuild both pools; the model stays loaded."""

@@ -61,6 +61,7 @@ class Backend(Protocol):
 
 EVENTS, SNAPSHOT, REPLY = "events", "snapshot", "reply"
 METRICS_PATH = "/metrics"  # answered over plain HTTP on the WebSocket port when the hub has metrics
+TOKENIZE_PATH = "/tokenize"  # GET ?prompt=TEXT: {"tokens": [...], "count": n}, as the engine tokenizes a plain prompt
 CLOSE_TIMEOUT_S = 1.0  # a peer that does not answer the closing handshake sooner is dropped
 THREAD_WAIT_S = 30.0   # serve_in_thread: for the server to listen, and for it to stop
 PACING_COMMANDS = ("pause", "resume", "step", "pace", "run_until")  # what Pacing carries out
@@ -179,10 +180,12 @@ class Client:
 class Hub:
     def __init__(self, backend: Backend, *, token: str | None = None, max_queued_events: int = 256,
                  send_buffer: int = 64 * 1024, record: Path | None = None,
-                 metrics: Callable[[str | None], tuple[bytes, str]] | None = None):
+                 metrics: Callable[[str | None], tuple[bytes, str]] | None = None,
+                 tokenize: Callable[[str], list[int]] | None = None):
         self.backend = backend
         self.token = token
         self.metrics = metrics  # GET /metrics: (Accept header) -> (body, content type), off the loop
+        self.tokenize = tokenize  # GET /tokenize: a prompt's token ids (the fleet page scores prompts with them)
         self.max_queued_events = max_queued_events
         self.send_buffer = send_buffer  # a small kernel buffer, so a client that stalls is noticed
         self.clients: set[Client] = set()
@@ -249,10 +252,21 @@ class Hub:
 
     # ------------------------------------------------------------------ connections
     async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
-        """Before the WebSocket handshake: refuse a wrong token; answer GET /metrics over HTTP."""
+        """Before the WebSocket handshake: refuse a wrong token; answer GET /metrics and GET /tokenize
+        over HTTP."""
         if refused := self._check_token(conn, request):
             return refused
-        if self.metrics and urlsplit(request.path).path == METRICS_PATH:
+        url = urlsplit(request.path)
+        if self.tokenize and url.path == TOKENIZE_PATH:
+            prompt = parse_qs(url.query).get("prompt", [""])[0]
+            if not prompt or len(prompt) > p.MAX_TEXT_CHARS:
+                return conn.respond(http.HTTPStatus.BAD_REQUEST, f"give ?prompt=TEXT, 1 to {p.MAX_TEXT_CHARS} characters\n")
+            tokens = await asyncio.to_thread(self.tokenize, prompt)
+            response = conn.respond(http.HTTPStatus.OK, msgspec.json.encode({"tokens": tokens, "count": len(tokens)}).decode())
+            del response.headers["Content-Type"]
+            response.headers["Content-Type"] = "application/json"
+            return response
+        if self.metrics and url.path == METRICS_PATH:
             body, content_type = await asyncio.to_thread(self.metrics, request.headers.get("Accept"))
             response = conn.respond(http.HTTPStatus.OK, body.decode())
             del response.headers["Content-Type"]  # Headers keeps every value set: replace, not add

@@ -4,7 +4,8 @@
 
 Commands reach the engine thread through a queue and run between steps; its events leave
 through the Hub after every step. The engine never waits on a client. `GET /metrics` on the
-same port: Prometheus metrics (engine/serve/metrics.py, docs/metrics.md).
+same port: Prometheus metrics (engine/serve/metrics.py, docs/metrics.md); `GET /tokenize?prompt=`
+the prompt's token ids, as a plain prompt is tokenized (vLLM's /tokenize answer: tokens, count).
 """
 from __future__ import annotations
 
@@ -191,9 +192,10 @@ def start_in_thread(engine, host: str = "127.0.0.1", port: int = 0, step_delay_m
 
 
 def engine_hub(engine, step_delay_ms: float = 0.0, **hub_kw) -> Hub:
-    """The engine's loop behind a hub, with its Prometheus metrics at GET /metrics."""
+    """The engine's loop behind a hub, with its Prometheus metrics at GET /metrics and its
+    tokenizer at GET /tokenize."""
     loop = EngineLoop(engine, step_delay_ms)
-    return Hub(loop, metrics=loop.metrics.render, **hub_kw)
+    return Hub(loop, metrics=loop.metrics.render, tokenize=getattr(engine, "tokenize", None), **hub_kw)
 
 
 if __name__ == "__main__":

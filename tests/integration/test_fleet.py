@@ -11,11 +11,11 @@ from collections import Counter
 import pytest
 
 from app.data import fleet_load
-from app.data.fleet import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet
+from app.data.fleet import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
 from app.data.fleet_content import chain_ids
 from app.data.launcher import ServerProcess
 from kvscope_contract.ready import ready_url
-from kvscope_contract.synthetic_vocab import INDEX, WORDS
+from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
 from tests.waiting import wait
@@ -95,6 +95,7 @@ def test_duplicates_forest_and_scores_equal_what_the_engines_say(pair):
     # the router's score for a prompt, per engine, equals the prefix the engine then reuses
     prompt = SYSTEM + " " + QUESTIONS[2]
     ids = tokens(prompt)
+    assert tokenize(fleet.engines["a"], prompt) == tokenize(fleet.engines["b"], prompt) == ids  # GET /tokenize
     assert len(ids) % BS  # the engine computes the last partial block: full blocks only, as scored
     scores = {s.engine: s for s in ix.score(ids)}
     assert scores["a"].cached_tokens == scores["b"].cached_tokens == 48

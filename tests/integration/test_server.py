@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -147,6 +150,22 @@ def test_the_token_is_enforced_at_the_handshake(make_server):
         assert e.value.response.status_code == 401
     Client(srv.url + "?token=s3cret").request(op="pause")
     Client(srv.url, additional_headers={"Authorization": "Bearer s3cret"}).request(op="pause")
+
+
+def test_get_tokenize_answers_the_engines_own_token_ids_behind_its_token(make_server, tiny):
+    """The fleet page scores a typed prompt with these ids (app.data.fleet.tokenize)."""
+    srv = make_server(token="s3cret")
+    http = srv.url.replace("ws://", "http://").rstrip("/")
+    text = "A prompt, typed: with punctuation and ünïcode."
+    ask = lambda query, headers={"Authorization": "Bearer s3cret"}: urllib.request.urlopen(  # noqa: E731
+        urllib.request.Request(f"{http}/tokenize?{query}", headers=headers), timeout=10)
+    with ask(urllib.parse.urlencode({"prompt": text})) as r:
+        body = json.loads(r.read())
+    assert body == {"tokens": tiny.tokenizer.encode(text, add_special_tokens=False), "count": len(body["tokens"])}
+    for query, headers, code in (("prompt=x", {}, 401), ("", {"Authorization": "Bearer s3cret"}, 400)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            ask(query, headers)
+        assert e.value.code == code
 
 
 def test_binding_beyond_loopback_needs_a_token():
