@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         free, cached, used, shared, _ = engine.capture().state().counts()
         log.info("engine %d filled in %.1f s: %d used (%d shared), %d cached, %d free, %d sequences",
                  i, time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
-        hubs.append((Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, tokenize=engine.tokenize), args.port + i if args.port else 0))
+        hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, tokenize=engine.tokenize)
+        hubs.append((hub, args.port + i if args.port else 0))
     serve_all_until_signal(hubs, args.host, lambda i, port: log.info(
         ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks"
                    + (f" (engine {i + 1} of {args.engines})" if args.engines > 1 else ""))))

@@ -466,9 +466,3 @@ def tokenize(engine: FleetEngine, text: str, timeout: float = 5.0) -> list[int] 
             return list(json.loads(r.read())["tokens"])
     except (OSError, ValueError, KeyError):
         return None
-    c = engine.client
-    if c is not None and c.hello is not None and "synthetic" in c.hello.server:
-        from kvscope_contract.synthetic_vocab import INDEX
-        words = text.split()
-        return [INDEX[w] for w in words] if all(w in INDEX for w in words) else None
-    return None
