@@ -24,8 +24,11 @@ def card(at) -> str:
 
 
 def reached(at, i: int, n: int):
+    """Stop i reached, shown, and Next drawn for it (the sidebar draws before the card, so a run
+    in which the stop arrives in between shows it reached with Next still disabled)."""
     run = at.session_state["lesson"]
-    return run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
+    return (run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
+            and (i == n - 1 or not at.button(key="lesson_next").disabled))
 
 
 def start(at, key: str, stops: int) -> None:
