@@ -16,10 +16,8 @@ engine. Each stop runs on a thread of its own; the page polls `pending` and `rea
 """
 from __future__ import annotations
 
-import string
 import threading
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ import msgspec
 
 from kvscope_contract import protocol as p
 from app.data import fleet_load
+from app.modes.lesson import read_lesson
 from app.data.fleet import Endpoint, Fleet, FleetEngine
 from app.data.fleet_content import chain_ids
 from app.data.fleet_index import EngineCache, FleetIndex, pick
@@ -83,18 +82,9 @@ RECORDED = ("requests", "per_engine", "duplicated", "dup_mib", "on_both", "hit_r
 
 
 def load(path: Path) -> FleetLesson:
-    try:
-        lesson = msgspec.convert(tomllib.loads(path.read_text()), FleetLesson)
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"{path.name}: {e}") from None
+    lesson = read_lesson(path, FleetLesson, PLACEHOLDERS, RECORDED)
     if not lesson.stops or lesson.stops[0].do != "clear":
         raise ValueError(f"{path.name}: the first stop must clear the engines (a lesson starts from empty caches)")
-    for i, stop in enumerate(lesson.stops):
-        if bad := sorted({f for _, f, _, _ in string.Formatter().parse(stop.caption) if f} - set(PLACEHOLDERS)):
-            raise ValueError(f"{path.name}: stop {i + 1}'s caption names unknown placeholders {bad}")
-    if bad := sorted(set(lesson.columns) - set(RECORDED)):
-        raise ValueError(f"{path.name}: `columns` names unknown numbers {bad}; known: {', '.join(RECORDED)}")
-    lesson.key = path.stem
     return lesson
 
 

@@ -15,6 +15,7 @@ import string
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -23,6 +24,8 @@ from kvscope_contract.kinds import KINDS, kind_of, touched_blocks
 from kvscope_contract.state import held_tokens
 from app.data.key_events import KEY_KINDS, block_ranges, explain
 from app.data.words import plural
+
+L = TypeVar("L")
 
 LESSONS_DIR = Path(__file__).resolve().parent / "lessons"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -72,18 +75,24 @@ class Lesson(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def load(path: Path) -> Lesson:
     """Read and check a lesson file; errors name the file and the field."""
-    try:
-        lesson = msgspec.convert(tomllib.loads(path.read_text()), Lesson)
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"{path.name}: {e}") from None
+    lesson = read_lesson(path, Lesson, PLACEHOLDERS, RECORDED)
     if not lesson.stops or lesson.stops[0].reset is None:
         raise ValueError(f"{path.name}: the first stop must reset the pool (a lesson starts from a known pool)")
+    return lesson
+
+
+def read_lesson(path: Path, kind: type[L], placeholders, recorded) -> L:
+    """A lesson file of `kind` (stops with captions, `columns`, `key`), its captions' placeholders
+    and its columns checked against those known: errors name the file and the field."""
+    try:
+        lesson = msgspec.convert(tomllib.loads(path.read_text()), kind)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"{path.name}: {e}") from None
     for i, stop in enumerate(lesson.stops):
-        bad = sorted(set(_fields(stop.caption)) - set(PLACEHOLDERS))
-        if bad:
+        if bad := sorted(set(_fields(stop.caption)) - set(placeholders)):
             raise ValueError(f"{path.name}: stop {i + 1}'s caption names unknown placeholders {bad}")
-    if bad := sorted(set(lesson.columns) - set(RECORDED)):
-        raise ValueError(f"{path.name}: `columns` names unknown numbers {bad}; known: {', '.join(RECORDED)}")
+    if bad := sorted(set(lesson.columns) - set(recorded)):
+        raise ValueError(f"{path.name}: `columns` names unknown numbers {bad}; known: {', '.join(recorded)}")
     lesson.key = path.stem
     return lesson
 
