@@ -9,7 +9,7 @@ from __future__ import annotations
 import streamlit as st
 from streamlit import config as st_config
 
-from app.ui import controls, travel
+from app.ui import controls, stale, travel
 from app.modes import fleet_view, kv_events_view, lab_view, lessons_view, live
 from app.data.source import Source, from_command_line
 
@@ -20,8 +20,14 @@ MODES = {"Explore": ":material/explore: Explore", "Lessons": ":material/school: 
          "Lab": ":material/science: Lab"}
 
 
+def _mode_changed() -> None:
+    travel.go_live()
+    stale.mark()
+
+
 def main() -> None:
     st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide", initial_sidebar_state="expanded")
+    stale.full_run()
     source: Source = st.session_state.setdefault("source", from_command_line())
     client, hosted = (None, None) if source.kind in ("kv_events", "fleet") else live.pick(source)
     with st.sidebar:
@@ -39,7 +45,7 @@ def main() -> None:
     with st.sidebar:
         controls.unsupported_note(client)
         st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode", default="Explore",
-                             label_visibility="collapsed", on_change=travel.go_live)
+                             label_visibility="collapsed", on_change=_mode_changed)
         if live.mode() == "Lessons":
             st.subheader("Lessons")
             st.fragment(live.fragment_of(lambda c, s, h: lessons_view.sidebar(c)), run_every=0.5, key="lessons")(source)
@@ -50,7 +56,7 @@ def main() -> None:
             st.fragment(live.fragment_of(lambda c, s, h: controls.engine_panel(c, live.live_view(c))), run_every=1.0,
                         key="engine")(source)
         with st.expander("Display"):
-            st.selectbox("Grid redraws", list(live.REFRESH), key="refresh")
+            st.selectbox("Grid redraws", list(live.REFRESH), key="refresh", on_change=stale.mark)
     if live.mode() == "Lab":
         return lab_view.page(client)
     live.page(source)

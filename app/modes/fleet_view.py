@@ -20,6 +20,7 @@ import streamlit as st
 
 from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
 from app.data import fleet_load
+from app.ui import stale
 from app.panels import prefix_tree
 from app.data.fleet import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
 from app.data.fleet_index import FleetIndex, pick
@@ -155,6 +156,7 @@ def page(source: Source) -> None:
 def cards(fleet: Fleet, source: Source) -> None:
     if st.session_state.get("source", source) != source:
         st.rerun()  # the source changed under this fragment (a Connect click can ride its rerun)
+    stale.redraw_if_stale()
     members = {e.name: e for e in fleet.members()}
     if not members:  # here, not above: the lesson adds engines while only the fragments redraw
         st.info("No engine yet: add one in the sidebar (a KVScope engine, a vLLM with the KVScope plugin, "

@@ -12,7 +12,7 @@ from typing import Callable
 
 import streamlit as st
 
-from app.ui import travel
+from app.ui import stale, travel
 from app.modes import lessons_view
 from app.panels import grid, header, history_panels, tables
 from app.data.client import EngineClient, View
@@ -39,6 +39,7 @@ def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> 
     def run(source: Source) -> None:
         if st.session_state.get("source", source) != source:
             st.rerun()  # the source changed under this fragment (a Connect click can ride its rerun)
+        stale.redraw_if_stale()
         client, hosted = pick(source)
         if client is None or client.view() is None:
             st.rerun()  # starting again: the whole page shows the progress

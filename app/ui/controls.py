@@ -12,6 +12,7 @@ import streamlit as st
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS
 from app.data.client import EngineClient, View
+from app.ui import stale
 from app.ui.commands import last_error, send
 from app.ui.connection import Hosted, restart
 from app.data.key_events import KEY_KINDS
@@ -34,35 +35,39 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
             for t, level, text in list(client.notices)[-3:]:
                 st.caption(f"{'⚠️' if level == 'warning' else '❌'} {text}")
         kind = st.radio("Source", list(SOURCE_KINDS), format_func=SOURCE_KINDS.get,
-                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind")
+                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind", on_change=stale.mark)
         if kind == "embedded":
             st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
                           help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
-                               "or a local Hugging Face Llama-family folder", key="src_model")
+                               "or a local Hugging Face Llama-family folder", key="src_model", on_change=stale.mark)
         elif kind == "attach":
-            st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url")
-            st.text_input("Token", source.token, type="password", key="src_token",
+            st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url", on_change=stale.mark)
+            st.text_input("Token", source.token, type="password", key="src_token", on_change=stale.mark,
                           help="Needed when the engine was started with --token")
         elif kind == "vllm":
             st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
+                          on_change=stale.mark,
                           help="smollm2 (bundled) or a model folder; vLLM runs from .venv-vllm (make vllm-venv)")
         elif kind == "kv_events":
-            st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq",
+            st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq", on_change=stale.mark,
                           help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
-            st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok",
+            st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok", on_change=stale.mark,
                           help="a folder with tokenizer.json, to show the text of each block")
         elif kind == "fleet":
             st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
+                          on_change=stale.mark,
                           help="a TOML file listing engines (docs/fleet.md); empty: add them on the fleet page")
         else:
             files = [str(f) for f in recordings()]
             if source.kind == "replay" and source.path not in files:
                 files.insert(0, source.path)
             picked = st.selectbox("Recording", files + [OTHER_FILE], format_func=lambda f: Path(f).name,
-                                  index=files.index(source.path) if source.path in files else 0, key="src_file")
+                                  index=files.index(source.path) if source.path in files else 0, key="src_file",
+                                  on_change=stale.mark)
             if picked == OTHER_FILE or not files:
-                st.text_input("Path to a recording (.jsonl)", key="src_path")
-            st.select_slider("Speed", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0], source.speed, key="src_speed")
+                st.text_input("Path to a recording (.jsonl)", key="src_path", on_change=stale.mark)
+            st.select_slider("Speed", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0], source.speed, key="src_speed",
+                             on_change=stale.mark)
         if error := st.session_state.pop(CONNECT_ERROR, None):
             st.error(error)
         cols = st.columns(2)
@@ -133,26 +138,38 @@ def _connect(source: Source) -> None:
 def prompt_form(client: EngineClient) -> None:
     disabled = not client.supports("submit")
     with st.form("prompt", border=False):
-        text = st.text_area("Prompt", "Explain in two sentences how a paged KV cache saves memory.",
-                            height=90, key="prompt_text")
+        st.text_area("Prompt", "Explain in two sentences how a paged KV cache saves memory.", height=90,
+                     key="prompt_text")
         c = st.columns(3)
-        n = c[0].number_input("n", 1, 16, 1, help="parallel samples sharing the prompt's blocks", key="prompt_n")
-        max_tokens = c[1].number_input("max tokens", 1, 4096, 96, key="prompt_max")
-        temperature = c[2].number_input("temperature", 0.0, 2.0, 0.0, 0.1, key="prompt_temp",
-                                        help="0 = greedy")
+        c[0].number_input("n", 1, 16, 1, help="parallel samples sharing the prompt's blocks", key="prompt_n")
+        c[1].number_input("max tokens", 1, 4096, 96, key="prompt_max")
+        c[2].number_input("temperature", 0.0, 2.0, 0.0, 0.1, key="prompt_temp", help="0 = greedy")
         with st.expander("More"):
-            chat = st.toggle("Chat template", True, key="prompt_chat",
-                             help="Wrap the prompt as a user message of the model's chat template")
-            seed = st.number_input("seed (0 = none)", 0, 2**31, 0, key="prompt_seed")
-            ignore_eos = st.toggle("Ignore end of text", False, key="prompt_ignore_eos",
-                                   help="Always generate max tokens")
-        if st.form_submit_button("Submit", type="primary", disabled=disabled, width="stretch"):
-            if not text.strip():
-                st.error("Write a prompt first.")
-                return
-            body = {"messages": [p.ChatMessage("user", text)]} if chat else {"prompt": text}
-            send(client, p.Submit(**body, n=int(n), max_tokens=int(max_tokens), temperature=float(temperature),
-                                  seed=int(seed) or None, ignore_eos=ignore_eos), "Submit")
+            st.toggle("Chat template", True, key="prompt_chat",
+                      help="Wrap the prompt as a user message of the model's chat template")
+            st.number_input("seed (0 = none)", 0, 2**31, 0, key="prompt_seed")
+            st.toggle("Ignore end of text", False, key="prompt_ignore_eos", help="Always generate max tokens")
+        # in its callback: a click that reaches the server with a fragment's rerun still submits (app/ui/stale.py)
+        st.form_submit_button("Submit", type="primary", disabled=disabled, width="stretch", on_click=_submit,
+                              args=(client,))
+    if st.session_state.pop(PROMPT_EMPTY, False):
+        st.error("Write a prompt first.")
+
+
+PROMPT_EMPTY = "prompt_empty"  # session state: Submit was pressed on an empty prompt
+
+
+def _submit(client: EngineClient) -> None:
+    v = st.session_state
+    text = v["prompt_text"]
+    if not text.strip():
+        v[PROMPT_EMPTY] = True
+        stale.mark()
+        return
+    body = {"messages": [p.ChatMessage("user", text)]} if v["prompt_chat"] else {"prompt": text}
+    send(client, p.Submit(**body, n=int(v["prompt_n"]), max_tokens=int(v["prompt_max"]),
+                          temperature=float(v["prompt_temp"]), seed=int(v["prompt_seed"]) or None,
+                          ignore_eos=v["prompt_ignore_eos"]), "Submit")
 
 
 def unsupported_note(client: EngineClient) -> None:
