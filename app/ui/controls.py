@@ -16,7 +16,7 @@ from app.ui import stale
 from app.ui.commands import last_error, send
 from app.ui.connection import Hosted, restart
 from app.data.key_events import KEY_KINDS
-from app.data.scenarios import SCENARIOS
+from app.data.scenarios import SCENARIOS, Scenario
 from app.data.source import VLLM_PYTHON, Source, recordings
 from app.data.words import plural
 
@@ -197,26 +197,28 @@ def clean_slate(client: EngineClient) -> None:
 
 def scenarios(client: EngineClient, view: View) -> None:
     cfg = view.mirror.config
-    fresh = st.toggle("Start from a clean slate", True, key="scenario_clean",
-                      help="Before the scenario: clear the prefix cache and start the counters and "
-                           "the timeline afresh (the history before stays reachable by time travel)")
+    st.toggle("Start from a clean slate", True, key="scenario_clean",
+              help="Before the scenario: clear the prefix cache and start the counters and "
+                       "the timeline afresh (the history before stays reachable by time travel)")
     for sc in SCENARIOS:
-        if st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch(cfg), width="stretch",
-                     disabled=not client.supports("submit")):
-            cmds = sc.build(cfg, next(_runs))
-            if fresh:
-                clean_slate(client)
-            sent = [c for c in cmds if send(client, c, f"{sc.title}: " + (
-                f"reset to {c.config.num_device_blocks} blocks" if isinstance(c, p.ResetCmd) else
-                f"submit {c.request_id}"), quiet=True)]
-            ids = [c.request_id for c in sent if isinstance(c, p.Submit)]
-            if ids:
-                st.toast(f"{sc.title}: {', '.join(ids)}", icon=":material/play_circle:")
-            st.session_state["travel"] = None
-            st.session_state["last_scenario"] = sc.key
+        st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch(cfg), width="stretch",
+                  disabled=not client.supports("submit"), on_click=_run_scenario, args=(client, sc, cfg))
     if (key := st.session_state.get("last_scenario")) is not None:
         sc = next(s for s in SCENARIOS if s.key == key)
         st.caption(f"**Watch:** {sc.watch(cfg)}.")
+
+
+def _run_scenario(client: EngineClient, sc: Scenario, cfg: p.PoolConfig) -> None:
+    cmds = sc.build(cfg, next(_runs))
+    if st.session_state["scenario_clean"]:
+        clean_slate(client)
+    sent = [c for c in cmds if send(client, c, f"{sc.title}: " + (
+        f"reset to {c.config.num_device_blocks} blocks" if isinstance(c, p.ResetCmd) else
+        f"submit {c.request_id}"), quiet=True)]
+    if ids := [c.request_id for c in sent if isinstance(c, p.Submit)]:
+        st.toast(f"{sc.title}: {', '.join(ids)}", icon=":material/play_circle:")
+    st.session_state["travel"] = None
+    st.session_state["last_scenario"] = sc.key
 
 
 def _follow(key: str, engine_value) -> None:
@@ -230,15 +232,15 @@ def _follow(key: str, engine_value) -> None:
 def pacing(client: EngineClient) -> None:
     loop = client.loop
     c = st.columns(2)
-    c[0].button("Resume" if loop.paused else "Pause", key="pause_resume", width="stretch",
+    # One key per meaning: a click that Streamlit delivers twice, once after the button was
+    # redrawn with the other meaning, must not undo itself.
+    action = "Resume" if loop.paused else "Pause"
+    c[0].button(action, key=action.lower(), width="stretch",
                 icon=":material/play_arrow:" if loop.paused else ":material/pause:",
                 type="primary" if loop.paused else "secondary", disabled=_not_here(client, "pause") is not None,
-                on_click=send, args=(client, p.Resume() if loop.paused else p.Pause(),
-                                     "Resume" if loop.paused else "Pause", True))
-    if c[1].button("Step", icon=":material/redo:", key="step", width="stretch", disabled=not loop.paused,
-                   help="Run engine steps (pause first)"):
-        send(client, p.StepCmd(count=int(st.session_state.get("step_count", 1))), "Step", quiet=True)
-        st.session_state["travel"] = None
+                on_click=send, args=(client, p.Resume() if loop.paused else p.Pause(), action, True))
+    c[1].button("Step", icon=":material/redo:", key="step", width="stretch", disabled=not loop.paused,
+                help="Run engine steps (pause first)", on_click=_step, args=(client,))
     st.number_input("steps per Step", 1, 1000, 1, key="step_count")
     _follow("pace", min(PACES, key=lambda v: abs(v - loop.step_delay_ms)))
     st.select_slider("Pace (ms between steps)", PACES, key="pace",
@@ -246,12 +248,10 @@ def pacing(client: EngineClient) -> None:
                                             f"Pace {st.session_state['pace']} ms", quiet=True),
                      help="Slow the engine down so a human can follow each step (0 = full speed)")
     kinds = st.session_state.get("until_kinds", list(KEY_KINDS))
-    if st.button("Run to the next key event", icon=":material/fast_forward:", key="run_until", width="stretch",
-                 disabled=not kinds or _not_here(client, "run_until") is not None,
-                 help="Run steps until a prefix hit, a fork, a copy-on-write, an eviction, a swap or a "
-                      "preemption (as chosen below), then pause and explain it"):
-        send(client, p.RunUntil(kinds=kinds), "Run to the next key event", quiet=True)
-        st.session_state["travel"] = None
+    st.button("Run to the next key event", icon=":material/fast_forward:", key="run_until", width="stretch",
+              disabled=not kinds or _not_here(client, "run_until") is not None, on_click=_run_until, args=(client,),
+              help="Run steps until a prefix hit, a fork, a copy-on-write, an eviction, a swap or a "
+                   "preemption (as chosen below), then pause and explain it")
     with st.expander("Key events to stop at"):
         st.multiselect("Stop at", KEY_KINDS, default=list(KEY_KINDS), key="until_kinds",
                        format_func=lambda k: KINDS[k].label, label_visibility="collapsed")
@@ -259,14 +259,29 @@ def pacing(client: EngineClient) -> None:
         st.caption(f":material/fast_forward: running until: {', '.join(KINDS[k].label for k in loop.until)}")
 
 
+def _step(client: EngineClient) -> None:
+    send(client, p.StepCmd(count=int(st.session_state.get("step_count", 1))), "Step", quiet=True)
+    st.session_state["travel"] = None
+
+
+def _run_until(client: EngineClient) -> None:
+    send(client, p.RunUntil(kinds=st.session_state.get("until_kinds", list(KEY_KINDS))),
+         "Run to the next key event", quiet=True)
+    st.session_state["travel"] = None
+
+
+def _abort(client: EngineClient) -> None:
+    if rid := st.session_state.get("abort_rid"):
+        send(client, p.Abort(request_id=rid), f"Abort {rid}")
+
+
 def requests(client: EngineClient, view: View) -> None:
     rids = sorted({s.request_id for s in view.mirror.state.seqs.values()})
     c = st.columns([3, 2])
     rid = c[0].selectbox("Request", rids, key="abort_rid", label_visibility="collapsed", index=None,
                          placeholder="request to abort" if rids else "no live request")
-    if c[1].button("Abort", key="abort", disabled=not rid or _not_here(client, "abort") is not None,
-                   width="stretch"):
-        send(client, p.Abort(request_id=rid), f"Abort {rid}")
+    c[1].button("Abort", key="abort", disabled=not rid or _not_here(client, "abort") is not None, width="stretch",
+                on_click=_abort, args=(client,))
     caching = view.mirror.config.enable_prefix_caching
     st.button("Clear prefix cache", key="clear_cache", width="stretch",
               disabled=not caching or _not_here(client, "clear_prefix_cache") is not None,
@@ -286,23 +301,28 @@ def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
     pool = (f"{cfg.block_size}-{cfg.num_device_blocks}-{cfg.num_host_blocks}-{cfg.max_num_seqs}-"
             f"{cfg.preemption_mode}-{cfg.enable_prefix_caching:d}")
     with st.form("reset", border=False):
-        bs = st.select_slider("Block size (tokens)", p.BLOCK_SIZES, cfg.block_size, key=f"reset_bs@{pool}",
-                              help="Small: little waste, long tables. Large: short tables, more waste.")
+        st.select_slider("Block size (tokens)", p.BLOCK_SIZES, cfg.block_size, key=f"reset_bs@{pool}",
+                         help="Small: little waste, long tables. Large: short tables, more waste.")
         c = st.columns(2)
-        dev = c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, cfg.num_device_blocks, key=f"reset_dev@{pool}")
-        host = c[1].number_input("Host blocks", 0, p.MAX_HOST_BLOCKS, cfg.num_host_blocks, key=f"reset_host@{pool}")
+        c[0].number_input("Device blocks", 1, p.MAX_DEVICE_BLOCKS, cfg.num_device_blocks, key=f"reset_dev@{pool}")
+        c[1].number_input("Host blocks", 0, p.MAX_HOST_BLOCKS, cfg.num_host_blocks, key=f"reset_host@{pool}")
         c = st.columns(2)
-        seqs = c[0].number_input("Max running", 1, p.MAX_NUM_SEQS, cfg.max_num_seqs, key=f"reset_seqs@{pool}")
+        c[0].number_input("Max running", 1, p.MAX_NUM_SEQS, cfg.max_num_seqs, key=f"reset_seqs@{pool}")
         modes = ["swap", "recompute"]
-        mode = c[1].selectbox("Preemption", modes, modes.index(cfg.preemption_mode), key=f"reset_mode@{pool}")
-        caching = st.toggle("Prefix caching", cfg.enable_prefix_caching, key=f"reset_caching@{pool}")
+        c[1].selectbox("Preemption", modes, modes.index(cfg.preemption_mode), key=f"reset_mode@{pool}")
+        st.toggle("Prefix caching", cfg.enable_prefix_caching, key=f"reset_caching@{pool}")
         st.caption("A reset aborts every request; the model stays loaded.")
-        if st.form_submit_button("Reset engine", width="stretch", disabled=_not_here(client, "reset") is not None):
-            send(client, p.ResetCmd(config=p.ResetConfig(
-                block_size=int(bs), num_device_blocks=int(dev), num_host_blocks=int(host),
-                max_num_seqs=int(seqs), preemption_mode=mode, enable_prefix_caching=caching)),
-                f"Reset to {int(dev)} × {int(bs)}")
-            st.session_state["travel"] = None
+        st.form_submit_button("Reset engine", width="stretch", disabled=_not_here(client, "reset") is not None,
+                              on_click=_reset, args=(client, pool))
+
+
+def _reset(client: EngineClient, pool: str) -> None:
+    v = {name: st.session_state[f"reset_{name}@{pool}"] for name in ("bs", "dev", "host", "seqs", "mode", "caching")}
+    send(client, p.ResetCmd(config=p.ResetConfig(
+        block_size=int(v["bs"]), num_device_blocks=int(v["dev"]), num_host_blocks=int(v["host"]),
+        max_num_seqs=int(v["seqs"]), preemption_mode=v["mode"], enable_prefix_caching=v["caching"])),
+        f"Reset to {int(v['dev'])} × {int(v['bs'])}")
+    st.session_state["travel"] = None
 
 
 def engine_panel(client: EngineClient, view: View) -> None:

@@ -169,7 +169,11 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
             finally:
                 two.keyboard.press("Escape")
         side(one).get_by_role("button", name="Resume", exact=True).click()
-        expect(side(two).get_by_role("button", name="Pause", exact=True)).to_be_visible(timeout=10_000)
+        try:
+            expect(side(two).get_by_role("button", name="Pause", exact=True)).to_be_visible(timeout=10_000)
+        except AssertionError:  # whose side was it: the tab that clicked, or the one that follows?
+            print("the tab that clicked Resume:", side(one).inner_text(), sep="\n")
+            raise
         side(one).get_by_text("Reset pool").click()
         side(one).get_by_label("Device blocks").fill("512")
         side(one).get_by_role("button", name="Reset engine", exact=True).click()

@@ -105,7 +105,7 @@ def submit(at: AppTest, text: str, **fields) -> None:
 
 
 def test_prompt_pause_step_resume_and_every_view(at, observer):
-    at.button(key="pause_resume").click().run()
+    at.button(key="pause").click().run()
     wait(lambda: observer.view() and at.run() and at.button(key="step").disabled is False, what="pause")
     start = observer.history.last_event
     submit(at, "Hello, paged world. Tell me about blocks.", prompt_max=24)
@@ -127,7 +127,7 @@ def test_prompt_pause_step_resume_and_every_view(at, observer):
     log = show_log(at)
     assert set(log[log["kind"] == "alloc"]["sequence"]) == {rid}
     assert "paused" in status_line(at)
-    at.button(key="pause_resume").click().run()
+    at.button(key="resume").click().run()
     wait(lambda: any(e.seq_id == rid for e in events(observer, "finish", start)), what="the request to finish")
     rerun_until(at, lambda a: rid in html_with(a, "bt fin"), what="the finished request")
     assert grid_data(at)["counts"]["used"] == 0
@@ -169,7 +169,7 @@ def scenario_metric(c: EngineClient, key: str, since: int) -> str:
     ("overload", "swap_out", 400, "Swaps out / in"), ("mixed", "request_added", 1, "Running")])
 def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metric_label):
     """Paused, so the mechanism stays on screen: the scenario's requests wait, Step runs them."""
-    at.button(key="pause_resume").click().run()
+    at.button(key="pause").click().run()
     wait(lambda: at.run().button(key="step").disabled is False, what="pause")
     start = observer.history.last_event
     at.button(key=f"scenario_{key}").click().run()
@@ -407,7 +407,7 @@ def test_shrinking_the_pool_draws_the_new_pool_and_keeps_every_panel(at, observe
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["n"] == 12 and d, what="the 12-block pool")
     assert not exceptions(at) and not at.error
     assert data["counts"]["free"] == 12 and "reset" in data["touched"] or not data["touched"]
-    at.button(key="pause_resume").click().run()  # a sidebar button: every panel is still drawn
+    at.button(key="pause").click().run()  # a sidebar button: every panel is still drawn
     assert grid_data(at)["n"] == 12 and html_with(at, 'class="bt"') and at.segmented_control
     assert not exceptions(at)
 
@@ -485,7 +485,7 @@ def test_the_views_of_one_redraw_show_one_event_and_the_timeline_rescales(at, ob
 
 
 def test_run_to_the_next_key_event_stops_there_and_explains_it(at, observer):
-    at.button(key="pause_resume").click().run()
+    at.button(key="pause").click().run()
     at.toggle(key="scenario_clean").set_value(False)
     at.button(key="scenario_parallel").click().run()
     at.multiselect(key="until_kinds").set_value(["fork"])

@@ -45,7 +45,7 @@ def test_tokens_per_s_comes_from_step_times_and_holds_while_paused(at, observer)
     start_ev = observer.history.last_event
     submit(at, "Count slowly to one hundred.", prompt_max=48, prompt_ignore_eos=True)
     wait(lambda: len(events(observer, "step", start_ev)) >= 6, 60, "a few decode steps")
-    at.button(key="pause_resume").click().run()
+    at.button(key="pause").click().run()
     wait(lambda: observer.loop.paused, what="the pause")
     last = quiet(observer)
     live = rerun_until(at, lambda a: (d := grid_data(a)) and d["seq"] == last and metric(a, "Tokens/s"),
@@ -97,7 +97,7 @@ def test_leaving_a_lesson_says_the_engine_is_on_its_pool_and_restores_the_one_be
 def test_run_to_the_next_key_event_names_the_event_shown_and_a_reset_ends_it(at, observer):
     """Item 11: 'Paused at event N' names the event the views show (the end of the key event's
     step); after a reset the explanation goes (its blocks are gone)."""
-    at.button(key="pause_resume").click().run()
+    at.button(key="pause").click().run()
     at.toggle(key="scenario_clean").set_value(False)
     at.button(key="scenario_parallel").click().run()
     at.multiselect(key="until_kinds").set_value(["fork"])
