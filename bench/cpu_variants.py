@@ -79,7 +79,7 @@ def main() -> None:
     print(cpu_report(), flush=True)
     if args.linear:
         backend, _, gemv = args.linear.partition("+")
-        model_runner.choose_backend = lambda layers, repeats=5: (backend, bool(gemv))
+        model_runner.choose_backend = lambda layers, repeats=5, gemv_dtype=None: (backend, bool(gemv))
     sides = [VariantSide(spec, args.model) for spec in args.sides.split(",")]
     jobs = [j for j in make_jobs(sides[0].loaded.tokenizer, args.requests, args.new_tokens)
             if any(j.name.startswith(x) for x in args.jobs.split(","))]
@@ -90,7 +90,7 @@ def main() -> None:
         if ("batch 1", side.name) in res.seconds:
             one = next(j for j in jobs if j.name == "batch 1")
             tok_s = one.figure(statistics.median(res.seconds[("batch 1", side.name)]))
-            mb = weight_bytes(side.loaded.model) / 1e6
+            mb = weight_bytes(side.loaded.model, side.loaded.gemv_dtype) / 1e6
             print(f"batch 1, {side.name}: {tok_s:.1f} tok/s x {mb:.0f} MB of weights = {tok_s * mb / 1e3:.1f} GB/s; "
                   f"the machine reads {gbs:.1f} GB/s")
 

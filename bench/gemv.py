@@ -4,7 +4,8 @@ SmolLM2-135M's decode step at batch 1..4 is four GEMVs per layer (q|k|v 576->960
 gate|up 576->3072, down 1536->576) and the lm_head (576->49152, ~113 MB fp32). Each shape gets
 enough distinct weight copies (>= 128 MB) that every call reads its weights from memory, as a
 decode step does; a timed pass is one call on each copy, in turn. Sides are C++ kernel variants
-(kernels.cpu_build.ISAS, each its torch.ops.kvscope_<isa>.gemv), `torch` (x W^T by torch.mm) and
+(kernels.cpu_build.ISAS, each its torch.ops.kvscope_<isa>.gemv; `<isa>+packed` on weights in that
+variant's gemv_pack layout, float32 x only), `torch` (x W^T by torch.mm) and
 `read` (torch's sum over the same weights: what reading them costs, the GEMV's limit),
 interleaved round by round (A B, B A, ...); the report is the median GB/s per side and shape with
 its spread (min..max), and each side's ratio to the first as the median of per-round ratios.
@@ -15,7 +16,8 @@ the time it waited for a core (the memory it shares with other processes still c
 variant named, as side `<isa>@REV` (bench/baseline.py), to A/B a kernel change in one process.
 --emulate avx2 limits torch and oneDNN to AVX2, as bench.throughput --isa avx2 does.
 
-    python -m bench.gemv [--sides avx2,torch] [--baseline HEAD] [--rows 1,4] [--dtype float32] [--rounds 5]
+    python -m bench.gemv [--sides avx2,avx2+packed,torch] [--baseline HEAD] [--rows 1,4]
+                         [--dtype float32|bfloat16|float32+bfloat16] [--rounds 5]
                          [--threads 1 --cpu-time]
 """
 from __future__ import annotations
@@ -44,7 +46,8 @@ def gemv_call(side: str, ops) -> Callable:
         return lambda out, x, w: w.sum()
     if side == "torch":
         return lambda out, x, w: torch.mm(x, w.t(), out=out)
-    return lambda out, x, w: ops.gemv(out, x, w, None)
+    packed = side.endswith("+packed")
+    return lambda out, x, w: ops.gemv(out, x, w, None, packed)
 
 
 def timed_pass(call: Callable, weights: list[torch.Tensor], x: torch.Tensor, out: torch.Tensor,
@@ -62,7 +65,9 @@ def main() -> None:
                                                   "variant this CPU runs, torch and read)")
     ap.add_argument("--baseline", default=None, help="git revision whose kernels also run, as <isa>@REV")
     ap.add_argument("--rows", default="1,4", help="comma-separated rows of x (1..4)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float32+bfloat16"),
+                    help="x's and the weights' (float32+bfloat16: fp32 x, bf16 weights, as the engine's "
+                         "default on CPUs without bf16 products)")
     ap.add_argument("--shapes", default=None, help="comma-separated prefixes of shape names (default: all)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -79,15 +84,20 @@ def main() -> None:
     if args.cpu_time and torch.get_num_threads() != 1:
         raise SystemExit("--cpu-time counts the calling thread only: add --threads 1")
     clock = time.thread_time if args.cpu_time else time.perf_counter
-    dtype = getattr(torch, args.dtype)
+    x_name, _, w_name = args.dtype.partition("+")
+    x_dtype, dtype = getattr(torch, x_name), getattr(torch, w_name or x_name)
     names = (args.sides or ",".join(cpu_build.runnable_isas() + ["torch", "read"])).split(",")
     sides: dict[str, Callable] = {}
+    packs: dict[str, Callable] = {}  # side: its weights' layout (<isa>+packed: that variant's gemv_pack)
     for name in names:
         plain = name in ("torch", "read")
-        sides[name] = gemv_call(name, None if plain else cpu_build.load_variant(BUILD_DIR, name))
-        if args.baseline and not plain:
-            ops = getattr(torch.ops, f"kvscope_{baseline.load(name, args.baseline)}")
-            sides[f"{name}@{args.baseline}"] = gemv_call(name, ops)
+        ops = None if plain else cpu_build.load_variant(BUILD_DIR, name.removesuffix("+packed"))
+        sides[name] = gemv_call(name, ops)
+        if name.endswith("+packed"):
+            packs[name] = ops.gemv_pack
+        if args.baseline and not plain and name not in packs:  # (older kernels have no packed layout)
+            old = getattr(torch.ops, f"kvscope_{baseline.load(name, args.baseline)}")
+            sides[f"{name}@{args.baseline}"] = gemv_call(name, old)
     print(f"bench.gemv, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{'CPU time' if args.cpu_time else 'wall clock'}", flush=True)
@@ -99,23 +109,24 @@ def main() -> None:
     for label, (n, k) in shapes.items():
         copies = max(1, -(-COPY_BYTES // (n * k * dtype.itemsize)))
         weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+        laid_out = {s: weights if s not in packs else [packs[s](w) for w in weights] for s in sides}
         for rows in map(int, args.rows.split(",")):
-            x = torch.randn(rows, k).to(dtype)
-            out = torch.empty(rows, n, dtype=dtype)
+            x = torch.randn(rows, k).to(x_dtype)
+            out = torch.empty(rows, n, dtype=x_dtype)
             ref = F.linear(x.float(), weights[0].float())
             for name, call in sides.items():  # each side warmed up, and checked against fp32 torch
-                call(out, x, weights[0])
+                call(out, x, laid_out[name][0])
                 if name == "read":
                     continue
                 err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
-                if err > (1e-5 if dtype == torch.float32 else 2e-2):
+                if err > (1e-5 if x_dtype == torch.float32 else 2e-2):
                     raise SystemExit(f"{name} {label} rows {rows}: relative error {err:.2g}")
-            gbs = interleave({s: (lambda c=c: timed_pass(c, weights, x, out, clock)) for s, c in sides.items()},
+            gbs = interleave({s: (lambda s=s, c=c: timed_pass(c, laid_out[s], x, out, clock)) for s, c in sides.items()},
                              args.rounds)
             cells = "  ".join(f"{statistics.median(v):>9.1f} ({min(v):5.1f}..{max(v):5.1f})" for v in gbs.values())
             rel = " ".join(f"{statistics.median(ratios(gbs[first], v)):>13.2f}x" for s, v in gbs.items() if s != first)
             print(f"{label:<20} {rows:>4}  {cells}  {rel}", flush=True)
-        del weights
+        del weights, laid_out
 
 
 if __name__ == "__main__":

@@ -315,9 +315,11 @@ def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.nbytes / best / 1e9
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the Linear weights one decode step streams (lm_head included; embeddings read one row)."""
-    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the Linear weights one decode step streams (lm_head included; embeddings read one
+    row), stored in `dtype` (None: the model's own; KVScope's GEMV may stream a bf16 copy)."""
+    return sum(m.weight.numel() * (dtype or m.weight.dtype).itemsize
+               for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def bandwidth_line(loaded, jobs: list[Job], res: Results, side: str, machine_gbs: float) -> str:
@@ -325,7 +327,7 @@ def bandwidth_line(loaded, jobs: list[Job], res: Results, side: str, machine_gbs
     if job is None or (job.name, side) not in res.seconds:
         return ""
     tok_s = job.figure(statistics.median(res.seconds[(job.name, side)]))
-    mb = weight_bytes(loaded.model) / 1e6
+    mb = weight_bytes(loaded.model, loaded.gemv_dtype if side.startswith("kvscope") else None) / 1e6
     return (f"batch 1 ({side}): {tok_s:.1f} tok/s x {mb:.0f} MB of weights per step = {tok_s * mb / 1e3:.1f} GB/s "
             f"of weights (prefill included); the machine reads {machine_gbs:.1f} GB/s (torch sum over 1 GiB)")
 

@@ -13,7 +13,7 @@ from kvscope_contract.protocol import PoolConfig
 class EngineConfig:
     model: str = "smollm2"        # "smollm2" (bundled), "tiny" (random, for tests) or a local HF folder
     device: str | None = None     # None: cuda if available, else cpu
-    dtype: str | None = None      # None: bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, else float32
+    dtype: str | None = None      # None: bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, else float32+bfloat16
     pool: PoolConfig = field(default_factory=PoolConfig)
     max_num_batched_tokens: int = 1024  # tokens per forward; longer prompts are prefilled in chunks
     watermark: float = WATERMARK  # fraction of device blocks kept free when admitting new work
@@ -26,8 +26,9 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--model", default=d.model,
                     help="'smollm2' (bundled), 'tiny' (random, for tests) or a local HF Llama-family folder")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on cuda "
-                                                  "and on CPUs with AVX512-BF16 or AMX, else float32)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float32+bfloat16 (fp32 with "
+                    "bf16 weights for the CPU GEMV); default: bfloat16 on cuda and on CPUs with AVX512-BF16 "
+                    "or AMX, else float32+bfloat16")
     ap.add_argument("--block-size", type=int, default=pool.block_size)
     ap.add_argument("--num-device-blocks", type=int, default=pool.num_device_blocks)
     ap.add_argument("--num-host-blocks", type=int, default=pool.num_host_blocks)

@@ -9,7 +9,10 @@ shapes (a few ms), and otherwise keeps `F.linear`.
 
 At one to a few rows (decode at small batch) a linear layer is a stream of its weights, and the
 C++ `kvscope.gemv` streams them faster than either (12-14% on this project's CPU, weights from
-memory); it is chosen the same way, timed on one row.
+memory); it is chosen the same way, timed on one row. It can stream a bf16 copy of fp32 weights
+(`gemv_dtype`), laid out once for a sequential read (`gemv_pack`): half the bytes, fp32
+arithmetic on weights rounded to bf16; the GEMMs keep the fp32 weights, so prefill and larger
+batches stay exact fp32 (engine/model/model_loader.py decides where that is the default).
 """
 from __future__ import annotations
 
@@ -35,12 +38,17 @@ def _onednn_ops() -> bool:
 class Linear:
     """y = x W^T (+ b) for one weight, or several concatenated along the output (q|k|v, gate|up)."""
 
-    def __init__(self, layers: list[torch.nn.Linear], backend: str = "torch", gemv: bool = False):
-        """backend: 'torch' or 'onednn' (packed weights); gemv: kvscope.gemv for up to GEMV_ROWS rows."""
+    def __init__(self, layers: list[torch.nn.Linear], backend: str = "torch", gemv: bool = False,
+                 gemv_dtype: torch.dtype | None = None):
+        """backend: 'torch' or 'onednn' (packed weights); gemv: kvscope.gemv for up to GEMV_ROWS rows,
+        on the weights themselves, or on a packed copy of them in `gemv_dtype`."""
         weights = [layer.weight.detach() for layer in layers]
         biases = [layer.bias for layer in layers]
         self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        self.plain = self.weight if gemv else None  # the GEMV's operand, kept beside oneDNN's packed copy
+        # the GEMV's operand, kept beside oneDNN's packed copy
+        self.packed = gemv and gemv_dtype is not None
+        self.plain = None if not gemv else cpu_build.ops().gemv_pack(self.weight.to(gemv_dtype)) \
+            if self.packed else self.weight
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         self.out_features = self.weight.shape[0]
@@ -51,29 +59,42 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.gemv and x.shape[0] <= GEMV_ROWS:
             out = x.new_empty(x.shape[0], self.out_features)
-            cpu_build.ops().gemv(out, x, self.plain, self.bias)
+            cpu_build.ops().gemv(out, x, self.plain, self.bias, self.packed)
             return out
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def choose_backend(layers: list[torch.nn.Linear], repeats: int = 5) -> tuple[str, bool]:
+def choose_backend(layers: list[torch.nn.Linear], repeats: int = 5,
+                   gemv_dtype: torch.dtype | None = None) -> tuple[str, bool]:
     """(backend, gemv) for Linear: 'onednn' if the packed oneDNN path exists and runs these
     layers faster than F.linear on PACK_ROWS rows, else 'torch'; gemv if the C++ kernels are
-    loaded and kvscope.gemv runs them faster than that backend on one row. Each the best of
-    `repeats` rounds; decided once per dtype and shapes."""
+    loaded and kvscope.gemv runs them faster than that backend on one row, or, given a
+    `gemv_dtype` (a copy of the weights is what that mode is for), wherever it runs them. Each
+    the best of `repeats` rounds; decided once per dtype and shapes."""
     w = layers[0].weight
     if w.device.type != "cpu":
         return "torch", False
-    key = (w.dtype, tuple(tuple(layer.weight.shape) for layer in layers))
+    key = (w.dtype, gemv_dtype, tuple(tuple(layer.weight.shape) for layer in layers))
     if key not in _choice:
         backend = _fastest(layers, [("torch", False), ("onednn", False)], PACK_ROWS, repeats) \
             if _onednn_ops() else "torch"
-        gemv = cpu_build.loaded() and (
-            _fastest(layers, [(backend, False), (backend, True)], 1, repeats) == backend + "+gemv")
+        gemv = cpu_build.loaded() and (_gemv_runs(layers, gemv_dtype) if gemv_dtype is not None else
+                                       _fastest(layers, [(backend, False), (backend, True)], 1, repeats) == backend + "+gemv")
         _choice[key] = backend, gemv
     return _choice[key]
+
+
+@torch.inference_mode()
+def _gemv_runs(layers: list[torch.nn.Linear], gemv_dtype: torch.dtype) -> bool:
+    """kvscope.gemv takes these shapes and dtypes (K a multiple of its chunk, N of 16)."""
+    try:
+        for layer in layers:
+            Linear([layer], gemv=True, gemv_dtype=gemv_dtype)(layer.weight.new_zeros(1, layer.in_features))
+    except RuntimeError:
+        return False
+    return True
 
 
 @torch.inference_mode()

@@ -55,6 +55,7 @@ class EngineInfo(Struct, kw_only=True):
     num_kv_heads: int
     head_dim: int
     kernels: str | None = None  # the C++ CPU kernel variant in use (avx512, avx2, generic) or "torch"
+    gemv_dtype: str | None = None  # the weights the CPU GEMV streams at 1-4 rows, where not `dtype`
 
 
 # ----------------------------------------------------------------------------------- events

@@ -29,7 +29,7 @@ def status_line(client: EngineClient, source: Source, hosted: Hosted | None = No
     what = source.label
     if h:
         e = h.engine
-        kern = f", {e.kernels} kernels" if e.kernels else ""
+        kern = (f", {e.gemv_dtype} GEMV weights" if e.gemv_dtype else "") + (f", {e.kernels} kernels" if e.kernels else "")
         what += f" · {e.model} on {e.device} ({e.dtype}{kern})" + (" · replay" if h.replay else "")
         if h.server != "kvscope":
             what += f" · {h.server}"

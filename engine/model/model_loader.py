@@ -47,6 +47,7 @@ class LoadedModel:
     eos_token_ids: list[int]         # also written to model.generation_config, so generate() agrees
     device: torch.device
     dtype: torch.dtype
+    gemv_dtype: torch.dtype          # the weights the CPU GEMV streams at 1-4 rows (kernels/linear.py)
 
 
 def stderr_progress(msg: str) -> None:
@@ -67,7 +68,7 @@ def load_model(spec: str = "smollm2", *, device: str | None = None, dtype: str |
     t0 = time.perf_counter()
     say = lambda stage: progress(f"{stage} ({time.perf_counter() - t0:.1f} s)")  # noqa: E731
     dev = _resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
+    dt, gemv_dt = _resolve_dtype(dtype, dev)
     if spec == "tiny":
         name = TINY
         say(f"building {name} (random weights)")
@@ -82,8 +83,10 @@ def load_model(spec: str = "smollm2", *, device: str | None = None, dtype: str |
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model.eval()
     eos = _eos_ids(model, tok)
-    say(f"ready: {name} on {dev} in {str(dt).removeprefix('torch.')}")
-    return LoadedModel(model=model, tokenizer=tok, name=name, eos_token_ids=eos, device=dev, dtype=dt)
+    spec = "+".join(dict.fromkeys(str(d).removeprefix("torch.") for d in (dt, gemv_dt)))  # float32+bfloat16
+    say(f"ready: {name} on {dev} in {spec}")
+    return LoadedModel(model=model, tokenizer=tok, name=name, eos_token_ids=eos, device=dev, dtype=dt,
+                       gemv_dtype=gemv_dt)
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
@@ -110,12 +113,22 @@ def cpu_has_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-def _resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:  # bf16 where the hardware has it; fp32 (the exact reference) stays a flag away
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
-    if dtype.lower().removeprefix("torch.") not in _DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype.lower().removeprefix("torch.")]
+def _resolve_dtype(dtype: str | None, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype, gemv_dtype) from "float32", "bf16", ... or "float32+bfloat16" (fp32, with a bf16
+    copy of the weights that the CPU GEMV streams at 1-4 rows: half the bytes, fp32 arithmetic).
+    The default: bf16 where the hardware multiplies it, else float32+bfloat16 on the CPU
+    (docs/benchmarks.md); a single dtype named is used throughout, so `float32` is exact."""
+    if dtype is None:
+        if device.type == "cuda" or cpu_has_bf16():
+            return torch.bfloat16, torch.bfloat16
+        dtype = "float32+bfloat16"
+    names = dtype.lower().replace("torch.", "").split("+")
+    if len(names) > 2 or any(n not in _DTYPES for n in names):
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)} or float32+bfloat16")
+    dt, gemv_dt = _DTYPES[names[0]], _DTYPES[names[-1]]
+    if gemv_dt != dt and (dt, gemv_dt) != (torch.float32, torch.bfloat16):
+        raise ModelLoadError(f"dtype {dtype!r}: the GEMV's own weights can be bfloat16 under float32 only")
+    return dt, gemv_dt
 
 
 def _eos_ids(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> list[int]:

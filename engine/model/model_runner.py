@@ -62,19 +62,21 @@ def load_cpu_kernels(progress=stderr_progress) -> bool:
     return kernels.cpu_build.load(default_cache_dir() / "kernels", progress)
 
 
-def _prepare(model: torch.nn.Module) -> tuple[list[LayerWeights], Linear]:
+def _prepare(model: torch.nn.Module, gemv_dtype: torch.dtype | None) -> tuple[list[LayerWeights], Linear]:
+    """The step's weights; gemv_dtype: a copy of them in that dtype for the GEMV (None: theirs)."""
     layers = []
     silu = model.config.hidden_act in ("silu", "swish")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-        backend = choose_backend(qkv + [attn.o_proj] + gate_up + [mlp.down_proj])  # (name, gemv)
+        backend = (*choose_backend(qkv + [attn.o_proj] + gate_up + [mlp.down_proj], gemv_dtype=gemv_dtype),
+                   gemv_dtype)  # (name, gemv, gemv_dtype)
         layers.append(LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
             eps=layer.input_layernorm.variance_epsilon, qkv=Linear(qkv, *backend), o=Linear([attn.o_proj], *backend),
             gate_up=Linear(gate_up, *backend) if silu else None, down=Linear([mlp.down_proj], *backend),
             attn=attn, qk_norm=hasattr(attn, "q_norm"), mlp=mlp))
-    return layers, Linear([model.lm_head], *choose_backend([model.lm_head]))
+    return layers, Linear([model.lm_head], *choose_backend([model.lm_head], gemv_dtype=gemv_dtype), gemv_dtype)
 
 
 class ModelRunner:
@@ -92,14 +94,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             load_cpu_kernels()
         if self.model not in _PREPARED:  # one packed copy per model, shared by every engine on it
-            _PREPARED[self.model] = _prepare(self.model)
+            _PREPARED[self.model] = _prepare(self.model, None if loaded.gemv_dtype == self.dtype else loaded.gemv_dtype)
         self.layers, self.lm_head = _PREPARED[self.model]
 
     def info(self) -> EngineInfo:
+        copy = self.lm_head.packed  # the GEMV streams its own copy of the weights (float32+bfloat16)
         return EngineInfo(model=self.loaded.name, device=str(self.device),
                           dtype=str(self.dtype).removeprefix("torch."), num_layers=self.num_layers,
                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                          kernels=(kernels.cpu_build.isa() or "torch") if self.device.type == "cpu" else None)
+                          kernels=(kernels.cpu_build.isa() or "torch") if self.device.type == "cpu" else None,
+                          gemv_dtype=str(self.loaded.gemv_dtype).removeprefix("torch.") if copy else None)
 
     def bytes_per_block(self, block_size: int) -> int:
         """block_size x layers x kv heads x head dim x 2 (K and V) x bytes per element."""

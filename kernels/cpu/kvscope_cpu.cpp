@@ -19,6 +19,7 @@
 //   silu_and_mul      out = silu(gate) * up, gate and up the two halves of one [T, 2I] tensor
 //   gemv              out = x W^T (+ b) for a few rows of x: the weights streamed once, at the
 //                     memory's speed (decode at small batch reads every weight for one token)
+//   gemv_pack         weights laid out for gemv to read in one sequential stream
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -743,19 +744,20 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // then reads the weights at about the speed of a plain sum over them (bench/gemv.py, AVX2: 1.4x
 // the 4-row kernel); at more rows of x, 8 rows at a time (1.2-1.3x). bf16 weights: AVX512-BF16's dot
 // product of bf16 pairs where the CPU has it (as oneDNN does on such CPUs); elsewhere they are
-// widened to float32 as they stream in (a shift) and multiplied with x converted once to float32:
-// half the bytes of fp32 weights, the same fp32 arithmetic.
-template <typename T> struct Gemv {  // weights of T widened to float32, x in float32
+// widened to float32 as they stream in and multiplied with x converted once to float32: half the
+// bytes of fp32 weights, the same fp32 arithmetic. That also serves float32 x with a bf16 copy of
+// the weights (the engine's default on CPUs without bf16 products: kernels/linear.py).
+template <typename T, typename O = T> struct Gemv {  // weights of T widened to float32, x in float32
   static constexpr int64_t kChunk = W;
   using XT = float;  // x's element type inside the kernel
   using X = vf;
   static X load_w(const T* p) { return load(p); }
-  static X load_x(const float* p) { return load(p); }
+  static X load_x(const XT* p) { return load(p); }
   static vf dot(vf acc, X w, X x) { return fma(w, x, acc); }
 };
 
 #if defined(KVSCOPE_DPBF16)
-template <> struct Gemv<c10::BFloat16> {
+template <> struct Gemv<c10::BFloat16, c10::BFloat16> {  // bf16 x too (fp32 x keeps fp32 arithmetic)
   static constexpr int64_t kChunk = 32;
   using XT = c10::BFloat16;
   using X = __m512bh;
@@ -767,6 +769,7 @@ template <> struct Gemv<c10::BFloat16> {
 
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
+constexpr int kPackedRows = 8;  // weight rows dotted at once in the packed layout (gemv_pack)
 // weight rows dotted at once for M rows of x of T (measured with bench/gemv.py): at one row of
 // fp32 the whole block on AVX2 and AVX-512, otherwise 8 (more accumulators than registers, yet
 // faster than 4; bf16 weights at one row: 16 at once were 1.5x slower than 4, each load widened
@@ -777,11 +780,13 @@ template <typename T> constexpr int rows_at_once(int) { return 8; }
 template <typename T> constexpr int rows_at_once(int M) { return M == 1 && std::is_same_v<T, float> ? kBlock : 8; }
 #endif
 
-template <typename T, int M>
-void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_t K, const T* bias, T* out,
+// weights of T; x, bias and out of O (T, or float32 with bf16 weights: fp32 arithmetic on weights
+// stored in half the bytes). Packed: w in gemv_pack's layout, read in one sequential stream.
+template <typename T, typename O, int M, bool Packed>
+void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int64_t K, const O* bias, O* out,
                 int64_t o_row) {
-  using G = Gemv<T>;
-  constexpr int R = rows_at_once<T>(M);
+  using G = Gemv<T, O>;
+  constexpr int R = Packed ? kPackedRows : rows_at_once<T>(M);
   vf part[M][kBlock];
   for (int i = 0; i < kBlock; i += R) {
     const T* r = w + i * K;
@@ -793,8 +798,12 @@ void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_
       for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
       for (int j = 0; j < R; ++j) {
         // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them)
-        if constexpr (R < kBlock) __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
-        const typename G::X wv = G::load_w(r + j * K + k);
+        if constexpr (Packed) {
+          if constexpr (M > 1) __builtin_prefetch(reinterpret_cast<const char*>(r + k * R + j * G::kChunk + kBlock * K));
+        } else if constexpr (R < kBlock) {
+          __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
+        }
+        const typename G::X wv = G::load_w(Packed ? r + k * R + j * G::kChunk : r + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = G::dot(acc[m][j], wv, xs[m]);
       }
     }
@@ -806,58 +815,82 @@ void gemv_block(const typename Gemv<T>::XT* x, int64_t x_row, const T* w, int64_
     for (int m = 0; m < M; ++m) {
       alignas(64) float sums[W];
       store(sums, add(sum_lanes(part[m] + b0), b));
-      for (int i = 0; i < W; ++i) out[m * o_row + b0 + i] = to<T>(sums[i]);
+      for (int i = 0; i < W; ++i) out[m * o_row + b0 + i] = to<O>(sums[i]);
     }
   }
 }
 
-template <typename T, int M>
-void gemv_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const T* bias) {
-  using XT = typename Gemv<T>::XT;
+template <typename T, typename O, int M, bool Packed>
+void gemv_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const O* bias) {
+  using G = Gemv<T, O>;
+  using XT = typename G::XT;
   const int64_t N = w.size(0), K = w.size(1), o_row = out.stride(0);
-  const T* xp = x.data_ptr<T>();
+  const O* xp = x.data_ptr<O>();
   int64_t x_row = x.stride(0);
   std::vector<float> xf;  // x in float32, once, when the weights are widened to it
-  if constexpr (!std::is_same_v<XT, T>) {
+  if constexpr (!std::is_same_v<XT, O>) {
     xf.resize(M * K);
     for (int m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xf[m * K + k] = f32(xp[m * x_row + k]);
     x_row = K;
   }
-  const XT* xk = reinterpret_cast<const XT*>(std::is_same_v<XT, T> ? static_cast<const void*>(xp) : xf.data());
+  const XT* xk = reinterpret_cast<const XT*>(std::is_same_v<XT, O> ? static_cast<const void*>(xp) : xf.data());
   const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
 #pragma omp parallel for num_threads(threads()) schedule(static) if (N * K > kParallelWork)
   for (int64_t n = 0; n < N; n += kBlock)
-    gemv_block<T, M>(xk, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
+    gemv_block<T, O, M, Packed>(xk, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
 }
 
-template <typename T>
+template <typename T, typename O, bool Packed = false>
 void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  const T* b = bias ? bias->data_ptr<T>() : nullptr;
+  const O* b = bias ? bias->data_ptr<O>() : nullptr;
   switch (x.size(0)) {
-    case 1: return gemv_rows<T, 1>(out, x, w, b);
-    case 2: return gemv_rows<T, 2>(out, x, w, b);
-    case 3: return gemv_rows<T, 3>(out, x, w, b);
-    default: return gemv_rows<T, 4>(out, x, w, b);
+    case 1: return gemv_rows<T, O, 1, Packed>(out, x, w, b);
+    case 2: return gemv_rows<T, O, 2, Packed>(out, x, w, b);
+    case 3: return gemv_rows<T, O, 3, Packed>(out, x, w, b);
+    default: return gemv_rows<T, O, 4, Packed>(out, x, w, b);
   }
 }
 
-void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+// w [N, K] laid out for gemv(..., packed=True) under float32 x: per block of 16 output rows, per
+// group of kPackedRows, the chunks of K in order, each chunk's rows side by side. The kernel then
+// reads the weights in one sequential stream, which the hardware prefetcher follows at full speed
+// (bf16 on AVX2, 2 threads, bench/gemv.py: 1.3-1.7x the row-major layout, whose rows of ~1 KB end
+// before a stream's prefetch ramps up).
+at::Tensor gemv_pack(const at::Tensor& w) {
+  check_cpu("w", {&w});
+  const int64_t N = w.size(0), K = w.size(1), C = Gemv<float, float>::kChunk;
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && N % kBlock == 0 && K % C == 0,
+              "kvscope: gemv_pack wants w [N, K] contiguous, N a multiple of 16, K of ", C);
+  return w.view({N / kBlock, kBlock / kPackedRows, kPackedRows, K / C, C}).permute({0, 1, 3, 2, 4}).contiguous().view({N, K});
+}
+
+// x, out and bias in one dtype; w in it too, or bf16 under float32 x (see gemv_block); packed:
+// w as gemv_pack returns it (float32 x only)
+void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+          bool packed) {
   check_cpu("out, x and w", {&out, &x, &w});
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4 &&
                   x.size(1) == w.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0) &&
-                  w.is_contiguous() && w.size(0) % 16 == 0 && x.scalar_type() == w.scalar_type() &&
-                  out.scalar_type() == w.scalar_type() && (!bias || (bias->is_contiguous() &&
-                  bias->numel() == w.size(0) && bias->scalar_type() == w.scalar_type())),
+                  w.is_contiguous() && w.size(0) % 16 == 0 && (xt == wt || (xt == at::kFloat && wt == at::kBFloat16)) &&
+                  out.scalar_type() == xt && (!bias || (bias->is_contiguous() &&
+                  bias->numel() == w.size(0) && bias->scalar_type() == xt)),
               "kvscope: gemv wants x [M <= 4, K], w [N, K] contiguous with N a multiple of 16, out [M, N], "
-              "one dtype");
-  if (x.scalar_type() == at::kFloat && w.size(1) % Gemv<float>::kChunk == 0)
-    return gemv_impl<float>(out, x, w, bias);
-  if (x.scalar_type() == at::kBFloat16 && w.size(1) % Gemv<c10::BFloat16>::kChunk == 0)
-    return gemv_impl<c10::BFloat16>(out, x, w, bias);
-  TORCH_CHECK(false, "kvscope: gemv has no kernel for ", x.scalar_type(), " with K = ", w.size(1),
-              " (it takes float32 and bfloat16, K a multiple of ", Gemv<c10::BFloat16>::kChunk, ")");
+              "x, out and bias in one dtype, w in it or in bfloat16 under float32");
+  using BF = c10::BFloat16;
+  const int64_t K = w.size(1);
+  TORCH_CHECK(!packed || (xt == at::kFloat && K % Gemv<float>::kChunk == 0),
+              "kvscope: gemv takes packed weights under float32 x, K a multiple of ", Gemv<float>::kChunk);
+  if (packed)
+    return wt == at::kFloat ? gemv_impl<float, float, true>(out, x, w, bias) : gemv_impl<BF, float, true>(out, x, w, bias);
+  if (wt == at::kFloat && K % Gemv<float>::kChunk == 0) return gemv_impl<float, float>(out, x, w, bias);
+  if (wt == at::kBFloat16 && xt == at::kFloat && K % Gemv<BF, float>::kChunk == 0)
+    return gemv_impl<BF, float>(out, x, w, bias);
+  if (wt == at::kBFloat16 && xt == at::kBFloat16 && K % Gemv<BF>::kChunk == 0) return gemv_impl<BF, BF>(out, x, w, bias);
+  TORCH_CHECK(false, "kvscope: gemv has no kernel for ", wt, " weights with K = ", K,
+              " (it takes float32 and bfloat16, K a multiple of ", Gemv<BF>::kChunk, ")");
 }
 
 }  // namespace
@@ -883,7 +916,8 @@ KVSCOPE_LIBRARY(KVSCOPE_NS, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
-  m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
+  m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, bool packed=False) -> ()");
+  m.def("gemv_pack(Tensor w) -> Tensor");
 }
 
 KVSCOPE_LIBRARY_IMPL(KVSCOPE_NS, m) {
@@ -894,4 +928,5 @@ KVSCOPE_LIBRARY_IMPL(KVSCOPE_NS, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gemv", &gemv);
+  m.impl("gemv_pack", &gemv_pack);
 }

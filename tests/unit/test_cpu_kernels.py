@@ -191,17 +191,21 @@ def test_linear_backend_is_checked_and_falls_back(monkeypatch):
     assert linear.choose_backend(odd) == ("torch", False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,gemv_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                              (torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
+                         ids=["fp32", "bf16", "fp32-packed-bf16", "fp32-packed"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_equals_the_torch_linear(isa, dtype, rows, bias):
-    """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it."""
+def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, rows, bias):
+    """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it;
+    on a packed copy of the weights in bf16, = F.linear on those rounded weights in fp32 arithmetic."""
     torch.manual_seed(rows)
     layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
     x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576]  # rows strided, as the engine's views are
+    streamed = lambda w: w.to(gemv_dtype or dtype).double()  # noqa: E731
     with torch.inference_mode():
-        out = linear.Linear(layers, "torch", gemv=True)(x)
-        expected = torch.cat([torch.nn.functional.linear(x.double(), layer.weight.double(),
+        out = linear.Linear(layers, "torch", gemv=True, gemv_dtype=gemv_dtype)(x)
+        expected = torch.cat([torch.nn.functional.linear(x.double(), streamed(layer.weight),
                                                          None if layer.bias is None else layer.bias.double())
                               for layer in layers], dim=1)
     assert out.dtype == dtype and out.shape == (rows, 1024)
@@ -217,6 +221,12 @@ def test_gemv_refuses_what_it_cannot_do(isa):
         cpu_build.ops().gemv(torch.empty(1, 24), torch.randn(1, 64), w[:24], None)
     with pytest.raises(RuntimeError, match="no kernel for Half"):
         cpu_build.ops().gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None)
+    with pytest.raises(RuntimeError, match="bfloat16 under float32"):  # bf16 x with fp32 weights: no
+        cpu_build.ops().gemv(torch.empty(1, 32).bfloat16(), torch.randn(1, 64).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="packed weights under float32 x"):
+        cpu_build.ops().gemv(torch.empty(1, 32).bfloat16(), torch.randn(1, 64).bfloat16(), w.bfloat16(), None, True)
+    with pytest.raises(RuntimeError, match="gemv_pack wants"):
+        cpu_build.ops().gemv_pack(w[:24])
 
 
 @pytest.mark.parametrize("machine,flags,best", [
@@ -268,3 +278,11 @@ def test_the_variants_are_separate_libraries_loaded_side_by_side():
     assert len({cpu_build._libraries[isa] for isa in runs}) == len(runs)
     for isa in runs:
         torch.testing.assert_close(outs[isa], x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_gemv_weights_are_streamed_wherever_the_gemv_takes_them(isa, monkeypatch):
+    """A copy of the weights for the GEMV is that mode's point: no timing decides it, only
+    whether the kernel takes the shapes (N in blocks of 16)."""
+    monkeypatch.setattr(linear, "_choice", {})
+    assert linear.choose_backend([torch.nn.Linear(576, 960)], gemv_dtype=torch.bfloat16)[1] is True
+    assert linear.choose_backend([torch.nn.Linear(64, 40)], gemv_dtype=torch.bfloat16)[1] is False

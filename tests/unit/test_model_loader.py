@@ -1,6 +1,7 @@
 import json
 import os
 import subprocess
+import re
 import sys
 from pathlib import Path
 
@@ -87,13 +88,19 @@ def test_chat_without_template_falls_back_to_plain_text() -> None:
 
 
 def test_default_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 where the CPU has AVX512-BF16 or AMX, fp32 elsewhere; a flag keeps fp32 anywhere."""
-    for has, expected in ((True, torch.bfloat16), (False, torch.float32)):
+    """bf16 where the CPU has AVX512-BF16 or AMX; elsewhere fp32 with bf16 GEMV weights; a dtype
+    named is used throughout, so fp32 stays exact anywhere."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for has, expected in ((True, (bf16, bf16)), (False, (fp32, bf16))):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         assert ml._resolve_dtype(None, torch.device("cpu")) == expected
-        assert ml._resolve_dtype("float32", torch.device("cpu")) == torch.float32
-    assert ml._resolve_dtype(None, torch.device("cuda", 0)) == torch.bfloat16
+        assert ml._resolve_dtype("float32", torch.device("cpu")) == (fp32, fp32)
+    assert ml._resolve_dtype(None, torch.device("cuda", 0)) == (bf16, bf16)
+    assert ml._resolve_dtype("fp32+bf16", torch.device("cpu")) == (fp32, bf16)
+    for bad in ("bfloat16+float32", "float32+float16", "float32+bfloat16+bfloat16"):
+        with pytest.raises(ModelLoadError, match=re.escape(repr(bad))):
+            ml._resolve_dtype(bad, torch.device("cpu"))
 
 
 def test_dtype_and_progress() -> None:
