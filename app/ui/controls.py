@@ -199,7 +199,7 @@ def scenarios(client: EngineClient, view: View) -> None:
     cfg = view.mirror.config
     st.toggle("Start from a clean slate", True, key="scenario_clean",
               help="Before the scenario: clear the prefix cache and start the counters and "
-                       "the timeline afresh (the history before stays reachable by time travel)")
+                   "the timeline afresh (the history before stays reachable by time travel)")
     for sc in SCENARIOS:
         st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch(cfg), width="stretch",
                   disabled=not client.supports("submit"), on_click=_run_scenario, args=(client, sc, cfg))
