@@ -25,8 +25,20 @@ def ready_url(line: str) -> str | None:
     return m.group(1) if m else None
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports nothing listens on now (the OS's picks), for servers started next. All are
+    held until all are picked: one at a time, the OS can hand out a port it just gave (a fleet
+    demo's vLLM got the same port for its plugin and its KV-event replay, and one failed to bind)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now (the OS's pick), for a server started next."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]

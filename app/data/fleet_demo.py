@@ -21,13 +21,13 @@ from pathlib import Path
 
 from app.data.launcher import ServerProcess
 from app.data.source import ROOT, VLLM_PYTHON
-from kvscope_contract.ready import free_port
+from kvscope_contract.ready import free_ports
 
 STREAMLIT_FLAGS = ["--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
 
 
-def start_server(num_blocks: int) -> tuple[ServerProcess, dict]:
-    api, ws, pub, replay = free_port(), free_port(), free_port(), free_port()
+def start_server(num_blocks: int, ports: list[int]) -> tuple[ServerProcess, dict]:
+    api, ws, pub, replay = ports
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
     proc = ServerProcess("integrations.vllm.serve", ["--port", str(api), "--kvscope-port", str(ws), "--num-blocks",
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")  # the same block hashes on every server
     # /reset_prefix_cache, for "Clear every prefix cache" and the routing lesson (the servers bind 127.0.0.1)
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
-    procs, servers = zip(*(start_server(args.num_blocks) for _ in range(args.servers)))
+    ports = free_ports(4 * args.servers)  # all at once: each distinct
+    procs, servers = zip(*(start_server(args.num_blocks, ports[4 * i:4 * i + 4]) for i in range(args.servers)))
     folder = Path(tempfile.mkdtemp(prefix="kvscope-fleet-"))
     path = fleet_file(list(servers), folder)
     print(f"[kvscope] {args.servers} vLLM servers starting (about a minute); fleet file {path}:\n{path.read_text()}",

@@ -16,7 +16,8 @@ from integrations.kv_events.decode import (Cleared, FrameError, Removed, Stored,
                                            decode_frames, vllm_hash_hex)
 from integrations.kv_events.model import KVEventsState
 from integrations.kv_events.subscriber import Endpoint, KVEventsSubscriber
-from tests.waiting import free_port, wait
+from kvscope_contract.ready import free_ports
+from tests.waiting import wait
 
 pack = msgspec.msgpack.encode
 H1, H2, H3 = 0x1111_2222_3333_4444, 0xAAAA_BBBB_CCCC_DDDD, 7
@@ -140,7 +141,7 @@ class Publisher:
     def __init__(self, topic: bytes = b"kv"):
         self.ctx = zmq.Context()
         self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
-        self.port, self.replay_port = free_port(), free_port()
+        self.port, self.replay_port = free_ports(2)
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")
         self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
         self.topic, self.buffer, self.stop = topic, [], threading.Event()

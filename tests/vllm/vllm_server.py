@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.waiting import free_port
+from kvscope_contract.ready import free_ports
 from kvscope_contract.ready import ready_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ class VllmServer:
     def start(self, timeout: float = 600, tries: int = 2) -> VllmServer:
         """Start it; once more on fresh ports if it dies while starting (seen once in a clean
         clone's run: its engine core failed at start, and the same start passed right after;
-        free_port's ports are free when picked, not when vLLM binds them)."""
+        free_ports' ports are free when picked, not when vLLM binds them)."""
         for _ in range(tries - 1):
             try:
                 return self._start(timeout)
@@ -48,7 +48,7 @@ class VllmServer:
 
     def _start(self, timeout: float) -> VllmServer:
         self.ws = ""
-        port, pub, replay = free_port(), free_port(), free_port()
+        port, pub, replay = free_ports(3)
         self.api = f"http://127.0.0.1:{port}"
         self.kv_events = f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
