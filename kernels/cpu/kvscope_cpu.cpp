@@ -797,7 +797,9 @@ void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int
       typename G::X xs[M];
       for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
       for (int j = 0; j < R; ++j) {
-        // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them)
+        // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them).
+        // Packed, one stream: the hardware follows it at one row; at 2-4 rows the next block's
+        // same place is asked for too (0.66-0.96x without it, bench/gemv.py)
         if constexpr (Packed) {
           if constexpr (M > 1) __builtin_prefetch(reinterpret_cast<const char*>(r + k * R + j * G::kChunk + kBlock * K));
         } else if constexpr (R < kBlock) {
