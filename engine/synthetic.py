@@ -118,7 +118,7 @@ class SyntheticEngine(EngineCore):
         longest, budget = self.max_tokens, self.scheduler.max_num_batched_tokens
         self.max_tokens, self.scheduler.max_num_batched_tokens = 1, max(budget, 65536)
         try:
-            while time.monotonic() < deadline and n - len(self.block_manager.free_ids) < fraction * n:
+            while time.monotonic() < deadline and n - self.block_manager.num_free_blocks < fraction * n:
                 self.step()
                 self.drain_events()
         finally:

@@ -27,13 +27,13 @@ class EventCounts:
     swapped_out_blocks: int = 0  # blocks copied to the host pool
     swapped_in_blocks: int = 0   # and back
 
-    def count(self, ev: p.Event, block_size: int, looked_up: int = 0) -> None:
-        """Fold one event in. `looked_up` is `PoolState.prefix_lookup(ev)` on the pool just
-        before `ev` (or the same rule kept another way, as the lab's meter does)."""
+    def count(self, ev: p.Event, looked_up: int = 0, hit: int = 0) -> None:
+        """Fold one event in. `looked_up` and `hit` are `PoolState.prefix_lookup(ev)` and
+        `prefix_hit_tokens(ev)` on the pool just before `ev` (or the same rules kept another
+        way, as the lab's meter does)."""
         self.looked_up_tokens += looked_up
+        self.hit_tokens += hit
         match ev:
-            case p.PrefixHit():
-                self.hit_tokens += block_size
             case p.Preempt():
                 self.preemptions += 1
                 self.recomputes += ev.mode == "recompute"

@@ -25,16 +25,17 @@ class Kind:
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("request_added", "request added", "#334155"),
-    Kind("fork", "shared by a fork", "#a16207", touch=4, block=True),
-    Kind("alloc", "allocated", "#16a34a", touch=2, block=True),
-    Kind("prefix_hit", "prefix hit", "#2563eb", touch=3, block=True),
+    Kind("fork", "shared by a fork", "#a16207", touch=5, block=True),
+    Kind("alloc", "allocated", "#16a34a", touch=3, block=True),
+    Kind("prefix_hit", "prefix hit", "#2563eb", touch=4, block=True),
     Kind("cached", "registered in the prefix cache", "#64748b", block=True),
-    Kind("evict", "evicted", "#dc2626", touch=5, block=True),
-    Kind("cow", "copy-on-write", "#db2777", touch=8, block=True),
+    Kind("evict", "evicted", "#dc2626", touch=6, block=True),
+    Kind("cow", "copy-on-write", "#db2777", touch=9, block=True),
     Kind("free", "freed", "#64748b", touch=1, block=True),
+    Kind("window_free", "left the sliding window", "#0d9488", touch=2, block=True),
     Kind("preempt", "preempted", "#b91c1c", marker=True, block=True),
-    Kind("swap_out", "swapped out", "#7c3aed", touch=6, marker=True, block=True),
-    Kind("swap_in", "swapped in", "#0891b2", touch=7, marker=True, block=True),
+    Kind("swap_out", "swapped out", "#7c3aed", touch=7, marker=True, block=True),
+    Kind("swap_in", "swapped in", "#0891b2", touch=8, marker=True, block=True),
     Kind("append", "tokens appended", "#475569", noisy=True),
     Kind("status", "status changed", "#475569", noisy=True),
     Kind("finish", "finished", "#334155"),
@@ -57,10 +58,10 @@ def kind_of(ev: p.Event) -> str:
 def touched_blocks(ev: p.Event) -> tuple[list[int], list[int]]:
     """(device blocks, host blocks) that `ev` changes or names."""
     match ev:
-        case p.Alloc() | p.PrefixHit() | p.Evict() | p.Free() | p.Cached():
+        case p.Alloc() | p.PrefixHit() | p.Evict() | p.Free() | p.Cached() | p.WindowFree():
             return [ev.block_id], []
         case p.Fork():
-            return list(ev.block_ids), []
+            return [b for t in ev.block_tables or [ev.block_ids] for b in t if b != p.NULL_BLOCK], []
         case p.Cow():
             return [ev.src_block_id, ev.dst_block_id], []
         case p.SwapOut():

@@ -1,4 +1,4 @@
-"""KVScope wire protocol, version 1: every message, event and command as a typed struct.
+"""KVScope wire protocol, version 2: every message, event and command as a typed struct.
 
 The contract is docs/protocol.md. Server messages are tagged by `type`, events by `kind`,
 client commands by `op`. Everything here is plain data (msgspec structs), importable without
@@ -13,12 +13,14 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV-cache groups (hybrid models); a version-1 stream is a one-group stream
 MAX_FRAME_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 64  # new tokens of a request that does not say
 MAX_TEXT_CHARS = 100_000  # of a prompt, or of one chat message
 
 Status = Literal["waiting", "running", "swapped"]
+KVGroupKind = Literal["full_attention", "sliding_window"]
+NULL_BLOCK = -1  # a table entry with no block: a sliding window has passed it, or a prefix hit skipped it
 PreemptionMode = Literal["swap", "recompute"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 PreemptReason = Literal["host_pool_full"]
@@ -34,6 +36,23 @@ NumHostBlocks = Annotated[int, Meta(ge=0, le=MAX_HOST_BLOCKS)]
 MaxNumSeqs = Annotated[int, Meta(ge=1, le=MAX_NUM_SEQS)]
 
 
+class KVGroup(Struct, kw_only=True):
+    """One KV-cache group: layers of one attention kind whose K/V share a block table per
+    sequence (vLLM v1's KVCacheGroupSpec). Every group of a pool has as many layers, so every
+    block, whichever group holds it, has the same size."""
+    kind: KVGroupKind = "full_attention"
+    sliding_window: int | None = None  # sliding_window kind: keys a query attends to, itself included
+    layers: list[int] = []             # the model's layers whose K/V this group's blocks hold
+
+    @property
+    def window(self) -> int | None:
+        """Tokens a query attends to (None: every earlier token)."""
+        return self.sliding_window if self.kind == "sliding_window" else None
+
+
+FULL_ATTENTION = KVGroup()  # the one group of a pool whose config names none
+
+
 class PoolConfig(Struct, kw_only=True):
     """The allocator's configuration, as sent in `hello`, `snapshot` and `reset`."""
     block_size: int = 16
@@ -45,6 +64,14 @@ class PoolConfig(Struct, kw_only=True):
     bytes_per_block: int = 0
     # Addition: device blocks the allocator never hands out, shown as reserved (vLLM's null block 0).
     reserved_blocks: list[int] = []
+    # Addition (protocol 2): the KV-cache groups, a block table per group per sequence; empty
+    # means one full-attention group over every layer, as every protocol-1 pool is.
+    kv_groups: list[KVGroup] = []
+
+    @property
+    def groups(self) -> list[KVGroup]:
+        """The KV-cache groups, never empty."""
+        return self.kv_groups or [FULL_ATTENTION]
 
 
 class EngineInfo(Struct, kw_only=True):
@@ -86,13 +113,15 @@ class Fork(Event, tag="fork"):
     request_id: str
     parent_seq_id: str
     seq_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # the parent's table of group 0
+    block_tables: list[list[int]] = []  # addition (protocol 2): every group's table, with more than one
 
 
 class Alloc(Event, tag="alloc"):
     seq_id: str
     block_id: int
     logical_index: int
+    kv_group: int = 0  # addition (protocol 2): the KV-cache group whose table it is
 
 
 class PrefixHit(Event, tag="prefix_hit"):
@@ -100,6 +129,7 @@ class PrefixHit(Event, tag="prefix_hit"):
     block_id: int
     logical_index: int
     hash: str
+    kv_group: int = 0  # addition (protocol 2): the KV-cache group whose table it is
 
 
 class Cached(Event, tag="cached"):
@@ -107,11 +137,13 @@ class Cached(Event, tag="cached"):
     hash: str
     parent_hash: str | None = None
     seq_id: str | None = None  # addition: the sequence whose tokens the block holds
+    kv_group: int = 0  # addition (protocol 2): the KV-cache group whose prefix cache holds it
 
 
 class Evict(Event, tag="evict"):
     block_id: int
     hash: str
+    kv_group: int = 0  # addition (protocol 2): the KV-cache group whose prefix cache holds it
 
 
 class Cow(Event, tag="cow"):
@@ -119,10 +151,22 @@ class Cow(Event, tag="cow"):
     logical_index: int
     src_block_id: int
     dst_block_id: int
+    kv_group: int = 0  # addition (protocol 2): the KV-cache group whose table it is
 
 
 class Free(Event, tag="free"):
     seq_id: str
+    block_id: int
+    ref_count: int
+    kv_group: int = 0  # addition (protocol 2): the KV-cache group whose table it is
+
+
+class WindowFree(Event, tag="window_free"):
+    """Addition (protocol 2): a sliding-window group's block that fell wholly out of the window
+    leaves the sequence's table (the entry becomes NULL_BLOCK); `ref_count` is the count after."""
+    seq_id: str
+    kv_group: int
+    logical_index: int
     block_id: int
     ref_count: int
 
@@ -196,18 +240,19 @@ class Reset(Event, tag="reset"):
     config: PoolConfig
 
 
-AnyEvent = Union[RequestAdded, Fork, Alloc, PrefixHit, Cached, Evict, Cow, Free, Preempt,
+AnyEvent = Union[RequestAdded, Fork, Alloc, PrefixHit, Cached, Evict, Cow, Free, WindowFree, Preempt,
                  SwapOut, SwapIn, Append, StatusChange, Finish, StepDone, Reset]
 EVENT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)
 
 
 # ------------------------------------------------------------------------- server messages
 
-class DeviceBlock(Struct):
+class DeviceBlock(Struct, omit_defaults=True):
     id: int
     ref_count: int
     hash: str | None
     num_tokens: int
+    kv_group: int = 0  # addition (protocol 2): the group whose table holds it or whose cache keeps it
 
 
 class HostBlock(Struct):
@@ -229,6 +274,10 @@ class SeqInfo(Struct, kw_only=True):
     # Additions to the contract, so a client that joins late can still draw a sequence whole.
     max_tokens: int = DEFAULT_MAX_TOKENS
     text: str = ""
+    # Addition (protocol 2): every group's tables (`block_table` and `host_table` are group 0's),
+    # only when the pool has more than one group.
+    block_tables: list[list[int]] = []
+    host_tables: list[list[int]] = []
 
 
 class Hello(Struct, tag_field="type", tag="hello", kw_only=True):
@@ -259,7 +308,8 @@ class LoopState(Struct, tag_field="type", tag="loop", kw_only=True):
 class SnapshotColumns(Struct, kw_only=True, omit_defaults=True):
     """A snapshot's pools and tables as packed little-endian arrays (base64 on the wire): the
     `columnar` feature. `block_tables` and `host_tables` are every sequence's tables
-    concatenated in `seqs` order, cut by the `*_lengths` (one per sequence)."""
+    concatenated in `seqs` order (group by group within a sequence), cut by the `*_lengths`
+    (one per sequence and group)."""
     ref_count: bytes            # int32 per device block
     num_tokens: bytes           # uint16 per device block (derived, as in `device_blocks`)
     hash_block_ids: bytes       # int32: the device blocks that carry a hash, ascending
@@ -268,9 +318,10 @@ class SnapshotColumns(Struct, kw_only=True, omit_defaults=True):
     host_seq: bytes             # int32 per host block: 1 + index in `seqs` of its holder, 0 = free
     host_num_tokens: bytes      # uint16 per host block
     block_tables: bytes         # int32
-    block_table_lengths: bytes  # int32 per sequence
+    block_table_lengths: bytes  # int32 per sequence and group
     host_tables: bytes          # int32
-    host_table_lengths: bytes   # int32 per sequence
+    host_table_lengths: bytes   # int32 per sequence and group
+    kv_group: bytes | None = None  # uint8 per device block, as `device_blocks[i].kv_group` (one group: absent)
 
 
 class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defaults=True):

@@ -7,10 +7,12 @@ mutates the state it is called on, and `clone()` gives checkpoints for scrubbing
 
 Per-block state lives in numpy arrays, so a pool of a million blocks clones in milliseconds
 and every view reads it vectorised. Besides what the wire carries (ref count, hash, host
-owner) the reducer keeps two derived columns up to date, O(1) per block an event touches:
-the tokens each block holds (the rule of docs/protocol.md) and `holder`, the XOR of the keys
-of the sequences that hold a block, which is the one holder's key when `ref_count == 1`.
-Sequences are copied on write: a clone shares them until either side changes one.
+owner, KV-cache group) the reducer keeps two derived columns up to date, O(1) per block an
+event touches: the tokens each block holds (the rule of docs/protocol.md) and `holder`, the
+XOR of the keys of the sequences that hold a block, which is the one holder's key when
+`ref_count == 1`. A sequence has a block table per KV-cache group (one for a full-attention
+model), NULL_BLOCK where a sliding window has passed. Sequences are copied on write: a clone
+shares them until either side changes one.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
 STATE_NAMES = ("free", "cached", "used", "shared", "reserved")  # by code
 TOKENS = np.uint16  # tokens per block (block_size <= 256)
 MASK64 = (1 << 64) - 1  # a block hash goes on the wire as its low 64 bits, 16 hex digits
+NULL = p.NULL_BLOCK
 
 
 def hash_hex(h: int) -> str:
@@ -44,8 +47,8 @@ class SeqState:
     seq_id: str
     request_id: str
     status: p.Status = "waiting"
-    block_table: list[int] = field(default_factory=list)
-    host_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV-cache group
+    host_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_tokens: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -54,9 +57,24 @@ class SeqState:
     key: int = 0  # this state's small integer name for the sequence (1, 2, ... in creation order)
     added: float | None = None  # engine time of its request_added or fork (None: before a snapshot)
 
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's device table (a full-attention model's only one)."""
+        return self.block_tables[0]
+
+    @property
+    def host_table(self) -> list[int]:
+        """Group 0's host table."""
+        return self.host_tables[0]
+
+    def holds_blocks(self) -> bool:
+        """Whether any of its device tables names a block."""
+        return any(b != NULL for t in self.block_tables for b in t)
+
     def clone(self) -> SeqState:
         c = copy.copy(self)
-        c.block_table, c.host_table = self.block_table[:], self.host_table[:]
+        c.block_tables = [t[:] for t in self.block_tables]
+        c.host_tables = [t[:] for t in self.host_tables]
         return c
 
 
@@ -125,14 +143,23 @@ def hash_columns(hashes) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
 
 def table_entries(tables: list[list[int]], num_tokens: list[int], block_size: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every entry of many block tables at once: (block id, holder index from 1, tokens held),
-    `held_tokens` vectorised."""
+    """Every entry of many block tables at once, NULL entries left out: (block id, holder index
+    from 1, tokens held), `held_tokens` vectorised."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
     flat = np.fromiter((b for t in tables for b in t), np.int64, int(lens.sum()))
     holder = np.repeat(np.arange(1, len(tables) + 1), lens)
     index = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
     held = np.clip(np.repeat(np.asarray(num_tokens, np.int64), lens) - index * block_size, 0, block_size)
-    return flat, holder, held
+    if (real := flat != NULL).all():
+        return flat, holder, held
+    return flat[real], holder[real], held[real]
+
+
+def group_tables(seqs: list[SeqState], tables: str, num_groups: int) -> tuple[list[list[int]], list[int]]:
+    """Every sequence's `tables` ("block_tables" or "host_tables") of every group, group by
+    group, and the index in `seqs` of each one's sequence: `table_entries`' input for all groups."""
+    out = [getattr(s, tables)[g] for g in range(num_groups) for s in seqs]
+    return out, [i for _ in range(num_groups) for i in range(len(seqs))]
 
 
 @dataclass
@@ -148,6 +175,8 @@ class PoolState:
     host_ref_counts: np.ndarray = None  # int32 per host block: the swapped sequences holding it
     host_holder: np.ndarray = None  # int32 per host block: XOR of its holders' keys, 0 when free
     host_tokens: np.ndarray = None  # TOKENS per host block (the most among its holders)
+    kv_group: np.ndarray = None     # uint8 per device block: the group whose table holds it, or
+    #                                 whose prefix cache keeps it (0 when free; all 0 with one group)
     seqs: dict[str, SeqState] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # key -> seq_id of every live sequence
     next_key: int = 1
@@ -160,31 +189,42 @@ class PoolState:
         return cls(config=config, last_event=last_event, ref_counts=np.zeros(n, np.int32),
                    has_hash=np.zeros(n, bool), hash64=np.zeros(n, "<u8"), tokens=np.zeros(n, TOKENS),
                    holder=np.zeros(n, np.int32), host_ref_counts=np.zeros(m, np.int32),
-                   host_holder=np.zeros(m, np.int32), host_tokens=np.zeros(m, TOKENS))
+                   host_holder=np.zeros(m, np.int32), host_tokens=np.zeros(m, TOKENS),
+                   kv_group=np.zeros(n, np.uint8))
 
     @classmethod
-    def build(cls, config: p.PoolConfig, last_event: int, ref_counts, hashes, seqs: list[SeqState]
-              ) -> PoolState:
-        """A state from the wire's columns (ref counts; hashes: `hash_columns` of them) and
-        every live sequence in creation order; host owners and the derived columns follow
-        from the tables."""
+    def build(cls, config: p.PoolConfig, last_event: int, ref_counts, hashes, seqs: list[SeqState],
+              kv_groups=None) -> PoolState:
+        """A state from the wire's columns (ref counts; hashes: `hash_columns` of them; the
+        group of each block, where it matters: None with one group) and every live sequence in
+        creation order; host owners and the derived columns follow from the tables."""
         st = cls.empty(config, last_event)
         st.ref_counts[:] = ref_counts
         st.has_hash[:], st.hash64[:], odd = hashes
         st.odd_hashes = dict(odd)
+        if kv_groups is not None:
+            st.kv_group[:] = kv_groups
         for s in seqs:
             st._add_seq(s)
-        bs, nums = config.block_size, [s.num_tokens for s in seqs]
+        bs, num_groups = config.block_size, len(config.groups)
         keys = np.fromiter((s.key for s in seqs), np.int32, len(seqs))
-        flat, who, held = table_entries([s.block_table for s in seqs], nums, bs)
+        tables, owner = group_tables(seqs, "block_tables", num_groups)
+        nums = [seqs[i].num_tokens for i in owner]
+        flat, who, held = table_entries(tables, nums, bs)
+        who = np.asarray(owner, np.int64)[who - 1] if len(who) else who  # table index -> sequence index
         tokens = np.where(st.has_hash, bs, 0)
         np.maximum.at(tokens, flat, held)
         st.tokens[:] = tokens
-        np.bitwise_xor.at(st.holder, flat, keys[who - 1])
-        hflat, hwho, hheld = table_entries([s.host_table for s in seqs], nums, bs)
+        np.bitwise_xor.at(st.holder, flat, keys[who])
+        if num_groups > 1:
+            lens = [sum(t != NULL for t in table) for table in tables]
+            st.kv_group[flat] = np.repeat(np.arange(len(tables)) // max(len(seqs), 1), lens)
+        htables, howner = group_tables(seqs, "host_tables", num_groups)
+        hflat, hwho, hheld = table_entries(htables, [seqs[i].num_tokens for i in howner], bs)
+        hwho = np.asarray(howner, np.int64)[hwho - 1] if len(hwho) else hwho
         np.add.at(st.host_ref_counts, hflat, 1)
         np.maximum.at(st.host_tokens, hflat, hheld.astype(TOKENS))
-        np.bitwise_xor.at(st.host_holder, hflat, keys[hwho - 1])
+        np.bitwise_xor.at(st.host_holder, hflat, keys[hwho])
         return st
 
     @classmethod
@@ -192,13 +232,13 @@ class PoolState:
         if snap.columns is not None:
             return _from_columns(snap)
         n = snap.config.num_device_blocks
-        ref, hashes = np.zeros(n, np.int32), [None] * n
+        ref, hashes, groups = np.zeros(n, np.int32), [None] * n, np.zeros(n, np.uint8)
         for b in snap.device_blocks:
-            ref[b.id], hashes[b.id] = b.ref_count, b.hash
-        seqs = [SeqState(s.seq_id, s.request_id, s.status, list(s.block_table), list(s.host_table),
-                         s.num_tokens, s.prompt_tokens, s.output_tokens, s.max_tokens, s.text)
-                for s in snap.seqs]
-        return cls.build(snap.config, snap.seq, ref, hash_columns(hashes), seqs)
+            ref[b.id], hashes[b.id], groups[b.id] = b.ref_count, b.hash, b.kv_group
+        seqs = [SeqState(s.seq_id, s.request_id, s.status, _tables(s.block_tables, s.block_table),
+                         _tables(s.host_tables, s.host_table), s.num_tokens, s.prompt_tokens,
+                         s.output_tokens, s.max_tokens, s.text) for s in snap.seqs]
+        return cls.build(snap.config, snap.seq, ref, hash_columns(hashes), seqs, groups)
 
     def clone(self) -> PoolState:
         """A deep copy in O(blocks) memcpy: sequences are shared until one side changes one."""
@@ -212,7 +252,7 @@ class PoolState:
     def nbytes(self) -> int:
         """About what a copy of this state holds on its own once the original has moved on: its
         arrays, and its sequences (their tables' entries at 8 bytes, and the objects)."""
-        entries = sum(len(s.block_table) + len(s.host_table) for s in self.seqs.values())
+        entries = sum(map(len, (t for s in self.seqs.values() for t in (*s.block_tables, *s.host_tables))))
         return sum(getattr(self, a).nbytes for a in _ARRAYS) + 8 * entries + 600 * len(self.seqs)
 
     # ------------------------------------------------------------------ derived views
@@ -265,22 +305,33 @@ class PoolState:
 
     def prefix_lookup(self, ev: p.AnyEvent) -> int:
         """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the
-        first `prefix_hit` or `alloc` of a waiting sequence: every token it holds so far, a
-        re-admission after a recompute preemption included); 0 for any other event, and with
-        prefix caching off. Call it before applying `ev`. Counted here, hits (one block per
-        `prefix_hit`) never outnumber the tokens looked up, at any event."""
-        if not (isinstance(ev, (p.PrefixHit, p.Alloc)) and ev.logical_index == 0
-                and self.config.enable_prefix_caching):
+        first `prefix_hit` or `alloc` of a waiting sequence that holds no block: every token it
+        holds so far, a re-admission after a recompute preemption included); 0 for any other
+        event, and with prefix caching off. Call it before applying `ev`. Counted here, hits
+        (`prefix_hit_tokens`) never outnumber the tokens looked up, at any event."""
+        if not (isinstance(ev, (p.PrefixHit, p.Alloc)) and self.config.enable_prefix_caching):
             return 0
         s = self.seqs.get(ev.seq_id)
-        return s.prompt_tokens + s.output_tokens if s is not None and s.status == "waiting" else 0
+        if s is None or s.status != "waiting" or any(s.block_tables):
+            return 0
+        return s.prompt_tokens + s.output_tokens
+
+    def prefix_hit_tokens(self, ev: p.AnyEvent) -> int:
+        """Tokens of the admission's prefix hit that a `prefix_hit` adds (0 for any other event):
+        the hit reaches the end of the furthest block any group found, so each group's hits
+        count once, not once per group. Call it before applying `ev`."""
+        if not isinstance(ev, p.PrefixHit):
+            return 0
+        s = self.seqs.get(ev.seq_id)
+        reach = max(map(len, s.block_tables)) if s is not None else 0
+        return max(0, ev.logical_index + 1 - reach) * self.config.block_size
 
     def snapshot(self) -> p.Snapshot:
-        """The wire's snapshot, one object per block (protocol v1)."""
+        """The wire's snapshot, one object per block."""
         return p.Snapshot(
             seq=self.last_event, config=self.config,
-            device_blocks=[p.DeviceBlock(i, r, h, n) for i, (r, h, n) in enumerate(zip(
-                self.ref_counts.tolist(), self._hash_list(), self.tokens.tolist()))],
+            device_blocks=[p.DeviceBlock(i, r, h, n, g) for i, (r, h, n, g) in enumerate(zip(
+                self.ref_counts.tolist(), self._hash_list(), self.tokens.tolist(), self.kv_group.tolist()))],
             host_blocks=[p.HostBlock(i, o, n, r) for i, (o, n, r) in enumerate(zip(
                 self.host_first_holders(), self.host_tokens.tolist(), self.host_ref_counts.tolist()))],
             seqs=self.seq_infos(with_tables=True))
@@ -289,8 +340,10 @@ class PoolState:
         """Per host block, the first sequence (in creation order) that holds it; None when free."""
         out: list[str | None] = [None] * len(self.host_ref_counts)
         for s in self.seqs.values():
-            for h in s.host_table:
-                out[h] = out[h] or s.seq_id
+            for table in s.host_tables:
+                for h in table:
+                    if h != NULL:
+                        out[h] = out[h] or s.seq_id
         return out
 
     def _hash_list(self) -> list[str | None]:
@@ -301,11 +354,14 @@ class PoolState:
         return out
 
     def seq_infos(self, with_tables: bool) -> list[p.SeqInfo]:
+        every = with_tables and len(self.config.groups) > 1
         return [p.SeqInfo(seq_id=s.seq_id, request_id=s.request_id, status=s.status,
                           block_table=list(s.block_table) if with_tables else [],
                           host_table=list(s.host_table) if with_tables else [],
                           num_tokens=s.num_tokens, prompt_tokens=s.prompt_tokens,
-                          output_tokens=s.output_tokens, max_tokens=s.max_tokens, text=s.text)
+                          output_tokens=s.output_tokens, max_tokens=s.max_tokens, text=s.text,
+                          block_tables=[list(t) for t in s.block_tables] if every else [],
+                          host_tables=[list(t) for t in s.host_tables] if every else [])
                 for s in self.seqs.values()]
 
     def columnar_snapshot(self) -> p.Snapshot:
@@ -357,7 +413,7 @@ class PoolState:
         if not 0 <= h < len(self.host_ref_counts):
             raise InvariantError(f"host block {h} is outside the host pool of {len(self.host_ref_counts)}")
 
-    def _take_free(self, b: int, s: SeqState, index: int) -> None:
+    def _take_free(self, b: int, s: SeqState, index: int, group: int) -> None:
         self._check_block(b)
         if b in self.config.reserved_blocks:
             raise InvariantError(f"block {b} is reserved: the allocator never hands it out")
@@ -367,6 +423,7 @@ class PoolState:
         self.ref_counts[b] = 1
         self.holder[b] = s.key
         self.tokens[b] = held_tokens(s.num_tokens, index, self.config.block_size)
+        self.kv_group[b] = group
 
     def _join(self, b: int, s: SeqState) -> None:
         """`s` becomes one more holder of block b (its tokens: the holders agree on them)."""
@@ -390,48 +447,67 @@ class PoolState:
         elif ref <= 1:
             self.tokens[b] = ref and held_tokens(self.seqs[self.names[self.holder[b]]].num_tokens, index, bs)
         elif gone == self.tokens[b] and gone < bs:
+            g = self.kv_group[b]
             self.tokens[b] = max((held_tokens(t.num_tokens, index, bs) for t in self.seqs.values()
-                                  if index < len(t.block_table) and t.block_table[index] == b), default=0)
+                                  if index < len(t.block_tables[g]) and t.block_tables[g][index] == b), default=0)
 
-    def _set_table(self, s: SeqState, index: int, b: int) -> None:
-        if index == len(s.block_table):
-            s.block_table.append(b)
-        elif index < len(s.block_table):
-            s.block_table[index] = b
+    def _table(self, s: SeqState, group: int) -> list[int]:
+        if not 0 <= group < len(s.block_tables):
+            raise InvariantError(f"KV-cache group {group} is not one of the pool's {len(s.block_tables)}")
+        return s.block_tables[group]
+
+    def _set_table(self, s: SeqState, group: int, index: int, b: int) -> None:
+        """table[index] = b in `s`'s table of `group`; a sliding-window group's table may skip
+        entries a window or a prefix hit passed over (they become NULL_BLOCK)."""
+        table = self._table(s, group)
+        if index > len(table) and self.config.groups[group].kind == "sliding_window":
+            table += [NULL] * (index - len(table))
+        if index == len(table):
+            table.append(b)
+        elif index < len(table):
+            table[index] = b
         else:
             raise InvariantError(f"logical index {index} skips past the end of {s.seq_id}'s "
-                                 f"table of {len(s.block_table)}")
+                                 f"table of {len(table)}")
+
+    def _new_tables(self) -> list[list[int]]:
+        return [[] for _ in self.config.groups]
 
     def _request_added(self, ev: p.RequestAdded) -> None:
-        self._add_seq(SeqState(ev.seq_id, ev.request_id, prompt_tokens=ev.prompt_tokens,
+        self._add_seq(SeqState(ev.seq_id, ev.request_id, block_tables=self._new_tables(),
+                               host_tables=self._new_tables(), prompt_tokens=ev.prompt_tokens,
                                max_tokens=ev.max_tokens, added=ev.t))
 
     def _fork(self, ev: p.Fork) -> None:
         parent = self._live(ev.parent_seq_id)
-        if ev.block_ids != parent.block_table:
-            raise InvariantError(f"block_ids {ev.block_ids} are not {parent.seq_id}'s table "
-                                 f"{parent.block_table}")
-        child = SeqState(ev.seq_id, ev.request_id, parent.status, list(parent.block_table), [],
-                         parent.num_tokens, parent.prompt_tokens, parent.output_tokens,
-                         parent.max_tokens, parent.text, added=ev.t)
+        tables = ev.block_tables or [ev.block_ids]
+        if tables != parent.block_tables or ev.block_ids != parent.block_table:
+            raise InvariantError(f"block_ids {ev.block_ids} (block_tables {ev.block_tables}) are not "
+                                 f"{parent.seq_id}'s tables {parent.block_tables}")
+        child = SeqState(ev.seq_id, ev.request_id, parent.status, [list(t) for t in tables],
+                         self._new_tables(), parent.num_tokens, parent.prompt_tokens,
+                         parent.output_tokens, parent.max_tokens, parent.text, added=ev.t)
         self._add_seq(child)
-        ids = np.asarray(ev.block_ids, np.int64)
+        ids = np.fromiter((b for t in tables for b in t if b != NULL), np.int64)
         self.ref_counts[ids] += 1
         self.holder[ids] ^= child.key
 
     def _alloc(self, ev: p.Alloc) -> None:
         s = self._seq(ev.seq_id)
-        if ev.logical_index > len(s.block_table):
-            self._set_table(s, ev.logical_index, ev.block_id)  # raises: skips past the end
-        self._take_free(ev.block_id, s, ev.logical_index)
-        self._set_table(s, ev.logical_index, ev.block_id)
+        if ev.logical_index > len(self._table(s, ev.kv_group)):
+            self._set_table(s, ev.kv_group, ev.logical_index, NULL)  # raises unless a window skips there
+        self._take_free(ev.block_id, s, ev.logical_index, ev.kv_group)
+        self._set_table(s, ev.kv_group, ev.logical_index, ev.block_id)
 
     def _prefix_hit(self, ev: p.PrefixHit) -> None:
         s = self._seq(ev.seq_id)
         self._check_block(ev.block_id)
         if (have := self.hash_of(ev.block_id)) != ev.hash:
             raise InvariantError(f"block {ev.block_id} carries hash {have}, not {ev.hash}")
-        self._set_table(s, ev.logical_index, ev.block_id)
+        if self.kv_group[ev.block_id] != ev.kv_group:
+            raise InvariantError(f"block {ev.block_id} is cached for KV-cache group "
+                                 f"{self.kv_group[ev.block_id]}, not {ev.kv_group}")
+        self._set_table(s, ev.kv_group, ev.logical_index, ev.block_id)
         self._join(ev.block_id, s)
 
     def _cached(self, ev: p.Cached) -> None:
@@ -439,6 +515,9 @@ class PoolState:
         self._check_block(b)
         if not self.ref_counts[b]:
             raise InvariantError(f"block {b} is cached while no sequence holds it")
+        if self.kv_group[b] != ev.kv_group:
+            raise InvariantError(f"block {b} is held in KV-cache group {self.kv_group[b]}, "
+                                 f"cached for {ev.kv_group}")
         self.hash64[b], canonical = hash_value(ev.hash)
         self.has_hash[b], self.tokens[b] = True, self.config.block_size
         if not canonical:
@@ -452,24 +531,24 @@ class PoolState:
         if self.ref_counts[b] or self.hash_of(b) != ev.hash:
             raise InvariantError(f"block {b} is not a cached block with hash {ev.hash} "
                                  f"(ref_count {self.ref_counts[b]}, hash {self.hash_of(b)})")
-        self.hash64[b], self.has_hash[b], self.tokens[b] = 0, False, 0
+        self.hash64[b], self.has_hash[b], self.tokens[b], self.kv_group[b] = 0, False, 0, 0
         if self.odd_hashes:
             self.odd_hashes.pop(b, None)
 
     def _cow(self, ev: p.Cow) -> None:
         s = self._seq(ev.seq_id)
-        i, src = ev.logical_index, ev.src_block_id
-        if i >= len(s.block_table) or s.block_table[i] != src:
+        i, src, table = ev.logical_index, ev.src_block_id, self._table(s, ev.kv_group)
+        if i >= len(table) or table[i] != src:
             raise InvariantError(f"{s.seq_id} does not hold block {src} at index {i}")
         if self.ref_counts[src] < 2:
             raise InvariantError(f"copy-on-write of block {src}, which is not shared")
-        self._take_free(ev.dst_block_id, s, i)
-        s.block_table[i] = ev.dst_block_id
+        self._take_free(ev.dst_block_id, s, i, ev.kv_group)
+        table[i] = ev.dst_block_id
         self._leave(src, s, i)
 
     def _free(self, ev: p.Free) -> None:
         s = self._seq(ev.seq_id)
-        b, table = ev.block_id, s.block_table
+        b, table = ev.block_id, self._table(s, ev.kv_group)
         if table and table[-1] == b:
             index = len(table) - 1
             table.pop()
@@ -478,7 +557,22 @@ class PoolState:
             del table[index]
         else:
             raise InvariantError(f"{s.seq_id} does not hold block {b}")
+        while table and table[-1] == NULL:  # entries a window passed hold nothing: gone with the rest
+            table.pop()
         self._leave(b, s, index)
+        if self.ref_counts[b] != ev.ref_count:
+            raise InvariantError(f"block {b} has ref_count {self.ref_counts[b]} after the free, "
+                                 f"the event says {ev.ref_count}")
+
+    def _window_free(self, ev: p.WindowFree) -> None:
+        s = self._seq(ev.seq_id)
+        i, b, table = ev.logical_index, ev.block_id, self._table(s, ev.kv_group)
+        if self.config.groups[ev.kv_group].kind != "sliding_window":
+            raise InvariantError(f"KV-cache group {ev.kv_group} has no sliding window")
+        if i >= len(table) or table[i] != b:
+            raise InvariantError(f"{s.seq_id} does not hold block {b} at index {i}")
+        table[i] = NULL
+        self._leave(b, s, i)
         if self.ref_counts[b] != ev.ref_count:
             raise InvariantError(f"block {b} has ref_count {self.ref_counts[b]} after the free, "
                                  f"the event says {ev.ref_count}")
@@ -490,62 +584,72 @@ class PoolState:
             return
         before, bs = s.num_tokens, self.config.block_size
         s.status, s.num_tokens = "waiting", 0
-        for i, b in enumerate(s.block_table):  # its blocks no longer show its tokens
-            self._settle(b, held_tokens(before, i, bs), i)
+        for table in s.block_tables:  # its blocks no longer show its tokens
+            for i, b in enumerate(table):
+                if b != NULL:
+                    self._settle(b, held_tokens(before, i, bs), i)
 
-    def _group(self, ids: list[str], table: str, pairs: list[tuple[int, int]]) -> list[SeqState]:
+    def _group(self, ids: list[str], tables: str, pairs: list[tuple[int, int]]) -> list[SeqState]:
         """The sequences a swap moves, after checking that `pairs` (copied and shared) name each
-        block of their `table`s once, and no target twice."""
+        block of their `tables` once, and no target twice."""
         if len(set(ids)) != len(ids):
             raise InvariantError(f"seq_ids {ids} name a sequence twice")
         group = [self._seq(i) for i in ids]
-        firsts = list(dict.fromkeys(b for s in group for b in getattr(s, table)))
+        firsts = list(dict.fromkeys(b for s in group for t in getattr(s, tables) for b in t if b != NULL))
         if sorted(a for a, _ in pairs) != sorted(firsts):
             raise InvariantError(f"mapping and shared {pairs}: does not cover {', '.join(ids)}'s "
-                                 f"{table.replace('_', ' ')}s {firsts}, each block once")
+                                 f"{tables.replace('_', ' ')} {firsts}, each block once")
         targets = [t for _, t in pairs]
         if len(set(targets)) != len(targets):
             raise InvariantError(f"mapping and shared {pairs} name a target block twice")
         return group
 
     def _swap_out(self, ev: p.SwapOut) -> None:
-        group = self._group(ev.group, "block_table", ev.mapping + ev.shared)
+        group = self._group(ev.group, "block_tables", ev.mapping + ev.shared)
         for pairs, held in ((ev.mapping, False), (ev.shared, True)):
             for _, h in pairs:
                 self._check_host(h)
                 if bool(self.host_ref_counts[h]) != held:
                     raise InvariantError(f"host block {h} is {'not ' if held else 'already '}held")
         to_host, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        to_host[NULL] = NULL
         for s in group:
-            table, s.block_table = s.block_table, []  # out of the tables before `_leave` looks at them
-            for i, d in enumerate(table):
-                h = to_host[d]
-                self.host_ref_counts[h] += 1
-                self.host_holder[h] ^= s.key
-                self.host_tokens[h] = max(self.host_tokens[h], held_tokens(s.num_tokens, i, bs))
-                self._leave(d, s, i)
-            s.host_table = [to_host[d] for d in table]
+            tables, s.block_tables = s.block_tables, self._new_tables()  # out before `_leave` looks
+            for table in tables:
+                for i, d in enumerate(table):
+                    if d == NULL:
+                        continue
+                    h = to_host[d]
+                    self.host_ref_counts[h] += 1
+                    self.host_holder[h] ^= s.key
+                    self.host_tokens[h] = max(self.host_tokens[h], held_tokens(s.num_tokens, i, bs))
+                    self._leave(d, s, i)
+            s.host_tables = [[to_host[d] for d in t] for t in tables]
 
     def _swap_in(self, ev: p.SwapIn) -> None:
-        group = self._group(ev.group, "host_table", ev.mapping + ev.shared)
+        group = self._group(ev.group, "host_tables", ev.mapping + ev.shared)
         for _, d in ev.shared:
             self._check_block(d)
             if not self.ref_counts[d]:
                 raise InvariantError(f"block {d} is shared by a swap in, but no sequence holds it")
         to_device, bs = dict(ev.mapping + ev.shared), self.config.block_size
+        to_device[NULL] = NULL
         taken = {d for _, d in ev.shared}
         for s in group:
-            table, s.host_table = s.host_table, []
-            for i, h in enumerate(table):
-                d = to_device[h]
-                if d in taken:  # a block the group shares, or one a sibling still holds, is joined
-                    self._join(d, s)
-                    self.tokens[d] = max(self.tokens[d], held_tokens(s.num_tokens, i, bs))
-                else:
-                    self._take_free(d, s, i)
-                    taken.add(d)
-                self._host_leave(h, s)
-            s.block_table = [to_device[h] for h in table]
+            tables, s.host_tables = s.host_tables, self._new_tables()
+            for g, table in enumerate(tables):
+                for i, h in enumerate(table):
+                    if h == NULL:
+                        continue
+                    d = to_device[h]
+                    if d in taken:  # a block the group shares, or one a sibling still holds, is joined
+                        self._join(d, s)
+                        self.tokens[d] = max(self.tokens[d], held_tokens(s.num_tokens, i, bs))
+                    else:
+                        self._take_free(d, s, i, g)
+                        taken.add(d)
+                    self._host_leave(h, s)
+            s.block_tables = [[to_device[h] for h in t] for t in tables]
             s.status = "running"
 
     def _host_leave(self, h: int, s: SeqState) -> None:
@@ -557,40 +661,45 @@ class PoolState:
             return
         bs = self.config.block_size
         self.host_tokens[h] = max(held_tokens(t.num_tokens, i, bs) for t in self.seqs.values()
-                                  for i, x in enumerate(t.host_table) if x == h)
+                                  for table in t.host_tables for i, x in enumerate(table) if x == h)
 
     def _append(self, ev: p.Append) -> None:
         s = self._seq(ev.seq_id)
-        bs, table = self.config.block_size, s.block_table
-        if ev.num_tokens > len(table) * bs:
+        bs = self.config.block_size
+        if ev.num_tokens > len(s.block_table) * bs:
             raise InvariantError(f"{s.seq_id} holds {ev.num_tokens} tokens in "
-                                 f"{len(table)} blocks of {bs}")
+                                 f"{len(s.block_table)} blocks of {bs}")
         before = s.num_tokens
         s.num_tokens = ev.num_tokens
         s.output_tokens += len(ev.token_ids)
         s.text += ev.text
         lo, hi = sorted((before, ev.num_tokens))
-        for i in range(lo // bs, min(len(table), -(-hi // bs))):  # the blocks whose count moved
-            b, held = table[i], held_tokens(ev.num_tokens, i, bs)
-            if self.has_hash[b]:
-                self.tokens[b] = bs
-            elif self.ref_counts[b] == 1:
-                self.tokens[b] = held
-            elif ev.num_tokens > before:
-                self.tokens[b] = max(held, self.tokens[b])
-            else:
-                self._settle(b, held_tokens(before, i, bs), i)
+        for table in s.block_tables:
+            for i in range(lo // bs, min(len(table), -(-hi // bs))):  # the blocks whose count moved
+                b, held = table[i], held_tokens(ev.num_tokens, i, bs)
+                if b == NULL:
+                    continue
+                if self.has_hash[b]:
+                    self.tokens[b] = bs
+                elif self.ref_counts[b] == 1:
+                    self.tokens[b] = held
+                elif ev.num_tokens > before:
+                    self.tokens[b] = max(held, self.tokens[b])
+                else:
+                    self._settle(b, held_tokens(before, i, bs), i)
 
     def _status(self, ev: p.StatusChange) -> None:
         self._seq(ev.seq_id).status = ev.status
 
     def _finish(self, ev: p.Finish) -> None:
         s = self._seq(ev.seq_id)
-        if s.block_table:
-            raise InvariantError(f"{s.seq_id} finishes still holding blocks {s.block_table}")
-        table, s.host_table = s.host_table, []
-        for h in table:  # a swapped sequence's host copies go with it, unless others share them
-            self._host_leave(h, s)
+        if s.holds_blocks():
+            raise InvariantError(f"{s.seq_id} finishes still holding blocks {s.block_tables}")
+        tables, s.host_tables = s.host_tables, self._new_tables()
+        for table in tables:  # a swapped sequence's host copies go with it, unless others share them
+            for h in table:
+                if h != NULL:
+                    self._host_leave(h, s)
         del self.seqs[ev.seq_id], self.names[s.key]
         self._mine.discard(ev.seq_id)
 
@@ -607,36 +716,45 @@ class PoolState:
 I32, U16 = np.dtype("<i4"), np.dtype("<u2")
 
 
-def _tables(tables: list[list[int]]) -> tuple[bytes, bytes]:
+def _tables(every: list[list[int]], first: list[int]) -> list[list[int]]:
+    """A wire sequence's tables: every group's when given, else its one table."""
+    return [list(t) for t in every] if every else [list(first)]
+
+
+def _pack(tables: list[list[int]]) -> tuple[bytes, bytes]:
     lens = np.fromiter(map(len, tables), I32, len(tables))
     return np.fromiter((b for t in tables for b in t), I32, int(lens.sum())).tobytes(), lens.tobytes()
 
 
-def _untables(flat: bytes, lens: bytes) -> list[list[int]]:
+def _unpack(flat: bytes, lens: bytes, num_groups: int) -> list[list[list[int]]]:
+    """Per sequence, its tables of every group (the columns hold them sequence by sequence)."""
     cuts = np.cumsum(np.frombuffer(lens, I32))[:-1]
-    return [t.tolist() for t in np.split(np.frombuffer(flat, I32), cuts)] if lens else []
+    tables = [t.tolist() for t in np.split(np.frombuffer(flat, I32), cuts)] if lens else []
+    return [tables[i:i + num_groups] for i in range(0, len(tables), num_groups)]
 
 
 def _pack_columns(st: PoolState) -> p.SnapshotColumns:
     seqs = list(st.seqs.values())
     host_seq = np.zeros(len(st.host_ref_counts), I32)
     for i, s in reversed(list(enumerate(seqs, 1))):  # the first holder wins, as in `host_blocks`
-        if s.host_table:
-            host_seq[s.host_table] = i
+        for table in s.host_tables:
+            if held := [h for h in table if h != NULL]:
+                host_seq[held] = i
     hashed = np.flatnonzero(st.has_hash)
-    tables, lengths = _tables([s.block_table for s in seqs])
-    host_tables, host_lengths = _tables([s.host_table for s in seqs])
+    tables, lengths = _pack([t for s in seqs for t in s.block_tables])
+    host_tables, host_lengths = _pack([t for s in seqs for t in s.host_tables])
     return p.SnapshotColumns(
         ref_count=st.ref_counts.astype(I32).tobytes(), num_tokens=st.tokens.astype(U16).tobytes(),
         hash_block_ids=hashed.astype(I32).tobytes(), hashes=st.hash64[hashed].astype("<u8").tobytes(),
         odd_hashes=sorted(st.odd_hashes.items()),
         host_seq=host_seq.tobytes(), host_num_tokens=st.host_tokens.astype(U16).tobytes(),
         block_tables=tables, block_table_lengths=lengths, host_tables=host_tables,
-        host_table_lengths=host_lengths)
+        host_table_lengths=host_lengths,
+        kv_group=st.kv_group.tobytes() if len(st.config.groups) > 1 else None)
 
 
 def _from_columns(snap: p.Snapshot) -> PoolState:
-    c, n = snap.columns, snap.config.num_device_blocks
+    c, n, num_groups = snap.columns, snap.config.num_device_blocks, len(snap.config.groups)
     ref = np.frombuffer(c.ref_count, I32)
     if len(ref) != n:
         raise ValueError(f"columnar snapshot: {len(ref)} ref counts for {n} device blocks")
@@ -647,24 +765,26 @@ def _from_columns(snap: p.Snapshot) -> PoolState:
     for b, h in odd.items():
         values[b] = hash_value(h)[0]
     hashes = (has, values, odd)
-    tables = _untables(c.block_tables, c.block_table_lengths)
-    host_tables = _untables(c.host_tables, c.host_table_lengths)
-    seqs = [SeqState(s.seq_id, s.request_id, s.status, tables[i] if tables else [],
-                     host_tables[i] if host_tables else [], s.num_tokens, s.prompt_tokens,
-                     s.output_tokens, s.max_tokens, s.text) for i, s in enumerate(snap.seqs)]
-    return PoolState.build(snap.config, snap.seq, ref, hashes, seqs)
+    tables = _unpack(c.block_tables, c.block_table_lengths, num_groups)
+    host_tables = _unpack(c.host_tables, c.host_table_lengths, num_groups)
+    empty = [[] for _ in range(num_groups)]
+    seqs = [SeqState(s.seq_id, s.request_id, s.status, tables[i] if tables else empty,
+                     host_tables[i] if host_tables else [list(t) for t in empty], s.num_tokens,
+                     s.prompt_tokens, s.output_tokens, s.max_tokens, s.text) for i, s in enumerate(snap.seqs)]
+    groups = np.frombuffer(c.kv_group, np.uint8) if c.kv_group else None
+    return PoolState.build(snap.config, snap.seq, ref, hashes, seqs, groups)
 
 
 _ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_ref_counts",
-           "host_holder", "host_tokens")
+           "host_holder", "host_tokens", "kv_group")
 
 _HANDLERS = {
     p.RequestAdded: PoolState._request_added, p.Fork: PoolState._fork, p.Alloc: PoolState._alloc,
     p.PrefixHit: PoolState._prefix_hit, p.Cached: PoolState._cached, p.Evict: PoolState._evict,
-    p.Cow: PoolState._cow, p.Free: PoolState._free, p.Preempt: PoolState._preempt,
-    p.SwapOut: PoolState._swap_out, p.SwapIn: PoolState._swap_in, p.Append: PoolState._append,
-    p.StatusChange: PoolState._status, p.Finish: PoolState._finish, p.StepDone: PoolState._step,
-    p.Reset: PoolState._reset,
+    p.Cow: PoolState._cow, p.Free: PoolState._free, p.WindowFree: PoolState._window_free,
+    p.Preempt: PoolState._preempt, p.SwapOut: PoolState._swap_out, p.SwapIn: PoolState._swap_in,
+    p.Append: PoolState._append, p.StatusChange: PoolState._status, p.Finish: PoolState._finish,
+    p.StepDone: PoolState._step, p.Reset: PoolState._reset,
 }
 
 
@@ -672,8 +792,9 @@ def check_invariants(state: PoolState) -> None:
     """Invariants 2-4 of the protocol, and the derived columns against a fresh derivation;
     raises InvariantError naming the first that fails."""
     seqs = list(state.seqs.values())
-    n = len(state.ref_counts)
-    flat, _, _ = table_entries([s.block_table for s in seqs], [s.num_tokens for s in seqs], 1)
+    n, num_groups = len(state.ref_counts), len(state.config.groups)
+    tables, _ = group_tables(seqs, "block_tables", num_groups)
+    flat, _, _ = table_entries(tables, [0] * len(tables), 1)
     holders = np.bincount(flat, minlength=n)
     if (state.ref_counts < 0).any():
         b = int(np.flatnonzero(state.ref_counts < 0)[0])
@@ -681,25 +802,36 @@ def check_invariants(state: PoolState) -> None:
     if (bad := np.flatnonzero(holders != state.ref_counts)).size:
         b = int(bad[0])
         raise InvariantError(f"block {b}: ref_count {state.ref_counts[b]} but {holders[b]} sequences hold it")
-    hflat, _, _ = table_entries([s.host_table for s in seqs], [0] * len(seqs), 1)
+    htables, _ = group_tables(seqs, "host_tables", num_groups)
+    hflat, _, _ = table_entries(htables, [0] * len(htables), 1)
     host_holders = np.bincount(hflat, minlength=len(state.host_ref_counts))
     if (bad := np.flatnonzero(host_holders != state.host_ref_counts)).size:
         h = int(bad[0])
         raise InvariantError(f"host block {h}: ref_count {state.host_ref_counts[h]} but "
                              f"{host_holders[h]} sequences hold it")
     for s in seqs:
-        if len(set(s.host_table)) != len(s.host_table) or len(set(s.block_table)) != len(s.block_table):
-            raise InvariantError(f"{s.seq_id} names a block twice in its tables")
+        if len(s.block_tables) != num_groups or len(s.host_tables) != num_groups:
+            raise InvariantError(f"{s.seq_id} has {len(s.block_tables)} tables for {num_groups} KV-cache groups")
+        for table in (*s.block_tables, *s.host_tables):
+            real = [b for b in table if b != NULL]
+            if len(set(real)) != len(real):
+                raise InvariantError(f"{s.seq_id} names a block twice in its tables")
+        for g, table in enumerate(s.block_tables):
+            if (wrong := [b for b in table if b != NULL and state.kv_group[b] != g]):
+                raise InvariantError(f"{s.seq_id}'s table of group {g} holds block {wrong[0]} of group "
+                                     f"{state.kv_group[wrong[0]]}")
     fresh = PoolState.build(state.config, state.last_event, state.ref_counts,
-                            (state.has_hash, state.hash64, state.odd_hashes), [s.clone() for s in seqs])
+                            (state.has_hash, state.hash64, state.odd_hashes), [s.clone() for s in seqs],
+                            state.kv_group)
     for name in ("tokens", "host_tokens"):
         if (bad := np.flatnonzero(getattr(fresh, name) != getattr(state, name))).size:
             raise InvariantError(f"{name} of block {int(bad[0])} is {getattr(state, name)[bad[0]]}, "
                                  f"derived afresh {getattr(fresh, name)[bad[0]]}")
-    for table, column in (("block_table", state.holder), ("host_table", state.host_holder)):
+    for table, column in (("block_tables", state.holder), ("host_tables", state.host_holder)):
         xor = np.zeros(len(column), np.int32)  # in this state's keys (a fresh build numbers them anew)
         for s in seqs:
-            xor[getattr(s, table)] ^= s.key
+            for t in getattr(s, table):
+                xor[[b for b in t if b != NULL]] ^= s.key
         if (bad := np.flatnonzero(xor != column)).size:
             raise InvariantError(f"holder of {table.split('_')[0]} block {int(bad[0])} is "
                                  f"{column[bad[0]]}, its holders' keys XOR to {xor[bad[0]]}")

@@ -49,7 +49,8 @@ class PoolDriver:
     def add(self, tokens: list[int], max_tokens: int = 64) -> Sequence:
         self._ids += 1
         rid = f"r{self._ids}"
-        seq = Sequence(rid, rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+        seq = Sequence(rid, rid, list(tokens), SamplingParams(max_tokens=max_tokens),
+                       block_tables=self.bm.new_tables(), host_tables=self.bm.new_tables())
         self.seqs[rid] = seq
         self.log.emit(p.RequestAdded(request_id=rid, seq_id=rid, prompt_tokens=len(tokens),
                                      max_tokens=max_tokens, prompt_token_texts=[f"<{t}>" for t in tokens]))
@@ -71,6 +72,7 @@ class PoolDriver:
         elif roll < 0.70:
             seq = rng.choice(running)
             group = self.family(seq, SeqStatus.RUNNING) if rng.random() < 0.5 else [seq]
+            self.bm.free_window(seq)
             if self.bm.can_append(seq):
                 self.decode(seq, rng.randrange(vocab))
             elif self.bm.can_swap_out(group):
@@ -103,8 +105,10 @@ class PoolDriver:
         self._computed(seq, len(seq), next_token)
         return True
 
-    def decode(self, seq: Sequence, next_token: int = 1) -> tuple[int, int] | None:
-        """One decode step: room for the pending token, compute it, sample the next."""
+    def decode(self, seq: Sequence, next_token: int = 1) -> list[tuple[int, int]]:
+        """One decode step: the blocks its windows passed freed, room for the pending token,
+        compute it, sample the next; returns the copies on write."""
+        self.bm.free_window(seq)
         assert self.bm.can_append(seq)
         cow = self.bm.append_slot(seq)
         self.bm.cache_full_blocks(seq, len(seq))
@@ -115,7 +119,8 @@ class PoolDriver:
         self._ids += 1
         child = Sequence(f"{parent.seq_id}.{self._ids}", parent.request_id, list(parent.token_ids),
                          parent.params, parent.num_prompt_tokens, parent.status,
-                         num_computed_tokens=parent.num_computed_tokens, text=parent.text)
+                         num_computed_tokens=parent.num_computed_tokens, text=parent.text,
+                         host_tables=self.bm.new_tables())
         self.seqs[child.seq_id] = child
         self.bm.fork(parent, child)
         return child

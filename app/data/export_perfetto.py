@@ -162,6 +162,7 @@ class TraceExport:
         before = self.state.seqs.get(sid) if sid else None
         table = list(before.block_table) if before else []
         self.looked_up += self.state.prefix_lookup(ev)
+        self.hit_tokens += self.state.prefix_hit_tokens(ev)
         self.state.apply(ev)
         match ev:
             case p.RequestAdded():
@@ -171,8 +172,6 @@ class TraceExport:
                 parent = self._seq(ev.parent_seq_id)
                 self._instant(parent.track, f"fork → {sid}", {"child": sid, "block_ids": ev.block_ids}, flow=ev.seq)
                 self._set_phase(sid, self._phase_of(sid), ends_flow=ev.seq)
-            case p.PrefixHit():
-                self.hit_tokens += self.state.config.block_size
             case p.Cow():
                 self._instant(self._seq(sid).track, "copy-on-write", {
                     "logical_index": ev.logical_index, "src_block_id": ev.src_block_id,

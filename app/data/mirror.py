@@ -105,12 +105,12 @@ class Mirror:
         derived data) when it cannot follow."""
         before = self.state.seqs.get(getattr(ev, "seq_id", ""))  # the reducer updates it in place
         text = before.text if before else ""
-        looked_up = self.state.prefix_lookup(ev)
+        looked_up, hit = self.state.prefix_lookup(ev), self.state.prefix_hit_tokens(ev)
         self.state.apply(ev)
         self.texts.apply(ev, self.state)
         self.t = ev.t
         tl, bs = self.tally, self.state.config.block_size
-        tl.count(ev, bs, looked_up)
+        tl.count(ev, looked_up, hit)
         first = getattr(ev, "seq_id", None) not in tl.preempted
         if first:
             tl.first_looked_up_tokens += looked_up
@@ -120,7 +120,7 @@ class Mirror:
             case p.Alloc():
                 self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
             case p.PrefixHit():
-                tl.first_hit_tokens += bs if first else 0
+                tl.first_hit_tokens += hit if first else 0
                 self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
             case p.Cow():
                 tl.cows += 1

@@ -1,41 +1,44 @@
-"""The paged KV block pools: a device pool with a prefix cache, and a host pool for swap.
+"""Each sequence's block tables over one device pool, a prefix cache and a host pool for swap.
 
-Every change of state emits its protocol events, in order, through the event log. Each
-per-block operation is O(1): free blocks sit in a FIFO, cached blocks with no holder in an
-LRU (an OrderedDict), and prefix lookups go through a dict keyed by chained block hashes.
+A model's layers form KV-cache groups (kvscope_contract/kv_groups.py): one for a full-attention
+model, several for a hybrid one (Gemma 3: five sliding-window groups and one full-attention
+group), as vLLM v1's KVCacheManager and its coordinator keep them. Every group has its own
+block table per sequence, drawn from the one BlockPool; a sliding-window group frees the blocks
+its window has passed (`window_free`; the table keeps NULL_BLOCK there), and a prefix hit is the
+longest prefix that every group can serve. Every change of state emits its protocol events, in
+order, through the event log.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
 from kvscope_contract import protocol as p
+from engine.core.block_pool import BlockPool, NoFreeBlocks
 from engine.core.events import EventLog
+from engine.core.host_pool import HostPool
+from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
 from kvscope_contract.state import MASK64, PoolState, SeqState, hash_hex
 
-NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
+__all__ = ["BlockManager", "NoFreeBlocks", "PoolCapture", "WATERMARK"]
+
+NULL = p.NULL_BLOCK
 WATERMARK = 0.01  # share of device blocks admission leaves free, so running sequences can grow
 
 
-class NoFreeBlocks(RuntimeError):
-    """An allocation found neither a free nor an evictable device block (or a swap-out too few
-    host blocks); the scheduler's `can_*` checks exist so that it never sees this."""
-
-
 class BlockManager:
-    """Owns every KV block: which sequence holds which device block, how many hold it, which
-    blocks the prefix cache can hand out again, and the host pool sequences are swapped to.
+    """Owns every KV block: which table of which sequence holds which device block, the prefix
+    cache, and the host pool sequences are swapped to.
 
-    Promises, after every public method returns:
-    - `ref_counts[b]` is the number of block tables (of live sequences) that list device block
-      b; a block with ref count 0 is in exactly one of `free_ids` (never hashed, reused first,
-      FIFO) or `evictable` (hashed, LRU first), and a block with a holder is in neither.
-    - A hashed block is in `hash_to_block` under its chained hash, with its tokens kept to rule
-      out collisions; evicting it (taking it for a new owner) emits `evict` first.
+    Promises, after every public method returns (besides the BlockPool's, PrefixCache's and
+    HostPool's own):
+    - Every sequence has one device table and one host table per group; a table entry is a
+      block of that group or NULL_BLOCK (a sliding window has passed it, or a prefix hit
+      skipped it); the tables of all groups cover the same logical blocks.
     - Admission and swap-in leave at least `watermark_blocks` allocatable, so running sequences
       can keep growing one token at a time; appends and copy-on-write may use the watermark.
     - Each change is emitted as its protocol event, in the order it happened, so the reducer
@@ -49,75 +52,93 @@ class BlockManager:
 
     def _build(self, config: p.PoolConfig) -> None:
         n = config.num_device_blocks
-        self.config = config
-        self.block_size = config.block_size
-        self.ref_counts = [0] * n
-        self.hashes: list[int | None] = [None] * n
-        self.tokens: list[tuple[int, ...] | None] = [None] * n  # rules out hash collisions
-        self.hash_to_block: dict[int, int] = {}
-        self.free_ids: deque[int] = deque(range(n))          # never hashed: reused first
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder, LRU first
-        self.host_free: deque[int] = deque(range(config.num_host_blocks))
-        self.host_ref_counts = [0] * config.num_host_blocks  # sequences holding each host block
-        # a device block and a host block holding the same K/V while both are held (a swap copied
-        # one to the other and some holders stayed behind): the next swap of a holder shares it
-        self.host_copy: dict[int, int] = {}    # device -> host
-        self.device_copy: dict[int, int] = {}  # host -> device
+        self.config, self.block_size, self.groups = config, config.block_size, config.groups
+        self.windows = [g.window for g in self.groups]
+        self.cache = PrefixCache(n, len(self.groups), self.log)
+        self.pool = BlockPool(n, self.cache)
+        self.host = HostPool(config.num_host_blocks)
         self.watermark_blocks = int(self.watermark * n)
 
     def reset(self, config: p.PoolConfig) -> None:
-        """Drop every block and sequence mapping and rebuild the pools with `config`."""
+        """Drop every block and sequence mapping and rebuild the pools with `config` (whose
+        groups, if it names none, stay the model's)."""
+        if not config.kv_groups and self.config.kv_groups:
+            config = p.PoolConfig(**{**_fields(config), "kv_groups": self.config.kv_groups})
         self._build(config)
         self.log.emit(p.Reset(config=config))
+
+    def new_tables(self) -> list[list[int]]:
+        """Empty tables, one per group, for a new sequence."""
+        return [[] for _ in self.groups]
 
     # ------------------------------------------------------------------ queries
     @property
     def num_allocatable_blocks(self) -> int:
         """Blocks an allocation can take: free ones and cached ones it would evict (the wire's
         `free_blocks` counts only the first)."""
-        return len(self.free_ids) + len(self.evictable)
+        return self.pool.num_allocatable
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no table holds and the prefix cache does not keep."""
+        return len(self.pool.free_ids)
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks with no holder still in the prefix cache (evictable, still hit-able)."""
-        return len(self.evictable)
+        return len(self.pool.evictable)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold `num_tokens` tokens (the last one possibly partial)."""
+        """Blocks that hold `num_tokens` tokens in one table (the last one possibly partial)."""
         return -(-num_tokens // self.block_size)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of `num_tokens` fits an otherwise empty pool above the watermark
-        (False: it can never be admitted, whatever finishes)."""
-        return self.num_blocks_for(num_tokens) <= self.config.num_device_blocks - self.watermark_blocks
+    def peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
+        """The most blocks a sequence of `prompt_tokens` growing to `total_tokens` holds at once,
+        alone in the pool: every group holds the prompt's blocks at admission; a sliding-window
+        group then keeps at most its window's blocks (and the one being filled)."""
+        full, prompt = self.num_blocks_for(total_tokens), self.num_blocks_for(prompt_tokens)
+        return sum(full if w is None else max(prompt, min(full, w // self.block_size + 2))
+                   for w in self.windows)
+
+    def can_ever_fit(self, prompt_tokens: int, total_tokens: int) -> bool:
+        """Whether such a sequence fits an otherwise empty pool above the watermark (False: it can
+        never be admitted, whatever finishes)."""
+        return self.peak_blocks(prompt_tokens, total_tokens) <= self.max_blocks_per_seq
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.config.num_device_blocks - len(self.config.reserved_blocks) - self.watermark_blocks
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether `allocate(seq)` would leave at least `watermark_blocks` allocatable: its
         prefix hits cost nothing unless they leave the LRU (a cached block with no holder)."""
         hits = self._prefix_hits(seq)
-        revived = sum(1 for b in hits if not self.ref_counts[b])  # hits that leave the LRU
-        need = self.num_blocks_for(len(seq)) - len(hits) + revived
+        held = [b for blocks in hits for b in blocks if b != NULL]
+        revived = sum(1 for b in held if not self.pool.ref_counts[b])
+        need = len(self.groups) * self.num_blocks_for(len(seq)) - sum(map(len, hits)) + revived
         return self.num_allocatable_blocks - need >= self.watermark_blocks
 
-    def slot_needs_block(self, seq: Sequence) -> bool:
-        """Whether writing the next token needs a block: a new one, or a copy of a shared one."""
-        n, table = len(seq), seq.block_table
-        return n > len(table) * self.block_size or self.ref_counts[table[(n - 1) // self.block_size]] > 1
+    def blocks_to_append(self, seq: Sequence) -> int:
+        """Blocks writing the next token takes: per group, a new one at a block boundary, or a
+        copy of a shared last block."""
+        n, refs = len(seq), self.pool.ref_counts
+        last = (n - 1) // self.block_size
+        return sum(n > len(t) * self.block_size or refs[t[last]] > 1 for t in seq.block_tables)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether `append_slot(seq)` can succeed (it may dip into the watermark)."""
-        return self.num_allocatable_blocks >= self.slot_needs_block(seq)
+        return self.num_allocatable_blocks >= self.blocks_to_append(seq)
 
     def can_swap_out(self, group: list[Sequence]) -> bool:
         """Whether the host pool can take `group`'s blocks: a block they share counted once, one
         with a host copy already not at all."""
-        need = sum(b not in self.host_copy for b in self._distinct_blocks(group, "block_table"))
-        return len(self.host_free) >= need
+        need = sum(b not in self.host.host_copy for b in _distinct(group, "block_tables"))
+        return len(self.host.free) >= need
 
     def can_swap_in(self, group: list[Sequence]) -> bool:
         """Whether bringing `group` back (a block they share once, one still on the device not at
         all) leaves at least `watermark_blocks` allocatable."""
-        need = sum(h not in self.device_copy for h in self._distinct_blocks(group, "host_table"))
+        need = sum(h not in self.host.device_copy for h in _distinct(group, "host_tables"))
         return self.num_allocatable_blocks - need >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
@@ -126,23 +147,73 @@ class BlockManager:
         hs, bs = seq.block_hashes, self.block_size
         while len(hs) <= i:
             j = len(hs)
-            hs.append(hash((hs[-1] if hs else NO_PARENT, *seq.token_ids[j * bs:(j + 1) * bs])))
+            hs.append(chain_hash(hs[-1] if hs else None, seq.token_ids[j * bs:(j + 1) * bs]))
         return hs[i]
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the leading full blocks of `seq`, never its last token."""
+    def _cached(self, seq: Sequence, i: int, groups: list[int]) -> list[int] | None:
+        """The blocks of `groups` caching full block i of `seq`, or None unless every one does."""
+        h, tokens = self._block_hash(seq, i), seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        found = [self.cache.find(g, h, tokens) for g in groups]
+        return None if None in found else found
+
+    def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the cached blocks `seq` would start with (NULL_BLOCK before a sliding
+        window's run): the longest prefix of full blocks, never its last token, that every group
+        can serve. Full-attention groups need every block from the start; a sliding-window group
+        only the blocks its window reads before the hit's end: ceil((W - 1) / block_size) of
+        them in a row (or fewer from block 0). Each kind shortens the candidate until none does,
+        as vLLM v1's coordinator finds a hybrid hit."""
+        tables: list[list[int]] = self.new_tables()
         if not self.config.enable_prefix_caching:
-            return []
-        bs, hits = self.block_size, []
-        for i in range((len(seq) - 1) // bs):
-            b = self.hash_to_block.get(self._block_hash(seq, i))
-            if b is None or self.tokens[b] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            return tables
+        kinds: dict[int | None, list[int]] = {}
+        for g, w in enumerate(self.windows):
+            kinds.setdefault(w, []).append(g)
+        length = (len(seq) - 1) // self.block_size  # in blocks
+        full = kinds.pop(None, [])
+        if full:
+            n = 0
+            while n < length and (found := self._cached(seq, n, full)) is not None:
+                for g, b in zip(full, found):
+                    tables[g].append(b)
+                n += 1
+            length = n
+        while True:
+            shortest = length
+            for window, groups in kinds.items():
+                shortest = min(shortest, self._window_hit(seq, shortest, window, groups, tables))
+            if shortest == length:
                 break
-            hits.append(b)
-        return hits
+            length = shortest
+        for g in full:
+            del tables[g][length:]
+        return tables
+
+    def _window_hit(self, seq: Sequence, length: int, window: int, groups: list[int],
+                    tables: list[list[int]]) -> int:
+        """Where a sliding-window hit of at most `length` blocks ends for `groups`; fills their
+        tables (NULL_BLOCK before the run) up to there."""
+        need = -(-(window - 1) // self.block_size)
+        run, found_at = 0, {}
+        for i in range(length - 1, -1, -1):  # right to left: the first run long enough wins
+            found = self._cached(seq, i, groups)
+            if found is None:
+                run, found_at = 0, {}
+                continue
+            run += 1
+            found_at[i] = found
+            if run >= need:
+                break
+        end = (min(found_at) + run) if run >= need else run  # else: a shorter run from block 0
+        if run < need:
+            found_at = {i: f for i, f in found_at.items() if i < end}
+        for k, g in enumerate(groups):
+            tables[g][:] = [found_at[i][k] if i in found_at else NULL for i in range(end)]
+        return end
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Offer the full blocks among the first `num_tokens` of `seq` to the prefix cache.
+        """Offer the full blocks among the first `num_tokens` of `seq` to the prefix cache, in
+        every group.
 
         Called when a step is scheduled to compute those tokens: the forward stores every
         token's K/V before any attention reads the cache, so a hit in the same step is sound.
@@ -151,215 +222,227 @@ class BlockManager:
             return
         bs, full = self.block_size, num_tokens // self.block_size
         for i in range(seq.num_registered_blocks, full):
-            b = seq.block_table[i]
             h = self._block_hash(seq, i)
-            if self.hashes[b] is None and h not in self.hash_to_block:
-                self.hashes[b], self.hash_to_block[h] = h, b
-                self.tokens[b] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                parent = hash_hex(seq.block_hashes[i - 1]) if i else None
-                self.log.emit(p.Cached(block_id=b, hash=hash_hex(h), parent_hash=parent, seq_id=seq.seq_id))
+            parent = seq.block_hashes[i - 1] if i else None
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            for g, table in enumerate(seq.block_tables):
+                if table[i] != NULL:
+                    self.cache.register(table[i], g, h, tokens, parent, seq.seq_id)
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block that no sequence holds; returns how many."""
-        evicted = list(self.evictable)
-        for b in evicted:
-            self._drop_hash(b)
-            self.free_ids.append(b)
-        self.evictable.clear()
-        return len(evicted)
-
-    def _drop_hash(self, b: int) -> None:
-        h = self.hashes[b]
-        del self.hash_to_block[h]
-        self.hashes[b] = self.tokens[b] = None
-        self.log.emit(p.Evict(block_id=b, hash=hash_hex(h)))
+        return self.pool.clear_cache()
 
     # ------------------------------------------------------------------ block moves
-    def _take_free(self) -> int:
-        """A block for a new owner, with ref count 1: a never-hashed free one first, else the
-        least recently used cached one (evicted: its hash leaves the cache). Raises NoFreeBlocks."""
-        if self.free_ids:
-            b = self.free_ids.popleft()
-        elif self.evictable:
-            b, _ = self.evictable.popitem(last=False)
-            self._drop_hash(b)
-        else:
-            raise NoFreeBlocks("the device pool has no free or evictable block")
-        self.ref_counts[b] = 1
+    def _alloc(self, seq: Sequence, group: int, index: int) -> int:
+        b = self.pool.take()
+        self.log.emit(p.Alloc(seq_id=seq.seq_id, block_id=b, logical_index=index, kv_group=group))
         return b
 
     def _release(self, b: int) -> None:
-        """Drop one holder of `b`; at 0 it goes to the free FIFO, or, hashed, to the LRU's most
-        recently used end (still hit-able until evicted)."""
-        self.ref_counts[b] -= 1
-        if not self.ref_counts[b]:
-            self._unpair_device(b)
-            if self.hashes[b] is None:
-                self.free_ids.append(b)
-            else:
-                self.evictable[b] = None  # most recently used end
-
-    def _alloc(self, seq: Sequence, index: int) -> int:
-        b = self._take_free()
-        self.log.emit(p.Alloc(seq_id=seq.seq_id, block_id=b, logical_index=index))
-        return b
+        if self.pool.release(b):
+            self.host.unpair_device(b)
 
     # ------------------------------------------------------------------ sequence operations
     def allocate(self, seq: Sequence) -> int:
-        """Blocks for every token of a waiting `seq`, cached prefix first.
+        """Blocks for every token of a waiting `seq` in every group, cached prefix first.
 
         Each hit's ref count goes up by one (a hit on a block with no holder takes it out of
         the LRU); the other blocks are new, ref count 1. Returns how many leading tokens already
         have their K/V in the cache. The caller checks `can_allocate` first (the watermark).
-        """
-        assert not seq.block_table, f"{seq.seq_id} already holds blocks"
-        hits = self._prefix_hits(seq)
-        for i, b in enumerate(hits):  # take hits before any eviction could reuse them
-            if not self.ref_counts[b]:
-                del self.evictable[b]
-            self.ref_counts[b] += 1
-            seq.block_table.append(b)
-            self.log.emit(p.PrefixHit(seq_id=seq.seq_id, block_id=b, logical_index=i,
-                                      hash=hash_hex(self.hashes[b])))
-        for i in range(len(hits), self.num_blocks_for(len(seq))):
-            seq.block_table.append(self._alloc(seq, i))
-        seq.num_registered_blocks = len(hits)
-        return len(hits) * self.block_size
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Room for the K/V of the last token of `seq`: a new block at a boundary, or a
-        copy of a shared last block. Returns (src, dst) when the data must be copied: `src`
-        loses this holder, `dst` (ref count 1) takes its place in `seq`'s table. May use the
-        watermark; raises NoFreeBlocks when no block is left (the caller checks `can_append`)."""
-        n, table = len(seq), seq.block_table
-        if n > len(table) * self.block_size:
-            table.append(self._alloc(seq, len(table)))
-            return None
+        Args:
+            seq: a waiting sequence holding no block.
+        Returns:
+            The tokens of the prefix hit (a multiple of the block size).
+        """
+        assert not any(seq.block_tables), f"{seq.seq_id} already holds blocks"
+        hits = self._prefix_hits(seq)
+        seq.block_tables = self.new_tables()
+        for g, blocks in enumerate(hits):  # every hit is taken before any eviction could reuse it
+            for i, b in enumerate(blocks):
+                seq.block_tables[g].append(b)
+                if b != NULL:
+                    self.pool.hold(b)
+                    self.log.emit(p.PrefixHit(seq_id=seq.seq_id, block_id=b, logical_index=i, kv_group=g,
+                                              hash=hash_hex(self.cache.hashes[b])))
+        num_blocks, hit = self.num_blocks_for(len(seq)), len(hits[0])
+        for g, table in enumerate(seq.block_tables):
+            for i in range(hit, num_blocks):
+                table.append(self._alloc(seq, g, i))
+        seq.num_registered_blocks = hit
+        return hit * self.block_size
+
+    def free_window(self, seq: Sequence) -> None:
+        """Free each sliding-window group's blocks that the next token of `seq` no longer reads:
+        the tokens before `num_computed_tokens - W + 1`, in whole blocks (cached ones stay
+        hit-able). Their entries become NULL_BLOCK; freed from the window's edge back, as vLLM
+        does, stopping at the first entry freed before."""
+        for g, w in enumerate(self.windows):
+            if w is None:
+                continue
+            table = seq.block_tables[g]
+            for i in range(min((seq.num_computed_tokens - w + 1) // self.block_size, len(table)) - 1, -1, -1):
+                b = table[i]
+                if b == NULL:
+                    break
+                table[i] = NULL
+                self._release(b)
+                self.log.emit(p.WindowFree(seq_id=seq.seq_id, kv_group=g, logical_index=i, block_id=b,
+                                           ref_count=self.pool.ref_counts[b]))
+
+    def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Room, in every group, for the K/V of the last token of `seq`: a new block at a
+        boundary, or a copy of a shared last block. May use the watermark; raises NoFreeBlocks
+        when no block is left (the caller checks `can_append`).
+
+        Returns:
+            The (src, dst) copies the model runner must make first: `src` loses this holder,
+            `dst` (ref count 1) takes its place in `seq`'s table of that group.
+        """
+        n, copies = len(seq), []
         i = (n - 1) // self.block_size
-        src = table[i]
-        if self.ref_counts[src] == 1:
-            self._unpair_device(src)  # written in place: a host copy of it would be stale
-            return None
-        dst = self._take_free()
-        self.ref_counts[src] -= 1
-        table[i] = dst
-        self.log.emit(p.Cow(seq_id=seq.seq_id, logical_index=i, src_block_id=src, dst_block_id=dst))
-        return src, dst
+        for g, table in enumerate(seq.block_tables):
+            if n > len(table) * self.block_size:
+                table.append(self._alloc(seq, g, len(table)))
+                continue
+            src = table[i]
+            if self.pool.ref_counts[src] == 1:
+                self.host.unpair_device(src)  # written in place: a host copy of it would be stale
+                continue
+            dst = self.pool.take()
+            self.pool.ref_counts[src] -= 1  # still held by another: no queue to move it to
+            table[i] = dst
+            self.log.emit(p.Cow(seq_id=seq.seq_id, logical_index=i, src_block_id=src, dst_block_id=dst,
+                                kv_group=g))
+            copies.append((src, dst))
+        return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (whose K/V is computed): each block's ref
-        count goes up by one, nothing is copied until a write (`append_slot`'s copy-on-write)."""
-        child.block_table = list(parent.block_table)
-        for b in child.block_table:
-            self.ref_counts[b] += 1
+        """`child` shares every block of `parent` (whose K/V is computed) in every group: each
+        block's ref count goes up by one, nothing is copied until a write (`append_slot`'s
+        copy-on-write)."""
+        child.block_tables = [list(t) for t in parent.block_tables]
+        for table in child.block_tables:
+            for b in table:
+                if b != NULL:
+                    self.pool.ref_counts[b] += 1  # held by the parent: in no queue
         full = parent.num_computed_tokens // self.block_size  # blocks both sequences agree on
         child.block_hashes = parent.block_hashes[:full]
         child.num_registered_blocks = min(parent.num_registered_blocks, full)
-        self.log.emit(p.Fork(request_id=child.request_id, parent_seq_id=parent.seq_id,
-                             seq_id=child.seq_id, block_ids=list(child.block_table)))
+        tables = [list(t) for t in child.block_tables] if len(self.groups) > 1 else []
+        self.log.emit(p.Fork(request_id=child.request_id, parent_seq_id=parent.seq_id, seq_id=child.seq_id,
+                             block_ids=list(child.block_table), block_tables=tables))
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq`, the tail first, so chain tails are evicted first:
-        each ref count goes down by one (a `free` event carries the count left); its host
-        blocks, if swapped, go back to the host pool."""
-        table = seq.block_table
-        while table:
-            b = table.pop()
-            self._release(b)
-            self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.ref_counts[b]))
-        for h in seq.host_table:
-            self._release_host(h)
-        seq.host_table = []
+        """Release every block of `seq`, group by group, each table's tail first, so chain tails
+        are evicted first: each ref count goes down by one (a `free` event carries the count
+        left); its host blocks, if swapped, go back to the host pool."""
+        for g, table in enumerate(seq.block_tables):
+            while table:
+                b = table.pop()
+                if b == NULL:
+                    continue
+                self._release(b)
+                self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.pool.ref_counts[b], kv_group=g))
+        for table in seq.host_tables:
+            for h in table:
+                if h != NULL:
+                    self.host.release(h)
+        seq.host_tables = self.new_tables()
         seq.num_registered_blocks = 0
 
     def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Move `group` (sequences swapped together: a fork group) to the host pool, each
         device block once: a block they share gets one host block, shared as it was, and a block
         whose host copy an earlier swap left (a sibling swapped before) joins that copy.
-        Returns the (device, host) pairs to copy."""
+
+        Returns:
+            The (device, host) pairs to copy.
+        """
         if not self.can_swap_out(group):
             raise NoFreeBlocks(f"the host pool cannot hold the blocks of {', '.join(s.seq_id for s in group)}")
-        distinct = self._distinct_blocks(group, "block_table")
-        copied = {b: self.host_free.popleft() for b in distinct if b not in self.host_copy}
-        to_host = {b: copied.get(b, self.host_copy.get(b)) for b in distinct}
-        holders = Counter(b for seq in group for b in seq.block_table)
+        distinct = _distinct(group, "block_tables")
+        copied = {b: self.host.take() for b in distinct if b not in self.host.host_copy}
+        to_host = {b: copied.get(b, self.host.host_copy.get(b)) for b in distinct}
+        to_host[NULL] = NULL
+        holders = Counter(b for seq in group for t in seq.block_tables for b in t)
         for b in reversed(distinct):  # tail first, so a chain's end is evicted first
-            self.ref_counts[b] -= holders[b] - 1
+            self.pool.ref_counts[b] -= holders[b] - 1
             self._release(b)
-            self.host_ref_counts[to_host[b]] += holders[b]
+            self.host.ref_counts[to_host[b]] += holders[b]
         for seq in group:
-            seq.host_table = [to_host[b] for b in seq.block_table]
-            seq.block_table = []
+            seq.host_tables = [[to_host[b] for b in t] for t in seq.block_tables]
+            seq.block_tables = self.new_tables()
             seq.num_registered_blocks = 0
         for b, h in copied.items():
-            if self.ref_counts[b]:  # still held on the device: the next sibling to leave joins h
-                self._pair(b, h)
+            if self.pool.ref_counts[b]:  # still held on the device: the next sibling to leave joins h
+                self.host.pair(b, h)
         mapping = list(copied.items())
         self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                                shared=[(b, h) for b, h in to_host.items() if b not in copied]))
+                                shared=[(b, to_host[b]) for b in distinct if b not in copied]))
         return mapping
 
     def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Bring `group` back to fresh device blocks, a host block they share to one device
         block they share, and a host block whose device copy is still held to that block.
-        Returns the (host, device) pairs to copy."""
-        distinct = self._distinct_blocks(group, "host_table")
-        copied = {h: self._take_free() for h in distinct if h not in self.device_copy}
+
+        Returns:
+            The (host, device) pairs to copy.
+        """
+        distinct = _distinct(group, "host_tables")
+        copied = {h: self.pool.take() for h in distinct if h not in self.host.device_copy}
         for d in copied.values():
-            self.ref_counts[d] = 0
-        to_device = {h: copied.get(h, self.device_copy.get(h)) for h in distinct}
+            self.pool.ref_counts[d] = 0  # counted again below, one per table naming it
+        to_device = {h: copied.get(h, self.host.device_copy.get(h)) for h in distinct}
+        to_device[NULL] = NULL
         for seq in group:
-            seq.block_table = [to_device[h] for h in seq.host_table]
-            for h in seq.host_table:
-                self.ref_counts[to_device[h]] += 1
-                self._release_host(h)
-            seq.host_table = []
+            seq.block_tables = [[to_device[h] for h in t] for t in seq.host_tables]
+            for t in seq.host_tables:
+                for h in t:
+                    if h != NULL:
+                        self.pool.ref_counts[to_device[h]] += 1
+                        self.host.release(h)
+            seq.host_tables = self.new_tables()
         for h, d in copied.items():
-            if self.host_ref_counts[h]:  # still held on the host: a sibling coming back later joins d
-                self._pair(d, h)
+            if self.host.ref_counts[h]:  # still held on the host: a sibling coming back later joins d
+                self.host.pair(d, h)
         mapping = list(copied.items())
         self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                               shared=[(h, d) for h, d in to_device.items() if h not in copied]))
+                               shared=[(h, to_device[h]) for h in distinct if h not in copied]))
         return mapping
-
-    def _pair(self, d: int, h: int) -> None:
-        """Device block d and host block h hold the same K/V (for as long as both are held)."""
-        self.host_copy[d], self.device_copy[h] = h, d
-
-    def _unpair_device(self, d: int) -> None:
-        if (h := self.host_copy.pop(d, None)) is not None:
-            del self.device_copy[h]
-
-    def _release_host(self, h: int) -> None:
-        self.host_ref_counts[h] -= 1
-        if not self.host_ref_counts[h]:
-            self.host_free.append(h)
-            if (d := self.device_copy.pop(h, None)) is not None:
-                del self.host_copy[d]
-
-    @staticmethod
-    def _distinct_blocks(group: list[Sequence], table: str) -> list[int]:
-        """The blocks of the group's tables, each once, in the order the tables first name it."""
-        return list(dict.fromkeys(b for seq in group for b in getattr(seq, table)))
 
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
         """A copy of the pools, given every live sequence (in creation order): cheap enough to
         take between steps even for a million blocks; `state()` does the rest anywhere."""
-        return PoolCapture(self.config, self.log.seq, self.ref_counts[:], self.hashes[:], [
-            SeqState(s.seq_id, s.request_id, s.status.value, list(s.block_table), list(s.host_table),
-                     s.num_computed_tokens, s.num_prompt_tokens, s.num_output_tokens,
-                     s.params.max_tokens, s.text) for s in seqs])
+        return PoolCapture(self.config, self.log.seq, self.pool.ref_counts[:], self.cache.hashes[:],
+                           self.cache.group_of[:] if len(self.groups) > 1 else None, [
+            SeqState(s.seq_id, s.request_id, s.status.value, [list(t) for t in s.block_tables],
+                     [list(t) for t in s.host_tables], s.num_computed_tokens, s.num_prompt_tokens,
+                     s.num_output_tokens, s.params.max_tokens, s.text) for s in seqs])
 
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
         return self.capture(seqs).state()
 
 
+def _fields(config: p.PoolConfig) -> dict:
+    return {f: getattr(config, f) for f in config.__struct_fields__}
+
+
 def _ids(group: list[Sequence]) -> list[str]:
     """The wire's `seq_ids`: left empty for a sequence swapped alone."""
     return [s.seq_id for s in group] if len(group) > 1 else []
+
+
+def _distinct(group: list[Sequence], tables: str) -> list[int]:
+    """The blocks of the group's tables (`block_tables` or `host_tables`), each once, NULL
+    entries left out: KV-cache group by group, then in the order the sequences' tables name them."""
+    num_groups = len(getattr(group[0], tables))
+    return list(dict.fromkeys(b for g in range(num_groups) for seq in group
+                              for b in getattr(seq, tables)[g] if b != NULL))
 
 
 @dataclass
@@ -368,6 +451,7 @@ class PoolCapture:
     last_event: int
     ref_counts: list[int]
     hashes: list[int | None]
+    cached_groups: list[int] | None  # the group each hashed block is cached for (None: one group)
     seqs: list[SeqState]
 
     def state(self) -> PoolState:
@@ -375,4 +459,5 @@ class PoolCapture:
         has = np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
         values = np.zeros(len(self.hashes), np.uint64)
         values[has] = np.fromiter((h & MASK64 for h in self.hashes if h is not None), np.uint64)
-        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs)
+        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs,
+                               self.cached_groups)

@@ -113,13 +113,16 @@ class EngineCore(ABC):
                                  "pick another request_id or leave it out")
         bm = self.block_manager
         longest = len(ids) + params.max_tokens
-        if not bm.can_ever_fit(longest):
+        if not bm.can_ever_fit(len(ids), longest):
+            groups = len(bm.groups)
             raise p.CommandError(
                 "too_long", f"{len(ids)} prompt tokens + {params.max_tokens} new tokens need "
-                f"{bm.num_blocks_for(longest)} blocks of {bm.block_size}, but the pool can give one "
-                f"sequence at most {self.pool.num_device_blocks - bm.watermark_blocks}: shorten the "
+                f"{bm.peak_blocks(len(ids), longest)} blocks of {bm.block_size}"
+                f"{f' across {groups} KV-cache groups' if groups > 1 else ''}, but the pool can give one "
+                f"sequence at most {bm.max_blocks_per_seq}: shorten the "
                 "prompt, lower max_tokens, or reset with a bigger pool")
-        seq = Sequence(request_id, request_id, list(ids), params)
+        seq = Sequence(request_id, request_id, list(ids), params, block_tables=bm.new_tables(),
+                       host_tables=bm.new_tables())
         self._track(seq, index=0)
         self.log.emit(p.RequestAdded(request_id=request_id, seq_id=request_id, prompt_tokens=len(ids),
                                      n=params.n, max_tokens=params.max_tokens, prompt_token_ids=list(ids),
@@ -163,7 +166,7 @@ class EngineCore(ABC):
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped), prefill_tokens=prefill, decode_tokens=decode,
             duration_ms=round((time.perf_counter() - t0) * 1000, 3),
-            free_blocks=len(self.block_manager.free_ids),
+            free_blocks=self.block_manager.num_free_blocks,
             cached_blocks=self.block_manager.num_cached_blocks))
         return StepResult(bool(batch), finished)
 
@@ -189,7 +192,8 @@ class EngineCore(ABC):
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         child = Sequence(f"{parent.seq_id}.{index}", parent.request_id, list(parent.token_ids),
                          replace(parent.params, n=1), parent.num_prompt_tokens,
-                         num_computed_tokens=parent.num_computed_tokens)
+                         num_computed_tokens=parent.num_computed_tokens,
+                         host_tables=self.block_manager.new_tables())
         child.arrival = parent.arrival
         self._track(child, index)
         self.block_manager.fork(parent, child)

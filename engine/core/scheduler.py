@@ -111,6 +111,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget:
             seq = self.running[i]
+            self.bm.free_window(seq)
             while not self.bm.can_append(seq):
                 gone = self._preempt(self.running[-1], i, batch)  # the latest arrival gives way
                 preempted = True
@@ -157,12 +158,12 @@ class Scheduler:
 
     def schedule_seq(self, seq: Sequence, budget: int, batch: Batch) -> int:
         """Schedule up to `budget` of the tokens `seq` still has to compute; returns how many.
-        Makes its last block writable (a new block, or copy-on-write into `batch.copies`) and
-        offers the blocks those tokens fill to the prefix cache."""
+        Frees the blocks its sliding windows have passed, makes its last block writable in every
+        group (a new block, or copy-on-write into `batch.copies`) and offers the blocks those
+        tokens fill to the prefix cache."""
         n = min(len(seq) - seq.num_computed_tokens, budget)
-        cow = self.bm.append_slot(seq)
-        if cow:
-            batch.copies.append(cow)
+        self.bm.free_window(seq)
+        batch.copies += self.bm.append_slot(seq)
         self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         batch.rows.append(Scheduled(seq, n))
         return n

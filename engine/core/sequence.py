@@ -33,8 +33,10 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     num_prompt_tokens: int = -1
     status: SeqStatus = SeqStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
-    host_table: list[int] = field(default_factory=list)
+    # one table per KV-cache group (the BlockManager sizes them); NULL_BLOCK where a sliding
+    # window has passed a block or a prefix hit skipped it
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    host_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_computed_tokens: int = 0   # tokens whose K/V the cache holds
     num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks (memo)
@@ -49,6 +51,16 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's device table (a full-attention model's only one)."""
+        return self.block_tables[0]
+
+    @property
+    def host_table(self) -> list[int]:
+        """Group 0's host table, while swapped out."""
+        return self.host_tables[0]
 
     @property
     def num_output_tokens(self) -> int:

@@ -70,8 +70,7 @@ class Meter(EventLog):
 
     def _prefix_hit(self, ev: p.PrefixHit) -> None:
         self.entries += 1
-        self.counts.count(ev, self.bs)
-        if self.core.block_manager.ref_counts[ev.block_id] > 1:
+        if self.core.block_manager.pool.ref_counts[ev.block_id] > 1:
             self.overlap += self.bs
 
     def _status(self, ev: p.StatusChange) -> None:  # an admission: the lookup is done, its hits computed
@@ -79,6 +78,7 @@ class Meter(EventLog):
         self.entered.append(ev.seq_id)
         if self.caching:  # every token it holds was looked up (the rule of PoolState.prefix_lookup)
             self.counts.looked_up_tokens += len(seq)
+            self.counts.hit_tokens += seq.num_computed_tokens  # the admission's hit, every group's once
         self.held += seq.num_computed_tokens
 
     def _fork(self, ev: p.Fork) -> None:
@@ -101,12 +101,12 @@ class Meter(EventLog):
             self.held -= seq.num_computed_tokens
 
     def _preempt(self, ev: p.Preempt) -> None:
-        self.counts.count(ev, self.bs)
+        self.counts.count(ev)
 
     def _swap_out(self, ev: p.SwapOut) -> None:
-        refs, bs = self.core.block_manager.ref_counts, self.bs
+        refs, bs = self.core.block_manager.pool.ref_counts, self.bs
         to_device = {h: d for d, h in ev.mapping + ev.shared}
-        self.counts.count(ev, bs)
+        self.counts.count(ev)
         left: set[int] = set()
         for seq in map(self._seq, ev.group):  # their tables are on the host now
             c = seq.num_computed_tokens
@@ -119,7 +119,7 @@ class Meter(EventLog):
                 left.add(d)
 
     def _swap_in(self, ev: p.SwapIn) -> None:
-        self.counts.count(ev, self.bs)
+        self.counts.count(ev)
         joined = {d for _, d in ev.shared}  # held before: every holder coming back adds overlap
         for seq in map(self._seq, ev.group):
             c = seq.num_computed_tokens
@@ -146,7 +146,7 @@ class Meter(EventLog):
     @property
     def used(self) -> int:
         bm = self.core.block_manager
-        return used_blocks(bm.config, len(bm.free_ids), len(bm.evictable))
+        return used_blocks(bm.config, bm.num_free_blocks, bm.num_cached_blocks)
 
     @property
     def tokens_in_used(self) -> int:
@@ -172,7 +172,7 @@ class Meter(EventLog):
         bm, lag = self.core.block_manager, self.lag
         seqs = [(list(s.block_table), s.num_computed_tokens + (lag(s) if lag else 0))
                 for s in self.core.seqs.values() if s.block_table]
-        self.peak = (self.step, bm.ref_counts[:], bm.hashes[:], seqs)
+        self.peak = (self.step, bm.pool.ref_counts[:], bm.cache.hashes[:], seqs)
 
     def peak_grid(self) -> PeakGrid | None:
         """The captured peak, through the reducer's own block rules (via a snapshot, its stable form)."""

@@ -17,7 +17,7 @@ def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEven
     computed = finished = 0
     counts = EventCounts()
     for ev in events:
-        counts.count(ev, bs, state.prefix_lookup(ev))
+        counts.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
         state.apply(ev)
         match ev:
             case p.Finish():

@@ -48,7 +48,7 @@ class Lab(EngineCore):
         self._ends: dict[Sequence, int] = {}
         self._bs = config.pool.block_size
         self._caching = config.pool.enable_prefix_caching
-        self._refs = self.block_manager.ref_counts
+        self._refs = self.block_manager.pool.ref_counts
         self._anchor: dict[Sequence, int] = {}  # first step whose token a steady sequence has not applied
         self._ticket = 0
         self._queued_key: tuple[int, int] | None = None  # (changes, budget) of the last queued pass that moved nothing
@@ -194,7 +194,7 @@ class Lab(EngineCore):
         for seq in due:
             self._materialize(seq, step)
             tokens += len(seq.token_ids) - seq.num_computed_tokens
-            blocks += bm.slot_needs_block(seq)
+            blocks += bm.blocks_to_append(seq)
         if tokens > budget_all or blocks > bm.num_allocatable_blocks:
             self._full_step(step)
             return True

@@ -158,7 +158,7 @@ class EngineMetrics:
 
 def _count(ev: p.Event, state: PoolState, tot: Totals) -> None:
     """Add `ev` to the totals; `state` is the pool just before it."""
-    tot.events.count(ev, state.config.block_size, state.prefix_lookup(ev))
+    tot.events.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
     match ev:
         case p.Append(token_ids=ids) if ids:
             tot.generation_tokens += len(ids)

@@ -34,7 +34,7 @@ def test_shared_system_prompt_hits_cached_blocks_for_the_2nd_and_3rd_request():
         assert [ev.block_id for ev in hits] == first.block_table[:3]
         assert seq.block_table[:3] == first.block_table[:3]
         assert seq.block_table[3] != first.block_table[3]  # the private continuation
-    assert [d.bm.ref_counts[b] for b in first.block_table] == [3, 3, 3, 1]
+    assert [d.bm.pool.ref_counts[b] for b in first.block_table] == [3, 3, 3, 1]
     assert d.replay().snapshot() == d.snapshot()
 
 
@@ -45,17 +45,17 @@ def test_fork_n4_then_different_appends_copies_only_the_shared_last_block():
     children = [d.fork(parent) for _ in range(3)]
     family = [parent, *children]
     full, last = parent.block_table
-    assert d.bm.ref_counts[full] == d.bm.ref_counts[last] == 4
+    assert d.bm.pool.ref_counts[full] == d.bm.pool.ref_counts[last] == 4
     d.drain()
     cows = [d.decode(seq, next_token=i) for i, seq in enumerate(family)]
     events = d.drain()
     assert kinds(events).count("cow") == 3
-    assert [c is None for c in cows] == [False, False, False, True]  # the last writer keeps it
-    assert {src for src, _ in cows[:3]} == {last}
+    assert [len(c) for c in cows] == [1, 1, 1, 0]  # the last writer keeps it
+    assert {src for (src, _), in cows[:3]} == {last}
     assert all(ev.logical_index == 1 for ev in events if isinstance(ev, p.Cow))
-    assert all(seq.block_table[0] == full for seq in family) and d.bm.ref_counts[full] == 4
+    assert all(seq.block_table[0] == full for seq in family) and d.bm.pool.ref_counts[full] == 4
     assert len({seq.block_table[1] for seq in family}) == 4 and children[2].block_table[1] == last
-    assert all(d.bm.ref_counts[seq.block_table[1]] == 1 for seq in family)
+    assert all(d.bm.pool.ref_counts[seq.block_table[1]] == 1 for seq in family)
     assert d.replay().snapshot() == d.snapshot()
 
 
@@ -66,10 +66,10 @@ def test_cow_copies_only_the_partial_block_and_keeps_full_ones_shared():
     src = parent.block_table[1]
     child = d.fork(parent)
     d.drain()
-    assert d.decode(child, 5) == (src, child.block_table[1])
+    assert d.decode(child, 5) == [(src, child.block_table[1])]
     (cow,) = [ev for ev in d.drain() if isinstance(ev, p.Cow)]
     assert (cow.seq_id, cow.logical_index, cow.src_block_id) == (child.seq_id, 1, src)
-    assert d.decode(parent, 6) is None  # now the only holder: writes in place
+    assert d.decode(parent, 6) == []  # now the only holder: writes in place
     assert parent.block_table[1] == src and child.block_table[0] == parent.block_table[0]
 
 
@@ -174,7 +174,7 @@ def test_clear_prefix_cache_evicts_every_unheld_cached_block_only():
     d.drain()
     assert d.bm.clear_prefix_cache() == 2
     assert kinds(d.drain()) == ["evict", "evict"]
-    assert d.bm.num_cached_blocks == 0 and all(d.bm.hashes[b] for b in held.block_table[:3])
+    assert d.bm.num_cached_blocks == 0 and all(d.bm.cache.hashes[b] for b in held.block_table[:3])
 
 
 def test_free_releases_blocks_tail_first():

@@ -112,8 +112,8 @@ class PoolMachine(RuleBasedStateMachine):
         free, cached, used, *_ = self.replayed.counts()
         assert free + cached + used == self.d.bm.config.num_device_blocks
         assert free + cached == self.d.bm.num_allocatable_blocks
-        assert self.replayed.host_ref_counts.tolist() == self.d.bm.host_ref_counts
-        assert len(self.d.bm.host_free) == self.d.bm.host_ref_counts.count(0)
+        assert self.replayed.host_ref_counts.tolist() == self.d.bm.host.ref_counts
+        assert len(self.d.bm.host.free) == self.d.bm.host.ref_counts.count(0)
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -142,7 +142,7 @@ def test_parallel_sampling_shares_the_prompt_and_copies_the_partial_block_on_wri
     assert [s.seq_id for s in seqs] == ["fam", "fam.1", "fam.2", "fam.3"]
     table = list(seqs[0].block_table)
     assert all(s.block_table == table for s in seqs)
-    assert [engine.block_manager.ref_counts[b] for b in table] == [4, 4, 4]
+    assert [engine.block_manager.pool.ref_counts[b] for b in table] == [4, 4, 4]
     finished = run_to_end(engine)
     events = engine.log.drain()
     cows = [e for e in events if isinstance(e, p.Cow)]
@@ -174,7 +174,7 @@ def test_abort_and_finish_free_every_block(tiny):
     aborted = engine.abort("a")
     assert [o.finish_reason for o in aborted] == ["abort"] and engine.abort("nobody") == []
     finished += run_to_end(engine)
-    assert sum(engine.block_manager.ref_counts) == 0 and not engine.seqs
+    assert sum(engine.block_manager.pool.ref_counts) == 0 and not engine.seqs
     assert [o.finish_reason for o in finished] == ["length"]
 
 

@@ -63,15 +63,15 @@ def test_the_model_keeps_chains_branches_holders_and_eviction_order():
 
 def check_against(builder: ForestBuilder, lab: Lab) -> None:
     bm, forest = lab.block_manager, builder.forest
-    assert set(forest.nodes) == {hash_hex(h) for h in bm.hash_to_block}
+    assert set(forest.nodes) == {hash_hex(h) for h in bm.cache.maps[0]}
     for key, node in forest.nodes.items():
         b = node.block
-        assert hash_hex(bm.hashes[b]) == key and node.holders == bm.ref_counts[b]
+        assert hash_hex(bm.cache.hashes[b]) == key and node.holders == bm.pool.ref_counts[b]
         if node.parent is not None and node.parent in forest.nodes:  # the chained hash holds
-            parent = bm.hashes[forest.nodes[node.parent].block]
-            assert hash_hex(hash((parent, *bm.tokens[b]))) == key
-    assert list(forest.lru) == [hash_hex(bm.hashes[b]) for b in bm.evictable]
-    assert forest.victim == (hash_hex(bm.hashes[next(iter(bm.evictable))]) if bm.evictable else None)
+            parent = bm.cache.hashes[forest.nodes[node.parent].block]
+            assert hash_hex(hash((parent, *bm.cache.tokens[b]))) == key
+    assert list(forest.lru) == [hash_hex(bm.cache.hashes[b]) for b in bm.pool.evictable]
+    assert forest.victim == (hash_hex(bm.cache.hashes[next(iter(bm.pool.evictable))]) if bm.pool.evictable else None)
 
 
 @pytest.mark.parametrize("pool", [

@@ -20,6 +20,7 @@ EVENTS = [
     p.Evict(block_id=3, hash="00ff00ff00ff00ff"),
     p.Cow(seq_id="r1.1", logical_index=1, src_block_id=1, dst_block_id=2),
     p.Free(seq_id="r1", block_id=3, ref_count=0),
+    p.WindowFree(seq_id="r1", kv_group=1, logical_index=0, block_id=2, ref_count=0),
     p.Preempt(seq_id="r1", mode="swap"),
     p.SwapOut(seq_id="r1", mapping=[(3, 0), (1, 1)]),
     p.SwapIn(seq_id="r1", mapping=[(0, 2), (1, 0)]),
