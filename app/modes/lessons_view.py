@@ -10,8 +10,8 @@ import streamlit as st
 from kvscope_contract import protocol as p
 from app.data.client import EngineClient
 from app.ui.commands import send
-from app.modes.lesson import Lesson, all_lessons, caption
-from app.modes.lesson_runner import LessonRun
+from app.data.lessons.lesson import Lesson, all_lessons, caption
+from app.data.lessons.runner import LessonRun
 from app.modes import fleet_lesson_view
 from app.data.source import Source
 from app.data.words import plural

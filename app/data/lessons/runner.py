@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvscope_contract import protocol as p
-from app.modes.lesson import Focus, Lesson, Stop, context, focus, recorded
+from app.data.lessons.lesson import Focus, Lesson, Stop, context, focus, recorded
 
 NEVER_IN_A_STEP = "reset"  # a reset happens between steps: `run_until` it = run exactly max_steps steps
 IDLE_GIVE_UP_S = 5.0       # a run the engine has no work for ends after this long
