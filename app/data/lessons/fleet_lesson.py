@@ -28,6 +28,7 @@ import msgspec
 from kvscope_contract import protocol as p
 from app.data.fleet import load as fleet_load
 from app.data.lessons.lesson import read_lesson
+from app.data.lessons.walk import StopWalk
 from app.data.fleet.engines import Endpoint, Fleet, FleetEngine
 from app.data.fleet.content import chain_ids
 from app.data.fleet.index import EngineCache, FleetIndex, pick
@@ -159,7 +160,7 @@ class Phase:
 
 
 @dataclass
-class FleetLessonRun:
+class FleetLessonRun(StopWalk):
     lesson: FleetLesson
     fleet: Fleet
     model: str = "smollm2"                          # for the engines the lesson starts, if it must
@@ -174,27 +175,13 @@ class FleetLessonRun:
     records: dict[str, dict[str, str]] = field(default_factory=dict)
     _thread: threading.Thread | None = None
 
-    @property
-    def done(self) -> bool:
-        return len(self.reached) == len(self.lesson.stops) and self.pending is None
-
-    @property
-    def stop(self) -> FleetStop | None:
-        return self.lesson.stops[self.viewing] if self.viewing >= 0 else None
-
     def words(self) -> dict[str, str]:
         return self.reached[self.viewing]
 
     # ------------------------------------------------------------------ moving
     def next(self, seen: int | None = None) -> None:
-        """Show the next stop: one reached already, or run to a new one (on a thread). `seen`: the
-        stop shown when the click was drawn (one click delivered to two runs moves one stop)."""
-        if self.pending is not None or seen not in (None, self.viewing):
-            return
-        if self.viewing + 1 < len(self.reached):
-            self.viewing += 1
-            return
-        if len(self.reached) == len(self.lesson.stops) or self.errors:
+        """Show the next stop: one reached already, or run to a new one (on a thread)."""
+        if not self.forward(seen) or self.errors:
             return
         self.pending = len(self.reached)
         self.progress = "starting"
@@ -202,8 +189,7 @@ class FleetLessonRun:
         self._thread.start()
 
     def back(self, seen: int | None = None) -> None:
-        if self.pending is None and self.viewing > 0 and seen in (None, self.viewing):
-            self.viewing -= 1
+        self.backward(seen)
 
     def wait(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Until the stop in progress is reached (for scripts and tests)."""
