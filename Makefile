@@ -115,7 +115,7 @@ run-vllm: install vllm-venv
 # two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
 FLEET_BLOCKS ?= 96
 run-fleet: install vllm-venv
-	$(PY) -m app.data.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
+	$(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
 
 # vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
 bench-vllm: vllm-venv

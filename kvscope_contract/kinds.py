@@ -2,7 +2,8 @@
 
 The grid's outlines, the timeline's and the scrubber's markers, the event log's colours and
 default filter, and `engine.model.generate`'s tally all read this table; which blocks an event
-touches is `touched_blocks`.
+touches is `touched_blocks`, what it did in words `words` (a new kind needs its row and its words
+here, and its message in protocol.py).
 """
 from __future__ import annotations
 
@@ -71,3 +72,55 @@ def touched_blocks(ev: p.Event) -> tuple[list[int], list[int]]:
             pairs = ev.mapping + ev.shared
             return [d for _, d in pairs], [h for h, _ in pairs]
     return [], []
+
+
+def words(ev: p.Event) -> str:
+    """What `ev` did, in one line of words: the event log's line, the time-travel bar's caption."""
+    match ev:
+        case p.RequestAdded():
+            return f"request {ev.request_id} added: {ev.prompt_tokens} prompt tokens, n={ev.n}, max {ev.max_tokens} new"
+        case p.Fork():
+            return f"forked from {ev.parent_seq_id}, sharing {len(ev.block_ids)} blocks"
+        case p.Alloc():
+            return f"logical {ev.logical_index} → new block {ev.block_id}"
+        case p.PrefixHit():
+            return f"logical {ev.logical_index} → cached block {ev.block_id} (hash {ev.hash[:8]})"
+        case p.Cached():
+            return f"block {ev.block_id} registered in the prefix cache (hash {ev.hash[:8]})"
+        case p.Evict():
+            return f"block {ev.block_id} evicted from the prefix cache"
+        case p.Cow():
+            return f"logical {ev.logical_index}: shared block {ev.src_block_id} copied to {ev.dst_block_id}"
+        case p.Free():
+            return f"block {ev.block_id} released (ref count now {ev.ref_count})"
+        case p.Preempt():
+            return f"preempted ({ev.mode})"
+        case p.SwapOut():
+            return (f"{len(ev.mapping)} blocks swapped out to host " + ", ".join(f"{d}→H{h}" for d, h in ev.mapping[:6])
+                    + (" …" if len(ev.mapping) > 6 else "") + _group(ev))
+        case p.SwapIn():
+            return (f"{len(ev.mapping)} blocks swapped in " + ", ".join(f"H{h}→{d}" for h, d in ev.mapping[:6])
+                    + (" …" if len(ev.mapping) > 6 else "") + _group(ev))
+        case p.Append():
+            return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids else " (prefill chunk)")
+        case p.StatusChange():
+            return f"now {ev.status}"
+        case p.Finish():
+            return f"finished ({ev.reason})"
+        case p.StepDone():
+            return (f"step done in {ev.duration_ms:.1f} ms: {ev.prefill_tokens:,} prefill + {ev.decode_tokens:,} "
+                    f"decode tokens; {ev.num_running:,} running, {ev.num_waiting:,} waiting, "
+                    f"{ev.num_swapped:,} swapped; {ev.free_blocks:,} free, {ev.cached_blocks:,} cached")
+        case p.Reset():
+            c = ev.config
+            return (f"engine reset: {c.num_device_blocks} blocks of {c.block_size}, {c.num_host_blocks} host, "
+                    f"prefix cache {'on' if c.enable_prefix_caching else 'off'}, {c.preemption_mode}")
+    return ""
+
+
+def _group(ev: p.SwapOut | p.SwapIn) -> str:
+    """A fork group swapped together: who went with it, and the blocks shared without a copy."""
+    out = f" with {', '.join(ev.group[1:])}" if len(ev.group) > 1 else ""
+    if ev.shared:
+        out += f"; {len(ev.shared)} shared with a copy already there (" + ", ".join(f"{a}→{b}" for a, b in ev.shared[:6]) + ")"
+    return out

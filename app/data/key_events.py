@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscope_contract import protocol as p
-from kvscope_contract.kinds import KINDS, kind_of, touched_blocks
+from kvscope_contract.kinds import KINDS, kind_of, touched_blocks, words
 from kvscope_contract.state import PoolState
 from app.data.words import plural
 
@@ -78,4 +78,6 @@ def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEven
             cost = ("its blocks go to the host pool" if ev.mode == "swap"
                     else "its blocks are freed and its tokens will be computed again")
             text = f"{seq_id} preempted by {ev.mode}{why}: the pool had no block for the next token; {cost}"
+        case _:  # a key kind without a teacher's sentence yet: the event log's words
+            text = words(ev)
     return KeyEvent(kind, f"{KINDS[kind].label}: {text}", blocks)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "assets"  # the grid's and scrubber's JS and CSS, the bundled recordings (in the wheel too)
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
@@ -69,7 +70,7 @@ def python_for(module: str) -> str:
 
 def recordings() -> list[Path]:
     """Recordings offered by the replay picker: those bundled in assets/."""
-    return sorted((ROOT / "assets").glob("*.jsonl"))
+    return sorted(ASSETS.glob("*.jsonl"))
 
 
 EPILOG = """Any other flag goes to the embedded engine (kvscope-engine --help lists them: --model,
@@ -116,7 +117,7 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
         return Source("attach", url=args.engine, token=args.token)
     if args.replay:
         path = Path(args.replay).expanduser()
-        bundled = ROOT / "assets" / path.name  # `--replay demo_recording.jsonl` from anywhere (pip install)
+        bundled = ASSETS / path.name  # `--replay demo_recording.jsonl` from anywhere (pip install)
         path = bundled if not path.exists() and bundled.exists() else path
         return Source("replay", path=str(path.resolve()), speed=args.speed)
     return Source("embedded", model=args.model, engine_args=tuple(rest))

@@ -1,13 +1,13 @@
 """The routing lesson on the fleet page: a card above the engines' cards with the lesson's
 controls (Start, Next, Back, Restart) and the viewed stop's caption, filled with the fleet's
-numbers when the stop was reached (app/modes/fleet_lesson.py runs it)."""
+numbers when the stop was reached (app/data/lessons/fleet_lesson.py runs it)."""
 from __future__ import annotations
 
 import streamlit as st
 
-from app.data.fleet import Fleet
+from app.data.fleet.engines import Fleet
 from app.data.source import Source
-from app.modes.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption, can_drive
+from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption, can_drive
 
 KEY = "fleet_lesson"  # session state: the FleetLessonRun in progress
 REDRAW_S = 0.5
@@ -49,7 +49,7 @@ def _card(fleet: Fleet, source: Source, run: FleetLessonRun | None, lesson) -> N
     total = len(run.lesson.stops)
     c = st.columns([1, 1, 1, 4])
     c[0].button("Next", icon=":material/arrow_forward:", key="fleet_lesson_next", type="primary", width="stretch",
-                disabled=run.pending is not None or bool(run.errors) or (run.done and run.viewing == total - 1),
+                disabled=run.pending is not None or bool(run.errors) or run.at_end,
                 on_click=run.next, args=(run.viewing,), help="Run to the next stop (or show the next one reached before)")
     c[1].button("Back", icon=":material/arrow_back:", key="fleet_lesson_back", width="stretch",
                 disabled=run.pending is not None or run.viewing <= 0, on_click=run.back,
@@ -69,9 +69,9 @@ def _card(fleet: Fleet, source: Source, run: FleetLessonRun | None, lesson) -> N
         return
     stop = run.stop
     st.markdown(f"**{run.lesson.title}** · stop {run.viewing + 1} of {total} · *{stop.title}*"
-                + ("" if run.viewing == len(run.reached) - 1 else " · :orange[a stop reached earlier: the "
+                + ("" if run.at_latest else " · :orange[a stop reached earlier: the "
                    "engines below show the fleet now]"))
     st.markdown(caption(stop, run.words()))
-    if run.done and run.viewing == total - 1:
+    if run.at_end:
         st.caption("End of the lesson: **Restart** runs it again. The load generator in the sidebar sends the "
                    "same workload with the policy and size you choose.")

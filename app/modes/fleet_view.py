@@ -19,11 +19,11 @@ import numpy as np
 import streamlit as st
 
 from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
-from app.data import fleet_load
+from app.data.fleet import load as fleet_load
 from app.ui import stale
 from app.panels import prefix_tree
-from app.data.fleet import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
-from app.data.fleet_index import FleetIndex, pick
+from app.data.fleet.engines import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
+from app.data.fleet.index import FleetIndex, pick
 from app.data.refreshed import Refreshed
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR

@@ -10,8 +10,8 @@ import streamlit as st
 from kvscope_contract import protocol as p
 from app.data.client import EngineClient
 from app.ui.commands import send
-from app.modes.lesson import Lesson, all_lessons, caption
-from app.modes.lesson_runner import LessonRun
+from app.data.lessons.lesson import Lesson, all_lessons, caption
+from app.data.lessons.runner import LessonRun
 from app.modes import fleet_lesson_view
 from app.data.source import Source
 from app.data.words import plural
@@ -78,7 +78,7 @@ def sidebar(client: EngineClient) -> None:
                   help="Resets the engine to the lesson's pool and submits its requests")
         return
     st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
-              disabled=run.pending is not None or (run.done and run.viewing == len(run.lesson.stops) - 1),
+              disabled=run.pending is not None or run.at_end,
               on_click=_next, args=(client, run.viewing), help="Run to the next stop (or show the next one reached before)")
     c = st.columns(2)
     c[0].button("Back", icon=":material/arrow_back:", key="lesson_back", width="stretch",
@@ -144,9 +144,9 @@ def stage(client: EngineClient) -> list[int]:
         stop = run.stop
         st.markdown(f"**{run.lesson.title}** · stop {run.viewing + 1} of {total}"
                     + (f" · *{stop.title}*" if stop.title else "")
-                    + ("" if run.viewing == len(run.reached) - 1 else " · :orange[a stop reached earlier]"))
+                    + ("" if run.at_latest else " · :orange[a stop reached earlier]"))
         st.markdown(caption(stop, values))
-        if run.done and run.viewing == total - 1:
+        if run.at_end:
             st.caption("End of the lesson: **Restart** runs it again; pick another lesson in the sidebar.")
         st.session_state["lesson_blocks"] = fx.blocks
         return fx.blocks

@@ -19,7 +19,6 @@ import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import streamlit as st
@@ -28,9 +27,9 @@ from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
 from kvscope_contract.state import STATE_NAMES
 from app.data.client import View
+from app.data.source import ASSETS
 from app.ui.palette import ACCENT, CACHED, FREE, RESERVED, SEQ_COLORS, SHARED, css_vars
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
 DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
                 ("state", "u1"), ("touch", "u1"), ("pad", "<u2")])

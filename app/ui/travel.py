@@ -13,10 +13,9 @@ from functools import lru_cache
 import streamlit as st
 
 from app.data.client import EngineClient, View
-from app.panels.eventlog import describe
-from app.panels.grid import ASSETS
+from app.data.source import ASSETS
 from app.ui.palette import css_vars
-from kvscope_contract.kinds import KINDS
+from kvscope_contract.kinds import KINDS, words
 
 FRAGMENTS = ["live", "tables", "panel"]  # every view: a travel redraws them all at once
 
@@ -75,7 +74,7 @@ def bar(client: EngineClient, view: View, connected: bool) -> None:
     c[4].button("Live", icon=":material/radio_button_checked:", key="tt_live", width="stretch",
                 type="secondary" if view.live else "primary", on_click=lambda: go(None), disabled=view.live)
     ev = view.step_events[-1] if view.step_events else None
-    where = f"event **{n:,}** of {last:,}" + (f" · step {ev.step} · {ev.__struct_config__.tag}: {describe(ev)[2]}"
+    where = f"event **{n:,}** of {last:,}" + (f" · step {ev.step} · {ev.__struct_config__.tag}: {words(ev)}"
                                               if ev and ev.seq == n else "")
     mode = (":orange[:material/history: **Time travel**] · " if not view.live else ":green[● **Live**] · " if connected
             else ":red[● **Not connected**: the last state received] · ")

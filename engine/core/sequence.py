@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvscope_contract.protocol import DEFAULT_MAX_TOKENS
-from engine.model.detokenizer import Detokenizer
+from engine.core.detokenizer import Detokenizer
 
 
 class SeqStatus(str, Enum):

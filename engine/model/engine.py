@@ -11,7 +11,7 @@ import msgspec
 from kvscope_contract import protocol as p
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, Output, StepResult
-from engine.model.detokenizer import Detokenizer
+from engine.core.detokenizer import Detokenizer
 from engine.model.model_loader import LoadedModel, apply_chat_template, load_model
 from engine.model.model_runner import ModelRunner
 from engine.model.sampler import make_generator, sample

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 
 from kvscope_contract import protocol as p
-from engine.model.detokenizer import Detokenizer
+from engine.core.detokenizer import Detokenizer
 from engine.serve.hub import Client, Hub
 from integrations.vllm.forward import Forwarder, Submission
 from integrations.vllm.observer import NULL_BLOCK, PoolObserver, request_group

@@ -11,7 +11,7 @@ import pytest
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import kind_of
-from app.modes.lesson import all_lessons
+from app.data.lessons.lesson import all_lessons
 from tests.lesson_claims import CLAIMS, AtStop
 from tests.integration.test_app import at, engine, events, grid_data, html_with, observer, recording, rerun_until  # noqa: F401
 

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from app.data import fleet_load
-from app.data.fleet import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
-from app.data.fleet_content import chain_ids
+from app.data.fleet import load as fleet_load
+from app.data.fleet.engines import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
+from app.data.fleet.content import chain_ids
 from app.data.launcher import ServerProcess
 from kvscope_contract.ready import ready_url
 from engine.synthetic import INDEX, WORDS

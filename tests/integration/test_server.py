@@ -153,7 +153,7 @@ def test_the_token_is_enforced_at_the_handshake(make_server):
 
 
 def test_get_tokenize_answers_the_engines_own_token_ids_behind_its_token(make_server, tiny):
-    """The fleet page scores a typed prompt with these ids (app.data.fleet.tokenize)."""
+    """The fleet page scores a typed prompt with these ids (app.data.fleet.engines.tokenize)."""
     srv = make_server(token="s3cret")
     http = srv.url.replace("ws://", "http://").rstrip("/")
     text = "A prompt, typed: with punctuation and ünïcode."

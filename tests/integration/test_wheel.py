@@ -56,7 +56,7 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_wheel_carries_what_a_user_needs(venv):
     _, wheel = venv
     names = set(zipfile.ZipFile(wheel).namelist())
-    for need in ("app/main.py", "app/modes/lessons/04_prefix_caching.toml", "app/modes/lessons/fleet/routing.toml", "assets/grid.js", "assets/grid.css",
+    for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml", "assets/grid.js", "assets/grid.css",
                  "assets/scrubber.js", "assets/demo_recording.jsonl", "kernels/cpu/kvscope_cpu.cpp",
                  "kvscope_contract/state.py", "engine/model/model_loader.py", "app/data/export_perfetto.py",
                  "integrations/vllm/plugin.py"):

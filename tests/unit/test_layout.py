@@ -1,6 +1,7 @@
 """The layout keeps its promises: the contract (kvscope_contract) imports nothing but the
 standard library, msgspec and numpy; the dashboard reaches the engine only through the
-contract; no module imports itself back through a cycle."""
+contract; each room imports only the rooms below it; no module imports itself back through a
+cycle."""
 from __future__ import annotations
 
 import ast
@@ -68,6 +69,48 @@ def test_the_dashboard_data_layer_never_imports_streamlit():
             assert name.split(".")[0] not in ("streamlit", "altair"), f"{f.relative_to(ROOT)} imports {name}"
             # the bottom room: panels, modes and the sidebar build on it, never the other way
             assert not name.startswith(("app.panels", "app.modes", "app.ui")), f"{f.relative_to(ROOT)} imports {name}"
+
+
+def assert_never_imports(folder: str, below: tuple[str, ...]) -> None:
+    files = list((ROOT / folder).rglob("*.py"))
+    assert files, folder
+    for f in files:
+        for name in imports(f):
+            assert not name.startswith(below), f"{f.relative_to(ROOT)} imports {name}"
+
+
+def test_the_sidebar_and_chrome_never_import_panels_or_pages():
+    """app/ui/ (sidebar controls, time travel, connection, palette) is below the panels, which
+    draw with it, and the pages: what both need lives in app/ui/ or app/data/."""
+    assert_never_imports("app/ui", ("app.panels", "app.modes"))
+
+
+def test_the_panels_never_import_the_pages():
+    assert_never_imports("app/panels", ("app.modes",))
+
+
+def test_every_page_module_draws():
+    """app/modes/ holds what draws a page; a module there that never imports streamlit is the
+    page's logic (a lesson's model, a launcher's plan) and belongs in app/data/ or tools/."""
+    for f in (ROOT / "app" / "modes").rglob("*.py"):
+        if f.name != "__init__.py":
+            assert "streamlit" in {n.split(".")[0] for n in imports(f)}, f"{f.relative_to(ROOT)} draws nothing"
+
+
+def test_the_engine_core_needs_no_model_server_or_lab():
+    """engine/core/ is the engine without a model: the lab, the synthetic engine and the vLLM
+    plugin run it (or its event log) with no model loaded."""
+    for f in (ROOT / "engine" / "core").rglob("*.py"):
+        for name in imports(f):
+            top = name.split(".")[0]
+            assert top not in ("torch", "transformers", "kernels"), f"{f.relative_to(ROOT)} imports {name}"
+            assert top != "engine" or name.startswith("engine.core"), f"{f.relative_to(ROOT)} imports {name}"
+
+
+def test_the_integrations_never_import_the_model_side():
+    """An integration runs inside another engine (vLLM's process, a KV-event stream): KVScope's
+    model, runner and kernels are not theirs to load."""
+    assert_never_imports("integrations", ("engine.model", "kernels"))
 
 
 def test_the_kv_event_mode_needs_neither_torch_nor_vllm():

@@ -1,4 +1,4 @@
-"""`make run-fleet` end to end (`python -m app.data.fleet_demo`, what the target runs): two real vLLM
+"""`make run-fleet` end to end (`python -m tools.fleet_demo`, what the target runs): two real vLLM
 CPU servers and the dashboard, driven in Chromium as a user would: the load generator's chat
 workload round-robin duplicates the system prompts' blocks across the two servers, *Clear every
 prefix cache* empties both, and the same workload with prefix affinity duplicates none. Stopping
@@ -43,7 +43,7 @@ def test_make_run_fleet_round_robin_duplicates_and_affinity_does_not(tmp_path):
 
     port = free_port()
     log = (tmp_path / "demo.log").open("w")
-    demo = subprocess.Popen([sys.executable, "-m", "app.data.fleet_demo", "--port", str(port), "--num-blocks", "96"],
+    demo = subprocess.Popen([sys.executable, "-m", "tools.fleet_demo", "--port", str(port), "--num-blocks", "96"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 120, "the dashboard to listen")

@@ -370,7 +370,7 @@ def second(vllm):
 
 @pytest.fixture
 def fleet(vllm, second):
-    from app.data.fleet import Endpoint, Fleet
+    from app.data.fleet.engines import Endpoint, Fleet
 
     for server in (vllm, second):  # from an empty prefix cache: every block's tokens seen by the fleet
         with urllib.request.urlopen(urllib.request.Request(server.api + "/reset_prefix_cache", b"", method="POST"),
@@ -405,7 +405,7 @@ def settled(fleet, servers) -> None:
 
 
 def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_as_vllm_reuses(vllm, second, fleet):
-    from app.data.fleet import tokenize
+    from app.data.fleet.engines import tokenize
 
     for k, q in enumerate(QUESTIONS):
         chat(vllm, SYSTEMS[0], q)
@@ -439,7 +439,7 @@ def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_
 
 
 def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload(vllm, second, fleet):
-    from app.data import fleet_load
+    from app.data.fleet import load as fleet_load
 
     servers = {"a": vllm, "b": second}
     dup = {}
@@ -462,7 +462,7 @@ def test_o_the_routing_lesson_runs_on_two_vllms(vllm, second, fleet):
     them): round-robin leaves as many duplicated blocks as the servers' own snapshots hold twice,
     affinity none, the hit rate rises, and the conversation the router scores is found cached on
     the engine it picks as far as its score says."""
-    from app.modes.fleet_lesson import FleetLessonRun, all_fleet_lessons
+    from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons
 
     lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
     run = FleetLessonRun(lesson, fleet)
@@ -508,7 +508,7 @@ def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(v
 def test_m_find_ranks_reads_vllms_kv_event_sources(vllm):
     """vLLM 0.32's GET /kv_event_sources (a config per data-parallel rank) gives the fleet this
     server's KV-event endpoint, the same the test started it with."""
-    from app.data.fleet import kv_event_sources
+    from app.data.fleet.engines import kv_event_sources
 
     found = kv_event_sources(vllm.api)
     assert found is not None and [(e.url, e.kind, e.rank) for e in found] == [(vllm.kv_events, "kv-events", 0)]
@@ -519,9 +519,9 @@ def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_ope
     load generator's chats reach vLLM over HTTP (vLLM's own request counter), the stream then holds
     their prompts' blocks by content (the chat prompt as vLLM's /tokenize gives it), "Clear every
     prefix cache" empties it, and a server that does not answer is said on the page, not raised."""
-    from app.data import fleet_load
-    from app.data.fleet import Endpoint, Fleet
-    from app.data.fleet_content import chain_ids
+    from app.data.fleet import load as fleet_load
+    from app.data.fleet.engines import Endpoint, Fleet
+    from app.data.fleet.content import chain_ids
 
     f = Fleet.of([Endpoint("z", vllm.kv_events, "kv-events", vllm.api),
                   Endpoint("gone", "tcp://127.0.0.1:9", "kv-events", "http://127.0.0.1:9")])

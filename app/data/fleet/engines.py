@@ -37,12 +37,12 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import numpy as np
 
 from kvscope_contract import protocol as p
-from app.data import fleet_load
+from app.data.fleet import load as fleet_load
 from app.data.client import EngineClient
 from app.data.event_history import EventHistory
 from app.data.mirror import Mirror
-from app.data.fleet_content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
-from app.data.fleet_index import EngineCache, FleetIndex
+from app.data.fleet.content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
+from app.data.fleet.index import EngineCache, FleetIndex
 
 Kind = Literal["kvscope", "vllm-plugin", "kv-events"]
 ENDPOINT_KINDS: tuple[str, ...] = ("kvscope", "vllm-plugin", "kv-events")

@@ -2,7 +2,7 @@
 plugin and ZMQ KV events on) and the dashboard on the fleet page, whose sidebar sends them a chat
 workload round-robin or with prefix affinity.
 
-    python -m app.data.fleet_demo [--servers 2] [--num-blocks 96] [--port 8501]
+    python -m tools.fleet_demo [--servers 2] [--num-blocks 96] [--port 8501]
 
 Both servers get the same PYTHONHASHSEED, so their block hashes agree as well as their content
 (docs/fleet.md). The fleet file is written to a temporary folder and listed on start; the page

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvscope_contract import protocol as p
-from app.modes.lesson import Focus, Lesson, Stop, context, focus, recorded
+from app.data.lessons.lesson import Focus, Lesson, context, focus, recorded
+from app.data.lessons.walk import StopWalk
 
 NEVER_IN_A_STEP = "reset"  # a reset happens between steps: `run_until` it = run exactly max_steps steps
 IDLE_GIVE_UP_S = 5.0       # a run the engine has no work for ends after this long
@@ -37,7 +38,7 @@ class Pending:
 
 
 @dataclass
-class LessonRun:
+class LessonRun(StopWalk):
     lesson: Lesson
     reached: list[Reached] = field(default_factory=list)
     viewing: int = -1                 # the stop shown (-1: the introduction)
@@ -48,35 +49,17 @@ class LessonRun:
     sent: list[int] = field(default_factory=list)  # ids of the commands of the run in progress
     memo: dict = field(default_factory=dict)       # the viewed stop's words, for the views that redraw often
 
-    @property
-    def done(self) -> bool:
-        return len(self.reached) == len(self.lesson.stops) and self.pending is None
-
-    @property
-    def stop(self) -> Stop | None:
-        return self.lesson.stops[self.viewing] if self.viewing >= 0 else None
-
     # ------------------------------------------------------------------ moving
     def next(self, client, seen: int | None = None) -> int | None:
         """Show the next stop: one reached already (returns the event to travel to), or run the
-        engine to a new one (returns None: live). `seen`: the stop shown when the click was drawn
-        (Streamlit can deliver one click to two runs: it must move one stop, not two)."""
-        if self.pending is not None:
-            return None
-        if seen is not None and seen != self.viewing:
-            return self._travel_target()
-        if self.viewing + 1 < len(self.reached):
-            self.viewing += 1
-            return self._travel_target()
-        if len(self.reached) == len(self.lesson.stops):
-            return self._travel_target()
-        self._run(client, len(self.reached))
-        return None
+        engine to a new one (returns None: live)."""
+        if self.forward(seen):
+            self._run(client, len(self.reached))
+        return None if self.pending is not None else self._travel_target()
 
     def back(self, seen: int | None = None) -> int | None:
-        """Show the previous stop, as the history kept it (`seen`: as in `next`)."""
-        if self.pending is None and self.viewing > 0 and seen in (None, self.viewing):
-            self.viewing -= 1
+        """Show the previous stop, as the history kept it."""
+        self.backward(seen)
         return self._travel_target()
 
     def _travel_target(self) -> int | None:

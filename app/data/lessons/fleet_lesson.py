@@ -1,14 +1,14 @@
-"""The routing lesson: a script over two engines of a fleet (`app/modes/lessons/fleet/*.toml`),
+"""The routing lesson: a script over two engines of a fleet (`app/data/lessons/fleet/*.toml`),
 run stop by stop, each caption filled with the fleet's numbers when its stop is reached.
 
 A stop does one thing and is reached when it is done:
 - `clear`: empty both engines' prefix caches (a KVScope engine is reset to the lesson's pool, a
   vLLM gets `clear_prefix_cache`), reached when both report nothing cached and nothing running;
-- `send`: the chat workload (app/data/fleet_load.py) with a routing policy, each engine's share
+- `send`: the chat workload (app/data/fleet/load.py) with a routing policy, each engine's share
   sent one request at a time (the next once the one before finished, so what a request finds
   cached does not depend on timing), reached when every request has finished;
 - `probe`: a conversation of the last workload scored on each engine as a prefix-aware router
-  would (app/data/fleet_index.py), then sent to the engine picked, reached when it finished.
+  would (app/data/fleet/index.py), then sent to the engine picked, reached when it finished.
 
 The engines are the first two live ones of the fleet that take prompts and can be cleared; with
 fewer, the lesson starts two KVScope engines of its own (`launch`), as the Lessons mode starts its
@@ -26,15 +26,16 @@ from typing import Literal
 import msgspec
 
 from kvscope_contract import protocol as p
-from app.data import fleet_load
-from app.modes.lesson import read_lesson
-from app.data.fleet import Endpoint, Fleet, FleetEngine
-from app.data.fleet_content import chain_ids
-from app.data.fleet_index import EngineCache, FleetIndex, pick
+from app.data.fleet import load as fleet_load
+from app.data.lessons.lesson import read_lesson
+from app.data.lessons.walk import StopWalk
+from app.data.fleet.engines import Endpoint, Fleet, FleetEngine
+from app.data.fleet.content import chain_ids
+from app.data.fleet.index import EngineCache, FleetIndex, pick
 from app.data.launcher import ServerProcess
 from app.data.words import plural
 
-FLEET_LESSONS_DIR = Path(__file__).resolve().parent / "lessons" / "fleet"
+FLEET_LESSONS_DIR = Path(__file__).resolve().parent / "fleet"
 STOP_TIMEOUT_S = 600.0   # a stop that is not done by then says so (a slow CPU, a stuck engine)
 POLL_S = 0.05
 
@@ -159,7 +160,7 @@ class Phase:
 
 
 @dataclass
-class FleetLessonRun:
+class FleetLessonRun(StopWalk):
     lesson: FleetLesson
     fleet: Fleet
     model: str = "smollm2"                          # for the engines the lesson starts, if it must
@@ -174,27 +175,13 @@ class FleetLessonRun:
     records: dict[str, dict[str, str]] = field(default_factory=dict)
     _thread: threading.Thread | None = None
 
-    @property
-    def done(self) -> bool:
-        return len(self.reached) == len(self.lesson.stops) and self.pending is None
-
-    @property
-    def stop(self) -> FleetStop | None:
-        return self.lesson.stops[self.viewing] if self.viewing >= 0 else None
-
     def words(self) -> dict[str, str]:
         return self.reached[self.viewing]
 
     # ------------------------------------------------------------------ moving
     def next(self, seen: int | None = None) -> None:
-        """Show the next stop: one reached already, or run to a new one (on a thread). `seen`: the
-        stop shown when the click was drawn (one click delivered to two runs moves one stop)."""
-        if self.pending is not None or seen not in (None, self.viewing):
-            return
-        if self.viewing + 1 < len(self.reached):
-            self.viewing += 1
-            return
-        if len(self.reached) == len(self.lesson.stops) or self.errors:
+        """Show the next stop: one reached already, or run to a new one (on a thread)."""
+        if not self.forward(seen) or self.errors:
             return
         self.pending = len(self.reached)
         self.progress = "starting"
@@ -202,8 +189,7 @@ class FleetLessonRun:
         self._thread.start()
 
     def back(self, seen: int | None = None) -> None:
-        if self.pending is None and self.viewing > 0 and seen in (None, self.viewing):
-            self.viewing -= 1
+        self.backward(seen)
 
     def wait(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Until the stop in progress is reached (for scripts and tests)."""

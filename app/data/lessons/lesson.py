@@ -1,4 +1,4 @@
-"""Guided lessons as data: each `app/modes/lessons/*.toml` is a script over the live engine, and this
+"""Guided lessons as data: each `app/data/lessons/*.toml` is a script over the live engine, and this
 reads it and words each stop with the run's own numbers.
 
 A lesson is a list of stops. Before running to a stop, it may reset the pool and submit
@@ -27,7 +27,7 @@ from app.data.words import plural
 
 L = TypeVar("L")
 
-LESSONS_DIR = Path(__file__).resolve().parent / "lessons"
+LESSONS_DIR = Path(__file__).resolve().parent
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 GIB = 1 << 30
 
