@@ -74,8 +74,22 @@ def touched_blocks(ev: p.Event) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def words(ev: p.Event) -> str:
-    """What `ev` did, in one line of words: the event log's line, the time-travel bar's caption."""
+def words(ev: p.Event, groups: list[p.KVGroup] | None = None) -> str:
+    """What `ev` did, in one line of words: the event log's line, the time-travel bar's caption.
+    With a hybrid pool's `groups`, a table event names its KV-cache group."""
+    said = _words(ev)
+    if groups and len(groups) > 1 and (g := getattr(ev, "kv_group", None)) is not None:
+        said += f" · {group_name(g, groups)}"
+    return said
+
+
+def group_name(g: int, groups: list[p.KVGroup]) -> str:
+    """'group 5 (full)' or 'group 0 (window 512)'."""
+    w = groups[g].window if g < len(groups) else None
+    return f"group {g} ({'full' if w is None else f'window {w}'})"
+
+
+def _words(ev: p.Event) -> str:
     match ev:
         case p.RequestAdded():
             return f"request {ev.request_id} added: {ev.prompt_tokens} prompt tokens, n={ev.n}, max {ev.max_tokens} new"
@@ -93,6 +107,9 @@ def words(ev: p.Event) -> str:
             return f"logical {ev.logical_index}: shared block {ev.src_block_id} copied to {ev.dst_block_id}"
         case p.Free():
             return f"block {ev.block_id} released (ref count now {ev.ref_count})"
+        case p.WindowFree():
+            return (f"logical {ev.logical_index}: block {ev.block_id} left the sliding window, released "
+                    f"(ref count now {ev.ref_count})")
         case p.Preempt():
             return f"preempted ({ev.mode})"
         case p.SwapOut():

@@ -29,8 +29,10 @@ class LabConfig(Struct, kw_only=True):
     @property
     def label(self) -> str:
         p = self.pool
+        windows = sorted({g.sliding_window for g in p.kv_groups if g.window is not None})
         return (f"{p.num_device_blocks}×{p.block_size}"
-                f"{'' if p.enable_prefix_caching else ' no-cache'} {p.preemption_mode}"
+                + (f" {len(p.kv_groups)} groups, window {'/'.join(map(str, windows))}" if windows else "")
+                + f"{'' if p.enable_prefix_caching else ' no-cache'} {p.preemption_mode}"
                 + (f" wm {self.watermark:g}" if self.watermark != 0.01 else ""))
 
 

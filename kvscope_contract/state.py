@@ -434,6 +434,8 @@ class PoolState:
         """`s` stops holding block b (logical `index` of its table, where every holder has it)."""
         self.ref_counts[b] -= 1
         self.holder[b] ^= s.key
+        if not (self.ref_counts[b] or self.has_hash[b]):
+            self.kv_group[b] = 0  # free: of no group
         self._settle(b, held_tokens(s.num_tokens, index, self.config.block_size), index)
 
     def _settle(self, b: int, gone: int, index: int) -> None:

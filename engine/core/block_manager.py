@@ -51,6 +51,7 @@ class BlockManager:
         self._build(config)
 
     def _build(self, config: p.PoolConfig) -> None:
+        _check(config, int(self.watermark * config.num_device_blocks))
         n = config.num_device_blocks
         self.config, self.block_size, self.groups = config, config.block_size, config.groups
         self.windows = [g.window for g in self.groups]
@@ -194,6 +195,10 @@ class BlockManager:
         """Where a sliding-window hit of at most `length` blocks ends for `groups`; fills their
         tables (NULL_BLOCK before the run) up to there."""
         need = -(-(window - 1) // self.block_size)
+        if not need:  # a window of one token reads no earlier K/V: every block may be skipped
+            for g in groups:
+                tables[g][:] = [NULL] * length
+            return length
         run, found_at = 0, {}
         for i in range(length - 1, -1, -1):  # right to left: the first run long enough wins
             found = self._cached(seq, i, groups)
@@ -428,6 +433,23 @@ class BlockManager:
         return self.capture(seqs).state()
 
 
+def _check(config: p.PoolConfig, watermark_blocks: int) -> None:
+    """Refuse a pool whose groups cannot work: a window smaller than a block (its blocks would
+    leave the window before they are full), or fewer blocks than one per group."""
+    bs, groups = config.block_size, config.groups
+    for i, g in enumerate(groups):
+        if g.kind == "sliding_window" and (g.sliding_window or 0) < bs:
+            raise p.CommandError("invalid_argument", (
+                f"KV-cache group {i} attends to a sliding window of {g.sliding_window} tokens, smaller than "
+                f"a block of {bs}: use a block size of at most {g.sliding_window}"))
+    usable = config.num_device_blocks - len(config.reserved_blocks) - watermark_blocks
+    if usable < len(groups):
+        raise p.CommandError("invalid_argument", (
+            f"{config.num_device_blocks} device blocks ({usable} above the watermark) cannot give a "
+            f"request one block in each of the model's {len(groups)} KV-cache groups: use at least "
+            f"{len(groups) + len(config.reserved_blocks) + watermark_blocks + 1} blocks"))
+
+
 def _fields(config: p.PoolConfig) -> dict:
     return {f: getattr(config, f) for f in config.__struct_fields__}
 
@@ -459,5 +481,5 @@ class PoolCapture:
         has = np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
         values = np.zeros(len(self.hashes), np.uint64)
         values[has] = np.fromiter((h & MASK64 for h in self.hashes if h is not None), np.uint64)
-        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs,
-                               self.cached_groups)
+        groups = None if self.cached_groups is None else np.where(has, self.cached_groups, 0)
+        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs, groups)

@@ -45,6 +45,14 @@ def _mode(text: str) -> str:
     return text
 
 
+def _window(text: str) -> int | None:
+    if text.lower() in ("none", "full", "off"):
+        return None
+    if int(text) < 1:
+        raise ValueError(f"{text!r}: a window is at least one token")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.lab", description=__doc__.splitlines()[0],
                                  epilog="\n".join(__doc__.splitlines()[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-blocks", type=_list(int), default=[], metavar="N,...")
     ap.add_argument("--caching", type=_list(_switch), default=[], metavar="on,off", help="prefix caching")
     ap.add_argument("--preemption", type=_list(_mode), default=[], metavar="swap,recompute")
+    ap.add_argument("--window", type=_list(_window), default=[], metavar="W,...|none",
+                    help="a hybrid pool of Gemma 3's shape (5 sliding-window groups of W tokens, 1 full); "
+                         "none: full attention")
     ap.add_argument("--watermark", type=_list(float), default=[], metavar="F,...",
                     help="fraction of device blocks kept free when admitting (default 0.01)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
@@ -81,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine.lab: block sizes must be powers of two and block counts positive, got {bad}", file=sys.stderr)
         return 2
     cfgs = lab.configs(base, args.block_sizes, args.blocks, args.caching, args.preemption, args.watermark,
-                       args.host_blocks)
+                       args.host_blocks, args.window)
     report = lab.run(workload, cfgs, fast=not args.stepwise)
     if args.record:
         n = record(cfgs[0], workload, args.record)

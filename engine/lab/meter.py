@@ -170,8 +170,8 @@ class Meter(EventLog):
     def _capture(self) -> None:
         """The pool as it is now, cheaply (lists copied at C speed); drawn only at the end."""
         bm, lag = self.core.block_manager, self.lag
-        seqs = [(list(s.block_table), s.num_computed_tokens + (lag(s) if lag else 0))
-                for s in self.core.seqs.values() if s.block_table]
+        seqs = [([list(t) for t in s.block_tables], s.num_computed_tokens + (lag(s) if lag else 0))
+                for s in self.core.seqs.values() if any(s.block_tables)]
         self.peak = (self.step, bm.pool.ref_counts[:], bm.cache.hashes[:], seqs)
 
     def peak_grid(self) -> PeakGrid | None:
@@ -184,9 +184,11 @@ class Meter(EventLog):
             seq=0, config=cfg, host_blocks=[p.HostBlock(i, None, 0) for i in range(cfg.num_host_blocks)],
             device_blocks=[p.DeviceBlock(i, r, None if h is None else hash_hex(h), 0)
                            for i, (r, h) in enumerate(zip(refs, hashes))],
-            seqs=[p.SeqInfo(seq_id=str(i), request_id=str(i), status="running", block_table=table, host_table=[],
-                            num_tokens=computed, prompt_tokens=0, output_tokens=0)
-                  for i, (table, computed) in enumerate(seqs)])
+            seqs=[p.SeqInfo(seq_id=str(i), request_id=str(i), status="running", block_table=tables[0], host_table=[],
+                            num_tokens=computed, prompt_tokens=0, output_tokens=0,
+                            block_tables=tables if len(tables) > 1 else [],
+                            host_tables=[[] for _ in tables] if len(tables) > 1 else [])
+                  for i, (tables, computed) in enumerate(seqs)])
         state = PoolState.from_snapshot(snap)
         return PeakGrid(step=step, states=state.block_states().tolist(), tokens=state.block_tokens()[0].tolist())
 
@@ -198,3 +200,45 @@ _HANDLERS = {
 }
 _ON = {kind: (kind in CHANGES, _HANDLERS.get(kind)) for kind in p.AnyEvent.__args__}
 _NOTHING = (False, None)
+
+
+class HybridMeter(Meter):
+    """The meter for a pool of several KV-cache groups, where a sequence's tokens sit in a table
+    per group and a sliding window empties the front of some: tokens in used blocks and table
+    entries are counted afresh at each step (O(entries): the lab runs such pools step by step)."""
+
+    @property
+    def tokens_in_used(self) -> int:
+        held: dict[int, int] = {}
+        bs = self.bs
+        for s in self.core.seqs.values():
+            c = s.num_computed_tokens
+            for table in s.block_tables:
+                for i, b in enumerate(table):
+                    if b >= 0:
+                        held[b] = max(held.get(b, 0), held_tokens(c, i, bs))
+        hashes = self.core.block_manager.cache.hashes
+        return sum(bs if hashes[b] is not None else t for b, t in held.items())
+
+    def emit(self, ev: p.Event) -> None:
+        self.seq += 1
+        ev.seq, ev.step = self.seq, self.step
+        if self.keep:
+            self.pending.append(ev)
+        self.changes += type(ev) in CHANGES
+        match ev:
+            case p.StatusChange():
+                Meter._status(self, ev)
+            case p.Preempt() | p.SwapOut() | p.SwapIn():
+                self.counts.count(ev)
+            case p.Finish():
+                self.finished += 1
+            case p.StepDone():
+                self.sample(1, 0)
+
+    def computed_rows(self, num_tokens: int) -> None:
+        self.computed += num_tokens
+
+    def sample(self, steps: int, steady: int) -> None:
+        self.entries = sum(b >= 0 for s in self.core.seqs.values() for t in s.block_tables for b in t)
+        super().sample(steps, steady)

@@ -25,7 +25,7 @@ def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEven
             case p.StepDone():
                 used = state.counts().used
                 held = state.tokens_in_used_blocks()
-                entries = sum(len(s.block_table) for s in state.seqs.values())
+                entries = sum(b >= 0 for s in state.seqs.values() for t in s.block_tables for b in t)
                 steps += 1
                 sum_used, sum_held, sum_entries = sum_used + used, sum_held + held, sum_entries + entries
                 peak_used, peak_entries = max(peak_used, used), max(peak_entries, entries)

@@ -13,6 +13,9 @@ workload. Two ways to run it, with equal results (tests/integration/test_lab.py)
   needs attention and the queues cannot move are skipped in one go. Whenever the shortcut's
   premises fail (a prefill does not fit the step's token budget, or the blocks needed exceed
   what the pool can give, so someone would be preempted) the step runs in full.
+
+A pool of several KV-cache groups (a hybrid model's), or with a sliding window, always runs step
+by step: its windows free blocks between the steps the shortcut would skip.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from collections import deque
 from kvscope_contract import protocol as p
 from kvscope_contract.lab import LabConfig, LabRow
 from engine.core.engine_core import EngineCore
-from engine.lab.meter import Meter
+from engine.lab.meter import HybridMeter, Meter
 from engine.lab.workload import Request, Workload
 from engine.core.scheduler import Batch
 from engine.core.sequence import SamplingParams, Sequence, SeqStatus
@@ -35,7 +38,9 @@ def _arrival(seq: Sequence) -> int:
 
 class Lab(EngineCore):
     def __init__(self, config: LabConfig, workload: Workload, keep_events: bool = False):
-        self.meter = Meter(keep=keep_events)
+        groups = config.pool.groups
+        self.windowed = len(groups) > 1 or groups[0].window is not None  # several tables, or a window
+        self.meter = (HybridMeter if self.windowed else Meter)(keep=keep_events)
         super().__init__(config.pool, config.max_num_batched_tokens, config.watermark, log=self.meter)
         self.meter.bind(self)
         self.config, self.workload = config, workload
@@ -83,6 +88,7 @@ class Lab(EngineCore):
     # ------------------------------------------------------------------ running
     def run(self, fast: bool = True) -> LabRow:
         pending = deque(sorted(self.workload.requests, key=lambda r: r.arrival))
+        fast = fast and not self.windowed
         if fast:
             self.meter.lag = self._lag
         while pending or self.scheduler.has_work():

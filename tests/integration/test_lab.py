@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -18,6 +19,7 @@ from kvscope_contract.kinds import BLOCK_KINDS, kind_of
 from kvscope_contract.lab import LabConfig, decode_report, to_csv
 from engine.lab import report
 from engine.lab.reference import row_from_events
+from kvscope_contract.kv_groups import group_layers
 from engine.lab.sim import Lab
 from engine.lab.workload import PRESETS, Request, Workload, from_messages, from_recording, load
 from kvscope_contract.recording import Recording
@@ -25,6 +27,7 @@ from kvscope_contract.recording import Recording
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "assets" / "demo_recording.jsonl"
 
+GEMMA3_LIKE = group_layers([None if (i + 1) % 6 == 0 else 20 for i in range(18)])
 CONFIGS = {  # a roomy pool, tight ones that preempt both ways, no cache, chunked prefill, a high watermark
     "roomy": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=512)),
     "tight swap": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=48, num_host_blocks=96)),
@@ -34,6 +37,12 @@ CONFIGS = {  # a roomy pool, tight ones that preempt both ways, no cache, chunke
                          max_num_batched_tokens=96),
     "watermark": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=80), watermark=0.2),
     "block 1": LabConfig(pool=p.PoolConfig(block_size=1, num_device_blocks=1500, num_host_blocks=600)),
+    # Gemma 3's shape (5 sliding-window groups, 1 full) with a window a few blocks long
+    "hybrid": LabConfig(pool=p.PoolConfig(block_size=8, num_device_blocks=1200, kv_groups=GEMMA3_LIKE)),
+    "hybrid tight swap": LabConfig(pool=p.PoolConfig(block_size=8, num_device_blocks=500, num_host_blocks=400,
+                                                     kv_groups=GEMMA3_LIKE)),
+    "hybrid tight recompute": LabConfig(pool=p.PoolConfig(block_size=8, num_device_blocks=500,
+                                                          preemption_mode="recompute", kv_groups=GEMMA3_LIKE)),
 }
 
 
@@ -74,8 +83,9 @@ def test_counts_kept_from_events_equal_the_reducer_at_every_step(preset, name):
     assert mine == ref
 
 
-def test_the_tight_configs_do_preempt_both_ways():
-    rows = {name: stepwise(CONFIGS[name], load("chat", 2))[0].row for name in ("tight swap", "tight recompute")}
+@pytest.mark.parametrize("kind", ["", "hybrid "])
+def test_the_tight_configs_do_preempt_both_ways(kind):
+    rows = {name: stepwise(CONFIGS[kind + name], load("chat", 2))[0].row for name in ("tight swap", "tight recompute")}
     assert rows["tight swap"].swap_outs == rows["tight swap"].preemptions > 0 and rows["tight swap"].swapped_blocks > 0
     assert rows["tight recompute"].recomputes == rows["tight recompute"].preemptions > 0
     # each token is computed once (the last sampled one never), less what the cache served; swap
@@ -84,6 +94,15 @@ def test_the_tight_configs_do_preempt_both_ways():
     once = lambda row: w.tokens - w.sequences - row.hit_tokens
     assert rows["tight swap"].computed_tokens == once(rows["tight swap"])
     assert rows["tight recompute"].computed_tokens > once(rows["tight recompute"])
+
+
+def test_a_hybrid_pools_windows_free_blocks_and_its_hits_need_every_group():
+    lab, _ = stepwise(CONFIGS["hybrid"], load("chat", 2))
+    kinds = Counter(kind_of(e) for e in lab.log.pending)
+    assert kinds["window_free"] > 0 and kinds["prefix_hit"] > 0
+    hits = [e for e in lab.log.pending if isinstance(e, p.PrefixHit)]
+    assert {e.kv_group for e in hits} == set(range(6))  # every group serves its part of a hit
+    assert lab.row.hit_tokens % 8 == 0 and 0 < lab.row.hit_rate < 1
 
 
 def test_smaller_blocks_use_slots_better_but_need_more_table_entries_on_the_mixed_preset():
