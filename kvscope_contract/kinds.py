@@ -93,6 +93,9 @@ def words(ev: p.Event) -> str:
             return f"logical {ev.logical_index}: shared block {ev.src_block_id} copied to {ev.dst_block_id}"
         case p.Free():
             return f"block {ev.block_id} released (ref count now {ev.ref_count})"
+        case p.WindowFree():
+            return (f"logical {ev.logical_index} of group {ev.kv_group}: block {ev.block_id} left the sliding window "
+                    f"(ref count now {ev.ref_count})")
         case p.Preempt():
             return f"preempted ({ev.mode})"
         case p.SwapOut():
