@@ -10,8 +10,6 @@ CHROMIUM := /usr/bin/chromium
 PROMTOOL := /usr/bin/promtool
 PORT ?= 8501
 ARGS ?=
-STREAMLIT_FLAGS := --server.port $(PORT) --server.headless true --server.fileWatcherType none \
-	--browser.gatherUsageStats false
 
 .PHONY: install test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64 run-fleet
 
@@ -69,7 +67,7 @@ bench: install
 # attaches to a running engine, ARGS="--replay FILE" replays a recording, other flags go to the engine
 run: install
 	@echo "KVScope: open http://localhost:$(PORT) in a browser (the model loads first, a few seconds)"
-	$(PY) -m streamlit run app/main.py $(STREAMLIT_FLAGS) -- $(ARGS)
+	STREAMLIT_SERVER_PORT=$(PORT) $(PY) -m app $(ARGS)
 
 bench-dashboard: install $(CHROMIUM)
 	$(PY) -m bench.dashboard
@@ -110,7 +108,7 @@ test-vllm: install vllm-venv
 # the dashboard starts vLLM (VLLM_BLOCKS=256 make run-vllm for a bigger pool) and shows its progress
 run-vllm: install vllm-venv
 	@echo "KVScope on vLLM: open http://localhost:$(PORT) in a browser (vLLM loads first, about a minute)"
-	$(PY) -m streamlit run app/main.py $(STREAMLIT_FLAGS) -- --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
+	STREAMLIT_SERVER_PORT=$(PORT) $(PY) -m app --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
 
 # two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
 FLEET_BLOCKS ?= 96

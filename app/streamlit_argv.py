@@ -1,12 +1,13 @@
-"""How the dashboard is started: `streamlit run app/main.py` headless, without usage stats.
-`kvscope` (app/__main__.py) and the headless tools and tests (tools/launch.py) build their
-command here; the Makefile's `make run` says the same in make's words (STREAMLIT_FLAGS)."""
+"""How the dashboard is started: `streamlit run app/main.py` headless, without usage stats, and
+without watching its files (a dashboard, not a script being edited). Every way of starting it
+builds its command here: `kvscope` and `make run` (app/__main__.py), `make run-fleet`
+(tools/fleet_demo.py), the headless tools and tests (tools/launch.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 MAIN = Path(__file__).resolve().parent / "main.py"
-HEADLESS = ("--server.headless", "true", "--browser.gatherUsageStats", "false")
+HEADLESS = ("--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false")
 
 
 def streamlit_argv(python: str, app_args: list[str], *options: str, main: str | Path = MAIN) -> list[str]:

@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 from app.data.launcher import ServerProcess
-from kvscope_contract.ready import ready_url
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +96,7 @@ def start_engines(args, n: int) -> tuple[list[ServerProcess], list[str]]:
         for i, (proc, k) in enumerate(zip(procs, sizes)):
             if proc.returncode is not None:
                 sys.exit(f"an engine process exited: {proc.exit_reason()}\n" + "\n".join(proc.tail(20)))
-            urls[i] = [u for line in list(proc.lines) if (u := ready_url(line))]
+            urls[i] = proc.urls
         if time.monotonic() > deadline:
             sys.exit(f"engines not ready after {args.start_timeout} s: {[len(u) for u in urls]} of {sizes}")
         time.sleep(0.5)

@@ -7,13 +7,11 @@ the dashboard's embedded engine waits for). Tiny and SmolLM2 interleaved over ro
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 
 from bench.rounds import interleave, spread
 from engine.model.model_loader import load_model
-from kvscope_contract.ready import ready_url
+from app.data.launcher import ServerProcess
 
 MODELS = ("tiny", "smollm2")
 
@@ -24,19 +22,16 @@ def in_process(spec: str) -> float:
     return time.perf_counter() - t0
 
 
-def server_ready(spec: str) -> float:
-    """Seconds from starting `python -m engine.serve.server` to its `ready: ws://` line."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--model", spec, "--port", "0"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+def server_ready(spec: str, *flags: str, timeout: float = 300) -> float:
+    """Seconds from starting `python -m engine.serve.server --model SPEC FLAGS` as the dashboard
+    starts its embedded engine (app/data/launcher.py) to its `ready: ws://` line."""
+    proc = ServerProcess("engine.serve.server", ["--port", "0", "--model", spec, *flags]).start()
     try:
-        for line in proc.stderr:
-            if ready_url(line):
-                return time.perf_counter() - t0
-        raise RuntimeError(f"the {spec} server exited before it was ready")
+        if not proc.wait_ready(timeout):
+            raise RuntimeError(f"the {spec} server did not get ready ({proc.exit_reason()}): " + " | ".join(proc.tail(5)))
+        return proc.ready_after
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop()
 
 
 def main() -> None:

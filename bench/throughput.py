@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from bench.model_load import server_ready
 from bench.prompts import make_prompts
 from bench.rounds import interleave, ratios, settle, spread
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
-from kvscope_contract.ready import ready_url
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import SMOLLM2, default_cache_dir, load_model
 from engine.core.sequence import SamplingParams
@@ -261,24 +261,6 @@ def agreement(jobs: list[Job], sides: list, res: Results) -> str:
     return "; ".join(parts)
 
 
-def server_startup_seconds(model: str, dtype: str, timeout: float = 300) -> float:
-    """Seconds from starting the engine server (as the dashboard starts its embedded engine) to
-    its `ready:` line: imports, model load, pool, kernels, GEMM packing."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--port", "0", "--model", model, "--dtype", dtype],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for line in proc.stdout:
-            if ready_url(line):
-                return time.perf_counter() - t0
-            if time.perf_counter() - t0 > timeout:
-                break
-        raise RuntimeError(f"the engine server did not get ready (exit code {proc.poll()})")
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
 # the environment that makes torch and oneDNN (in both processes) use at most these instructions
 ISA_ENV = {"avx512": {}, "generic": {},
            "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
@@ -379,7 +361,7 @@ def main() -> None:
     tables = []
     for dtype_name in args.dtypes.split(","):
         if args.startup:
-            print(f"engine server ({dtype_name}) ready after {server_startup_seconds(args.model, dtype_name):.1f} s "
+            print(f"engine server ({dtype_name}) ready after {server_ready(args.model, '--dtype', dtype_name):.1f} s "
                   "(python -m engine.serve.server --port 0)", flush=True)
         loaded = load_model(args.model, device=args.device, dtype=dtype_name)
         jobs = make_jobs(loaded.tokenizer, args.requests, args.new_tokens)

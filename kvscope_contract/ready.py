@@ -20,15 +20,14 @@ def ws_url(host: str, port: int) -> str:
 
 
 def ready_url(line: str) -> str | None:
-    """The address in a ready line, or None for any other line."""
+    """The address in a ready line (the first, in a log of many lines), or None."""
     m = _READY.search(line)
     return m.group(1) if m else None
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports nothing listens on now (the OS's picks), for servers started next. All are
-    held until all are picked: one at a time, the OS can hand out a port it just gave (a fleet
-    demo's vLLM got the same port for its plugin and its KV-event replay, and one failed to bind)."""
+    """n distinct ports nothing listens on now (the OS's picks), for servers started next; each is
+    held until all are picked, so the OS cannot hand out one twice."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for sock in socks:

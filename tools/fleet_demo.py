@@ -21,9 +21,8 @@ from pathlib import Path
 
 from app.data.launcher import ServerProcess
 from app.data.source import ROOT, VLLM_PYTHON
+from app.streamlit_argv import streamlit_argv
 from kvscope_contract.ready import free_ports
-
-STREAMLIT_FLAGS = ["--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
 
 
 def start_server(num_blocks: int, ports: list[int]) -> tuple[ServerProcess, dict]:
@@ -62,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[kvscope] {args.servers} vLLM servers starting (about a minute); fleet file {path}:\n{path.read_text()}",
           flush=True)
     print(f"[kvscope] the fleet page: http://localhost:{args.port}", flush=True)
-    dash = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), "--server.port",
-                             str(args.port), *STREAMLIT_FLAGS, "--", "--fleet", str(path)], cwd=ROOT)
+    dash = subprocess.Popen(streamlit_argv(sys.executable, ["--fleet", str(path)], "--server.port", str(args.port)), cwd=ROOT)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stopped: clean up as on Ctrl-C
     try:
         return dash.wait()

@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from app.data.source import ROOT
 from app.streamlit_argv import streamlit_argv
 from kvscope_contract.ready import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -25,8 +25,7 @@ def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.
     where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
     port = free_port()
     proc = subprocess.Popen(
-        streamlit_argv(python, app_args, "--server.port", str(port), "--server.fileWatcherType", "none",
-                       main="app/main.py"),  # relative: the app of `cwd`
+        streamlit_argv(python, app_args, "--server.port", str(port), main="app/main.py"),  # relative: the app of `cwd`
         cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:

@@ -3,14 +3,13 @@ other, while the server records every message it sends.
 
     python -m tools.record_demo [--out assets/demo_recording.jsonl] [--model smollm2]
 
-The engine is a separate process (`engine.serve.server --record`), driven over the protocol like the
-dashboard drives it; `streamlit run app/main.py -- --replay FILE` or `python -m engine.serve.replay
-FILE` plays the result without torch.
+The engine is a separate process (`engine.serve.server --record`, started as the dashboard starts
+it), driven over the protocol like the dashboard drives it; `streamlit run app/main.py -- --replay
+FILE` or `python -m engine.serve.replay FILE` plays the result without torch.
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -18,19 +17,19 @@ from pathlib import Path
 
 from websockets.sync.client import connect
 
+from app.data.launcher import ServerProcess
 from app.data.scenarios import SCENARIOS
 from kvscope_contract import protocol as p
-from kvscope_contract.ready import ready_url
 
 
-def start_engine(model: str, record: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--model", model, "--port", "0",
-                             "--record", str(record)], stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        print(line, end="", file=sys.stderr)
-        if url := ready_url(line):
-            return proc, url
-    raise RuntimeError(f"the engine exited with {proc.wait()}")
+def start_engine(model: str, record: Path) -> ServerProcess:
+    proc = ServerProcess("engine.serve.server", ["--model", model, "--port", "0", "--record", str(record.resolve())]).start()
+    ready = proc.wait_ready(900)
+    print("\n".join(proc.lines), file=sys.stderr)
+    if not ready:
+        proc.stop()
+        raise RuntimeError(f"the engine did not get ready: {proc.exit_reason()}")
+    return proc
 
 
 def main() -> int:
@@ -39,12 +38,12 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
     args.out.unlink(missing_ok=True)
-    proc, url = start_engine(args.model, args.out)
+    proc = start_engine(args.model, args.out)
     kinds: Counter = Counter()
     live: set[str] = set()
     config = None
     try:
-        with connect(url, max_size=None) as ws:
+        with connect(proc.url, max_size=None) as ws:
             def pump(until, timeout: float = 600) -> None:
                 nonlocal config
                 deadline = time.monotonic() + timeout
@@ -76,8 +75,7 @@ def main() -> int:
                         pump(lambda: kinds["reset"] == resets and config.num_device_blocks == cmd.config.num_device_blocks)
                 pump(lambda: kinds["request_added"] == added and not live)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.stop()
     size = args.out.stat().st_size
     print(f"{args.out}: {size / 1e6:.2f} MB, " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
           file=sys.stderr)

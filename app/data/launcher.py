@@ -16,12 +16,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Literal
 
+from app.data.source import ROOT
 from kvscope_contract.ready import ready_url
 
-ROOT = Path(__file__).resolve().parents[2]
 # Runs the module as __main__ after arranging to die with the thread that started it.
 _BOOT = ("import ctypes, os, runpy, signal, sys\n"
          "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
@@ -58,6 +57,11 @@ class ServerProcess:
     @property
     def argv(self) -> list[str]:
         return [self.python, "-u", "-c", _BOOT, self.module, *self.args]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every address its log announced (a server of several engines prints one ready line each)."""
+        return [u for line in list(self.lines) if (u := ready_url(line))]
 
     @property
     def state(self) -> Literal["starting", "ready", "exited"]:

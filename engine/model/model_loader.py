@@ -84,7 +84,7 @@ def load_model(spec: str = "smollm2", *, device: str | None = None, dtype: str |
     model.eval()
     eos = _eos_ids(model, tok)
     spec = "+".join(dict.fromkeys(str(d).removeprefix("torch.") for d in (dt, gemv_dt)))  # float32+bfloat16
-    say(f"ready: {name} on {dev} in {spec}")
+    say(f"loaded: {name} on {dev} in {spec}")
     return LoadedModel(model=model, tokenizer=tok, name=name, eos_token_ids=eos, device=dev, dtype=dt,
                        gemv_dtype=gemv_dt)
 

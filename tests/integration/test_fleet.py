@@ -14,7 +14,6 @@ from app.data.fleet import load as fleet_load
 from app.data.fleet.engines import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
 from app.data.fleet.content import chain_ids
 from app.data.launcher import ServerProcess
-from kvscope_contract.ready import ready_url
 from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
@@ -124,21 +123,17 @@ def busy(engines: int) -> ServerProcess:
                                              "--num-host-blocks", "0", "--live", "2", "--max-num-seqs", "2",
                                              "--prompt-tokens", "32", "--max-tokens", "24", "--fill", "0",
                                              "--warm-steps", "0", "--step-delay-ms", "100"]).start()
-    assert wait(lambda: proc.returncode is not None or len(urls_of(proc)) == engines, 120, "the engines ready"), \
+    assert wait(lambda: proc.returncode is not None or len(proc.urls) == engines, 120, "the engines ready"), \
         "\n".join(proc.tail(30))
     assert proc.returncode is None, "\n".join(proc.tail(30))
     return proc
-
-
-def urls_of(proc: ServerProcess) -> list[str]:
-    return [u for line in list(proc.lines) if (u := ready_url(line))]
 
 
 def test_a_stopped_engine_delays_no_other_and_is_marked(tmp_path):
     """SIGSTOP one of six busy engines: the five others' events keep arriving at their pace while
     it is marked stalled, then down (no answer to the keepalive); SIGCONT: live again."""
     victim, others = busy(1), busy(5)
-    fleet = Fleet.of([Endpoint("victim", victim.url)] + [Endpoint(f"e{i}", u) for i, u in enumerate(urls_of(others))])
+    fleet = Fleet.of([Endpoint("victim", victim.url)] + [Endpoint(f"e{i}", u) for i, u in enumerate(others.urls)])
     names = [f"e{i}" for i in range(5)]
     try:
         wait(lambda: all(r.state == "live" and r.running and r.last_event_age_s is not None for r in fleet.rows()),

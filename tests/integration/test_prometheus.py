@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from app.data.launcher import ServerProcess
 from tests.protocol_client import Client
 from tests.integration.test_grafana import board, exprs
 from tests.waiting import free_port, wait
@@ -70,19 +70,16 @@ def alert(base: str, name: str, state: str) -> dict | None:
                  if a["labels"]["alertname"] == name and a["state"] == state), None)
 
 
-def start_engine(log: Path) -> tuple[subprocess.Popen, int]:
-    out = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve.server", "--model", "tiny", "--port", "0",
-                             "--block-size", "16", "--num-device-blocks", str(POOL), "--num-host-blocks", "8"],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    ready = wait_for("the engine's ready line", lambda: proc.poll() is None and re.search(
-        r"ready: ws://127\.0\.0\.1:(\d+)/", log.read_text()) or proc.poll() is not None and "died", 300)
-    assert ready != "died", log.read_text()
-    return proc, int(ready.group(1))
+def start_engine() -> ServerProcess:
+    proc = ServerProcess("engine.serve.server", ["--model", "tiny", "--port", "0", "--block-size", "16",
+                                                 "--num-device-blocks", str(POOL), "--num-host-blocks", "8"]).start()
+    assert proc.wait_ready(300), "\n".join(proc.tail(30))
+    return proc
 
 
 def test_a_real_prometheus_scrapes_the_engine_and_fires_the_alerts(tmp_path):
-    engine, engine_port = start_engine(tmp_path / "engine.log")
+    engine = start_engine()
+    engine_port = urllib.parse.urlsplit(engine.url).port
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     rules = re.sub(r"(?m)^(\s+)for: \S+$", r"\1for: 2s", (RULES / "alerts.yml").read_text())
@@ -149,21 +146,20 @@ scrape_configs:
 
         # the engine dies: no scrape answers, the not-scraped alert fires
         assert not alert(base, "KVScopeEngineNotScraped", "firing")
-        engine.terminate()
-        engine.wait(timeout=60)
+        engine.stop()
         down = wait_for("KVScopeEngineNotScraped firing", lambda: alert(base, "KVScopeEngineNotScraped", "firing"))
         assert down["labels"]["instance"] == f"127.0.0.1:{engine_port}"
     except BaseException:
-        print("engine log:\n", (tmp_path / "engine.log").read_text()[-3000:])
+        print("engine log:\n", "\n".join(engine.tail(60)))
         print("prometheus log:\n", (tmp_path / "prometheus.log").read_text()[-3000:])
         raise
     finally:
         if c is not None:
             c.close()
-        for proc in (prom, engine):
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=60)
+        engine.stop()
+        if prom.poll() is None:
+            prom.terminate()
+            prom.wait(timeout=60)
 
 
 def _ready(base: str) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvscope_contract.ready import ready_url
 from tools.launch import CHROMIUM, FLAGS
 from tests.protocol_client import Client
 from tests.integration.test_export_perfetto import decode
@@ -79,9 +80,9 @@ def test_the_installed_engine_serves_a_request(venv, tmp_path):
         proc = subprocess.Popen([bin_ / "kvscope-engine", "--model", "tiny", "--port", "0"], cwd=tmp_path,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
-        m = wait(lambda: re.search(r"ready: (ws://\S+)", log.read_text()) or proc.poll(), 600, "kvscope-engine ready")
-        assert not isinstance(m, int), log.read_text()
-        c = Client(m.group(1))
+        url = wait(lambda: ready_url(log.read_text()) or proc.poll() is not None and "exited", 600, "kvscope-engine ready")
+        assert url != "exited", log.read_text()
+        c = Client(url)
         ack = c.request(op="submit", prompt="Hello from a wheel", max_tokens=8, request_id="w1")
         assert ack["type"] == "ack", ack
         c.sync(c.finished("w1"), timeout=300)

@@ -107,7 +107,7 @@ def test_dtype_and_progress() -> None:
     lines: list[str] = []
     lm = load_model("tiny", device="cpu", dtype="bf16", progress=lines.append)
     assert lm.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in lm.model.parameters())
-    assert lines and lines[-1].startswith("ready: tiny-llama on cpu in bfloat16 (") and lines[-1].endswith(" s)")
+    assert lines and lines[-1].startswith("loaded: tiny-llama on cpu in bfloat16 (") and lines[-1].endswith(" s)")
     assert load_model("tiny", device="cpu", dtype="float16").dtype == torch.float16
     with pytest.raises(ModelLoadError, match="unknown dtype 'int8'"):
         load_model("tiny", device="cpu", dtype="int8")
@@ -203,7 +203,7 @@ def test_two_processes_convert_into_a_fresh_cache(monkeypatch: pytest.MonkeyPatc
     for proc, (out, err) in zip(procs, logs):
         assert proc.wait(timeout=600) == 0, err.read_text()
         assert out.read_text().strip() == "SmolLM2-135M-Instruct"
-        assert "de-quantizing weights" in err.read_text() and "ready: SmolLM2-135M-Instruct" in err.read_text()
+        assert "de-quantizing weights" in err.read_text() and "loaded: SmolLM2-135M-Instruct" in err.read_text()
     dest = cache / "SmolLM2-135M-Instruct"
     assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-tokenizer"]
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

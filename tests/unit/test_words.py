@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import msgspec.inspect as mi
+
 from kvscope_contract import protocol as p
+from kvscope_contract.kinds import kind_of, words
 from app.panels import header, tables, timeline
 from app.data.client import View
 from app.data.event_history import EventHistory
@@ -89,3 +92,34 @@ def test_big_numbers_carry_thousands_separators():
     text = describe(step)[2]
     assert "1,032,419 cached" in text and "4,096 prefill" in text and "1,259 waiting" in text
     assert _short(1_048_576) == "1.05 M" and _short(65_536) == "65,536"
+
+
+def _sample(t):
+    """A value of the msgspec type `t`, for a field an event requires."""
+    match t:
+        case mi.IntType():
+            return 3
+        case mi.FloatType():
+            return 1.5
+        case mi.StrType():
+            return "s1"
+        case mi.LiteralType():
+            return t.values[0]
+        case mi.ListType():
+            return [_sample(t.item_type)]
+        case mi.TupleType():
+            return tuple(_sample(x) for x in t.item_types)
+        case mi.StructType():
+            return t.cls()
+    raise TypeError(t)
+
+
+def test_every_event_kind_is_said_in_words():
+    """The event log and the time-travel bar say each event (kvscope_contract.kinds.words): a new
+    kind of the protocol needs its words there."""
+    said = set()
+    for cls in (c for c in vars(p).values() if isinstance(c, type) and issubclass(c, p.Event) and c is not p.Event):
+        ev = cls(**{f.name: _sample(f.type) for f in mi.type_info(cls).fields if f.required})
+        assert words(ev), f"{kind_of(ev)} has no words"
+        said.add(kind_of(ev))
+    assert said == set(p.EVENT_KINDS)
