@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
+from kvscope_contract.residency import Mark, Residency
+from kvscope_contract.state import PoolState
 from engine.model.engine import LLMEngine
 from tests.integration.test_server import SYSTEM
 from tests.protocol_client import Client
@@ -124,6 +126,46 @@ def test_counters_match_what_the_engine_did(serve, mode):
     assert m["vllm:kv_cache_usage_perc", ""] == 0 and m["vllm:num_requests_running", ""] == 0
 
 
+RESIDENCY = {"lifetime": "vllm:kv_block_lifetime_seconds", "idle": "vllm:kv_block_idle_before_evict_seconds",
+             "reuse": "vllm:kv_block_reuse_gap_seconds"}
+VLLM_RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120,
+                          300, 600, 1200, 1800]  # vLLM 0.32's kv_cache_residency buckets
+
+
+def test_block_residency_histograms_count_every_block_in_seconds(serve):
+    """vLLM's three residency histograms, every block counted: as many lifetimes as blocks went back
+    to the free list, an idle time per eviction, a reuse gap per prefix hit (the pool starts empty),
+    each in the seconds between the events that begin and end it, in vLLM's buckets."""
+    srv, _ = serve(block_size=4, num_device_blocks=24, num_host_blocks=0, preemption_mode="recompute")
+    c = Client(srv.url)
+    for round_ in range(2):
+        seq_ids = []
+        for prompt in [SYSTEM[:60] + "Hi", SYSTEM[:60] + "Hello"] + PROMPTS[round_ * 3:round_ * 3 + 3]:
+            seq_ids += c.request(op="submit", prompt=prompt, max_tokens=16, ignore_eos=True)["seq_ids"]
+        run_to_end(c, seq_ids)
+    m = scrape(srv.url)
+    born = c.kinds["alloc"] + c.kinds["cow"]
+    counts = c.state.counts()
+    assert c.kinds["evict"] > 0 and c.kinds["prefix_hit"] > 0 and counts.cached > 0
+    assert m[RESIDENCY["lifetime"] + "_count", ""] == born - counts.used - counts.cached
+    assert m[RESIDENCY["idle"] + "_count", ""] == c.kinds["evict"]
+    assert m[RESIDENCY["reuse"] + "_count", ""] == c.kinds["prefix_hit"]
+    # the seconds: the contract's rule over the events this client saw, timed by their engine time
+    seconds: dict[str, list[float]] = {k: [] for k in RESIDENCY}
+    residency = Residency(lambda metric, ev, since: seconds[metric].append(ev.t - since.t))
+    state = PoolState.empty(c.state.config)
+    residency.start(state, Mark(0, 0.0))
+    for ev in c.events:
+        residency.apply(ev, state)
+    for metric, name in RESIDENCY.items():
+        values = seconds[metric]
+        assert m[name + "_sum", ""] == pytest.approx(sum(values), abs=1e-6)
+        assert sum(values) > 0 or metric == "reuse"
+        for le in VLLM_RESIDENCY_BUCKETS:
+            assert m[name + "_bucket", str(float(le))] == sum(v <= le for v in values), (name, le)
+        assert m[name + "_bucket", "+Inf"] == len(values)
+
+
 def test_gauges_match_the_pool_while_paused(serve):
     srv, _ = serve(block_size=8, num_device_blocks=64, num_host_blocks=16, max_num_seqs=3)
     c = Client(srv.url)
@@ -161,7 +203,7 @@ def test_metrics_need_the_token_when_the_server_has_one(serve):
 
 def test_the_docs_list_every_metric_the_server_serves(serve):
     srv, _ = serve()
-    served = {name.removesuffix("_total") for name, _ in scrape(srv.url)}
+    served = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name, _ in scrape(srv.url)}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     table = {n.removesuffix("_total") for row in doc.splitlines() if row.startswith("| `")
              for n in re.findall(r"`([a-z_:]+)(?:\{\w+\})?`", row.split(" | ")[0])}
