@@ -66,6 +66,9 @@ class Histogram:
 class Totals:
     """Counters since the server started (a `reset` of the pool does not reset them)."""
     prompt_tokens: int = 0       # prompt of each request, counted when its first token is sampled
+    prompt_tokens_cached: int = 0  # of those, the tokens its first admission found in the prefix cache
+    first_hits: dict[str, int] = field(default_factory=dict)  # sequence in its first admission -> hit tokens
+    preempted: set[str] = field(default_factory=set)          # live sequences preempted at least once
     generation_tokens: int = 0   # tokens sampled
     events: EventCounts = field(default_factory=EventCounts)  # lookups, hits, preemptions, swaps
     finished: Counter = field(default_factory=Counter)        # sequences, by finish reason
@@ -135,6 +138,12 @@ class EngineMetrics:
              status["running"]),
             ("vllm:num_requests_waiting", "Sequences waiting to be admitted (new, or preempted by recompute).",
              status["waiting"]),
+        ])
+        # vLLM's reasons: every waiting sequence here waits for room (blocks, a batch slot); none is deferred
+        yield self._by("vllm:num_requests_waiting_by_reason", "Sequences waiting, by reason: capacity (blocks "
+                       "or a batch slot) or deferred (never, in KVScope's scheduler).", "reason",
+                       {"capacity": status["waiting"], "deferred": 0}, ("capacity", "deferred"), GaugeMetricFamily)
+        yield from self._gauges([
             ("kvscope_num_requests_swapped", "Sequences swapped out to the host pool.", status["swapped"]),
             ("vllm:kv_cache_usage_perc", "KV-cache usage: device blocks held by a sequence over all device "
              "blocks. 1 means 100 percent usage.", counts.used / cfg.num_device_blocks),
@@ -159,6 +168,8 @@ class EngineMetrics:
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", tot.events.preemptions),
             ("vllm:prompt_tokens", "Number of prefill tokens processed (each request's prompt, once).",
              tot.prompt_tokens),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens: those each request's first "
+             "admission found in the prefix cache.", tot.prompt_tokens_cached),
             ("vllm:generation_tokens", "Number of generation tokens processed.", tot.generation_tokens),
             ("kvscope_copy_on_write", "Copies of a shared block made by the first write into it.",
              tot.copy_on_write),
@@ -193,8 +204,9 @@ class EngineMetrics:
             c.add_metric(self.labels, value)
             yield c
 
-    def _by(self, name: str, doc: str, label: str, values: Mapping[str, int], keys: tuple[str, ...]) -> Metric:
-        c = CounterMetricFamily(name, doc, labels=(*LABELS, label))
+    def _by(self, name: str, doc: str, label: str, values: Mapping[str, int], keys: tuple[str, ...],
+            family=CounterMetricFamily) -> Metric:
+        c = family(name, doc, labels=(*LABELS, label))
         for key in keys:
             c.add_metric([*self.labels, key], values[key])
         return c
@@ -204,13 +216,20 @@ def _count(ev: p.Event, state: PoolState, tot: Totals) -> None:
     """Add `ev` to the totals; `state` is the pool just before it."""
     tot.events.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
     match ev:
+        case p.PrefixHit() if ev.seq_id not in tot.preempted:
+            tot.first_hits[ev.seq_id] = tot.first_hits.get(ev.seq_id, 0) + state.config.block_size
+        case p.Preempt():
+            tot.preempted.add(ev.seq_id)
         case p.Append(token_ids=ids) if ids:
             tot.generation_tokens += len(ids)
             s = state.seqs[ev.seq_id]
             if not s.output_tokens and s.seq_id == s.request_id:  # a request's first token
                 tot.prompt_tokens += s.prompt_tokens
+                tot.prompt_tokens_cached += tot.first_hits.pop(s.seq_id, 0)
         case p.Finish():
             tot.finished[ev.reason] += 1
+            tot.first_hits.pop(ev.seq_id, None)
+            tot.preempted.discard(ev.seq_id)
         case p.Cow():
             tot.copy_on_write += 1
         case p.Fork():

@@ -27,12 +27,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def serve(tiny, serve_engine):
     def make(token: str | None = None, **pool):
         engine = LLMEngine(EngineConfig(model="tiny", pool=p.PoolConfig(**pool)), tiny)
-        admissions: list[tuple[int, int]] = []  # (tokens looked up, tokens found cached) per admission
+        admissions: list[tuple[int, int, str]] = []  # (tokens looked up, found cached, seq_id) per admission
         allocate = engine.block_manager.allocate
 
         def recording_allocate(seq):
             cached = allocate(seq)
-            admissions.append((len(seq), cached))
+            admissions.append((len(seq), cached, seq.seq_id))
             return cached
 
         engine.block_manager.allocate = recording_allocate
@@ -99,8 +99,8 @@ def test_counters_match_what_the_engine_did(serve, mode):
     preempts = [e for e in events if e["kind"] == "preempt"]
     assert preempts and {e["mode"] for e in preempts} == {mode}
     # the block manager's own admissions: every one counts, re-admissions after a recompute included
-    assert m["vllm:prefix_cache_queries_total", ""] == sum(n for n, _ in admissions)
-    assert m["vllm:prefix_cache_hits_total", ""] == sum(hit for _, hit in admissions) == 4 * kinds["prefix_hit"] > 0
+    assert m["vllm:prefix_cache_queries_total", ""] == sum(n for n, _, _ in admissions)
+    assert m["vllm:prefix_cache_hits_total", ""] == sum(hit for _, hit, _ in admissions) == 4 * kinds["prefix_hit"] > 0
     if mode == "recompute":
         # each request once (the n=2 child forks, the aborted one never ran), plus each re-admission
         assert len(admissions) == len(seq_ids) - 1 + len(preempts)
@@ -110,6 +110,13 @@ def test_counters_match_what_the_engine_did(serve, mode):
         == 24 * 8 + 12 * 2
     added = {e["request_id"]: e["prompt_tokens"] for e in events if e["kind"] == "request_added"}
     assert m["vllm:prompt_tokens_total", ""] == sum(v for k, v in added.items() if k != aborted)
+    # each request's tokens found cached at its first admission (vLLM's rule; a forked sample admitted
+    # again after a recompute is no new request)
+    first: dict[str, int] = {}
+    for _, hit, seq_id in admissions:
+        if seq_id in added:
+            first.setdefault(seq_id, hit)
+    assert m["vllm:prompt_tokens_cached_total", ""] == sum(first.values()) > 0
     assert m["vllm:request_success_total", "length"] == len(seq_ids) == 10
     assert m["vllm:request_success_total", "abort"] == 1 and m["vllm:request_success_total", "stop"] == 0
     assert m["kvscope_forks_total", ""] == kinds["fork"] == 1 and m["kvscope_copy_on_write_total", ""] == kinds["cow"]
@@ -180,6 +187,9 @@ def test_gauges_match_the_pool_while_paused(serve):
     status = Counter(s.status for s in st.seqs.values())
     assert (m["vllm:num_requests_running", ""], m["vllm:num_requests_waiting", ""]) \
         == (status["running"], status["waiting"]) == (3, 3)  # r1 and its child, r2; r3..r5 wait
+    # every waiting sequence waits for room (blocks or a batch slot): vLLM's "capacity"; none is deferred
+    assert (m["vllm:num_requests_waiting_by_reason", "capacity"], m["vllm:num_requests_waiting_by_reason", "deferred"]) \
+        == (3, 0)
     counts = st.counts()
     assert (m["kvscope_used_blocks", ""], m["kvscope_shared_blocks", ""], m["kvscope_cached_blocks", ""],
             m["kvscope_free_blocks", ""]) == (counts.used, counts.shared, counts.cached, counts.free)
