@@ -92,7 +92,7 @@ class Residency:
 def _releasable(ev: p.AnyEvent) -> list[int]:
     """Device blocks whose ref count `ev` lowers (their release is noticed after it)."""
     match ev:
-        case p.Free():
+        case p.Free() | p.WindowFree():
             return [ev.block_id]
         case p.Cow():
             return [ev.src_block_id]

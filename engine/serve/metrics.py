@@ -214,10 +214,11 @@ class EngineMetrics:
 
 def _count(ev: p.Event, state: PoolState, tot: Totals) -> None:
     """Add `ev` to the totals; `state` is the pool just before it."""
-    tot.events.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
+    hit = state.prefix_hit_tokens(ev)
+    tot.events.count(ev, state.prefix_lookup(ev), hit)
     match ev:
         case p.PrefixHit() if ev.seq_id not in tot.preempted:
-            tot.first_hits[ev.seq_id] = tot.first_hits.get(ev.seq_id, 0) + state.config.block_size
+            tot.first_hits[ev.seq_id] = tot.first_hits.get(ev.seq_id, 0) + hit
         case p.Preempt():
             tot.preempted.add(ev.seq_id)
         case p.Append(token_ids=ids) if ids:
