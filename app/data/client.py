@@ -46,6 +46,7 @@ class Status:
     url: str = ""
     attempts: int = 0          # failed attempts since the last success
     last_error: str = ""
+    cause: str = ""            # why the last connection ended (kept while retrying: then last_error is the retry's)
     since: float = field(default_factory=time.time)
     resyncs: int = 0
 
@@ -101,7 +102,7 @@ class EngineClient:
                     self._ws = ws
                     for frame in ws:
                         self._on_frame(frame)
-                    error = "the engine closed the connection"
+                    error = ws.close_reason or "the engine closed the connection"
             except InvalidStatus as e:
                 code = e.response.status_code
                 error = ("the engine refused the token (HTTP 401): check --token" if code == 401
@@ -121,10 +122,15 @@ class EngineClient:
             with self.lock:
                 if self.status.state == "connected":
                     backoff = 0.2
+                    self.status.cause = error
                 self.status.attempts += 1
+                self._on_disconnect(error)
                 self._set_state("reconnecting", error)
             self._stop.wait(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _on_disconnect(self, error: str) -> None:
+        """A connection attempt or a connection ended (under the lock); subclasses count what was lost."""
 
     def _set_state(self, state: ConnState, error: str) -> None:
         with self.lock:

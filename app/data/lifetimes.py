@@ -1,13 +1,9 @@
 """Block lifetimes, from the event stream (in engine steps), and their histograms.
 
-- lifetime: from the step a block leaves the free list (alloc, copy-on-write or swap-in) to the
-  step it returns to it (freed with no hash, or evicted from the prefix cache);
-- idle before eviction: from the step a cached block lost its last holder to its eviction;
-- reuse gap: steps between uses of a cached block (its registration, then each prefix hit);
-- per request: device blocks its sequences hold (shared ones once), step by step.
-
-vLLM reports the first three as `--kv-cache-metrics` (sampled, in seconds); here every block
-counts, and each sample keeps the step it was taken at, so any window of the run has its own.
+The rule (when a lifetime, an idle time before eviction and a reuse gap begin and end) is the
+contract's (kvscope_contract/residency.py), shared with the engine's /metrics; here each sample
+keeps the step it was taken at, so any window of the run has its own, and the blocks each
+request holds (shared ones once) are followed step by step.
 """
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvscope_contract import protocol as p
+from kvscope_contract.residency import Mark, Residency
 from kvscope_contract.state import PoolState
 
 METRICS = {"lifetime": "block lifetime (alloc → free or evict)",
@@ -27,22 +24,18 @@ MAX_REQUESTS = 16  # per-request series kept (the most recent requests)
 @dataclass
 class Lifetimes:
     state: PoolState
-    born: dict[int, int] = field(default_factory=dict)       # block -> step it left the free list
-    released: dict[int, int] = field(default_factory=dict)   # cached block -> step it lost its last holder
-    used: dict[int, int] = field(default_factory=dict)       # cached block -> step of its last use
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {k: [] for k in METRICS})
     held: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # request -> [(step, blocks)]
+    residency: Residency = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.residency = Residency(self._sample)
 
     @classmethod
     def from_state(cls, state: PoolState) -> Lifetimes:
         """Blocks already out of the free list count from this state's first step on."""
         lt = cls(state.clone())
-        for b in np.flatnonzero((state.ref_counts > 0) | state.has_hash).tolist():
-            lt.born[b] = 0
-            if state.has_hash[b]:
-                lt.used[b] = 0
-                if not state.ref_counts[b]:
-                    lt.released[b] = 0
+        lt.residency.start(lt.state, Mark(0, 0.0))
         return lt
 
     @property
@@ -50,40 +43,12 @@ class Lifetimes:
         return self.state.last_event
 
     def apply(self, ev: p.AnyEvent) -> None:
-        st, step = self.state, ev.step
-        before = [int(st.ref_counts[b]) for b in _blocks(ev)]
-        st.apply(ev)
-        match ev:
-            case p.Alloc() | p.SwapIn() | p.Cow():
-                for b in _new_blocks(ev):
-                    self.born[b] = step
-            case p.Cached():
-                self.used[ev.block_id] = step
-            case p.PrefixHit():
-                b = ev.block_id
-                if b in self.used:
-                    self._sample("reuse", step, step - self.used[b])
-                self.used[b] = step
-                self.released.pop(b, None)
-            case p.Evict():
-                b = ev.block_id
-                self._sample("lifetime", step, step - self.born.pop(b, step))
-                self._sample("idle", step, step - self.released.pop(b, step))
-                self.used.pop(b, None)
-            case p.StepDone():
-                self._per_request(step)
-            case p.Reset():
-                for blocks in (self.born, self.released, self.used):
-                    blocks.clear()
-        for b, ref in zip(_blocks(ev), before):  # releases: the free list, or the cache
-            if ref and not st.ref_counts[b]:
-                if not st.has_hash[b]:
-                    self._sample("lifetime", step, step - self.born.pop(b, step))
-                else:
-                    self.released[b] = step
+        self.residency.apply(ev, self.state)
+        if isinstance(ev, p.StepDone):
+            self._per_request(ev.step)
 
-    def _sample(self, metric: str, step: int, value: int) -> None:
-        self.samples[metric].append((step, value))
+    def _sample(self, metric: str, ev: p.Event, since: Mark) -> None:
+        self.samples[metric].append((ev.step, ev.step - since.step))
 
     def _per_request(self, step: int) -> None:
         blocks: dict[str, set[int]] = {}
@@ -108,25 +73,3 @@ class Lifetimes:
         return np.array([v for s, v in self.samples[metric] if s > since and (until is None or s <= until)],
                         np.int64)
 
-
-def _blocks(ev: p.AnyEvent) -> list[int]:
-    """Device blocks whose ref count `ev` lowers (their release is noticed after it)."""
-    match ev:
-        case p.Free():
-            return [ev.block_id]
-        case p.Cow():
-            return [ev.src_block_id]
-        case p.SwapOut():
-            return [d for d, _ in reversed(ev.mapping + ev.shared)]
-    return []
-
-
-def _new_blocks(ev: p.AnyEvent) -> list[int]:
-    match ev:
-        case p.Alloc():
-            return [ev.block_id]
-        case p.Cow():
-            return [ev.dst_block_id]
-        case p.SwapIn():
-            return [d for _, d in ev.mapping]
-    return []

@@ -94,27 +94,51 @@ CSS = """<style>
 .fleet-grid { display: grid; grid-template-columns: repeat({COLUMNS}, minmax(0, 1fr)); gap: 12px; }
 .fleet-grid .fc { border: 1px solid rgba(49, 51, 63, .2); border-radius: 8px; padding: 10px 12px; min-width: 0; }
 .fc.out { box-shadow: inset 4px 0 0 #dc2626; padding-left: 14px; }
+.fc.gone .body { opacity: .4; filter: grayscale(1); }
+.fc .seen { color: #64748b; font-size: 11px; font-style: italic; }
+.fc .api { opacity: .7; font-size: 11px; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 </style>""".replace("{COLUMNS}", str(COLUMNS))
 
 
+HIT_RATES = {  # the card's two hit rates: label, what it counts (the single-engine header's definitions)
+    "hit_rate": ("hit rate, KVScope's", "prefix-cache hit tokens over tokens looked up at every admission, "
+                 "re-admissions after a preemption included, since this page attached"),
+    "first_hit_rate": ("hit rate, vLLM's", "the same at each request's first admission only: vLLM's own "
+                       "prefix_cache_hits / prefix_cache_queries over these requests"),
+}
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
-    """`drawn`: the page's redraw number (data-drawn: what a test or bench counts redraws by)."""
+    """`drawn`: the page's redraw number (data-drawn: what a test or bench counts redraws by).
+    A down engine's card is greyed: its numbers are the last seen, and the fleet's totals leave it out."""
     pct = (lambda x: f"{100 * x / row.blocks:.0f}%") if row.blocks else (lambda x: "")
-    nums = [("used", f"{row.used:,} {pct(row.used)}" if row.blocks else "–"),
-            ("cached", f"{row.cached:,} {pct(row.cached)}"), ("free", f"{row.free:,} {pct(row.free)}" if row.blocks else "–"),
-            ("hit rate", _n(row.hit_rate, "{:.0%}")), ("preemptions", _n(row.preemptions)),
-            ("running / waiting", f"{_n(row.running)} / {_n(row.waiting)}"), ("tokens/s", _n(row.tokens_per_s, "{:.1f}")),
-            ("last event", _n(row.last_event_age_s, "{:.1f} s ago")), ("stream gaps", f"{row.gaps:,}")]
-    body = "".join(f"<span>{k}</span><b>{html.escape(v)}</b>" for k, v in nums)
+    rates = ["hit_rate", "first_hit_rate"] if row.kind == "vllm-plugin" else ["hit_rate"]
+    nums = [("used", f"{row.used:,} {pct(row.used)}" if row.blocks else "–", ""),
+            ("cached", f"{row.cached:,} {pct(row.cached)}", ""),
+            ("free", f"{row.free:,} {pct(row.free)}" if row.blocks else "–", ""),
+            *((HIT_RATES[k][0], _n(getattr(row, k), "{:.0%}"), HIT_RATES[k][1]) for k in rates),
+            ("preemptions", _n(row.preemptions), ""),
+            ("running / waiting", f"{_n(row.running)} / {_n(row.waiting)}", ""),
+            ("tokens/s", _n(row.tokens_per_s, "{:.1f}"), "over the engine steps of the last few seconds"),
+            ("last event", _n(row.last_event_age_s, "{:.1f} s ago"), ""), ("stream gaps", f"{row.gaps:,}", "")]
+    body = "".join(f'<span title="{html.escape(tip)}">{k}</span><b>{html.escape(v)}</b>' for k, v, tip in nums)
     img = (f'<img src="{picture}" title="{row.blocks:,} blocks: used (blue), shared (indigo), cached (grey), free (light)">'
            if picture else '<div class="err">no pool: a KV-event stream says only what is cached</div>'
            if row.kind == "kv-events" else "")
     alarm = f'<div class="alarm">⚠ {html.escape(row.alarm)}</div>' if row.alarm else ""
     err = f'<div class="err" title="{html.escape(row.error)}">{html.escape(row.error)}</div>' if row.error else ""
-    return (f'<div class="fc{" out" if row.alarm else ""}" data-engine="{html.escape(row.name)}" data-drawn="{drawn}">'
+    seen = (f'<div class="seen">last seen {row.seen_s_ago:.0f} s ago: not in the fleet\'s totals</div>'
+            if row.seen_s_ago is not None and row.blocks else "")
+    api = f'<div class="api">OpenAI API {html.escape(row.api)}/v1</div>' if row.api else ""
+    gone = " gone" if row.seen_s_ago is not None else ""
+    return (f'<div class="fc{" out" if row.alarm else ""}{gone}" data-engine="{html.escape(row.name)}" data-drawn="{drawn}">'
             f'<div class="hd"><span>{html.escape(row.name)}</span><span class="st {row.state}">{row.state}</span></div>'
-            f'<div style="opacity:.7">{html.escape(row.kind)} · {html.escape(row.url)}</div>{alarm}{img}'
-            f'<div class="nums">{body}</div>{err}</div>')
+            f'<div style="opacity:.7">{html.escape(row.kind)} · {html.escape(row.url)}</div>{api}{alarm}{seen}'
+            f'<div class="body">{img}<div class="nums">{body}</div></div>{err}</div>')
 
 
 def engine_color(names: list[str], held: set[str]) -> str:
@@ -170,7 +194,7 @@ def cards(fleet: Fleet, source: Source) -> None:
     rows = sorted(rows, key=SORTS[sort], reverse=bool(st.session_state.get("fleet_desc")))
     text = (st.session_state.get("fleet_filter") or "").strip().lower()
     rows = [r for r in rows if text in r.name.lower() and (r.alarm or not st.session_state.get("fleet_alarms"))]
-    st.caption(f"{len(members)} engines · {live} live · shown: {len(rows)} · redrawn every {REDRAW_S:g} s")
+    st.caption(f"{plural(len(members), 'engine')} · {live} live · shown: {len(rows)} · redrawn every {REDRAW_S:g} s")
     # one element for every card: a fleet of 64 as ~200 Streamlit elements (columns, containers,
     # buttons) redrew 0.3 times a second on 2 loaded cores, as one grid about 2 (docs/benchmarks.md)
     cells = "".join(card(row, members[row.name].picture(overview_png), drawn) for row in rows)
@@ -186,12 +210,16 @@ class PrefixCacheView:
     disagree: bool
     names: list[str]
     forest_html: str
+    left_out: str  # the engines down, whose last seen caches these numbers leave out ("" if none)
 
 
 def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
     """Merge, count and draw (seconds at 64 engines: run by `Refreshed`, off the page's thread)."""
-    ix = fleet.index()
+    rows = fleet.rows()
+    ix = fleet.index(rows)
     names = [e.name for e in fleet.members()]
+    left_out = "; ".join(f"{r.name} is {r.state}: its {plural(r.cached, 'cached block')}, last seen "
+                         f"{r.seen_s_ago:.0f} s ago, are left out" for r in rows if r.seen_s_ago is not None and r.cached)
     numbers = [("cached contents", f"{len(ix.holders):,}", "distinct cached blocks, by content"),
                ("physical blocks", f"{sum(ix.copies(c) for c in ix.holders):,}", "cached blocks in every engine's pool"),
                ("duplicated blocks", f"{ix.duplicated_blocks():,}",
@@ -202,7 +230,7 @@ def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
     holders = ix.holders
     forest = prefix_tree.render(ix.forest(), max_nodes=300, text=lambda n: ",".join(sorted(holders.get(n.key, {}))),
                                 color=lambda n: engine_color(names, set(holders.get(n.key, {}))))
-    return PrefixCacheView(ix, numbers, ix.identity(), bool(ix.hash_disagreements()), names, forest)
+    return PrefixCacheView(ix, numbers, ix.identity(), bool(ix.hash_disagreements()), names, forest, left_out)
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -222,6 +250,8 @@ def prefix_cache(fleet: Fleet, path: str) -> None:
     v = fresh.value
     for col, (label, value, help_) in zip(st.columns(len(v.numbers)), v.numbers):
         col.metric(label, value, help=help_)
+    if v.left_out:
+        st.caption(f":gray[{v.left_out}: these numbers count the engines that are up.]")
     (st.warning if v.disagree else st.caption)(v.identity)
     left, right = st.columns([3, 2])
     with left:
@@ -251,7 +281,7 @@ def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
         ids = memo.get((eng.name, text))
         if ids is None and (ids := tokenize(eng, text)) is not None:
             memo[(eng.name, text)] = ids
-        s = next(x for x in ix.score(ids) if x.engine == eng.name) if ids is not None else None
+        s = next((x for x in ix.score(ids) if x.engine == eng.name), None) if ids is not None else None
         scores += [s] if s else []
         out.append({"engine": eng.name, "prompt tokens": len(ids) if ids is not None else None,
                     "cached tokens": s.cached_tokens if s else None, "blocks": s.blocks if s else None})
@@ -322,9 +352,6 @@ def load_panel(fleet: Fleet) -> None:
         if msg := st.session_state.get("fleet_sent"):
             st.caption(msg)
         st.fragment(load_since, run_every=1.0)(fleet)
-        for e in fleet.members():  # requests sent over HTTP fail later, on their own threads
-            for err in list(e.load_errors)[-2:]:
-                st.caption(f":red[{e.name}: {err}]")
         st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
                   help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)",
                   on_click=lambda: [e.clear_prefix_cache() for e in takers(fleet)])
@@ -339,10 +366,12 @@ def _send(fleet: Fleet) -> None:
     plan = fleet_load.assign(fleet_load.workload(n, systems, f"{policy[:2]}{next(_runs)}"), [e.name for e in targets],
                              policy)
     st.session_state["fleet_load_base"] = {e.name: e.lookups() for e in targets}
+    st.session_state["fleet_failed_base"] = {e.name: e.load_failed for e in fleet.members()}
     failed = fleet_load.send_all(plan, lambda name, cmd: fleet.engines[name].submit(cmd), max_tokens)
     st.session_state["fleet_sent"] = (
-        f"sent {len(plan) - len(failed)} of {len(plan)} requests {policy} to {len(targets)} engines"
-        + (f"; failed: {failed}" if failed else "") if targets else "no live engine takes prompts")
+        f"sent {len(plan) - len(failed)} of {plural(len(plan), 'request')} {policy} to {plural(len(targets), 'engine')}"
+        + (f"; {len(failed)} could not be sent: " + "; ".join(failed.values()) if failed else "")
+        if targets else "no live engine takes prompts")
 
 
 def load_since(fleet: Fleet) -> None:
@@ -358,6 +387,11 @@ def load_since(fleet: Fleet) -> None:
             parts.append(f"{name} **{hit / looked:.0%}** ({hit:,} of {looked:,} tokens)")
     if parts:
         st.caption("Hit rate since this Send: " + " · ".join(parts))
+    # sends fail later too: a refusal, no answer before a connection closed, an HTTP error
+    failed_base = st.session_state.get("fleet_failed_base") or {}
+    for e in fleet.members():
+        if n := e.load_failed - failed_base.get(e.name, 0):
+            st.caption(f":red[{e.name}: {plural(n, 'request')} failed since this Send; the last: {e.load_errors[-1]}]")
 
 
 def takers(fleet: Fleet) -> list:

@@ -10,6 +10,7 @@ scraper's thread. docs/metrics.md lists the metrics and an alert rule.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
 import threading
@@ -18,23 +19,56 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
+from kvscope_contract.residency import Mark, Residency
 from kvscope_contract.state import InvariantError, PoolState
 
 log = logging.getLogger("kvscope")
 
 LABELS = ("model_name", "engine")  # vLLM's labels; one engine per server, index 0
 ENGINE_INDEX = "0"
+# vLLM 0.32's buckets for its residency histograms (`kv_cache_residency`, vllm/v1/metrics/buckets.py)
+RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300,
+                     600, 1200, 1800)
+RESIDENCY = {  # kvscope_contract/residency.py's metric -> vLLM's histogram, its help
+    "lifetime": ("vllm:kv_block_lifetime_seconds", "Histogram of KV cache block lifetime, from leaving the "
+                 "free list to returning to it (freed with no hash, or evicted). Every block."),
+    "idle": ("vllm:kv_block_idle_before_evict_seconds", "Histogram of idle time before KV cache block "
+             "eviction: from losing its last holder to its eviction. Every block."),
+    "reuse": ("vllm:kv_block_reuse_gap_seconds", "Histogram of time gaps between uses of a cached KV block "
+              "(its registration, then each prefix hit). Every block."),
+}
+
+
+@dataclass
+class Histogram:
+    """Observations per bucket of RESIDENCY_BUCKETS (the last: above them all), and their sum."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(RESIDENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(RESIDENCY_BUCKETS, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, n = [], 0
+        for le, count in zip([*map(str, map(float, RESIDENCY_BUCKETS)), "+Inf"], self.counts):
+            n += count
+            out.append((le, n))
+        return out
 
 
 @dataclass
 class Totals:
     """Counters since the server started (a `reset` of the pool does not reset them)."""
     prompt_tokens: int = 0       # prompt of each request, counted when its first token is sampled
+    prompt_tokens_cached: int = 0  # of those, the tokens its first admission found in the prefix cache
+    first_hits: dict[str, int] = field(default_factory=dict)  # sequence in its first admission -> hit tokens
+    preempted: set[str] = field(default_factory=set)          # live sequences preempted at least once
     generation_tokens: int = 0   # tokens sampled
     events: EventCounts = field(default_factory=EventCounts)  # lookups, hits, preemptions, swaps
     finished: Counter = field(default_factory=Counter)        # sequences, by finish reason
@@ -42,6 +76,7 @@ class Totals:
     forks: int = 0
     evictions: int = 0
     steps: int = 0
+    residency: dict[str, Histogram] = field(default_factory=lambda: {k: Histogram() for k in RESIDENCY})
 
     def clone(self) -> Totals:
         return copy.deepcopy(self)
@@ -56,6 +91,9 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._state = PoolState.from_snapshot(snapshot())
         self._totals = Totals()
+        self._residency = Residency(self._residency_sample)
+        self._residency.start(self._state, Mark(0, 0.0))
+        self._last = Mark(0, 0.0)  # the last event observed: a rebuilt mirror's blocks count from there
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -69,10 +107,15 @@ class EngineMetrics:
                     if ev.seq <= state.last_event:  # already in the snapshot the mirror began from
                         continue
                     _count(ev, state, tot)
-                    state.apply(ev)
+                    self._residency.apply(ev, state)
+                    self._last = Mark.of(ev)
             except InvariantError:
                 log.exception("metrics: the event stream broke the mirror; rebuilding it from a snapshot")
                 self._state = PoolState.from_snapshot(self._snapshot())
+                self._residency.start(self._state, self._last)
+
+    def _residency_sample(self, metric: str, ev: p.Event, since: Mark) -> None:
+        self._totals.residency[metric].observe(ev.t - since.t)
 
     # ------------------------------------------------------------------ a scrape
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
@@ -95,6 +138,12 @@ class EngineMetrics:
              status["running"]),
             ("vllm:num_requests_waiting", "Sequences waiting to be admitted (new, or preempted by recompute).",
              status["waiting"]),
+        ])
+        # vLLM's reasons: every waiting sequence here waits for room (blocks, a batch slot); none is deferred
+        yield self._by("vllm:num_requests_waiting_by_reason", "Sequences waiting, by reason: capacity (blocks "
+                       "or a batch slot) or deferred (never, in KVScope's scheduler).", "reason",
+                       {"capacity": status["waiting"], "deferred": 0}, ("capacity", "deferred"), GaugeMetricFamily)
+        yield from self._gauges([
             ("kvscope_num_requests_swapped", "Sequences swapped out to the host pool.", status["swapped"]),
             ("vllm:kv_cache_usage_perc", "KV-cache usage: device blocks held by a sequence over all device "
              "blocks. 1 means 100 percent usage.", counts.used / cfg.num_device_blocks),
@@ -119,6 +168,8 @@ class EngineMetrics:
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", tot.events.preemptions),
             ("vllm:prompt_tokens", "Number of prefill tokens processed (each request's prompt, once).",
              tot.prompt_tokens),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens: those each request's first "
+             "admission found in the prefix cache.", tot.prompt_tokens_cached),
             ("vllm:generation_tokens", "Number of generation tokens processed.", tot.generation_tokens),
             ("kvscope_copy_on_write", "Copies of a shared block made by the first write into it.",
              tot.copy_on_write),
@@ -136,6 +187,10 @@ class EngineMetrics:
         yield self._by("kvscope_swapped_blocks", "Blocks copied to the host pool (out) and back (in).",
                        "direction",
                        {"out": tot.events.swapped_out_blocks, "in": tot.events.swapped_in_blocks}, ("out", "in"))
+        for metric, (name, doc) in RESIDENCY.items():
+            h = HistogramMetricFamily(name, doc, labels=LABELS)
+            h.add_metric(self.labels, tot.residency[metric].cumulative(), tot.residency[metric].total)
+            yield h
 
     def _gauges(self, rows) -> Iterator[Metric]:
         for name, doc, value in rows:
@@ -149,8 +204,9 @@ class EngineMetrics:
             c.add_metric(self.labels, value)
             yield c
 
-    def _by(self, name: str, doc: str, label: str, values: Mapping[str, int], keys: tuple[str, ...]) -> Metric:
-        c = CounterMetricFamily(name, doc, labels=(*LABELS, label))
+    def _by(self, name: str, doc: str, label: str, values: Mapping[str, int], keys: tuple[str, ...],
+            family=CounterMetricFamily) -> Metric:
+        c = family(name, doc, labels=(*LABELS, label))
         for key in keys:
             c.add_metric([*self.labels, key], values[key])
         return c
@@ -158,15 +214,23 @@ class EngineMetrics:
 
 def _count(ev: p.Event, state: PoolState, tot: Totals) -> None:
     """Add `ev` to the totals; `state` is the pool just before it."""
-    tot.events.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
+    hit = state.prefix_hit_tokens(ev)
+    tot.events.count(ev, state.prefix_lookup(ev), hit)
     match ev:
+        case p.PrefixHit() if ev.seq_id not in tot.preempted:
+            tot.first_hits[ev.seq_id] = tot.first_hits.get(ev.seq_id, 0) + hit
+        case p.Preempt():
+            tot.preempted.add(ev.seq_id)
         case p.Append(token_ids=ids) if ids:
             tot.generation_tokens += len(ids)
             s = state.seqs[ev.seq_id]
             if not s.output_tokens and s.seq_id == s.request_id:  # a request's first token
                 tot.prompt_tokens += s.prompt_tokens
+                tot.prompt_tokens_cached += tot.first_hits.pop(s.seq_id, 0)
         case p.Finish():
             tot.finished[ev.reason] += 1
+            tot.first_hits.pop(ev.seq_id, None)
+            tot.preempted.discard(ev.seq_id)
         case p.Cow():
             tot.copy_on_write += 1
         case p.Fork():

@@ -10,14 +10,17 @@ from collections import Counter
 
 import pytest
 
+import time
+
+from app.data.fleet import engines as fleet_engines
 from app.data.fleet import load as fleet_load
-from app.data.fleet.engines import STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
+from app.data.fleet.engines import RATE_S, STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
 from app.data.fleet.content import chain_ids
 from app.data.launcher import ServerProcess
 from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
-from tests.waiting import wait
+from tests.waiting import free_port, wait
 
 BS, BLOCKS = 16, 64
 SYSTEM = " ".join(w.strip() for w in WORDS[100:150])         # 50 tokens: 3 full blocks
@@ -28,8 +31,8 @@ def tokens(text: str) -> list[int]:
     return [INDEX[w] for w in text.split()]
 
 
-def synthetic() -> ServerProcess:
-    proc = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
+def synthetic(port: int = 0) -> ServerProcess:
+    proc = ServerProcess("engine.synthetic", ["--port", str(port), "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
                                              "--block-size", str(BS), "--live", "0", "--fill", "0", "--warm-steps", "0",
                                              "--step-delay-ms", "0", "--max-num-seqs", "8"]).start()
     assert proc.wait_ready(120), "\n".join(proc.tail(30))
@@ -115,6 +118,74 @@ def test_a_dead_engine_is_shown_and_the_other_stays_live(pair):
     assert rows["b"].state == "live" and rows["a"].error
     run(fleet, "b", SYSTEM)  # b answers and its numbers move while a is down
     assert {x.name: x for x in fleet.rows()}["b"].cached >= 3
+
+
+def test_a_down_engines_cache_is_last_seen_and_out_of_the_live_totals(pair):
+    """Both engines cache the system prompt (3 blocks each: 3 duplicated); a is killed: its card keeps
+    what it last held, says since when, and the fleet's totals count b alone (nothing duplicated)."""
+    fleet, procs = pair
+    run(fleet, "a", SYSTEM + " " + QUESTIONS[0])
+    run(fleet, "b", SYSTEM + " " + QUESTIONS[1])
+    assert fleet.index().duplicated_blocks() == 3
+    cached_a = {r.name: r for r in fleet.rows()}["a"].cached
+    os.kill(procs[0].pid, signal.SIGKILL)
+    rows = wait(lambda: (r := {x.name: x for x in fleet.rows()})["a"].state == "down" and r, 15, "a marked down")
+    assert rows["a"].cached == cached_a > 0 and rows["a"].seen_s_ago is not None and rows["a"].seen_s_ago < 15
+    ix = fleet.index()
+    assert ix.duplicated_blocks() == 0 and set(ix.engines) == {"b"}
+    assert sum(ix.copies(c) for c in ix.holders) == rows["b"].cached
+    assert [s.engine for s in ix.score(tokens(SYSTEM))] == ["b"]  # a router never picks a dead engine
+
+
+def test_every_failed_send_is_counted_and_said(pair):
+    """A submit the engine refuses, and submits an engine never answers before its connection
+    closes (stopped, then killed), each count as failed sends, in words; an accepted one does not."""
+    fleet, procs = pair
+    a = fleet.engines["a"]
+    a.submit(p.Submit(prompt="x", max_tokens=2, request_id="fine"))
+    a.submit(p.Submit(prompt="x " * 5000, max_tokens=2, request_id="huge"))  # beyond the pool: refused
+    wait(lambda: not a.client.pending, 15, "the engine's answers")
+    assert a.load_failed == 1 and a.load_errors[0].startswith("huge: "), list(a.load_errors)
+    refused = a.load_failed
+    os.kill(procs[0].pid, signal.SIGSTOP)  # it reads nothing more: these wait in its socket unanswered
+    fleet_load.send_all([("a", r) for r in fleet_load.workload(3, 1, "lost")], lambda n, cmd: fleet.engines[n].submit(cmd))
+    assert a.load_failed == refused  # not failed yet: unanswered
+    os.kill(procs[0].pid, signal.SIGKILL)
+    wait(lambda: a.load_failed == refused + 3, 30, "the three unanswered sends counted failed")
+    assert all("no answer before the connection closed" in e for e in list(a.load_errors)[-3:])
+
+
+def test_numbers_on_a_card_do_not_go_stale(pair, monkeypatch):
+    """tokens/s falls to 0 once an engine idles; "preempting" clears once it stops preempting; an
+    engine that is not up yet reads connecting, not down."""
+    monkeypatch.setattr(fleet_engines, "PREEMPTING_S", 3.0)
+    fleet, _ = pair
+    client = fleet.engines["a"].client
+    finished = client.view().mirror.tally.finished
+    long = " ".join(w.strip() for w in WORDS[3000:3200])  # 200 tokens: 13 blocks each, 8 of them in 64 blocks
+    for i in range(8):
+        client.send(p.Submit(prompt=f"{i} {long}", max_tokens=120, ignore_eos=True))
+    row = wait(lambda: (r := {x.name: x for x in fleet.rows()}["a"]).preemptions and r, 60, "a preempting")
+    assert row.alarm == "preempting" and row.tokens_per_s > 0
+    wait(lambda: client.view().mirror.tally.finished >= finished + 8, 120, "a finished")
+    idle = wait(lambda: (r := {x.name: x for x in fleet.rows()}["a"]).alarm == "" and r, 10, "preempting cleared")
+    assert idle.preemptions > 0  # still counted, no longer flagged
+    time.sleep(RATE_S + 0.5)
+    assert {x.name: x for x in fleet.rows()}["a"].tokens_per_s == 0
+
+    port = free_port()
+    late = Fleet.of([Endpoint("late", f"ws://127.0.0.1:{port}/")])
+    try:
+        time.sleep(2)  # several refused connections: it is coming up, not down
+        row = late.rows()[0]
+        assert row.state == "connecting" and "Error" not in row.error and row.alarm == "", row
+        proc = synthetic(port)
+        wait(lambda: late.rows()[0].state == "live", 30, "live once it listens")
+        proc.stop()
+        row = wait(lambda: (r := late.rows()[0]).state == "down" and r, 30, "down once it stops")
+        assert row.error and row.alarm == "down"
+    finally:
+        late.close()
 
 
 def busy(engines: int) -> ServerProcess:

@@ -61,11 +61,13 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
          and int(next(m.value for m in at.metric if m.label == "cached contents").replace(",", "")) > 0,
          60, "the fleet index fills")
 
-    # add an engine while running (a dead address: marked down, the others unaffected), then remove it
+    # add an engine while running (an address nothing answers: connecting, as a server still loading
+    # its model, the others unaffected), then remove it
     at.sidebar.text_input(key="fleet_add_name").set_value("nowhere")
     at.sidebar.text_input(key="fleet_add_url").set_value("ws://127.0.0.1:9")
     at.sidebar.button[[b.label for b in at.sidebar.button].index("Add engine")].click().run()
-    wait(lambda: at.run() and 'class="st down"' in card_of(at, "nowhere"), 30, "the new engine marked down")
+    wait(lambda: at.run() and 'class="st connecting"' in card_of(at, "nowhere") and "not answering yet"
+         in card_of(at, "nowhere"), 30, "the new engine connecting")
     assert 'class="st live"' in card_of(at, "pod-a")
     at.sidebar.selectbox(key="fleet_remove_pick").set_value("nowhere")
     at.sidebar.button(key="fleet_remove").click().run()
@@ -81,6 +83,41 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
     assert at.title[0].value == "KVScope · Fleet"
     for o in observers:
         o.close()
+
+
+def test_a_down_engines_card_is_last_seen_and_failed_sends_are_said(engines, tmp_path, monkeypatch):
+    """A card names its hit rate's definition and its OpenAI URL; one engine stopped while the load
+    generator sends to it, then killed: the sidebar counts its unanswered requests as failed, its
+    card is greyed as last seen, and the prefix cache's numbers count the other engine alone."""
+    procs, path = engines
+    path.write_text(path.read_text().replace('name = "pod-b"\n', 'name = "pod-b"\napi = "http://127.0.0.1:9"\n'))
+    monkeypatch.setenv("KVSCOPE_FLEET", str(path))
+    at = AppTest.from_file(MAIN, default_timeout=60)
+    at.run()
+    wait(lambda: at.run() and all('class="st live"' in card_of(at, n) for n in ("pod-a", "pod-b")), 30, "both live")
+    assert "hit rate, KVScope's" in card_of(at, "pod-a") and "vLLM's" not in card_of(at, "pod-a")
+    assert "OpenAI API http://127.0.0.1:9/v1" in card_of(at, "pod-b") and "OpenAI API" not in card_of(at, "pod-a")
+    assert any(c.startswith("2 engines · 2 live") for c in at.caption.values)
+    at.sidebar.number_input(key="fleet_n").set_value(4)
+    at.sidebar.button(key="fleet_send").click().run()
+    wait(lambda: at.run() and all(re.search(r"<span[^>]*>cached</span><b>[1-9]", card_of(at, n))
+                                  for n in ("pod-a", "pod-b")), 60, "both cards' cached blocks")
+
+    os.kill(procs[0].pid, signal.SIGSTOP)  # pod-a still looks live: the next Send gives it 2 it never answers
+    at.sidebar.button(key="fleet_send").click().run()
+    assert "sent 4 of 4 requests round-robin to 2 engines" in at.sidebar.caption.values
+    os.kill(procs[0].pid, signal.SIGKILL)
+    wait(lambda: at.run() and any("pod-a: 2 requests failed since this Send" in c and "no answer" in c
+                                  for c in at.sidebar.caption.values), 30, "pod-a's lost requests said")
+    wait(lambda: at.run() and 'class="st down"' in card_of(at, "pod-a"), 30, "pod-a down")
+    assert card_of(at, "pod-a").startswith(" out gone") and "last seen" in card_of(at, "pod-a")
+
+    def left_out():
+        at.run()
+        pod_b = int(re.search(r"<span[^>]*>cached</span><b>([\d,]+)", card_of(at, "pod-b")).group(1).replace(",", ""))
+        physical = next((m.value for m in at.metric if m.label == "physical blocks"), "")
+        return any(c.startswith(":gray[pod-a is down") for c in at.caption.values) and physical == f"{pod_b:,}"
+    wait(left_out, 30, "the fleet's numbers without pod-a's last seen cache")
 
 
 # a card's numbers as the page shows them: {"used": "12 19%", ..., "state": "live"}, or null

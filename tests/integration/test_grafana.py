@@ -22,9 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BOARD = ROOT / "docs" / "grafana" / "kvscope.json"
 ALERTS = ROOT / "docs" / "prometheus" / "alerts.yml"
 # what vLLM 0.32 (v1 engine) serves on /metrics and the board reads (samples, counters with _total)
+# (the residency histograms with --kv-cache-metrics)
 VLLM_METRICS = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"}
+                "vllm:num_requests_waiting_by_reason", "vllm:prefix_cache_queries_total",
+                "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+                "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total",
+                *(f"vllm:kv_block_{h}_seconds_{part}" for h in ("lifetime", "idle_before_evict", "reuse_gap")
+                  for part in ("bucket", "sum", "count"))}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
                 "bool", "offset"}
 
@@ -62,16 +66,34 @@ def test_the_board_is_a_grafana_10_dashboard_with_the_alert_threshold_drawn():
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
         assert all(t["datasource"]["uid"] == "${datasource}" and t["expr"] for t in panel["targets"])
     titles = " ".join(panel["title"] for panel in b["panels"]).lower()
-    for what in ("kv-cache usage", "blocks", "hit rate", "preemptions", "running and waiting", "throughput"):
+    for what in ("kv-cache usage", "blocks", "hit rate", "preemptions", "running and waiting by reason",
+                 "throughput", "cached prompt tokens", "block lifetime", "idle time before eviction", "reuse gap"):
         assert what in titles, what
     # the alert's threshold, as alerts.yml says it, drawn on the usage panel and the blocks panel
     threshold = float(re.search(r"vllm:kv_cache_usage_perc > ([\d.]+)", ALERTS.read_text()).group(1))
-    usage = next(panel for panel in b["panels"] if panel["title"] == "KV-cache usage")
+    usage = next(panel for panel in b["panels"] if panel["title"] == "KV-cache usage by engine")
     custom = usage["fieldConfig"]["defaults"]["custom"]
     assert custom["thresholdsStyle"]["mode"] in ("line", "line+area", "dashed", "line+area+dashed")
     assert threshold in [s["value"] for s in usage["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     blocks = next(panel for panel in b["panels"] if "blocks" in panel["title"].lower())
     assert f"{threshold} * kvscope_device_blocks" in " ".join(t["expr"] for t in blocks["targets"])
+
+
+def test_every_series_on_the_board_and_every_alert_names_its_engine():
+    """Two engines serving the same model draw apart: each legend names the instance, and no query
+    sums engines together (an aggregation keeps `instance`; the live Prometheus test checks the
+    label on every series); every alert's summary says which instance."""
+    for panel in board()["panels"]:
+        for t in panel["targets"]:
+            assert "{{instance}}" in t["legendFormat"], (panel["title"], t["legendFormat"])
+            for grouping in re.findall(r"\b(?:sum|max|min|avg)\s+by\s*\(([^)]*)\)", t["expr"]):
+                assert "instance" in grouping, (panel["title"], t["expr"])
+            assert not re.search(r"\b(?:sum|max|min|avg)\s*\(", t["expr"]), (panel["title"], t["expr"])
+            assert 'instance=~"$instance"' in t["expr"], (panel["title"], t["expr"])
+    alerts = re.findall(r"- alert: (\w+).*?summary: \"([^\"]*)\"", ALERTS.read_text(), re.S)
+    assert len(alerts) == 4
+    for name, summary in alerts:
+        assert "$labels.instance" in summary, name
 
 
 def test_metric_names_are_read_off_promql():

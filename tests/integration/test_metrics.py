@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
+from kvscope_contract.residency import Mark, Residency
+from kvscope_contract.state import PoolState
 from engine.model.engine import LLMEngine
 from tests.integration.test_server import SYSTEM
 from tests.protocol_client import Client
@@ -25,12 +27,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def serve(tiny, serve_engine):
     def make(token: str | None = None, **pool):
         engine = LLMEngine(EngineConfig(model="tiny", pool=p.PoolConfig(**pool)), tiny)
-        admissions: list[tuple[int, int]] = []  # (tokens looked up, tokens found cached) per admission
+        admissions: list[tuple[int, int, str]] = []  # (tokens looked up, found cached, seq_id) per admission
         allocate = engine.block_manager.allocate
 
         def recording_allocate(seq):
             cached = allocate(seq)
-            admissions.append((len(seq), cached))
+            admissions.append((len(seq), cached, seq.seq_id))
             return cached
 
         engine.block_manager.allocate = recording_allocate
@@ -97,8 +99,8 @@ def test_counters_match_what_the_engine_did(serve, mode):
     preempts = [e for e in events if e["kind"] == "preempt"]
     assert preempts and {e["mode"] for e in preempts} == {mode}
     # the block manager's own admissions: every one counts, re-admissions after a recompute included
-    assert m["vllm:prefix_cache_queries_total", ""] == sum(n for n, _ in admissions)
-    assert m["vllm:prefix_cache_hits_total", ""] == sum(hit for _, hit in admissions) == 4 * kinds["prefix_hit"] > 0
+    assert m["vllm:prefix_cache_queries_total", ""] == sum(n for n, _, _ in admissions)
+    assert m["vllm:prefix_cache_hits_total", ""] == sum(hit for _, hit, _ in admissions) == 4 * kinds["prefix_hit"] > 0
     if mode == "recompute":
         # each request once (the n=2 child forks, the aborted one never ran), plus each re-admission
         assert len(admissions) == len(seq_ids) - 1 + len(preempts)
@@ -108,6 +110,13 @@ def test_counters_match_what_the_engine_did(serve, mode):
         == 24 * 8 + 12 * 2
     added = {e["request_id"]: e["prompt_tokens"] for e in events if e["kind"] == "request_added"}
     assert m["vllm:prompt_tokens_total", ""] == sum(v for k, v in added.items() if k != aborted)
+    # each request's tokens found cached at its first admission (vLLM's rule; a forked sample admitted
+    # again after a recompute is no new request)
+    first: dict[str, int] = {}
+    for _, hit, seq_id in admissions:
+        if seq_id in added:
+            first.setdefault(seq_id, hit)
+    assert m["vllm:prompt_tokens_cached_total", ""] == sum(first.values()) > 0
     assert m["vllm:request_success_total", "length"] == len(seq_ids) == 10
     assert m["vllm:request_success_total", "abort"] == 1 and m["vllm:request_success_total", "stop"] == 0
     assert m["kvscope_forks_total", ""] == kinds["fork"] == 1 and m["kvscope_copy_on_write_total", ""] == kinds["cow"]
@@ -124,6 +133,46 @@ def test_counters_match_what_the_engine_did(serve, mode):
     assert m["vllm:kv_cache_usage_perc", ""] == 0 and m["vllm:num_requests_running", ""] == 0
 
 
+RESIDENCY = {"lifetime": "vllm:kv_block_lifetime_seconds", "idle": "vllm:kv_block_idle_before_evict_seconds",
+             "reuse": "vllm:kv_block_reuse_gap_seconds"}
+VLLM_RESIDENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120,
+                          300, 600, 1200, 1800]  # vLLM 0.32's kv_cache_residency buckets
+
+
+def test_block_residency_histograms_count_every_block_in_seconds(serve):
+    """vLLM's three residency histograms, every block counted: as many lifetimes as blocks went back
+    to the free list, an idle time per eviction, a reuse gap per prefix hit (the pool starts empty),
+    each in the seconds between the events that begin and end it, in vLLM's buckets."""
+    srv, _ = serve(block_size=4, num_device_blocks=24, num_host_blocks=0, preemption_mode="recompute")
+    c = Client(srv.url)
+    for round_ in range(2):
+        seq_ids = []
+        for prompt in [SYSTEM[:60] + "Hi", SYSTEM[:60] + "Hello"] + PROMPTS[round_ * 3:round_ * 3 + 3]:
+            seq_ids += c.request(op="submit", prompt=prompt, max_tokens=16, ignore_eos=True)["seq_ids"]
+        run_to_end(c, seq_ids)
+    m = scrape(srv.url)
+    born = c.kinds["alloc"] + c.kinds["cow"]
+    counts = c.state.counts()
+    assert c.kinds["evict"] > 0 and c.kinds["prefix_hit"] > 0 and counts.cached > 0
+    assert m[RESIDENCY["lifetime"] + "_count", ""] == born - counts.used - counts.cached
+    assert m[RESIDENCY["idle"] + "_count", ""] == c.kinds["evict"]
+    assert m[RESIDENCY["reuse"] + "_count", ""] == c.kinds["prefix_hit"]
+    # the seconds: the contract's rule over the events this client saw, timed by their engine time
+    seconds: dict[str, list[float]] = {k: [] for k in RESIDENCY}
+    residency = Residency(lambda metric, ev, since: seconds[metric].append(ev.t - since.t))
+    state = PoolState.empty(c.state.config)
+    residency.start(state, Mark(0, 0.0))
+    for ev in c.events:
+        residency.apply(ev, state)
+    for metric, name in RESIDENCY.items():
+        values = seconds[metric]
+        assert m[name + "_sum", ""] == pytest.approx(sum(values), abs=1e-6)
+        assert sum(values) > 0 or metric == "reuse"
+        for le in VLLM_RESIDENCY_BUCKETS:
+            assert m[name + "_bucket", str(float(le))] == sum(v <= le for v in values), (name, le)
+        assert m[name + "_bucket", "+Inf"] == len(values)
+
+
 def test_gauges_match_the_pool_while_paused(serve):
     srv, _ = serve(block_size=8, num_device_blocks=64, num_host_blocks=16, max_num_seqs=3)
     c = Client(srv.url)
@@ -138,6 +187,9 @@ def test_gauges_match_the_pool_while_paused(serve):
     status = Counter(s.status for s in st.seqs.values())
     assert (m["vllm:num_requests_running", ""], m["vllm:num_requests_waiting", ""]) \
         == (status["running"], status["waiting"]) == (3, 3)  # r1 and its child, r2; r3..r5 wait
+    # every waiting sequence waits for room (blocks or a batch slot): vLLM's "capacity"; none is deferred
+    assert (m["vllm:num_requests_waiting_by_reason", "capacity"], m["vllm:num_requests_waiting_by_reason", "deferred"]) \
+        == (3, 0)
     counts = st.counts()
     assert (m["kvscope_used_blocks", ""], m["kvscope_shared_blocks", ""], m["kvscope_cached_blocks", ""],
             m["kvscope_free_blocks", ""]) == (counts.used, counts.shared, counts.cached, counts.free)
@@ -161,7 +213,7 @@ def test_metrics_need_the_token_when_the_server_has_one(serve):
 
 def test_the_docs_list_every_metric_the_server_serves(serve):
     srv, _ = serve()
-    served = {name.removesuffix("_total") for name, _ in scrape(srv.url)}
+    served = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name, _ in scrape(srv.url)}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     table = {n.removesuffix("_total") for row in doc.splitlines() if row.startswith("| `")
              for n in re.findall(r"`([a-z_:]+)(?:\{\w+\})?`", row.split(" | ")[0])}

@@ -77,9 +77,17 @@ def start_engine() -> ServerProcess:
     return proc
 
 
-def test_a_real_prometheus_scrapes_the_engine_and_fires_the_alerts(tmp_path):
-    engine = start_engine()
-    engine_port = urllib.parse.urlsplit(engine.url).port
+def legend(fmt: str, labels: dict[str, str]) -> str:
+    """A Grafana legend format filled from a series' labels."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
+
+
+def test_a_real_prometheus_scrapes_two_engines_and_fires_the_alerts_by_engine(tmp_path):
+    """Two engines serving the same model: the board draws each apart (every series of every query
+    carries its instance, and no two series share a legend), and the alert names the one that fills."""
+    engine, idle = start_engine(), start_engine()
+    engine_port, idle_port = (urllib.parse.urlsplit(e.url).port for e in (engine, idle))
+    busy, quiet = f"127.0.0.1:{engine_port}", f"127.0.0.1:{idle_port}"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     rules = re.sub(r"(?m)^(\s+)for: \S+$", r"\1for: 2s", (RULES / "alerts.yml").read_text())
@@ -90,7 +98,7 @@ global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 rule_files: [alerts.yml]
 scrape_configs:
   - job_name: kvscope
-    static_configs: [{{targets: ["127.0.0.1:{engine_port}"]}}]
+    static_configs: [{{targets: ["{busy}", "{quiet}"]}}]
 """)
     prom_log = (tmp_path / "prometheus.log").open("w")
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
@@ -98,19 +106,27 @@ scrape_configs:
                             cwd=tmp_path, stdout=prom_log, stderr=subprocess.STDOUT)
     c = None
     try:
-        # it scrapes KVScope's metrics: the target is up and the pool's size is what the engine serves
-        wait_for("the kvscope target up", lambda: prom.poll() is None and _ready(base) and any(
-            t["health"] == "up" for t in api(base, "targets")["activeTargets"]))
-        blocks = wait_for("kvscope_device_blocks scraped", lambda: api(base, "query", query="kvscope_device_blocks")["result"])
-        assert float(blocks[0]["value"][1]) == POOL and blocks[0]["metric"]["job"] == "kvscope"
+        # it scrapes KVScope's metrics: both targets up and the pool's size is what each engine serves
+        wait_for("both kvscope targets up", lambda: prom.poll() is None and _ready(base) and sum(
+            t["health"] == "up" for t in api(base, "targets")["activeTargets"]) == 2)
+        blocks = wait_for("kvscope_device_blocks scraped from both", lambda: len(
+            r := api(base, "query", query="kvscope_device_blocks")["result"]) == 2 and r)
+        assert {float(b["value"][1]) for b in blocks} == {POOL} and {b["metric"]["job"] for b in blocks} == {"kvscope"}
+        assert {b["metric"]["instance"] for b in blocks} == {busy, quiet}
         names = set(api(base, "label/__name__/values"))
         assert {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
-                "kvscope_free_blocks", "kvscope_slot_utilisation"} <= names
+                "kvscope_free_blocks", "kvscope_slot_utilisation", "vllm:kv_block_lifetime_seconds_bucket",
+                "vllm:num_requests_waiting_by_reason", "vllm:prompt_tokens_cached_total"} <= names
         time.sleep(3)  # a few evaluations of an empty pool: no alert
         assert not [a for a in api(base, "alerts")["alerts"] if a["labels"]["alertname"] == "KVCacheFreeBlocksLow"]
 
-        # a scenario fills the pool: long requests stepped until 15 of the 16 blocks are held, then paused
+        # a scenario: a shared prompt twice (prefix hits, blocks cached then reused), then long requests
+        # stepped until 15 of the 16 blocks are held, then paused
         c = Client(f"ws://127.0.0.1:{engine_port}/")
+        for i in range(2):
+            ack = c.request(op="submit", request_id=f"warm{i}", prompt="the KV cache holds what attention has seen " * 3,
+                            max_tokens=4)
+            c.sync(c.finished(ack["seq_ids"][0]))
         c.request(op="pause")
         for i in range(4):
             ack = c.request(op="submit", request_id=f"fill{i}", prompt="paged attention keeps keys in blocks " * 12,
@@ -121,18 +137,39 @@ scrape_configs:
             c.request(op="step", count=1)
             c.until(lambda: c.kinds["step"] > steps)
         held = c.state.counts().used
+        assert c.kinds["evict"] > 0 and c.kinds["prefix_hit"] > 0  # residency samples of every kind
         firing = wait_for("KVCacheFreeBlocksLow firing", lambda: alert(base, "KVCacheFreeBlocksLow", "firing"))
         assert float(firing["value"]) == pytest.approx(held / POOL)
         assert firing["labels"]["model_name"] and firing["labels"]["severity"] == "warning"
-        usage = api(base, "query", query="vllm:kv_cache_usage_perc")["result"]
-        assert float(usage[0]["value"][1]) == pytest.approx(held / POOL)
-        # every query of the Grafana board (docs/grafana/kvscope.json) answers on these metrics
-        for expr in exprs(board()):
-            expr = expr.replace("$__rate_interval", "10s").replace("$model_name", ".*")
-            if expr.startswith("label_values("):
-                assert api(base, "label/model_name/values") == [firing["labels"]["model_name"]]
-                continue
-            assert api(base, "query", query=expr)["result"], expr
+        # the engine that filled, named; the idle one (same model) does not fire
+        assert firing["labels"]["instance"] == busy and firing["annotations"]["summary"].startswith(busy)
+        assert [a["labels"]["instance"] for a in api(base, "alerts")["alerts"]
+                if a["labels"]["alertname"] == "KVCacheFreeBlocksLow"] == [busy]
+        usage = {r["metric"]["instance"]: float(r["value"][1])
+                 for r in api(base, "query", query="vllm:kv_cache_usage_perc")["result"]}
+        assert usage == {busy: pytest.approx(held / POOL), quiet: 0}
+        # every query of the Grafana board (docs/grafana/kvscope.json) answers on these metrics, each
+        # series named by its engine: no two share a legend, and both engines are drawn
+        drawn = set()
+        for panel in board()["panels"]:
+            for t in panel["targets"]:
+                expr = t["expr"].replace("$__rate_interval", "30s").replace("$model_name", ".*") \
+                    .replace("$instance", ".*")
+                result = wait_for(f"{panel['title']}: {expr}", lambda: api(base, "query", query=expr)["result"], 30)
+                assert all(r["metric"].get("instance") in (busy, quiet) for r in result), (expr, result)
+                legends = [legend(t["legendFormat"], r["metric"]) for r in result]
+                assert len(set(legends)) == len(legends), (panel["title"], legends)
+                drawn |= {r["metric"]["instance"] for r in result}
+        assert drawn == {busy, quiet}
+        for v in board()["templating"]["list"]:
+            if v["type"] == "query":
+                label = re.search(r",\s*(\w+)\)$", v["definition"]).group(1)
+                want = [firing["labels"]["model_name"]] if label == "model_name" else sorted([busy, quiet])
+                assert sorted(api(base, f"label/{label}/values")) == want
+        # the residency histograms: the busy engine's evictions and hits, counted
+        counts = {r["metric"]["instance"]: float(r["value"][1]) for r in api(
+            base, "query", query="vllm:kv_block_idle_before_evict_seconds_count")["result"]}
+        assert counts == {busy: c.kinds["evict"], quiet: 0}
 
         # the requests go: the pool empties and the alert resolves
         for i in range(4):
@@ -144,19 +181,21 @@ scrape_configs:
         c.close()
         c = None
 
-        # the engine dies: no scrape answers, the not-scraped alert fires
+        # the engine dies: no scrape answers, the not-scraped alert fires for it alone
         assert not alert(base, "KVScopeEngineNotScraped", "firing")
         engine.stop()
         down = wait_for("KVScopeEngineNotScraped firing", lambda: alert(base, "KVScopeEngineNotScraped", "firing"))
-        assert down["labels"]["instance"] == f"127.0.0.1:{engine_port}"
+        assert down["labels"]["instance"] == busy and busy in down["annotations"]["summary"]
     except BaseException:
-        print("engine log:\n", "\n".join(engine.tail(60)))
+        for name, proc in (("engine", engine), ("idle engine", idle)):
+            print(f"{name} log:\n", "\n".join(proc.tail(60)))
         print("prometheus log:\n", (tmp_path / "prometheus.log").read_text()[-3000:])
         raise
     finally:
         if c is not None:
             c.close()
         engine.stop()
+        idle.stop()
         if prom.poll() is None:
             prom.terminate()
             prom.wait(timeout=60)

@@ -42,7 +42,8 @@ SAME_HASHES = {"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
 
 @pytest.fixture(scope="module")
 def vllm():
-    server = VllmServer(BLOCKS, env=SAME_HASHES).start()
+    # --kv-cache-metrics: vLLM's block residency histograms, which the Grafana board reads
+    server = VllmServer(BLOCKS, env=SAME_HASHES, args=["--kv-cache-metrics"]).start()
     yield server
     server.stop()
 

@@ -32,6 +32,7 @@ class VllmServer:
     ws: str = ""
     kv_events: str = ""         # tcp://... with ?replay=...
     env: dict = field(default_factory=dict)  # more environment for vLLM
+    args: list = field(default_factory=list)  # more `vllm serve` flags
     lines: deque = field(default_factory=lambda: deque(maxlen=400))
     proc: subprocess.Popen | None = None
 
@@ -56,7 +57,7 @@ class VllmServer:
         env = {**os.environ, "KVSCOPE_PORT": "0", "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "integrations.vllm.serve", "--port", str(port),
-             "--num-blocks", str(self.num_blocks), "--", "--kv-events-config", json.dumps(events)],
+             "--num-blocks", str(self.num_blocks), "--", "--kv-events-config", json.dumps(events), *self.args],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, errors="replace")
         threading.Thread(target=self._follow, daemon=True).start()

@@ -50,6 +50,9 @@ FLEET_EVENTS = 2_000  # events each fleet member keeps: the page reads only the 
 FLEET_CHECKPOINT_BYTES = 0  # nor travels in time: the first and the latest checkpoint only, not a pool per 500 events
 SILENT_S = 30.0         # a KV-event stream without a batch this long is marked silent
 STALL_S = 5.0           # an engine with running requests that sends no event this long is marked stalled
+RATE_S = 3.0            # tokens/s: over the engine steps that arrived in the last this many seconds
+PREEMPTING_S = 30.0     # an engine stands out as preempting for this long after its last preemption
+COUNTED = ("live", "stalled", "silent")  # the states whose caches the fleet's totals count (not down: last seen)
 
 
 class FleetFileError(ValueError):
@@ -155,9 +158,38 @@ class FleetClient(EngineClient):
     so a stopped engine is dropped within PING_INTERVAL_S + PING_TIMEOUT_S even when idle."""
     PING_INTERVAL_S, PING_TIMEOUT_S = 5.0, 10.0
 
-    def __init__(self, url: str, token: str | None = None, *, max_events: int = FLEET_EVENTS):
+    def __init__(self, url: str, token: str | None = None, *, max_events: int = FLEET_EVENTS,
+                 failed: Callable[[str], object] = lambda why: None):
         self.content: ContentTracker | None = None
+        self.pending: dict[int, str] = {}  # submit command id -> request id, until the engine answers
+        self.failed = failed               # a submit the engine refused, or left unanswered when its connection closed
+        self.recent_steps: deque[tuple[float, int, float]] = deque(maxlen=4096)  # (arrival, tokens, duration_ms)
+        self.preempted_at = 0.0  # wall time of the last preemption seen
         super().__init__(url, token, max_events=max_events)
+
+    def submit(self, cmd: p.Submit) -> None:
+        """Send `cmd`; its refusal, or the connection closing before an answer, goes to `failed`."""
+        with self.lock:  # the answer is read under the lock too: never before the id is known
+            self.pending[self.send(cmd)] = cmd.request_id or "request"
+
+    def _on_reply(self, msg: p.Ack | p.Error) -> None:
+        super()._on_reply(msg)
+        rid = self.pending.pop(msg.id, None) if isinstance(msg.id, int) else None
+        if rid is not None and isinstance(msg, p.Error):
+            self.failed(f"{rid}: {msg.message}")
+
+    def _on_disconnect(self, error: str) -> None:
+        for rid in self.pending.values():
+            self.failed(f"{rid}: no answer before the connection closed ({error})")
+        self.pending.clear()
+
+    def tokens_per_s(self, now: float) -> float:
+        """Tokens per second of engine time over the steps that arrived in the last RATE_S: an idle
+        engine (or one gone) reads 0 within RATE_S."""
+        while self.recent_steps and self.recent_steps[0][0] < now - RATE_S:
+            self.recent_steps.popleft()
+        ms = sum(d for _, _, d in self.recent_steps)
+        return 1000 * sum(n for _, n, _ in self.recent_steps) / ms if ms > 0 else 0.0
 
     def _new_history(self, snap: p.Snapshot) -> EventHistory:
         return EventHistory(snap, self.max_events, checkpoint_bytes=FLEET_CHECKPOINT_BYTES)
@@ -180,8 +212,14 @@ class FleetClient(EngineClient):
         before = h.last_event if h else None
         super()._on_event(ev)
         h = self.history
-        if h is not None and self.content is not None and h.last_event == ev.seq and before != ev.seq:
+        if h is None or h.last_event != ev.seq or before == ev.seq:
+            return  # not applied
+        if self.content is not None:
             self.content.apply(ev, h.live.state)
+        if isinstance(ev, p.StepDone):
+            self.recent_steps.append((self.received_at, *h.live.tally.steps[-1]))
+        elif isinstance(ev, p.Preempt):
+            self.preempted_at = self.received_at
 
 
 @dataclass
@@ -193,6 +231,7 @@ class EngineRow:
     state: str            # live, connecting, stalled, down, silent, closed
     error: str = ""
     model: str = ""
+    api: str = ""         # its OpenAI server, where its prompts go
     blocks: int = 0
     used: int = 0
     cached: int = 0
@@ -200,11 +239,14 @@ class EngineRow:
     block_size: int = 0
     bytes_per_block: int = 0
     hit_rate: float | None = None   # prefix-cache hit tokens over tokens looked up (None: the stream cannot say)
+    first_hit_rate: float | None = None  # the same over first admissions only: vLLM's prefix_cache_hits / _queries
     preemptions: int | None = None
+    preempting: bool = False        # it preempted in the last PREEMPTING_S
     running: int | None = None
     waiting: int | None = None
     tokens_per_s: float | None = None
     last_event_age_s: float | None = None
+    seen_s_ago: float | None = None  # down: since when its numbers are the last seen (they are left out of live totals)
     gaps: int = 0                   # resyncs after missing event numbers, or batches missed (KV events)
     unknown_content: int = 0        # cached blocks named by server hash only
 
@@ -219,7 +261,7 @@ class EngineRow:
             return self.state
         if self.out_of_free:
             return "no free blocks"
-        if self.preemptions:
+        if self.preempting:
             return "preempting"
         return ""
 
@@ -239,17 +281,22 @@ class FleetEngine:
         self.endpoint = endpoint.check()
         self.client: FleetClient | None = None
         self.subscriber = None
-        self.load_errors: deque[str] = deque(maxlen=20)  # the load generator's failed HTTP requests
+        self.load_errors: deque[str] = deque(maxlen=20)  # the load generator's failed sends, newest last
+        self.load_failed = 0                             # and how many in all
         self._picture: tuple = (None, None)  # ((epoch, last event, drawer), the picture drawn then)
         if endpoint.kind == "kv-events":
             from integrations.kv_events.subscriber import KVEventsSubscriber  # pyzmq only when asked for
             self.subscriber = KVEventsSubscriber(endpoint.address)
         else:
-            self.client = FleetClient(endpoint.address, endpoint.token or None)
+            self.client = FleetClient(endpoint.address, endpoint.token or None, failed=self._load_failed)
 
     @property
     def name(self) -> str:
         return self.endpoint.name
+
+    def _load_failed(self, why: str) -> None:
+        self.load_failed += 1
+        self.load_errors.append(why)
 
     def takes_prompts(self) -> bool:
         """Whether the load generator can send to it now: a live WebSocket engine that carries out
@@ -262,9 +309,9 @@ class FleetEngine:
         """Send a request: over the engine's WebSocket, or to the OpenAI server of a KV-event stream
         (on a thread: its failures come back in `load_errors`)."""
         if self.client is not None:
-            self.client.send(cmd)
+            self.client.submit(cmd)
         elif self.endpoint.api:
-            fleet_load.post_in_background(self.endpoint.api, cmd, self.load_errors.append)
+            fleet_load.post_in_background(self.endpoint.api, cmd, self._load_failed)
         else:
             raise ValueError(f"{self.name} takes no prompts: a KV-event stream needs `api`, its server's OpenAI URL")
 
@@ -287,23 +334,30 @@ class FleetEngine:
             return True
         if not self.endpoint.api:
             return False
-        fleet_load.post_in_background(self.endpoint.api, None, self.load_errors.append, path="/reset_prefix_cache")
+        fleet_load.post_in_background(self.endpoint.api, None, self._load_failed, path="/reset_prefix_cache")
         return True
 
     def row(self, now: float | None = None) -> EngineRow:
         now = time.time() if now is None else now
         e = self.endpoint
-        row = EngineRow(e.name, e.kind, e.address, "connecting")
+        row = EngineRow(e.name, e.kind, e.address, "connecting", api=e.api)
         if self.subscriber is not None:
             return self._kv_events_row(row, now)
         c = self.client
         with c.lock:  # the live state itself, read under the client's lock: no copy of the pool per redraw
             st, m, content = c.status, c.live(), c.content
             row.state = {"connected": "live", "reconnecting": "down", "failed": "down"}.get(st.state, st.state)
-            row.error = st.last_error if row.state != "live" else ""
+            if row.state == "down" and c.hello is None and st.state == "reconnecting":
+                row.state = "connecting"  # never reached yet: coming up (a vLLM loading its model refuses meanwhile)
+            if row.state == "connecting":
+                row.error = f"not answering yet ({st.attempts} attempts, {now - st.since:.0f} s)" if st.attempts else ""
+            elif row.state != "live":  # why it went down, then what the retries meet
+                row.error = " · retrying: ".join(dict.fromkeys(x for x in (st.cause, st.last_error) if x))
+                row.seen_s_ago = now - st.since
             row.gaps = st.resyncs
             if c.hello:
                 row.model = c.hello.engine.model
+                row.api = row.api or c.hello.api_url or ""
             if m is None:
                 return row
             counts = m.state.counts()
@@ -312,11 +366,13 @@ class FleetEngine:
             row.blocks, row.free, row.cached, row.used = cfg.num_device_blocks, counts.free, counts.cached, counts.used
             row.block_size, row.bytes_per_block = cfg.block_size, cfg.bytes_per_block
             row.hit_rate = tl.hit_rate if tl.looked_up_tokens else None
+            row.first_hit_rate = tl.first_hit_rate if tl.first_looked_up_tokens else None
             row.preemptions = tl.preemptions
+            row.preempting = row.state == "live" and now - c.preempted_at < PREEMPTING_S
             step = tl.last_step
             row.running = step.num_running if step else sum(s.status == "running" for s in m.state.seqs.values())
             row.waiting = step.num_waiting if step else sum(s.status == "waiting" for s in m.state.seqs.values())
-            row.tokens_per_s = tl.tokens_per_s()
+            row.tokens_per_s = c.tokens_per_s(now)
             row.last_event_age_s = now - c.received_at if c.received_at else None
             if stalled(row, c.loop):
                 row.state = "stalled"
@@ -433,12 +489,11 @@ class Fleet:
         return [e.row(now) for e in self.members()]
 
     def index(self, rows: list[EngineRow] | None = None) -> FleetIndex:
-        """The prefix cache across the fleet, now (`rows`: this moment's rows, if read already)."""
-        members = self.members()
+        """The prefix cache across the fleet's engines that are up, now (`rows`: this moment's rows,
+        if read already); a down engine's cache is only its last seen, so it is left out."""
         by_name = {r.name: r for r in rows or self.rows()}
-        return FleetIndex.build([EngineCache(e.name, by_name[e.name].block_size if e.name in by_name else 0,
-                                             by_name[e.name].bytes_per_block if e.name in by_name else 0, e.contents())
-                                 for e in members])
+        return FleetIndex.build([EngineCache(e.name, row.block_size, row.bytes_per_block, e.contents())
+                                 for e in self.members() if (row := by_name.get(e.name)) and row.state in COUNTED])
 
     def close(self) -> None:
         for e in self.members():
