@@ -157,9 +157,9 @@ class MissExplainer:
     """Folds events (`observe`, each with the pool just before it) into admissions explained.
 
     `keep`: the latest admissions kept (`admissions`); 0 keeps none (a server needs only the
-    totals). `remember`: evicted contents remembered for `evicted` (older ones count as cold)."""
+    totals), None every one. `remember`: evicted contents remembered for `evicted` (older ones count as cold)."""
 
-    def __init__(self, config: p.PoolConfig, keep: int = 100_000, remember: int = REMEMBER):
+    def __init__(self, config: p.PoolConfig, keep: int | None = 100_000, remember: int = REMEMBER):
         self.remember = remember
         self.totals = MissTotals()  # counted from the start, resets included (as /metrics counts)
         self.admissions: deque[Admission] = deque(maxlen=keep)
@@ -297,7 +297,7 @@ class MissExplainer:
         adm, bs = o.adm, self.block_size
         adm.spans = self._spans(o, adm, bs)
         self.totals.add(adm)
-        if self.admissions.maxlen:
+        if self.admissions.maxlen != 0:
             self.admissions.append(adm)
         return adm
 
@@ -431,3 +431,72 @@ class ExplainedPool:
         closed = self.explainer.observe(ev, self.state)
         self.state.apply(ev)
         return closed
+
+
+# ---------------------------------------------------------------------------------- summaries
+def totals_of(admissions) -> MissTotals:
+    """The totals over some admissions (those of a time window, say)."""
+    t = MissTotals()
+    for a in admissions:
+        t.add(a)
+    return t
+
+
+@dataclass
+class RequestMisses:
+    """A request's admissions together (its samples, and its sequences admitted again)."""
+    request_id: str
+    admissions: list[Admission] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(a.tokens for a in self.admissions)
+
+    @property
+    def hit(self) -> int:
+        return sum(a.hit for a in self.admissions)
+
+    @property
+    def missed(self) -> int:
+        return self.tokens - self.hit
+
+    def by_reason(self) -> Counter:
+        out: Counter = Counter()
+        for a in self.admissions:
+            out.update(a.by_reason())
+        return out
+
+
+def by_request(admissions) -> list[RequestMisses]:
+    """Every request's admissions, the request that missed the most tokens first."""
+    out: dict[str, RequestMisses] = {}
+    for a in admissions:
+        out.setdefault(a.request_id, RequestMisses(a.request_id)).admissions.append(a)
+    return sorted(out.values(), key=lambda r: (-r.missed, r.admissions[0].event))
+
+
+def evicted_cases(admissions) -> list[tuple[Admission, Span]]:
+    """Every run of tokens missed because it was evicted before this reuse, newest first."""
+    return [(a, s) for a in reversed(list(admissions)) for s in a.spans if s.reason == "evicted"]
+
+
+def reason_line(counts: Counter) -> str:
+    """'cold 464, partial_block 15': the reasons in REASONS order, tokens each."""
+    return ", ".join(f"{r} {counts[r]:,}" for r in REASONS if counts.get(r))
+
+
+def eviction_summary(evictions: tuple[Eviction, ...]) -> str:
+    """The evictions of one run of missed blocks in a line: 'block 26 evicted at event 1,358
+    (step 134) by load3-8's allocation', or for several, their span and who made them."""
+    if not evictions:
+        return "evicted"
+    by = sorted({e.by_request or e.by_seq for e in evictions if e.by_seq})
+    cleared = any(e.by_seq is None for e in evictions)
+    who = " and ".join(([f"{', '.join(by)}'s allocation{'s' if len(evictions) > 1 else ''}"] if by else [])
+                       + (["clearing the prefix cache"] if cleared else []))
+    if len(evictions) == 1:
+        e = evictions[0]
+        return f"block {e.block_id} evicted at event {e.event:,} (step {e.step}) by {who}"
+    first, last = min(evictions, key=lambda e: e.event), max(evictions, key=lambda e: e.event)
+    return (f"{len(evictions)} blocks evicted between events {first.event:,} and {last.event:,} "
+            f"(steps {first.step}-{last.step}) by {who}")
