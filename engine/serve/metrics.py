@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
+from kvscope_contract.misses import REASONS, MissExplainer
 from kvscope_contract.state import InvariantError, PoolState
 
 log = logging.getLogger("kvscope")
@@ -42,6 +43,7 @@ class Totals:
     forks: int = 0
     evictions: int = 0
     steps: int = 0
+    miss_tokens: Counter = field(default_factory=Counter)     # missed tokens, by reason (docs/misses.md)
 
     def clone(self) -> Totals:
         return copy.deepcopy(self)
@@ -55,6 +57,7 @@ class EngineMetrics:
         self._snapshot = snapshot  # called on the engine thread only (start, resync)
         self._lock = threading.Lock()
         self._state = PoolState.from_snapshot(snapshot())
+        self._misses = MissExplainer.from_state(self._state, keep=0)
         self._totals = Totals()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -69,10 +72,13 @@ class EngineMetrics:
                     if ev.seq <= state.last_event:  # already in the snapshot the mirror began from
                         continue
                     _count(ev, state, tot)
+                    if (closed := self._misses.observe(ev, state)) is not None:
+                        tot.miss_tokens.update(closed.by_reason())
                     state.apply(ev)
             except InvariantError:
                 log.exception("metrics: the event stream broke the mirror; rebuilding it from a snapshot")
                 self._state = PoolState.from_snapshot(self._snapshot())
+                self._misses = MissExplainer.from_state(self._state, keep=0)
 
     # ------------------------------------------------------------------ a scrape
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
@@ -128,6 +134,10 @@ class EngineMetrics:
         ])
         yield self._by("vllm:request_success", "Count of finished sequences, by finish reason.",
                        "finished_reason", tot.finished, p.FinishReason.__args__)
+        yield self._by("kvscope_prefix_cache_miss_tokens", "Tokens an admission looked up in the prefix cache "
+                       "and did not find, by reason (docs/misses.md); caching_off tokens were not looked up, "
+                       "recomputed ones are re-admissions after a recompute preemption.", "reason",
+                       tot.miss_tokens, tuple(REASONS))
         yield self._by("kvscope_preemptions", "Preemptions, by mode.", "mode", tot.events.preemptions_by_mode,
                        p.PreemptionMode.__args__)
         yield self._by("kvscope_swaps", "Sequences moved to the host pool (out) and back (in).",
