@@ -38,15 +38,15 @@ def chain_ids(tokens: Sequence[int], block_size: int) -> list[str]:
 
 def cached_holder(ev: p.Cached, state: PoolState) -> tuple[str | None, int | None]:
     """The sequence whose tokens fill the block a `cached` event registers, and the block's
-    logical index in its table; `state` is the pool at the event (before or after: `cached`
+    logical index in its group's table; `state` is the pool at the event (before or after: `cached`
     changes no table). The event's `seq_id` when it names one (KVScope's engine), else the
     block's one holder, else any sequence holding it (the vLLM plugin says no `seq_id`)."""
-    b, seq_id = ev.block_id, ev.seq_id
+    b, seq_id, g = ev.block_id, ev.seq_id, ev.kv_group
     if seq_id is None and 0 <= b < len(state.ref_counts) and state.ref_counts[b] == 1:
         seq_id = state.names.get(int(state.holder[b]))
     candidates = [state.seqs[seq_id]] if seq_id in state.seqs else list(state.seqs.values())
     for s in candidates:
-        table = s.block_table
+        table = s.block_tables[g] if g < len(s.block_tables) else ()  # the table of the block's KV-cache group
         for i in range(len(table) - 1, -1, -1):  # blocks are registered near the end
             if table[i] == b:
                 return s.seq_id, i

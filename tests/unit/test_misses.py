@@ -34,7 +34,7 @@ def run(requests: list[Request], pool: p.PoolConfig, **kw) -> tuple[p.Snapshot, 
 def explain(start: p.Snapshot, events: list[p.AnyEvent]) -> tuple[MissExplainer, EventCounts]:
     pool, counts = ExplainedPool.from_snapshot(start), EventCounts()
     for ev in events:
-        counts.count(ev, pool.state.config.block_size, pool.state.prefix_lookup(ev))
+        counts.count(ev, pool.state.prefix_lookup(ev), pool.state.prefix_hit_tokens(ev))
         pool.apply(ev)
     return pool.explainer, counts
 
