@@ -110,3 +110,30 @@ def decode_report(data: str | bytes) -> LabReport:
 
 def encode_report(report: LabReport) -> bytes:
     return msgspec.json.encode(report)
+
+
+def what_if(base: PoolConfig, pool: PoolConfig) -> str:
+    """What a what-if config changes from the base pool, in words: '2× blocks (512 × 16)'."""
+    if pool.enable_prefix_caching != base.enable_prefix_caching:
+        return f"prefix caching {'on' if pool.enable_prefix_caching else 'off'}"
+    shape = f"{pool.num_device_blocks:,} × {pool.block_size}"
+    if pool.block_size != base.block_size:
+        same = pool.num_device_blocks * pool.block_size == base.num_device_blocks * base.block_size
+        return f"block size {pool.block_size} ({shape}{', the same memory' if same else ''})"
+    ratio = pool.num_device_blocks / base.num_device_blocks
+    return f"{ratio:g}× blocks ({shape})"
+
+
+def what_if_lines(report: LabReport) -> list[str]:
+    """Each row after the first against the first (the workload at its own config): the prefix-cache
+    hit tokens it gains, '+412 tokens with 2× blocks (512 × 16): hit rate 31% → 45%'."""
+    if not report.rows:
+        return []
+    base = report.rows[0]
+    out = [f"at its own config ({base.config.label}): {base.hit_tokens:,} of {base.looked_up_tokens:,} "
+           f"tokens hit ({base.hit_rate:.1%})"]
+    for row in report.rows[1:]:
+        gain = row.hit_tokens - base.hit_tokens
+        out.append(f"{'+' if gain >= 0 else '−'}{abs(gain):,} tokens with {what_if(base.config.pool, row.config.pool)}: "
+                   f"hit rate {base.hit_rate:.1%} → {row.hit_rate:.1%}")
+    return out

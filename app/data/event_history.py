@@ -180,6 +180,22 @@ class EventHistory:
                 return window[i:][-limit:]
             size *= 4
 
+    def step_events(self, n: int, limit: int = 20_000) -> list[p.AnyEvent]:
+        """Every event of the engine step that event n belongs to, as far as received: those up to
+        n (`last_step_events`) and those after it in the same step. A key event is told with its
+        whole step: every block of an admission's prefix hit, not only those up to the first."""
+        out = self.last_step_events(n, limit)
+        if not out:
+            return []
+        i, step, events = self._index(n + 1), out[-1].step, self.events
+        while i < len(events) and len(out) < limit:
+            ev = events[i]
+            if ev.step != step or isinstance(ev, p.Reset):
+                break
+            out.append(ev)
+            i += 1
+        return out
+
     def step_edge(self, n: int, forward: bool) -> int:
         """Forward: the last event of n's step, or of the next step if n already ends its own.
         Backward: the last event of the step before n's."""

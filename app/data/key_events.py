@@ -43,8 +43,9 @@ def _copies(ev: p.SwapOut | p.SwapIn) -> str:
 
 
 def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEvent | None:
-    """The key event numbered `at` among `step_events` (the step it belongs to), explained with
-    the pool `state` after that step; events of the same kind and sequence are told together."""
+    """The key event numbered `at` among `step_events` (every event of the step it belongs to:
+    `EventHistory.step_events`), explained with the pool `state` after that step; events of the
+    same kind and sequence are told together (a prefix hit: the whole admission's blocks)."""
     ev = next((e for e in step_events if e.seq == at), None)
     if ev is None or kind_of(ev) not in KEY_KINDS:
         return None
@@ -58,9 +59,12 @@ def explain(step_events: list[p.AnyEvent], at: int, state: PoolState) -> KeyEven
             n = max((refs[b] for b in ev.block_ids if b < len(refs)), default=1)
             text = (f"blocks {ids} now shared by {n} sequences: the fork of parallel sampling "
                     f"({ev.request_id}); no block was copied")
-        case p.PrefixHit():
-            text = (f"{seq_id} reuses {plural(len(same), 'cached block')} ({ids}) from the prefix cache: "
-                    f"{len(same) * bs:,} prompt tokens it does not compute again")
+        case p.PrefixHit():  # the whole admission: every block its hit took, in every KV-cache group
+            groups = len({e.kv_group for e in same})
+            reach = max(e.logical_index for e in same) + 1  # the hit's tokens count once, however many groups
+            text = (f"{seq_id} reuses {plural(len(blocks), 'cached block')} ({ids}) from the prefix cache"
+                    + (f" in {groups} KV-cache groups" if groups > 1 else "")
+                    + f": {reach * bs:,} prompt tokens it does not compute again")
         case p.Cow():
             text = (f"{seq_id} wrote into shared block {ev.src_block_id}: its own copy is block "
                     f"{ev.dst_block_id} (copy-on-write); {ev.src_block_id} stays with the other holders")

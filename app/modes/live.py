@@ -137,7 +137,7 @@ def stopped_at(client: EngineClient, view: View):
         return None
     if "key" not in view.memo:
         h = client.history
-        view.memo["key"] = explain(h.last_step_events(at), at, view.mirror.state) if h else None
+        view.memo["key"] = explain(h.step_events(at), at, view.mirror.state) if h else None
     return view.memo["key"]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvscope_contract.lab import encode_report, to_csv
+from kvscope_contract.lab import encode_report, to_csv, what_if_lines
 from engine.lab import report as lab
 from engine.lab.record import record
 from engine.lab.workload import PRESETS, load
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fraction of device blocks kept free when admitting (default 0.01)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--what-if", action="store_true",
+                    help="the workload's own config, then what would make more of it hit (twice the blocks, half "
+                         "the block size at the same memory, or prefix caching on): docs/misses.md")
     ap.add_argument("--stepwise", action="store_true", help="run every step in full (slower; same numbers)")
     ap.add_argument("--csv", type=Path, help="also write the table as CSV")
     ap.add_argument("--json", action="store_true", help="print the report as JSON (with the peak grids)")
@@ -91,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"engine.lab: block sizes must be powers of two and block counts positive, got {bad}", file=sys.stderr)
         return 2
-    cfgs = lab.configs(base, args.block_sizes, args.blocks, args.caching, args.preemption, args.watermark,
-                       args.host_blocks, args.window)
+    cfgs = (lab.what_if_configs(base) if args.what_if else
+            lab.configs(base, args.block_sizes, args.blocks, args.caching, args.preemption, args.watermark,
+                        args.host_blocks, args.window))
     report = lab.run(workload, cfgs, fast=not args.stepwise)
     if args.record:
         n = record(cfgs[0], workload, args.record)
@@ -108,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  note: {note}")
     print()
     print(lab.format_table(report))
+    if args.what_if:
+        print("\nwhat would have hit (the prefix cache's hit tokens against the first row):")
+        print("\n".join(f"  {line}" for line in what_if_lines(report)))
     for row in report.rows:
         if row.rejected:
             print(f"  {row.config.label}: {len(row.rejected)} requests never fit "

@@ -39,6 +39,19 @@ def gemma3_like(window: int) -> list:
     return group_layers([None if (i + 1) % 6 == 0 else window for i in range(18)])
 
 
+def what_if_configs(base: LabConfig) -> list[LabConfig]:
+    """The base, then what would make more of it hit: prefix caching on when it is off; else twice
+    the blocks, and half the block size at the same memory (docs/misses.md)."""
+    pool = base.pool
+    if not pool.enable_prefix_caching:
+        changes = [dict(enable_prefix_caching=True)]
+    else:
+        changes = [dict(num_device_blocks=2 * pool.num_device_blocks)]
+        if pool.block_size > 1:
+            changes.append(dict(block_size=pool.block_size // 2, num_device_blocks=2 * pool.num_device_blocks))
+    return [base] + [msgspec.structs.replace(base, pool=msgspec.structs.replace(pool, **c)) for c in changes]
+
+
 def run(workload: Workload, cfgs: list[LabConfig], fast: bool = True) -> LabReport:
     t0 = time.perf_counter()
     rows = [Lab(cfg, workload).run(fast=fast) for cfg in cfgs]

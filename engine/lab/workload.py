@@ -11,10 +11,9 @@ from pathlib import Path
 
 from kvscope_contract import protocol as p
 from kvscope_contract.lab import PRESETS
+from kvscope_contract.rebuild import PromptRebuilder, known_prompt
 from kvscope_contract.state import PoolState
 from kvscope_contract.recording import Recording
-
-SYNTHETIC = 1 << 40  # rebuilt prompt tokens live far above any vocabulary, so they never equal real ones
 
 
 @dataclass
@@ -59,20 +58,18 @@ def from_recording(path: Path) -> Workload:
 def from_messages(name: str, start: p.Snapshot, events: list[p.AnyEvent]) -> Workload:
     """The requests submitted in `events` (which follow `start`), with the outputs each sample
     produced. Prompts come from `prompt_token_ids`; where a server did not send them, they are
-    rebuilt from the block hashes the events show (shared prefixes are kept to whole blocks)."""
+    rebuilt from the block hashes the events show (kvscope_contract/rebuild.py: shared prefixes
+    are kept to whole blocks)."""
     state = PoolState.from_snapshot(start)
+    rebuilder = PromptRebuilder()
     added: dict[str, p.RequestAdded] = {}
     outputs: dict[str, dict[int, list[int]]] = {}  # request -> sample index -> tokens
     sample_of: dict[str, tuple[str, int]] = {}      # seq_id -> (request, sample index)
-    hashes: dict[str, dict[int, str]] = {}          # request -> logical index -> chain hash
     first_step: int | None = None
     for ev in events:
         if ev.seq <= state.last_event:
             continue
-        if isinstance(ev, p.Cached):  # which sequences hold it, before the reducer forgets nothing
-            for s in state.seqs.values():
-                if ev.block_id in s.block_table and s.seq_id in sample_of:
-                    hashes[sample_of[s.seq_id][0]].setdefault(s.block_table.index(ev.block_id), ev.hash)
+        rebuilder.observe(ev, state)
         state.apply(ev)
         match ev:
             case p.RequestAdded():
@@ -80,14 +77,11 @@ def from_messages(name: str, start: p.Snapshot, events: list[p.AnyEvent]) -> Wor
                 added[ev.request_id] = ev
                 outputs[ev.request_id] = {0: []}
                 sample_of[ev.seq_id] = (ev.request_id, 0)
-                hashes[ev.request_id] = {}
             case p.Fork() if ev.parent_seq_id in sample_of:
                 rid = sample_of[ev.parent_seq_id][0]
                 index = len(outputs[rid])
                 sample_of[ev.seq_id] = (rid, index)
                 outputs[rid][index] = []
-            case p.PrefixHit() if ev.seq_id in sample_of:
-                hashes[sample_of[ev.seq_id][0]].setdefault(ev.logical_index, ev.hash)
             case p.Append() if ev.token_ids and ev.seq_id in sample_of:
                 rid, index = sample_of[ev.seq_id]
                 outputs[rid][index] += ev.token_ids
@@ -98,9 +92,10 @@ def from_messages(name: str, start: p.Snapshot, events: list[p.AnyEvent]) -> Wor
         if not all(outs):
             dropped.append(rid)  # aborted or cut off before every sample had a token
             continue
-        prompt = list(ev.prompt_token_ids or ())
-        if len(prompt) != ev.prompt_tokens:
-            prompt = _rebuild_prompt(rid, ev.prompt_tokens, hashes[rid], bs)
+        if known_prompt(ev):
+            prompt = list(ev.prompt_token_ids)
+        else:
+            prompt = rebuilder.prompt(rid, ev.prompt_tokens)
             rebuilt += 1
         requests.append(Request(rid, ev.step - (first_step or 0), prompt, outs, ev.max_tokens))
     notes = []
@@ -111,16 +106,6 @@ def from_messages(name: str, start: p.Snapshot, events: list[p.AnyEvent]) -> Wor
         notes.append(f"{len(dropped)} requests left out: they produced no token for some sample "
                      f"({', '.join(dropped[:5])}{'…' if len(dropped) > 5 else ''})")
     return Workload(name, requests, start.config, notes)
-
-
-def _rebuild_prompt(rid: str, length: int, hashes: dict[int, str], bs: int) -> list[int]:
-    """Stand-in tokens: equal chain hashes give equal blocks (so equal prefixes), the rest unique."""
-    out = []
-    for i in range(-(-length // bs)):
-        h = hashes.get(i)
-        key = h if h is not None and (i + 1) * bs <= length else f"{rid}/{i}"
-        out += [SYNTHETIC + (hash((key, j)) & 0xFFFF_FFFF) for j in range(min(bs, length - i * bs))]
-    return out
 
 
 # ------------------------------------------------------------------------------ presets

@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
+from kvscope_contract.misses import REASONS, MissExplainer
 from kvscope_contract.residency import Mark, Residency
 from kvscope_contract.state import InvariantError, PoolState
 
@@ -77,6 +78,7 @@ class Totals:
     evictions: int = 0
     steps: int = 0
     residency: dict[str, Histogram] = field(default_factory=lambda: {k: Histogram() for k in RESIDENCY})
+    miss_tokens: Counter = field(default_factory=Counter)     # missed tokens, by reason (docs/misses.md)
 
     def clone(self) -> Totals:
         return copy.deepcopy(self)
@@ -90,6 +92,7 @@ class EngineMetrics:
         self._snapshot = snapshot  # called on the engine thread only (start, resync)
         self._lock = threading.Lock()
         self._state = PoolState.from_snapshot(snapshot())
+        self._misses = MissExplainer.from_state(self._state, keep=0)
         self._totals = Totals()
         self._residency = Residency(self._residency_sample)
         self._residency.start(self._state, Mark(0, 0.0))
@@ -107,11 +110,14 @@ class EngineMetrics:
                     if ev.seq <= state.last_event:  # already in the snapshot the mirror began from
                         continue
                     _count(ev, state, tot)
-                    self._residency.apply(ev, state)
+                    if (closed := self._misses.observe(ev, state)) is not None:
+                        tot.miss_tokens.update(closed.by_reason())
+                    self._residency.apply(ev, state)  # applies it to the mirror
                     self._last = Mark.of(ev)
             except InvariantError:
                 log.exception("metrics: the event stream broke the mirror; rebuilding it from a snapshot")
                 self._state = PoolState.from_snapshot(self._snapshot())
+                self._misses = MissExplainer.from_state(self._state, keep=0)
                 self._residency.start(self._state, self._last)
 
     def _residency_sample(self, metric: str, ev: p.Event, since: Mark) -> None:
@@ -179,6 +185,10 @@ class EngineMetrics:
         ])
         yield self._by("vllm:request_success", "Count of finished sequences, by finish reason.",
                        "finished_reason", tot.finished, p.FinishReason.__args__)
+        yield self._by("kvscope_prefix_cache_miss_tokens", "Tokens an admission looked up in the prefix cache "
+                       "and did not find, by reason (docs/misses.md); caching_off tokens were not looked up, "
+                       "recomputed ones are re-admissions after a recompute preemption.", "reason",
+                       tot.miss_tokens, tuple(REASONS))
         yield self._by("kvscope_preemptions", "Preemptions, by mode.", "mode", tot.events.preemptions_by_mode,
                        p.PreemptionMode.__args__)
         yield self._by("kvscope_swaps", "Sequences moved to the host pool (out) and back (in).",

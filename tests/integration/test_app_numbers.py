@@ -219,3 +219,26 @@ def test_the_history_before_a_restart_stays_browsable(monkeypatch):
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, what="the live engine again")
     assert h.client.bounds()[0] <= data["seq"] and not any("history before the restart" in w.value for w in at.warning)
     st.cache_resource.clear()
+
+
+def test_a_stop_at_a_prefix_hit_names_and_rings_every_block_of_the_admission(at, observer):
+    """Issue 26, item 5: 'Run to the next key event' stopped at a shared system prompt's hit named
+    and ringed its first block only, while the step held a prefix_hit for each of its blocks."""
+    from app.data.key_events import block_ranges
+    at.button(key="pause").click().run()
+    at.toggle(key="scenario_clean").set_value(False)
+    at.button(key="scenario_shared").click().run()
+    at.multiselect(key="until_kinds").set_value(["prefix_hit"])
+    at.button(key="run_until").click().run()
+    wait(lambda: observer.loop.paused and not observer.loop.until and observer.loop.stopped_at is not None
+         and observer.history.last_event >= observer.loop.stopped_at, what="the prefix hit")
+    last = quiet(observer)
+    stop = observer.history.event(observer.loop.stopped_at)
+    step = [e for e in observer.history.events if e.step == stop.step and e.seq <= last]
+    blocks = [e.block_id for e in step if e.__struct_config__.tag == "prefix_hit" and e.seq_id == stop.seq_id]
+    assert len(blocks) > 1, blocks
+    info = rerun_until(at, lambda a: grid_data(a)["seq"] == last and next(
+        (i.value for i in a.info if "Paused at event" in i.value), None), what="the explanation")
+    assert f"{stop.seq_id} reuses {len(blocks)} cached blocks ({block_ranges(blocks)})" in info, info
+    assert f"{len(blocks) * observer.view().mirror.config.block_size:,} prompt tokens" in info
+    assert sorted(grid_data(at)["highlight"]) == sorted(blocks)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
+from kvscope_contract.misses import REASONS
 from kvscope_contract.residency import Mark, Residency
 from kvscope_contract.state import PoolState
 from engine.model.engine import LLMEngine
@@ -104,6 +105,11 @@ def test_counters_match_what_the_engine_did(serve, mode):
     if mode == "recompute":
         # each request once (the n=2 child forks, the aborted one never ran), plus each re-admission
         assert len(admissions) == len(seq_ids) - 1 + len(preempts)
+    # every missed token has one reason (docs/misses.md); a re-admission's are `recomputed`
+    misses = {r: m["kvscope_prefix_cache_miss_tokens_total", r] for r in REASONS}
+    assert sum(misses.values()) == m["vllm:prefix_cache_queries_total", ""] - m["vllm:prefix_cache_hits_total", ""]
+    assert misses["cold"] > 0 and misses["partial_block"] > 0 and misses["caching_off"] == misses["unknown"] == 0
+    assert (misses["recomputed"] > 0) == (mode == "recompute")
     assert m["vllm:num_preemptions_total", ""] == len(preempts)
     assert m["kvscope_preemptions_total", mode] == len(preempts)
     assert m["vllm:generation_tokens_total", ""] == sum(len(e["token_ids"]) for e in events if e["kind"] == "append") \

@@ -16,32 +16,16 @@ ids), and the content id of every cached block. Pure: no I/O, no clock.
 """
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvscope_contract import protocol as p
+from kvscope_contract.content import ROOT, cached_holder, chain_ids, content_id  # noqa: F401 (the fleet imports them from here)
 from kvscope_contract.state import PoolState
 
-ROOT = ""            # the parent content id of a prompt's first block
 HASH_PREFIX = "h:"   # an id made of the server's hash: this block's tokens are unknown here
-
-
-def content_id(parent: str, tokens: Sequence[int]) -> str:
-    h = hashlib.blake2b(parent.encode(), digest_size=8)
-    h.update(np.asarray(tokens, "<u4").tobytes())
-    return h.hexdigest()
-
-
-def chain_ids(tokens: Sequence[int], block_size: int) -> list[str]:
-    """The content ids of the full blocks of `tokens`, first block first."""
-    out, parent = [], ROOT
-    for i in range(len(tokens) // block_size):
-        parent = content_id(parent, tokens[i * block_size:(i + 1) * block_size])
-        out.append(parent)
-    return out
 
 
 @dataclass(frozen=True)
@@ -108,7 +92,7 @@ class ContentTracker:
                 self.unknown = 0
 
     def _cached(self, ev: p.Cached, state: PoolState) -> None:
-        seq_id, index = self._holder(ev, state)
+        seq_id, index = cached_holder(ev, state)
         toks = self.seq_tokens.get(seq_id) if seq_id is not None else None
         bs = self.block_size
         if toks is None or index is None or len(toks) < (index + 1) * bs:
@@ -117,20 +101,6 @@ class ContentTracker:
         parent = ids[-2] if index else ROOT
         self._drop(ev.block_id)
         self.by_block[ev.block_id] = Content(ids[-1], parent, tuple(toks[index * bs:(index + 1) * bs]), ev.hash)
-
-    def _holder(self, ev: p.Cached, state: PoolState) -> tuple[str | None, int | None]:
-        """The sequence whose tokens fill block `ev.block_id`, and the block's index in its table."""
-        b = ev.block_id
-        seq_id = ev.seq_id
-        if seq_id is None and state.ref_counts[b] == 1:
-            seq_id = state.names.get(int(state.holder[b]))
-        candidates = [state.seqs[seq_id]] if seq_id in state.seqs else list(state.seqs.values())
-        for s in candidates:
-            table = s.block_table
-            for i in range(len(table) - 1, -1, -1):  # blocks are registered near the end
-                if table[i] == b:
-                    return s.seq_id, i
-        return None, None
 
     def _put(self, b: int, parent: str | None, server_hash: str | None) -> None:
         self._drop(b)
