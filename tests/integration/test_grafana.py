@@ -91,7 +91,7 @@ def test_every_series_on_the_board_and_every_alert_names_its_engine():
             assert not re.search(r"\b(?:sum|max|min|avg)\s*\(", t["expr"]), (panel["title"], t["expr"])
             assert 'instance=~"$instance"' in t["expr"], (panel["title"], t["expr"])
     alerts = re.findall(r"- alert: (\w+).*?summary: \"([^\"]*)\"", ALERTS.read_text(), re.S)
-    assert len(alerts) == 4
+    assert len(alerts) == 5
     for name, summary in alerts:
         assert "$labels.instance" in summary, name
 
