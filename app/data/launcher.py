@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from app.data.source import ROOT
-from kvscope_contract.ready import ready_url
+from kvscope_contract.ready import ready_url, refused_reason
 
 # Runs the module as __main__ after arranging to die with the thread that started it.
 _BOOT = ("import ctypes, os, runpy, signal, sys\n"
@@ -39,6 +39,7 @@ class ServerProcess:
     returncode: int | None = None
     started: float = field(default_factory=time.time)
     ready_after: float | None = None  # seconds from start to ready
+    refused: str | None = None  # why the vLLM plugin does not observe its vLLM (which runs on)
     on_exit: Callable[[ServerProcess], None] | None = None  # called on the log thread when it exits
     _proc: subprocess.Popen | None = None
     stopping: bool = False
@@ -113,6 +114,8 @@ class ServerProcess:
             self.lines.append(line)
             if self.url is None and (url := ready_url(line)):
                 self.url, self.ready_after = url, time.time() - self.started
+            elif self.refused is None and self.url is None and (why := refused_reason(line)):
+                self.refused = why
         self.returncode = self._proc.wait()
         try:
             if self.on_exit:

@@ -26,7 +26,9 @@ from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"  # the grid's and scrubber's JS and CSS, the bundled recordings (in the wheel too)
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# vLLM's own virtualenv (`make vllm-venv`); KVSCOPE_VLLM_VENV names another (the Makefile's
+# VLLM_VENV, e.g. .venv-vllm-0.27.1 for another release)
+VLLM_PYTHON = (ROOT / os.environ.get("KVSCOPE_VLLM_VENV", ".venv-vllm")) / "bin" / "python"
 
 
 @dataclass(frozen=True)

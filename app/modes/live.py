@@ -181,10 +181,15 @@ def loading(source: Source, hosted: Hosted) -> None:
         st.code("\n".join(proc.tail(30)) or "(no output)")
         st.button("Retry", type="primary", on_click=restart, args=(source, proc))
         return
+    if proc.refused:  # vLLM serves on, but the plugin cannot show its pool: say why, not "starting"
+        st.error(f"**KVScope cannot show this vLLM's pool.** {proc.refused}", icon=":material/visibility_off:")
+        with st.expander("vLLM's last lines"):
+            st.code("\n".join(proc.tail(30)) or "(no output)")
+        return
 
     @st.fragment(run_every=0.5)
     def progress() -> None:
-        if proc.state != "starting":
+        if proc.state != "starting" or proc.refused:
             st.rerun()
         with st.status(f"Starting the {source.label}: {time.time() - proc.started:.0f} s", expanded=True,
                        state="running"):

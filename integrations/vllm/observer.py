@@ -45,6 +45,69 @@ class UnsupportedEngine(RuntimeError):
     """A vLLM configuration this observer cannot show (the message says which)."""
 
 
+# The methods the observer wraps, by the vLLM class that has them: all are checked before any is
+# wrapped. Those in OPTIONAL_HOOKS only catch what the protocol has no words for (a KV
+# connector's deferred free, sub-block prefix hits): a vLLM without them cannot do that.
+HOOKS = {
+    "Scheduler": ("add_request", "finish_requests", "reset_prefix_cache", "schedule", "update_from_output",
+                  "_free_request", "_free_blocks", "_preempt_request", "_enqueue_waiting_request",
+                  "get_request_counts", "shutdown"),
+    "KVCacheManager": ("pop_blocks_for_free",),
+    "SingleTypeKVCacheManager": ("add_local_computed_blocks", "allocate_external_computed_blocks",
+                                 "allocate_new_blocks", "free"),
+    "BlockPool": ("cache_full_blocks", "_remove_cached_block_hashes", "reset_prefix_cache",
+                  "cache_partial_block", "move_block_hashes", "get_num_free_blocks"),
+}
+OPTIONAL_HOOKS = {"pop_blocks_for_free", "cache_partial_block", "move_block_hashes"}
+TESTED = "0.27.1 to 0.32.0"
+SHOWN_KINDS = ("full_attention", "sliding_window")  # the KV-cache group kinds the protocol has  # the vLLM releases the tests ran on (docs/vllm.md, Versions)
+
+
+def spec_kind(spec) -> str:
+    """vLLM's name for the kind of a KV-cache group's spec ("full_attention", "mamba", ...)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    return get_kv_cache_spec_kind(spec).value
+
+
+def check_engine(scheduler) -> None:
+    """Raise UnsupportedEngine if this vLLM keeps state the protocol cannot show: a KV
+    connector (it saves and loads blocks outside the pool, and frees them later), or a group that
+    is not attention (Mamba / linear-attention state, cross-attention, ...)."""
+    if (connector := getattr(scheduler, "connector", None)) is not None:
+        raise UnsupportedEngine(f"vLLM runs with a KV connector ({type(connector).__name__}), which loads, "
+                                "saves and frees blocks outside what the plugin sees; vLLM runs on, unobserved")
+    for g, group in enumerate(scheduler.kv_cache_config.kv_cache_groups):
+        if (kind := spec_kind(group.kv_cache_spec)) not in SHOWN_KINDS:
+            raise UnsupportedEngine(f"KV-cache group {g} of this model holds {kind.replace('_', ' ')} state "
+                                    f"({type(group.kv_cache_spec).__name__}, layers {', '.join(group.layer_names[:3])}"
+                                    f"{', ...' if len(group.layer_names) > 3 else ''}); KVScope shows full-attention and "
+                                    "sliding-window blocks only; vLLM runs on, unobserved")
+
+
+def hooked_objects(scheduler) -> dict[str, Any]:
+    """The objects whose methods the observer wraps, by the name of their class in HOOKS."""
+    kvm = scheduler.kv_cache_manager
+    return {"Scheduler": scheduler, "KVCacheManager": kvm, "BlockPool": kvm.block_pool,
+            "SingleTypeKVCacheManager": kvm.coordinator.single_type_managers[0]}
+
+
+def missing_hooks(objects: dict[str, Any]) -> list[str]:
+    """`Class.method` for each required hook that `objects` (instances or their classes, by
+    their name in HOOKS) lack: empty when every one is there."""
+    return [f"{cls}.{name}" for cls, names in HOOKS.items() for name in names
+            if name not in OPTIONAL_HOOKS and not callable(getattr(objects[cls], name, None))]
+
+
+def check_hooks(objects: dict[str, Any]) -> None:
+    """Raise UnsupportedEngine naming every hook this vLLM lacks, before anything is wrapped."""
+    if missing := missing_hooks(objects):
+        import vllm
+
+        raise UnsupportedEngine(f"vLLM {vllm.__version__} has no {', '.join(missing)}, which the plugin "
+                                f"wraps to see its pool (it was tested on vLLM {TESTED}); vLLM runs on, unobserved")
+
+
 def _block_hash(key: bytes) -> str:
     """vLLM keys a cached block by hash bytes + a 4-byte group id; the hash alone is published."""
     return vllm_hash_hex(key[:-4])
@@ -59,9 +122,11 @@ class PoolObserver:
     def __init__(self, scheduler, on_batch: Callable[[list[p.Event]], None]):
         kvm = scheduler.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
+        check_engine(scheduler)
         if len(managers) != 1:
             raise UnsupportedEngine(f"this model has {len(managers)} KV-cache groups; KVScope shows "
                                     "one pool with one block table per request")
+        check_hooks(hooked_objects(scheduler))
         self.scheduler, self.kvm, self.manager, self.pool = scheduler, kvm, managers[0], kvm.block_pool
         self.on_batch = on_batch  # receives each call's events, in order, under the lock
         self.lock = threading.Lock()
@@ -91,13 +156,15 @@ class PoolObserver:
         self._wrap(m, "add_local_computed_blocks", lambda rid, *a, **k: self._sync(rid, hit=True))
         for name in ("allocate_external_computed_blocks", "allocate_new_blocks", "free"):
             self._wrap(m, name, lambda rid, *a, **k: self._sync(rid))
-        self._wrap(self.kvm, "pop_blocks_for_free", lambda req, *a, **k: self._diverge(
-            f"{req.request_id}'s blocks are freed later (a KV connector's deferred free)"))
+        if hasattr(self.kvm, "pop_blocks_for_free"):
+            self._wrap(self.kvm, "pop_blocks_for_free", lambda req, *a, **k: self._diverge(
+                f"{req.request_id}'s blocks are freed later (a KV connector's deferred free)"))
         self._wrap(pool, "cache_full_blocks", self._after_cache_full_blocks)
         self._wrap(pool, "_remove_cached_block_hashes", None, around=self._removing_hashes)
         self._wrap(pool, "reset_prefix_cache", None, around=self._resetting_prefix_cache)
         for name in ("cache_partial_block", "move_block_hashes"):  # sub-block hits, copy-on-write
-            self._wrap(pool, name, lambda *a, **k: self._diverge("a partial block entered the prefix cache"))
+            if hasattr(pool, name):
+                self._wrap(pool, name, lambda *a, **k: self._diverge("a partial block entered the prefix cache"))
         # add_request's event: after vLLM queued it (a duplicate or a streaming chunk is not new)
         self._wrap(s, "_enqueue_waiting_request", lambda req: self._added(req))
 

@@ -39,6 +39,7 @@ def attach(scheduler) -> None:
     from engine.serve.hub import Hub, serve_in_thread
     from kvscope_contract.ready import ready_line
     from integrations.vllm.backend import VllmBackend
+    from integrations.vllm.observer import UnsupportedEngine
 
     host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(ENV_TOKEN) or None
     if not (value := os.environ.get(ENV_PORT)):  # a process forked from one that had it set
@@ -56,9 +57,11 @@ def attach(scheduler) -> None:
     try:
         backend = VllmBackend(scheduler, os.environ.get(ENV_API, "http://127.0.0.1:8000"))
         serving = serve_in_thread(Hub(backend, token=token), host, port)
+    except UnsupportedEngine as e:
+        return refuse(str(e))
     except Exception as e:
-        log.exception("kvscope: not observing this vLLM (%s)", e)
-        return
+        log.exception("kvscope: not observing this vLLM")
+        return refuse(f"the plugin failed to attach ({type(e).__name__}: {e}); vLLM runs on, unobserved")
     original_shutdown = scheduler.shutdown
 
     def shutdown() -> None:
@@ -69,3 +72,12 @@ def attach(scheduler) -> None:
     cfg = backend.config
     print("[kvscope] " + ready_line(serving.url, f"observing vLLM's pool of {cfg.num_device_blocks} blocks "
                                     f"of {cfg.block_size} tokens ({backend.info.model})"), file=sys.stderr, flush=True)
+
+
+def refuse(why: str) -> None:
+    """Say, in vLLM's log and to the dashboard that started it (its launcher reads this line),
+    why this vLLM is not observed; vLLM itself runs on."""
+    from kvscope_contract.ready import refused_line
+
+    log.error("kvscope: %s", why)
+    print("[kvscope] " + refused_line(why), file=sys.stderr, flush=True)

