@@ -29,6 +29,7 @@ import msgspec
 from engine.serve.cli import add_listen_args, refuse_open_bind, serve_all_until_signal, setup_logging
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
+from kvscope_contract.kv_groups import bytes_per_block, gemma3_groups
 from kvscope_contract.ready import ready_line, ws_url
 from engine.core.engine_core import EngineCore, StepResult
 from engine.serve.hub import Hub
@@ -43,6 +44,8 @@ WORDS = [f" {SYLLABLES[i % 16]}{SYLLABLES[(i // 16) % 16]}{SYLLABLES[i // 256]}"
 INDEX = {w.strip(): i for i, w in enumerate(WORDS)}
 INFO = p.EngineInfo(model="synthetic load (random tokens)", device="cpu", dtype="bfloat16",
                     num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2's shapes, for bytes per block
+HYBRID_INFO = p.EngineInfo(model="synthetic hybrid load (random tokens)", device="cpu", dtype="bfloat16",
+                           num_layers=18, num_kv_heads=1, head_dim=256)  # Gemma 3 270M's shapes
 
 
 class SyntheticEngine(EngineCore):
@@ -51,7 +54,8 @@ class SyntheticEngine(EngineCore):
 
     def __init__(self, config: EngineConfig, live: int, prompt_tokens: int = 1024, max_tokens: int = 512,
                  parallel_every: int = 10, seed: int = 0):
-        config.pool = msgspec.structs.replace(config.pool, bytes_per_block=self._bytes(config.pool.block_size))
+        self.info = HYBRID_INFO if config.pool.kv_groups else INFO
+        config.pool = msgspec.structs.replace(config.pool, bytes_per_block=self._bytes(config.pool))
         super().__init__(config.pool, config.max_num_batched_tokens, config.watermark)
         self.config, self.loaded = config, SimpleNamespace(name=INFO.model)
         self.live, self.prompt_tokens, self.max_tokens = live, prompt_tokens, max_tokens
@@ -59,12 +63,12 @@ class SyntheticEngine(EngineCore):
         self.prefixes = [self.rng.choices(range(VOCAB), k=self.rng.randint(64, 512)) for _ in range(6)]
         self.added = 0
 
-    @staticmethod
-    def _bytes(block_size: int) -> int:
-        return block_size * INFO.num_layers * INFO.num_kv_heads * INFO.head_dim * 2 * 2  # K and V, bf16
+    def _bytes(self, pool: p.PoolConfig) -> int:
+        i = self.info
+        return bytes_per_block(pool.block_size, pool.kv_groups, i.num_layers, i.num_kv_heads, i.head_dim, 2)  # bf16
 
     def hello(self) -> p.Hello:
-        return p.Hello(engine=INFO, config=self.pool, server="kvscope synthetic load")
+        return p.Hello(engine=self.info, config=self.pool, server="kvscope synthetic load")
 
     # ------------------------------------------------------------------ the engine API of the server
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
@@ -79,7 +83,7 @@ class SyntheticEngine(EngineCore):
         return [INDEX.get(w, zlib.crc32(w.encode()) % VOCAB) for w in text.split()]
 
     def reset(self, pool: p.PoolConfig) -> None:
-        self.config.pool = msgspec.structs.replace(pool, bytes_per_block=self._bytes(pool.block_size))
+        self.config.pool = msgspec.structs.replace(pool, bytes_per_block=self._bytes(pool))
         self._reset_pools(self.config.pool)
 
     # ------------------------------------------------------------------ the model's part, made up
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-steps", type=int, default=200, help="steps run after the fill, before serving")
     ap.add_argument("--step-delay-ms", type=float, default=50.0)
     ap.add_argument("--engines", type=int, default=1, help="pools served from this process, each on its own port")
+    ap.add_argument("--window", type=int, default=None, metavar="W",
+                    help="a hybrid pool of Gemma 3 270M's shape: 5 sliding-window groups of W tokens, 1 full")
     args = ap.parse_args(argv)
     setup_logging()
     if refuse_open_bind(args.host, args.token):
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--engines must be at least 1, got %d", args.engines)
         return 2
     pool = p.PoolConfig(block_size=args.block_size, num_device_blocks=args.num_device_blocks,
-                        num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs)
+                        num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
+                        kv_groups=gemma3_groups(args.window) if args.window else [])
     hubs = []
     for i in range(args.engines):
         engine = SyntheticEngine(EngineConfig(model="synthetic", pool=pool, max_num_batched_tokens=args.max_num_batched_tokens),

@@ -38,6 +38,19 @@ def layers_per_group(groups: list[KVGroup], num_layers: int) -> int:
     return max((len(g.layers) for g in groups), default=0) or num_layers
 
 
+def bytes_per_block(block_size: int, groups: list[KVGroup], num_layers: int, num_kv_heads: int,
+                    head_dim: int, itemsize: int) -> int:
+    """block_size x layers per group x KV heads x head dim x 2 (K and V) x bytes per element:
+    what one block of any group holds (a full-attention model's one group has every layer)."""
+    return block_size * layers_per_group(groups, num_layers) * num_kv_heads * head_dim * 2 * itemsize
+
+
+def gemma3_groups(window: int = 512) -> list[KVGroup]:
+    """Gemma 3 270M's groups: 18 layers, every sixth full attention, the rest a sliding window
+    (512 tokens in the real model): 5 sliding-window groups and 1 full, 3 layers each."""
+    return group_layers([None if (i + 1) % 6 == 0 else window for i in range(18)])
+
+
 def describe(groups: list[KVGroup]) -> str:
     """"5 sliding-window (512) + 1 full-attention groups of 3 layers", for status lines."""
     if not groups:

@@ -8,7 +8,7 @@ import msgspec
 
 from kvscope_contract.lab import LabConfig, LabReport, LabRow, row_values
 from kvscope_contract.state import CACHED, FREE, SHARED
-from kvscope_contract.kv_groups import group_layers
+from kvscope_contract.kv_groups import gemma3_groups
 from engine.lab.sim import Lab
 from engine.lab.workload import Workload
 
@@ -17,7 +17,7 @@ def configs(base: LabConfig, block_sizes=(), blocks=(), caching=(), preemption=(
             host_blocks=(), windows=()) -> list[LabConfig]:
     """Every combination of the values given, each axis defaulting to the base's value. A block
     size given without a number of blocks keeps the base pool's memory (blocks x block size).
-    A window W makes the pool Gemma 3's hybrid shape (`gemma3_like`); None, full attention."""
+    A window W makes the pool Gemma 3's hybrid shape (`gemma3_groups`); None, full attention."""
     pool_tokens = base.pool.num_device_blocks * base.pool.block_size
     out = []
     for bs, n, cache, mode, wm, host, window in itertools.product(
@@ -25,7 +25,7 @@ def configs(base: LabConfig, block_sizes=(), blocks=(), caching=(), preemption=(
             preemption or [base.pool.preemption_mode], watermarks or [base.watermark],
             host_blocks or [base.pool.num_host_blocks], windows or ["base"]):
         n = n or (max(1, pool_tokens // bs) if block_sizes else base.pool.num_device_blocks)
-        groups = base.pool.kv_groups if window == "base" else gemma3_like(window) if window else []
+        groups = base.pool.kv_groups if window == "base" else gemma3_groups(window) if window else []
         pool = msgspec.structs.replace(base.pool, block_size=bs, num_device_blocks=n, enable_prefix_caching=cache,
                                        preemption_mode=mode, num_host_blocks=host, bytes_per_block=0,
                                        kv_groups=groups)
@@ -33,10 +33,6 @@ def configs(base: LabConfig, block_sizes=(), blocks=(), caching=(), preemption=(
     return out
 
 
-def gemma3_like(window: int) -> list:
-    """Gemma 3 270M's KV-cache groups (5 of sliding-window layers, 1 of full attention), with
-    another window: a preset's pool as a hybrid model would use it."""
-    return group_layers([None if (i + 1) % 6 == 0 else window for i in range(18)])
 
 
 def what_if_configs(base: LabConfig) -> list[LabConfig]:

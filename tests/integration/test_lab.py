@@ -19,7 +19,7 @@ from kvscope_contract.kinds import BLOCK_KINDS, kind_of
 from kvscope_contract.lab import LabConfig, decode_report, to_csv
 from engine.lab import report
 from engine.lab.reference import row_from_events
-from kvscope_contract.kv_groups import group_layers
+from kvscope_contract.kv_groups import gemma3_groups
 from engine.lab.sim import Lab
 from engine.lab.workload import PRESETS, Request, Workload, from_messages, from_recording, load
 from kvscope_contract.recording import Recording
@@ -27,7 +27,7 @@ from kvscope_contract.recording import Recording
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "assets" / "demo_recording.jsonl"
 
-GEMMA3_LIKE = group_layers([None if (i + 1) % 6 == 0 else 20 for i in range(18)])
+GEMMA3_LIKE = gemma3_groups(window=20)
 CONFIGS = {  # a roomy pool, tight ones that preempt both ways, no cache, chunked prefill, a high watermark
     "roomy": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=512)),
     "tight swap": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=48, num_host_blocks=96)),
