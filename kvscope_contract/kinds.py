@@ -139,5 +139,7 @@ def _group(ev: p.SwapOut | p.SwapIn) -> str:
     """A fork group swapped together: who went with it, and the blocks shared without a copy."""
     out = f" with {', '.join(ev.group[1:])}" if len(ev.group) > 1 else ""
     if ev.shared:
-        out += f"; {len(ev.shared)} shared with a copy already there (" + ", ".join(f"{a}→{b}" for a, b in ev.shared[:6]) + ")"
+        where = ("already on the device (held, or found in the prefix cache)" if isinstance(ev, p.SwapIn)
+                 else "shared with a copy already there")
+        out += f"; {len(ev.shared)} {where}, not copied (" + ", ".join(f"{a}→{b}" for a, b in ev.shared[:6]) + ")"
     return out

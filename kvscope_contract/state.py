@@ -632,8 +632,9 @@ class PoolState:
         group = self._group(ev.group, "host_tables", ev.mapping + ev.shared)
         for _, d in ev.shared:
             self._check_block(d)
-            if not self.ref_counts[d]:
-                raise InvariantError(f"block {d} is shared by a swap in, but no sequence holds it")
+            if not (self.ref_counts[d] or self.has_hash[d]):
+                raise InvariantError(f"block {d} is shared by a swap in, but no sequence holds it "
+                                     "and the prefix cache does not keep it")
         to_device, bs = dict(ev.mapping + ev.shared), self.config.block_size
         to_device[NULL] = NULL
         taken = {d for _, d in ev.shared}
@@ -644,9 +645,10 @@ class PoolState:
                     if h == NULL:
                         continue
                     d = to_device[h]
-                    if d in taken:  # a block the group shares, or one a sibling still holds, is joined
-                        self._join(d, s)
+                    if d in taken:  # a block the group shares, one a sibling still holds or one the
+                        self._join(d, s)  # prefix cache keeps (its content, found again) is joined
                         self.tokens[d] = max(self.tokens[d], held_tokens(s.num_tokens, i, bs))
+                        self.kv_group[d] = g
                     else:
                         self._take_free(d, s, i, g)
                         taken.add(d)

@@ -137,10 +137,24 @@ class BlockManager:
         return len(self.host.free) >= need
 
     def can_swap_in(self, group: list[Sequence]) -> bool:
-        """Whether bringing `group` back (a block they share once, one still on the device not at
-        all) leaves at least `watermark_blocks` allocatable."""
-        need = sum(h not in self.host.device_copy for h in _distinct(group, "host_tables"))
+        """Whether bringing `group` back (a block they share once, one still held on the device
+        not at all) leaves at least `watermark_blocks` allocatable."""
+        on_device = self._on_device(_distinct(group, "host_tables"))
+        need = sum(not (d is not None and self.pool.ref_counts[d]) for d in on_device.values())
         return self.num_allocatable_blocks - need >= self.watermark_blocks
+
+    def _on_device(self, hosts: list[int]) -> dict[int, int | None]:
+        """Per host block, a device block that holds the same K/V, or None: its pair (a sibling
+        still holds it), else the prefix cache's block of the same content (a host block copied
+        from a cached block). Each device block answers for one host block at most."""
+        out, taken = {}, set()
+        for h in hosts:
+            d = self.host.device_copy.get(h)
+            if d is None and (content := self.host.content.get(h)) is not None:
+                d = self.cache.find(*content)
+            out[h] = d if d is not None and d not in taken else None
+            taken.add(out[h])
+        return out
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -370,6 +384,9 @@ class BlockManager:
             raise NoFreeBlocks(f"the host pool cannot hold the blocks of {', '.join(s.seq_id for s in group)}")
         distinct = _distinct(group, "block_tables")
         copied = {b: self.host.take() for b in distinct if b not in self.host.host_copy}
+        for b, h in copied.items():
+            if (hashed := self.cache.hashes[b]) is not None:
+                self.host.content[h] = (self.cache.group_of[b], hashed, self.cache.tokens[b])
         to_host = {b: copied.get(b, self.host.host_copy.get(b)) for b in distinct}
         to_host[NULL] = NULL
         holders = Counter(b for seq in group for t in seq.block_tables for b in t)
@@ -391,17 +408,23 @@ class BlockManager:
 
     def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
         """Bring `group` back to fresh device blocks, a host block they share to one device
-        block they share, and a host block whose device copy is still held to that block.
+        block they share, a host block whose device copy is still held to that block, and a host
+        block whose content the prefix cache still holds to the cached block (nothing copied:
+        the cached block leaves the LRU if no one held it).
 
         Returns:
             The (host, device) pairs to copy.
         """
         distinct = _distinct(group, "host_tables")
-        copied = {h: self.pool.take() for h in distinct if h not in self.host.device_copy}
+        found = {h: d for h, d in self._on_device(distinct).items() if d is not None}
+        for d in found.values():
+            if not self.pool.ref_counts[d]:
+                self.pool.hold(d)  # out of the LRU; counted again below with its holders
+                self.pool.ref_counts[d] = 0
+        copied = {h: self.pool.take() for h in distinct if h not in found}
         for d in copied.values():
             self.pool.ref_counts[d] = 0  # counted again below, one per table naming it
-        to_device = {h: copied.get(h, self.host.device_copy.get(h)) for h in distinct}
-        to_device[NULL] = NULL
+        to_device = {**copied, **found, NULL: NULL}
         for seq in group:
             seq.block_tables = [[to_device[h] for h in t] for t in seq.host_tables]
             for t in seq.host_tables:
@@ -415,7 +438,7 @@ class BlockManager:
                 self.host.pair(d, h)
         mapping = list(copied.items())
         self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                               shared=[(h, to_device[h]) for h in distinct if h not in copied]))
+                               shared=[(h, found[h]) for h in distinct if h in found]))
         return mapping
 
     # ------------------------------------------------------------------ observation

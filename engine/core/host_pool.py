@@ -3,7 +3,8 @@
 A sequence swapped out while a sibling of its fork group stays on the device leaves the device
 block and its host copy holding the same K/V: the pair is remembered for as long as both are
 held, so the sibling's own swap joins the host copy instead of copying the block again (and a
-swap-in joins a device block still held).
+swap-in joins a device block still held). A host block copied from a block of the prefix cache
+remembers that block's content (group, hash, tokens), so a swap-in can find it in the cache.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class HostPool:
         self.ref_counts = [0] * num_blocks
         self.host_copy: dict[int, int] = {}    # device -> host
         self.device_copy: dict[int, int] = {}  # host -> device
+        self.content: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # host -> (group, hash, tokens)
 
     def take(self) -> int:
         return self.free.popleft()
@@ -34,6 +36,7 @@ class HostPool:
         self.ref_counts[h] -= 1
         if not self.ref_counts[h]:
             self.free.append(h)
+            self.content.pop(h, None)
             if (d := self.device_copy.pop(h, None)) is not None:
                 del self.host_copy[d]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope_contract import protocol as p
+from kvscope_contract.kinds import words
 from engine.core.block_manager import NoFreeBlocks
 from engine.core.sequence import SeqStatus
 from tests.pool_driver import PoolDriver
@@ -224,3 +225,30 @@ def test_reset_rebuilds_pools_with_the_new_config():
     state = d.replay()
     assert state.config.block_size == 8 and len(state.ref_counts) == 10 and not state.seqs
     assert state.snapshot() == d.snapshot()
+
+
+def test_swap_in_takes_the_prefix_caches_copy_of_a_block_instead_of_copying_it_back():
+    """Issue 28: a swapped-out sequence's prompt blocks stayed cached on the device; the swap-in
+    copied them back into fresh blocks and evicted other cached blocks to make room. Now a host
+    block copied from a cached block finds its content in the prefix cache again."""
+    d = driver()
+    seq = d.add(list(range(40)))  # 2 full blocks (cached) and a partial one
+    d.admit(seq)
+    d.decode(seq, 7)
+    full = seq.block_table[:2]
+    d.swap_out(seq)
+    assert all(d.bm.pool.ref_counts[b] == 0 and b in d.bm.pool.evictable for b in full)  # cached, unheld
+    d.drain()
+    mapping = d.swap_in(seq)
+    ev = d.drain()[-1]
+    assert seq.block_table[:2] == full and [dev for _, dev in ev.shared] == full  # found again, not copied
+    assert len(mapping) == 1 and mapping[0][1] == seq.block_table[2]  # only the partial block is copied
+    assert not any(b in d.bm.pool.evictable for b in full)
+    assert "2 already on the device (held, or found in the prefix cache), not copied" in words(ev)
+    assert d.replay().snapshot() == d.snapshot()
+    # once the cached copy is evicted, a swap-in copies the block back
+    d.swap_out(seq)
+    d.bm.clear_prefix_cache()
+    d.drain()
+    assert len(d.swap_in(seq)) == 3 and not d.drain()[-1].shared
+    assert d.replay().snapshot() == d.snapshot()
