@@ -13,6 +13,8 @@ copy-on-write), which is what O uses. tests/integration/test_lab.py checks it ag
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
 from kvscope_contract.lab import PeakGrid
@@ -120,7 +122,11 @@ class Meter(EventLog):
 
     def _swap_in(self, ev: p.SwapIn) -> None:
         self.counts.count(ev)
-        joined = {d for _, d in ev.shared}  # held before: every holder coming back adds overlap
+        refs, back = self.core.block_manager.pool.ref_counts, Counter()
+        for seq in map(self._seq, ev.group):
+            back.update(seq.block_table)
+        # held before (not a block found again in the prefix cache): every holder coming back adds overlap
+        joined = {d for _, d in ev.shared if refs[d] > back[d]}
         for seq in map(self._seq, ev.group):
             c = seq.num_computed_tokens
             self.entered.append(seq.seq_id)
