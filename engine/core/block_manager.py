@@ -112,7 +112,13 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether `allocate(seq)` would leave at least `watermark_blocks` allocatable: its
-        prefix hits cost nothing unless they leave the LRU (a cached block with no holder)."""
+        prefix hits cost nothing unless they leave the LRU (a cached block with no holder).
+
+        Args:
+            seq: a waiting sequence holding no block.
+        Returns:
+            True when it can be admitted now.
+        """
         hits = self._prefix_hits(seq)
         held = [b for blocks in hits for b in blocks if b != NULL]
         revived = sum(1 for b in held if not self.pool.ref_counts[b])
@@ -127,18 +133,36 @@ class BlockManager:
         return sum(n > len(t) * self.block_size or refs[t[last]] > 1 for t in seq.block_tables)
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether `append_slot(seq)` can succeed (it may dip into the watermark)."""
+        """Whether `append_slot(seq)` can succeed (it may dip into the watermark).
+
+        Args:
+            seq: a running sequence whose last token has no slot yet.
+        Returns:
+            True when the pool can give every group the block it needs.
+        """
         return self.num_allocatable_blocks >= self.blocks_to_append(seq)
 
     def can_swap_out(self, group: list[Sequence]) -> bool:
         """Whether the host pool can take `group`'s blocks: a block they share counted once, one
-        with a host copy already not at all."""
+        with a host copy already not at all.
+
+        Args:
+            group: running sequences swapped together (a fork group, or one sequence).
+        Returns:
+            True when `swap_out(group)` would not raise.
+        """
         need = sum(b not in self.host.host_copy for b in _distinct(group, "block_tables"))
         return len(self.host.free) >= need
 
     def can_swap_in(self, group: list[Sequence]) -> bool:
         """Whether bringing `group` back (a block they share once, one still held on the device
-        not at all) leaves at least `watermark_blocks` allocatable."""
+        not at all) leaves at least `watermark_blocks` allocatable.
+
+        Args:
+            group: swapped sequences coming back together.
+        Returns:
+            True when they can be swapped in now.
+        """
         on_device = self._on_device(_distinct(group, "host_tables"))
         need = sum(not (d is not None and self.pool.ref_counts[d]) for d in on_device.values())
         return self.num_allocatable_blocks - need >= self.watermark_blocks
@@ -236,6 +260,10 @@ class BlockManager:
 
         Called when a step is scheduled to compute those tokens: the forward stores every
         token's K/V before any attention reads the cache, so a hit in the same step is sound.
+
+        Args:
+            seq: a sequence holding blocks for at least `num_tokens` tokens.
+            num_tokens: its tokens whose K/V the step computes or has computed.
         """
         if not self.config.enable_prefix_caching:
             return
@@ -250,7 +278,11 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def clear_prefix_cache(self) -> int:
-        """Evict every cached block that no sequence holds; returns how many."""
+        """Evict every cached block that no sequence holds (an `evict` each).
+
+        Returns:
+            How many blocks were evicted.
+        """
         return self.pool.clear_cache()
 
     # ------------------------------------------------------------------ block moves
@@ -297,7 +329,11 @@ class BlockManager:
         """Free each sliding-window group's blocks that the next token of `seq` no longer reads:
         the tokens before `num_computed_tokens - W + 1`, in whole blocks (cached ones stay
         hit-able). Their entries become NULL_BLOCK; freed from the window's edge back, as vLLM
-        does, stopping at the first entry freed before."""
+        does, stopping at the first entry freed before.
+
+        Args:
+            seq: a running (or just admitted) sequence, before its next step is scheduled.
+        """
         for g, w in enumerate(self.windows):
             if w is None:
                 continue
@@ -341,7 +377,12 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (whose K/V is computed) in every group: each
         block's ref count goes up by one, nothing is copied until a write (`append_slot`'s
-        copy-on-write)."""
+        copy-on-write).
+
+        Args:
+            parent: a running sequence that sampled its first token.
+            child: a new sequence with the parent's tokens and no blocks.
+        """
         child.block_tables = [list(t) for t in parent.block_tables]
         for table in child.block_tables:
             for b in table:
@@ -357,7 +398,11 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`, group by group, each table's tail first, so chain tails
         are evicted first: each ref count goes down by one (a `free` event carries the count
-        left); its host blocks, if swapped, go back to the host pool."""
+        left); its host blocks, if swapped, go back to the host pool.
+
+        Args:
+            seq: a sequence that finishes, is aborted or is preempted by recompute.
+        """
         for g, table in enumerate(seq.block_tables):
             while table:
                 b = table.pop()
@@ -444,7 +489,13 @@ class BlockManager:
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
         """A copy of the pools, given every live sequence (in creation order): cheap enough to
-        take between steps even for a million blocks; `state()` does the rest anywhere."""
+        take between steps even for a million blocks; `state()` does the rest anywhere.
+
+        Args:
+            seqs: every live sequence, in creation order.
+        Returns:
+            A PoolCapture whose `state()` is the reducer's PoolState at the log's last event.
+        """
         return PoolCapture(self.config, self.log.seq, self.pool.ref_counts[:], self.cache.hashes[:],
                            self.cache.group_of[:] if len(self.groups) > 1 else None, [
             SeqState(s.seq_id, s.request_id, s.status.value, [list(t) for t in s.block_tables],

@@ -75,7 +75,11 @@ class Scheduler:
         return self.bm.config.max_num_seqs
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back of the waiting queue; it holds no block yet."""
+        """Queue a new sequence at the back of the waiting queue; it holds no block yet.
+
+        Args:
+            seq: a new sequence (its request's first sample: the others fork from it later).
+        """
         self._arrivals += 1
         seq.arrival = self._arrivals
         self.waiting.append(seq)
@@ -90,15 +94,22 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of whichever queue holds it (it finished or was aborted)."""
+        """Take a sequence out of whichever queue holds it (it finished or was aborted).
+
+        Args:
+            seq: a waiting, running or swapped sequence (its blocks are the caller's to free).
+        """
         queue = {SeqStatus.WAITING: self.waiting, SeqStatus.RUNNING: self.running,
                  SeqStatus.SWAPPED: self.swapped}[seq.status]
         queue.remove(seq)
 
     def schedule(self) -> Batch:
         """The next step: running sequences first, then (if none was preempted) the queued
-        ones. Blocks are allocated, copied on write, swapped and cached as it decides; the
-        returned Batch says which copies the model runner must make and which tokens to compute."""
+        ones. Blocks are allocated, copied on write, swapped and cached as it decides.
+
+        Returns:
+            The Batch: which copies the model runner must make first and which tokens to compute.
+        """
         batch = Batch()
         budget, preempted = self.schedule_running(batch, self.max_num_batched_tokens)
         if not preempted:
@@ -106,7 +117,14 @@ class Scheduler:
         return batch
 
     def schedule_running(self, batch: Batch, budget: int) -> tuple[int, bool]:
-        """Running sequences in arrival order; returns the budget left and whether any was preempted."""
+        """Running sequences in arrival order, preempting the latest arrival when one cannot grow.
+
+        Args:
+            batch: the step's batch, filled in place.
+            budget: tokens the step may still compute.
+        Returns:
+            The budget left, and whether any sequence was preempted.
+        """
         preempted = False
         i = 0
         while i < len(self.running) and budget:
@@ -124,7 +142,14 @@ class Scheduler:
 
     def schedule_queued(self, batch: Batch, budget: int) -> int:
         """Swapped sequences come back first; waiting ones are admitted only once none is left
-        swapped. Returns the budget left."""
+        swapped.
+
+        Args:
+            batch: the step's batch, filled in place.
+            budget: tokens the step may still compute.
+        Returns:
+            The budget left.
+        """
         seats = sum(map(_width, self.running))  # taken in the batch, samples yet to fork included
         while self.swapped and budget:
             group = self._group(self.swapped, self.swapped[0])
@@ -160,7 +185,15 @@ class Scheduler:
         """Schedule up to `budget` of the tokens `seq` still has to compute; returns how many.
         Frees the blocks its sliding windows have passed, makes its last block writable in every
         group (a new block, or copy-on-write into `batch.copies`) and offers the blocks those
-        tokens fill to the prefix cache."""
+        tokens fill to the prefix cache.
+
+        Args:
+            seq: a running sequence holding blocks for all its tokens.
+            budget: tokens the step may still compute (a prefill longer than that is chunked).
+            batch: the step's batch, filled in place.
+        Returns:
+            The tokens scheduled.
+        """
         n = min(len(seq) - seq.num_computed_tokens, budget)
         self.bm.free_window(seq)
         batch.copies += self.bm.append_slot(seq)
