@@ -40,6 +40,7 @@ from app.panels import grid
 from app.data.client import View
 from app.data.event_history import EventHistory
 from app.data.launcher import ServerProcess
+from app.data.wire import WireClient
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
 from engine.synthetic import SyntheticEngine
 
@@ -184,15 +185,13 @@ class Stamper(threading.Thread):
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
-        from websockets.sync.client import connect
-        self.ws = connect(url + "?features=columnar", max_size=None, max_queue=None, compression=None)
+        self.wire = WireClient(url, features=("columnar",), mirror=False, max_queue=None)
         self.arrivals: list[tuple[float, int]] = []  # (wall time, last event number in the frame)
         self.start()
 
     def run(self) -> None:
         try:
-            for frame in self.ws:
-                msg = p.decode_server_message(frame)
+            for msg in self.wire:
                 if isinstance(msg, p.Events) and msg.events:
                     self.arrivals.append((time.time() * 1000, msg.events[-1].seq))
         except Exception:

@@ -126,7 +126,7 @@ def main() -> None:
             cells = "  ".join(f"{statistics.median(v):>9.1f} ({min(v):5.1f}..{max(v):5.1f})" for v in gbs.values())
             rel = " ".join(f"{statistics.median(ratios(gbs[first], v)):>13.2f}x" for s, v in gbs.items() if s != first)
             print(f"{label:<20} {rows:>4}  {cells}  {rel}", flush=True)
-        del weights, laid_out
+        weights = laid_out = None  # freed before the next shape's copies
 
 
 if __name__ == "__main__":

@@ -10,45 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from tools.launch import CHROMIUM, FLAGS, ROOT, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT
+from tests.browser.pages import open_grid
+from tests.processes import children
 
 SHOT = ROOT / "out" / "test_browser.png"
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
-def open_grid(browser, url: str, blocks: int, errors: list[str], width: int = 1500, height: int = 1400):
-    """A page of the app at `url`, once its grid has drawn a pool of `blocks`; the page's
-    errors go to `errors`."""
-    page = browser.new_page(viewport={"width": width, "height": height})
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(url)
-    page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n === {blocks}", timeout=300_000)
-    return page
-
-
-@pytest.fixture
-def app_url(tmp_path, request):
-    """The app on the tiny model; a test may give other app arguments (indirect parametrize)."""
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
-    log = tmp_path / "streamlit.log"
-    with log.open("w") as out:
-        proc, url = start_streamlit(getattr(request, "param", ["--model", "tiny"]), out=out)
-    yield url, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-    print(f"streamlit's output ({log}):\n" + log.read_text()[-4000:])
 
 
 @pytest.mark.slow

@@ -5,14 +5,13 @@ the overview; hovering a block explains it, its text included; nothing throws. L
 engine for a replay, and coming back, never waits on it."""
 from __future__ import annotations
 
-import signal
 import time
 
 import pytest
 
 from app.data.launcher import ServerProcess
-from tools.launch import start_streamlit
-from tests.browser.test_browser import CHROMIUM, FLAGS, open_grid
+from tools.launch import CHROMIUM, FLAGS
+from tests.browser.pages import open_grid
 
 BLOCKS = 1 << 20
 
@@ -28,11 +27,8 @@ def big_engine():
 
 
 @pytest.fixture
-def big_app(big_engine):
-    app, url = start_streamlit(["--engine", big_engine.url])
-    yield url
-    app.send_signal(signal.SIGTERM)
-    app.wait(timeout=30)
+def big_app(big_engine, start_app):
+    return start_app(["--engine", big_engine.url])[0]
 
 
 @pytest.mark.slow

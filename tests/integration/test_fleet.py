@@ -18,8 +18,8 @@ from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
 from tests.waiting import wait
+from tests.synthetic import BS, synthetic_server
 
-BS, BLOCKS = 16, 64
 SYSTEM = " ".join(w.strip() for w in WORDS[100:150])         # 50 tokens: 3 full blocks
 QUESTIONS = [" ".join(w.strip() for w in WORDS[500 + 20 * i:500 + 20 * i + 21]) for i in range(3)]
 
@@ -28,17 +28,9 @@ def tokens(text: str) -> list[int]:
     return [INDEX[w] for w in text.split()]
 
 
-def synthetic() -> ServerProcess:
-    proc = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
-                                             "--block-size", str(BS), "--live", "0", "--fill", "0", "--warm-steps", "0",
-                                             "--step-delay-ms", "0", "--max-num-seqs", "8"]).start()
-    assert proc.wait_ready(120), "\n".join(proc.tail(30))
-    return proc
-
-
 @pytest.fixture()
 def pair():
-    procs = [synthetic(), synthetic()]
+    procs = [synthetic_server(), synthetic_server()]
     fleet = Fleet.of([Endpoint("a", procs[0].url), Endpoint("b", procs[1].url)])
     wait(lambda: all(r.state == "live" for r in fleet.rows()), 30, "both engines live")
     yield fleet, procs
@@ -214,7 +206,7 @@ def test_fleet_files(tmp_path):
 def test_a_kv_event_stream_names_blocks_by_the_same_content_as_a_kvscope_engine(pair):
     """A ZMQ KV-event stream (vLLM's wire format, other hashes) and a KVScope engine caching the
     same tokens: one content, two holders, and the page warns that their hashes differ."""
-    from tests.vllm.test_kv_events import Publisher, stored_map
+    from tests.kv_event_stream import Publisher, stored_map
 
     fleet, _ = pair
     run(fleet, "a", SYSTEM)

@@ -13,15 +13,15 @@ from streamlit.testing.v1 import AppTest
 
 from app.data.client import EngineClient
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
-from tests.integration.test_fleet import synthetic
 from tests.waiting import wait
+from tests.synthetic import synthetic_server
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 
 
 @pytest.fixture()
 def engines(tmp_path):
-    procs = [synthetic(), synthetic()]
+    procs = [synthetic_server(), synthetic_server()]
     path = tmp_path / "fleet.toml"
     path.write_text("".join(f'[[engine]]\nname = "{n}"\nurl = "{p.url}"\n' for n, p in zip(("pod-a", "pod-b"), procs)))
     yield procs, path

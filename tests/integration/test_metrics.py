@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from engine.model.engine import LLMEngine
-from tests.integration.test_server import SYSTEM
+from tests.prompts import SYSTEM
 from tests.protocol_client import Client
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away",

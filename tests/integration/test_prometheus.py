@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,8 +20,9 @@ import pytest
 
 from app.data.launcher import ServerProcess
 from tests.protocol_client import Client
-from tests.integration.test_grafana import board, exprs
-from tests.waiting import free_port, wait
+from tests.grafana_board import board, exprs
+from kvscope_contract.ready import free_port
+from tests.waiting import wait
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "docs" / "prometheus"
@@ -106,7 +106,9 @@ scrape_configs:
         names = set(api(base, "label/__name__/values"))
         assert {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
                 "kvscope_free_blocks", "kvscope_slot_utilisation"} <= names
-        time.sleep(3)  # a few evaluations of an empty pool: no alert
+        evaluations = set()  # a few evaluations of an empty pool: no alert
+        wait_for("three rule evaluations", lambda: evaluations.add(api(base, "rules")["groups"][0]["lastEvaluation"])
+                 or len(evaluations) > 3)
         assert not [a for a in api(base, "alerts")["alerts"] if a["labels"]["alertname"] == "KVCacheFreeBlocksLow"]
 
         # a scenario fills the pool: long requests stepped until 15 of the 16 blocks are held, then paused

@@ -21,8 +21,7 @@ from engine.serve.replay import Playback
 from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState, check_invariants
 from tests.protocol_client import Client
-
-SYSTEM = "You are KVScope's demo assistant. Answer in one short sentence, politely. " * 2
+from tests.prompts import SYSTEM
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from kvscope_contract.ready import ready_url
+from kvscope_contract.ready import free_port, ready_url
 from tools.launch import CHROMIUM, FLAGS
 from tests.protocol_client import Client
-from tests.integration.test_export_perfetto import decode
-from tests.waiting import free_port, wait
+from tests.perfetto_trace import decode
+from tests.waiting import wait
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.timeout(1800)]  # the first test builds and installs: minutes

@@ -10,36 +10,13 @@ import pytest
 import torch
 
 import kernels
-from engine.model.model_loader import default_cache_dir
 from kernels import cpu_build, linear
-from tests.unit.test_kernels import CASES, MIXED, close, make_batch, naive_attention
+from tests.cpu_variants import BUILD_DIR
+from tests.attention_cases import CASES, close, make_batch, naive_attention
 
 ok, why = cpu_build.supported()
 pytestmark = pytest.mark.skipif(not ok, reason=f"C++ CPU kernels cannot be built here: {why}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-BUILD_DIR = default_cache_dir() / "kernels"
-
-
-def _isa_param(isa: str):
-    runs, why = cpu_build.runnable(isa)
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(not (ok and runs), reason=f"{isa}: {why or why_not}"))
-
-
-why_not = why
-ISA_PARAMS = [_isa_param(isa) for isa in cpu_build.ISAS]
-
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def isa(request):
-    """Every kernel call goes to this variant (its own library and op namespace) while the
-    module's tests that ask for it run; the engine's own choice again after."""
-    saved = dict(cpu_build._state)
-    cpu_build.use(request.param, BUILD_DIR)
-    yield request.param
-    cpu_build._state.clear()
-    cpu_build._state.update(saved)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -268,7 +245,7 @@ def test_the_variants_are_separate_libraries_loaded_side_by_side():
     compute the same GEMV (fp32; within rounding, as the sums are added in another order)."""
     runs = cpu_build.runnable_isas() if ok else []
     if not runs:
-        pytest.skip(why_not)
+        pytest.skip(why)
     w, x = torch.randn(64, 128), torch.randn(2, 128)
     outs = {}
     for isa in runs:

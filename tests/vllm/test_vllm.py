@@ -237,7 +237,7 @@ def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.integration.test_grafana import ALERTS, VLLM_METRICS
+    from tests.grafana_board import ALERTS, VLLM_METRICS
     with urllib.request.urlopen(vllm.api + "/metrics", timeout=30) as r:
         served = {s.name for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
     assert VLLM_METRICS <= served, VLLM_METRICS - served
@@ -264,7 +264,7 @@ def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_res
     """The grid on vLLM's pool (no host blocks), then frame after frame of vLLM's traffic as the
     browser pulls them (each a delta from the one it holds), and every other view on the way
     (issue 17, item 1: the first delta of a pool without host blocks raised, the page froze)."""
-    from tests.integration.test_app import grid_data
+    from tests.apptest import grid_data
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
     data = wait(lambda: grid_data(at.run()), 60, "the grid")
@@ -292,7 +292,7 @@ def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate
     """Issue 17, items 8 and 12: the header names vLLM's OpenAI server; after the Overload preset
     (its re-admissions after recompute hit the cache, which vLLM's counter leaves out), the
     dashboard's numbers by vLLM's definition equal vLLM's own /metrics counters' deltas."""
-    from tests.integration.test_app import rerun_until
+    from tests.apptest import rerun_until
     from app.data.scenarios import SCENARIOS
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
@@ -341,7 +341,7 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
 def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard):
     """What `make run-vllm` does: the dashboard starts vLLM from .venv-vllm with the plugin, shows
     vLLM's log while it loads, then draws its pool."""
-    from tests.integration.test_app import grid_data
+    from tests.apptest import grid_data
 
     at = dashboard(KVSCOPE_VLLM="smollm2", KVSCOPE_ENGINE_ARGS="--num-blocks 40")
     assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
@@ -488,7 +488,7 @@ def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(v
     import os
     import signal
 
-    from tests.browser.test_browser import children
+    from tests.processes import children
 
     # the whole server: vLLM's engine core (where the plugin's WebSocket lives) is a child of its API server
     doomed, todo = [], [second.proc.pid]
