@@ -18,12 +18,11 @@ import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 from bench.prompts import make_prompts
 from kvscope_contract.ready import free_port
+from integrations.vllm.serve import BUNDLED
 
-BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
 def make_llm(model: str, observed_port: int | None):

@@ -105,7 +105,8 @@ def words(ev: p.Event) -> str:
             return (f"{len(ev.mapping)} blocks swapped in " + ", ".join(f"H{h}→{d}" for h, d in ev.mapping[:6])
                     + (" …" if len(ev.mapping) > 6 else "") + _group(ev))
         case p.Append():
-            return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids else " (prefill chunk)")
+            return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids
+                                                         else " (prefill chunk)")
         case p.StatusChange():
             return f"now {ev.status}"
         case p.Finish():
@@ -125,5 +126,6 @@ def _group(ev: p.SwapOut | p.SwapIn) -> str:
     """A fork group swapped together: who went with it, and the blocks shared without a copy."""
     out = f" with {', '.join(ev.group[1:])}" if len(ev.group) > 1 else ""
     if ev.shared:
-        out += f"; {len(ev.shared)} shared with a copy already there (" + ", ".join(f"{a}→{b}" for a, b in ev.shared[:6]) + ")"
+        pairs = ", ".join(f"{a}→{b}" for a, b in ev.shared[:6])
+        out += f"; {len(ev.shared)} shared with a copy already there ({pairs})"
     return out

@@ -21,7 +21,8 @@ BS, BLOCKS = 16, 64
 
 def synthetic_server() -> ServerProcess:
     """A synthetic engine server of BLOCKS blocks of BS tokens, idle until asked, once it listens."""
-    proc = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
+    proc = ServerProcess("engine.synthetic",
+                         ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
                                              "--block-size", str(BS), "--live", "0", "--fill", "0", "--warm-steps", "0",
                                              "--step-delay-ms", "0", "--max-num-seqs", "8"]).start()
     assert proc.wait_ready(120), "\n".join(proc.tail(30))

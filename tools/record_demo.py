@@ -21,7 +21,8 @@ from kvscope_contract import protocol as p
 
 
 def start_engine(model: str, record: Path) -> ServerProcess:
-    proc = ServerProcess("engine.serve.server", ["--model", model, "--port", "0", "--record", str(record.resolve())]).start()
+    proc = ServerProcess("engine.serve.server",
+                         ["--model", model, "--port", "0", "--record", str(record.resolve())]).start()
     ready = proc.wait_ready(900)
     print("\n".join(proc.lines), file=sys.stderr)
     if not ready:

@@ -41,7 +41,8 @@ CSS = """<style>
   background: linear-gradient(to top, var(--c) var(--f), color-mix(in srgb, var(--c) 35%, transparent) var(--f)); }
 .bt .ch::after { content: ""; position: absolute; left: 0; right: 0; bottom: -3px; height: 2px;
   background: linear-gradient(to right, #334155 var(--p), var(--c) var(--p)); }
-.bt .ch .li { position: absolute; left: 2px; top: -1px; font-size: 8px; line-height: 9px; opacity: .8; font-weight: 400; }
+.bt .ch .li { position: absolute; left: 2px; top: -1px; font-size: 8px; line-height: 9px; opacity: .8;
+              font-weight: 400; }
 .bt .ch .mk { position: absolute; right: 2px; top: 2px; width: 7px; height: 7px; border-radius: 50%;
   border: 1px solid #fff; box-sizing: border-box; }
 .bt .dot { display: inline-block; width: 8px; height: 8px; border-radius: 50%; vertical-align: 0; }
@@ -204,7 +205,8 @@ def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = Non
     blocks to ring (a lesson's stop points at them)."""
     seqs = chosen(view) if seqs is None else seqs
     if not seqs:
-        return CSS + '<div class="bt"><div class="meta">No live sequence: submit a prompt or run a scenario.</div></div>'
+        return CSS + ('<div class="bt"><div class="meta">No live sequence: submit a prompt or run a scenario.'
+                      '</div></div>')
     pin = view.mirror.state.seqs.get(pinned) if pinned else None
     cards = ([card(view, pin, colors, True, open_runs, highlight)] if pin else []) + [
         card(view, s, colors, False, open_runs, highlight) for s in seqs if s is not pin]

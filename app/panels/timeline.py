@@ -27,7 +27,8 @@ CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color=ACCENT, strokeWidth=
 @lru_cache(maxsize=1)
 def _blocks_spec() -> dict:
     area = alt.Chart(alt.Data(name="blocks")).mark_area(interpolate="step-after", opacity=0.9).encode(
-        x=alt.X("step:Q", title="engine step", axis=STEP_AXIS), y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
+        x=alt.X("step:Q", title="engine step", axis=STEP_AXIS),
+        y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
         color=alt.Color("state:N", scale=alt.Scale(domain=list(STATES), range=[BLOCK_STATE_COLORS[s] for s in STATES]),
                         legend=alt.Legend(orient="top", title=None)),
         order="order:Q", tooltip=["step:Q", "state:N", "blocks:Q"])

@@ -46,7 +46,8 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
                 break
             except Exception:
                 if attempt == 9:
-                    raise AssertionError(f"no block in use after 10 steps; the page says:\n{page.inner_text('body')[:3000]}")
+                    raise AssertionError(f"no block in use after 10 steps; the page "
+                                         f"says:\n{page.inner_text('body')[:3000]}")
         grid = page.evaluate("window.__kvscope_grid")
         assert grid["draws"] > 1
         SHOT.parent.mkdir(exist_ok=True)
@@ -115,7 +116,7 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url)
             page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n === 256", timeout=120_000)
-        side = lambda page: page.get_by_test_id("stSidebar")  # noqa: E731
+        side = lambda page: page.get_by_test_id("stSidebar")
         side(one).get_by_role("button", name="Pause", exact=True).click()
         expect(side(two).get_by_role("button", name="Resume", exact=True)).to_be_visible(timeout=10_000)
         expect(side(two).get_by_role("button", name="Step", exact=True)).to_be_enabled()
@@ -212,7 +213,8 @@ def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_fra
         assert advanced >= 30 and last["kind"] == "delta" and last["seq"] > start["seq"]
         for panel in ("Event log", "Prefix tree", "Lifetimes", "Timeline"):  # every view of the page
             page.get_by_test_id("stMain").get_by_text(panel, exact=True).first.click()
-            for attempt, preset in enumerate(presets):  # new events to follow (a click on a redrawing sidebar may be lost)
+            # new events to follow (a click on a redrawing sidebar may be lost)
+            for attempt, preset in enumerate(presets):
                 sidebar.get_by_role("button", name=preset, exact=True).click()
                 try:
                     follow_redraws(page, 2, errors, panel, timeout=20_000)
@@ -252,7 +254,8 @@ def test_the_reset_form_of_every_fresh_tab_shows_the_engines_pool(app_url):
             page.wait_for_timeout(3_000)  # the fragments' timers run a few times first
             side = page.get_by_test_id("stSidebar")
             side.get_by_text("Reset pool").click()
-            shown = [side.get_by_label(label).input_value() for label in ("Device blocks", "Host blocks", "Max running")]
+            shown = [side.get_by_label(label).input_value() for label in ("Device blocks", "Host blocks",
+                                                                          "Max running")]
             assert shown == ["48", "12", "6"], f"tab {tab}: {shown}"
             page.close()
         assert not errors, errors

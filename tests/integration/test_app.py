@@ -16,7 +16,8 @@ from streamlit.testing.v1 import AppTest
 from kvscope_contract import protocol as p
 from app.data.client import EngineClient
 from tests.waiting import wait
-from tests.apptest import MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, rerun_until, reset_pool, reset_widget, show_log, status_line, submit
+from tests.apptest import (MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, rerun_until,
+                          reset_pool, reset_widget, show_log, status_line, submit)
 
 
 def test_prompt_pause_step_resume_and_every_view(at, observer):
@@ -93,7 +94,7 @@ def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metri
     need = 8 if key == "mixed" else 1
     got = wait(lambda: len(evs := events(observer, kind, start)) >= need and evs, 30, f"{kind} events")
     wait(lambda: events(observer, "step", start), what="the step")
-    truth = lambda: scenario_metric(observer, key, start)  # noqa: E731 (the engine may still be stepping)
+    truth = lambda: scenario_metric(observer, key, start)  # the engine may still be stepping
     rerun_until(at, lambda a: metric(a, metric_label) == truth(), 30, f"{metric_label} to show {truth()}")
     assert any("Watch:" in c.value for c in at.sidebar.caption)
     data = grid_data(at)
@@ -176,7 +177,8 @@ def test_time_travel_buttons_scrub_every_view(at, observer):
     at.session_state["travel"] = alloc.seq
     at.run()
     data = grid_data(at)
-    assert data["seq"] == alloc.seq and data["counts"]["used"] == observer.history.at(alloc.seq).state.counts().used >= 1
+    used = observer.history.at(alloc.seq).state.counts().used
+    assert data["seq"] == alloc.seq and data["counts"]["used"] == used >= 1
     assert alloc.seq_id in html_with(at, 'class="bt"')
     assert show_log(at)["event"].iloc[0] <= alloc.seq  # the log is frozen at that event too
     at.button(key="tt_next").click().run()
@@ -341,7 +343,7 @@ def test_hit_rate_in_the_header_never_passes_100_percent(at, observer):
 def test_the_last_error_goes_once_a_command_works(at, observer):
     at.number_input(key="prompt_max").set_value(4096)
     submit(at, "x " * 3000)
-    failed = lambda a: next((t.value for t in a.toast if "failed" in t.value), None)  # noqa: E731
+    failed = lambda a: next((t.value for t in a.toast if "failed" in t.value), None)
     toast = failed(at) or rerun_until(at, failed, what="the toast")
     assert toast.startswith("**Submit** failed") and "too_long" in toast  # not "Submitted failed"
     rerun_until(at, lambda a: any("Last error" in c.value and "too_long" in c.value for c in a.sidebar.caption))

@@ -12,7 +12,8 @@ from streamlit.testing.v1 import AppTest
 
 from tests.waiting import steady, until_elapsed, wait
 from app.data.words import rate
-from tests.apptest import DEFAULT_POOL, MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, rerun_until, show_log, start, submit
+from tests.apptest import (DEFAULT_POOL, MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric,
+                          rerun_until, show_log, start, submit)
 
 
 def quiet(c) -> int:

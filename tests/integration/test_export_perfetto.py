@@ -44,7 +44,8 @@ def expected_phases(events: list[p.AnyEvent]) -> dict[str, list[tuple[str, int]]
             case p.Fork():
                 enter(ev.seq_id, status[ev.parent_seq_id], ev.t)
             case p.StatusChange():
-                enter(ev.seq_id, {"running": "running", "waiting": "waiting", "swapped": "swapped out"}[ev.status], ev.t)
+                enter(ev.seq_id, {"running": "running", "waiting": "waiting", "swapped": "swapped out"}[ev.status],
+                      ev.t)
             case p.Preempt():
                 enter(ev.seq_id, "swapped out" if ev.mode == "swap" else "preempted", ev.t)
             case p.SwapIn():

@@ -186,7 +186,8 @@ def test_round_robin_duplicates_the_system_prompts_and_affinity_does_not(pair):
 def test_fleet_files(tmp_path):
     good = tmp_path / "fleet.toml"
     good.write_text('[[engine]]\nname = "a"\nurl = "ws://127.0.0.1:8765"\nkind = "vllm-plugin"\nrank = 1\n'
-                    '[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"\nkind = "kv-events"\n')
+                    '[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"\nkind = '
+                    '"kv-events"\n')
     a, b = load_fleet(good)
     assert a.address == "ws://127.0.0.1:8766" and b.kind == "kv-events"
     from app.data.source import Source, from_command_line
@@ -195,7 +196,8 @@ def test_fleet_files(tmp_path):
     for text, says in [('[[engine]]\nname = "a"\n', "no url"),
                        ('[[engine]]\nurl = "http://x"\n', "starts with ws://"),
                        ('[[engine]]\nurl = "ws://x:1"\nkind = "sglang"\n', "kind must be"),
-                       ('[[engine]]\nurl = "ws://x:1"\nname = "a"\n[[engine]]\nurl = "ws://x:2"\nname = "a"\n', "must differ"),
+                       ('[[engine]]\nurl = "ws://x:1"\nname = "a"\n[[engine]]\nurl = "ws://x:2"\nname = "a"\n',
+                        "must differ"),
                        ("engine = [", "not TOML"), ("", "[[engine]]")]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

@@ -168,7 +168,8 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
             page.get_by_role("option", name="pod-b", exact=True).click()
             page.locator(".st-key-fleet_open button").click()  # enabled once the choice has rerun the page
             main.get_by_text("Connected · attached engine", exact=False).wait_for(timeout=180_000)
-            assert re.search(r"\b[\d,]+ / 64\b", main.inner_text()) and procs[1].url in main.inner_text()  # pod-b's pool
+            assert re.search(r"\b[\d,]+ / 64\b",
+                             main.inner_text()) and procs[1].url in main.inner_text()  # pod-b's pool
             page.get_by_role("button", name="Back to the fleet").click()
             wait(lambda: numbers("pod-b").get("state") == "live", 120, "the fleet page again")
             browser.close()

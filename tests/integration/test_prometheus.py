@@ -101,7 +101,8 @@ scrape_configs:
         # it scrapes KVScope's metrics: the target is up and the pool's size is what the engine serves
         wait_for("the kvscope target up", lambda: prom.poll() is None and _ready(base) and any(
             t["health"] == "up" for t in api(base, "targets")["activeTargets"]))
-        blocks = wait_for("kvscope_device_blocks scraped", lambda: api(base, "query", query="kvscope_device_blocks")["result"])
+        blocks = wait_for("kvscope_device_blocks scraped",
+                          lambda: api(base, "query", query="kvscope_device_blocks")["result"])
         assert float(blocks[0]["value"][1]) == POOL and blocks[0]["metric"]["job"] == "kvscope"
         names = set(api(base, "label/__name__/values"))
         assert {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",

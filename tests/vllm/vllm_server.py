@@ -22,7 +22,6 @@ from kvscope_contract.ready import ready_url
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 NO_VLLM = "no .venv-vllm here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
-BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
 @dataclass
