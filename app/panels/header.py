@@ -7,7 +7,7 @@ import streamlit as st
 from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
-from app.ui.palette import USED
+from app.ui.palette import RESERVED_BAR, USED
 from app.data.words import count, plural, rate
 from app.data.source import Source
 
@@ -149,7 +149,7 @@ def reservation_card(view: View) -> None:
                 f'{100 * used:.1f}%)"></div></div>')
 
     body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
-                _mib(u["reserved_bytes"]), "#e15759")
+                _mib(u["reserved_bytes"]), RESERVED_BAR)
             + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)
             + summary(res, pag, cfg)
             if holding else

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from html import escape
 
-from app.ui.palette import CACHED, LIT, USED
+from app.ui.palette import CACHED, LIT, UNKNOWN_HASH, USED
 from app.data.words import plural
+from kvscope_contract.kinds import KINDS
 from kvscope_contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, Node, PrefixForest
 
-STATE_COLORS = {IN_USE: USED, CACHED_ONLY: CACHED, UNKNOWN: "#0f766e"}
-VICTIM_COLOR = "#dc2626"
+STATE_COLORS = {IN_USE: USED, CACHED_ONLY: CACHED, UNKNOWN: UNKNOWN_HASH}
+VICTIM_COLOR = KINDS["evict"].color  # the next block to be evicted
 
 
 # ---------------------------------------------------------------------------------- the view

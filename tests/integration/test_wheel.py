@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from app.streamlit_argv import TEST_HOOKS
 from kvscope_contract.ready import free_port, ready_url
 from tools.launch import CHROMIUM, FLAGS
 from tests.protocol_client import Client
@@ -110,7 +111,7 @@ def test_the_installed_dashboard_replays_the_demo_and_draws_its_grid(venv, tmp_p
     bin_, _ = venv
     port = free_port()
     log = tmp_path / "kvscope.log"
-    env = {**os.environ, "STREAMLIT_SERVER_PORT": str(port), "STREAMLIT_SERVER_FILE_WATCHER_TYPE": "none"}
+    env = {**os.environ, "STREAMLIT_SERVER_PORT": str(port), TEST_HOOKS: "1"}
     with log.open("w") as out:
         proc = subprocess.Popen([bin_ / "kvscope", "--replay", "demo_recording.jsonl", "--speed", "4"], cwd=tmp_path,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -189,3 +189,13 @@ def test_deltas_over_many_frames_of_a_pool_without_host_blocks_or_of_one_block(c
         held = apply(held, grid.message(frame, base))
         assert held["dev"].tobytes() == frame.dev.tobytes() and held["host"].tobytes() == frame.host.tobytes()
     assert len(held["host"]) == config.num_host_blocks and len(held["dev"]) == config.num_device_blocks
+
+
+def test_the_grid_publishes_what_it_drew_only_when_the_tests_ask(monkeypatch):
+    """Shipped JavaScript keeps its test hooks (window.__kvscope_*) off unless the app runs with
+    KVSCOPE_TEST_HOOKS=1, as tools/launch.py starts it for a driven browser."""
+    from app.streamlit_argv import TEST_HOOKS
+    monkeypatch.delenv(TEST_HOOKS, raising=False)
+    assert "data-test-hooks" not in grid._html()
+    monkeypatch.setenv(TEST_HOOKS, "1")
+    assert "data-test-hooks" in grid._html()
