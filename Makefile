@@ -11,7 +11,7 @@ PROMTOOL := /usr/bin/promtool
 PORT ?= 8501
 ARGS ?=
 
-.PHONY: install test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
+.PHONY: install lint test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,7 +39,11 @@ $(PROMTOOL):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus
 
-test: install $(CHROMIUM) $(PROMTOOL) check-arm64
+# ruff's checks of pyproject.toml over the whole tree (no formatting)
+lint: install
+	$(PY) -m ruff check .
+
+test: install lint $(CHROMIUM) $(PROMTOOL) check-arm64
 	$(PY) -m pytest -q -rs --timeout=900 -m "not slow and not wheel" $(PYTEST_ARGS) tests
 
 # the tests marked slow (minutes): Chromium walks, million-block pools, fresh model conversions

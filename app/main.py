@@ -26,7 +26,8 @@ def _mode_changed() -> None:
 
 
 def main() -> None:
-    st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide", initial_sidebar_state="expanded")
+    st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide",
+                       initial_sidebar_state="expanded")
     stale.full_run()
     source: Source = st.session_state.setdefault("source", from_command_line())
     client, hosted = (None, None) if source.kind in ("kv_events", "fleet") else live.pick(source)

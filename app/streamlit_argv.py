@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 MAIN = Path(__file__).resolve().parent / "main.py"
+# "1" in the app's environment: the grid's script publishes what it drew (window.__kvscope_grid, ...)
+# for a browser driven by tests, the screenshots and the benches (tools/launch.py turns it on)
+TEST_HOOKS = "KVSCOPE_TEST_HOOKS"
 HEADLESS = ("--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false")
 
 

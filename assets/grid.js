@@ -263,9 +263,9 @@ function paintTouched(ctx, s, g, list, host) {
 
 // Blocks a paused run-to-next-key-event points at: a thick dark ring on top of everything,
 // or a dark mark at least 6 px wide where cells are small.
-function paintHighlight(ctx, g, list) {
+function paintHighlight(ctx, g, list, ink) {
   const end = g.start + g.count;
-  ctx.strokeStyle = ctx.fillStyle = "#0f172a";
+  ctx.strokeStyle = ctx.fillStyle = ink;
   for (const i of list) {
     if (i < g.start || i >= end) continue;
     const [x, y, c] = place(g, i);
@@ -278,7 +278,7 @@ function paintHighlight(ctx, g, list) {
         ctx.font = "bold 9px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "top";
         ctx.fillRect(x, y, ctx.measureText(label).width + 5, 12);
         ctx.fillStyle = "#fff"; ctx.fillText(label, x + 2, y + 1);
-        ctx.fillStyle = "#0f172a";
+        ctx.fillStyle = ink;
       }
     } else {
       const z = Math.max(6, c);
@@ -305,7 +305,7 @@ function el(tag, cls, parent, html) {
 
 function setup(root) {
   const s = { root, draws: 0, token: null, pulls: 0, lastPull: 0, lastMsg: 0, mode: "sequence", hover: null,
-    range: null, queue: Promise.resolve() };
+    range: null, queue: Promise.resolve(), hooks: "testHooks" in root.dataset };
   s.head = el("div", "head", root);
   s.bar = el("div", "bar", root);
   s.over = el("canvas", "grid overview", root);
@@ -534,12 +534,12 @@ function draw(s) {
   if (!whole) {
     s.ogeo = geometry(0, d.n, width, d.n > 65536 ? 160 : 110);
     paint(s.over, s.octx, s, s.ogeo, false);
-    paintHighlight(s.octx, s.ogeo, d.highlight || []);
+    paintHighlight(s.octx, s.ogeo, d.highlight || [], s.style.ink);
     viewport(s);
   }
   s.geo = geometry(s.range.start, s.range.count, width, mainH);
   paint(s.canvas, s.ctx, s, s.geo, false);
-  paintHighlight(s.ctx, s.geo, d.highlight || []);
+  paintHighlight(s.ctx, s.geo, d.highlight || [], s.style.ink);
   s.hgeo = null;  // a pool without host blocks (vLLM's, --num-host-blocks 0) has no host canvas to paint
   if (d.m) {
     s.hgeo = geometry(0, d.m, width, 90);
@@ -550,16 +550,19 @@ function draw(s) {
   s.legend.innerHTML = legend(s);
   refreshTip(s);
   s.draws++;
-  // for tests and the latency bench: what was drawn, when (wall clock) and how long it took
-  const now = Date.now(), ms = performance.now() - t0, k = d.counts;
+  const k = d.counts;
+  s.root.dataset.seq = d.seq;
+  s.root.dataset.used = k.used;
+  if (!s.hooks) return;
+  // for tests and the latency bench (the app's KVSCOPE_TEST_HOOKS=1): what was drawn, when (wall
+  // clock) and how long it took
+  const now = Date.now(), ms = performance.now() - t0;
   window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
     token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k,
     touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length };
   const log = (window.__kvscope_draws ||= []);
   log.push([d.seq, now, ms]);
   if (log.length > 20000) log.splice(0, 10000);
-  s.root.dataset.seq = d.seq;
-  s.root.dataset.used = k.used;
 }
 
 function viewport(s) {
@@ -632,9 +635,11 @@ function schedulePull(s, interval) {
 
 async function receive(s, bytes) {
   s.lastMsg = performance.now();
-  const msgs = (window.__kvscope_msgs ||= []);  // for the bench: when each frame came, and its size
-  msgs.push([Date.now(), bytes.length]);
-  if (msgs.length > 20000) msgs.splice(0, 10000);
+  if (s.hooks) {  // for the bench: when each frame came, and its size
+    const msgs = (window.__kvscope_msgs ||= []);
+    msgs.push([Date.now(), bytes.length]);
+    if (msgs.length > 20000) msgs.splice(0, 10000);
+  }
   try {
     const frame = await parse(bytes);
     if (apply(s, frame)) {
@@ -673,7 +678,7 @@ export default function (component) {
   if (!root || !data) return;
   const s = root.__kv || (root.__kv = setup(root));
   if (s.style && !R) layout(s.style);  // this script re-ran over a mounted grid (the style is not sent again)
-  window.__kvscope_grid_api = testApi(s);
+  if (s.hooks) window.__kvscope_grid_api = testApi(s);
   s.setState = setStateValue;
   s.setTrigger = setTriggerValue;
   if (data === s.lastBytes) return;

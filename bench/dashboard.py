@@ -40,6 +40,7 @@ from app.panels import grid
 from app.data.client import View
 from app.data.event_history import EventHistory
 from app.data.launcher import ServerProcess
+from app.data.wire import WireClient
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
 from engine.synthetic import SyntheticEngine
 
@@ -89,7 +90,8 @@ class Steady:
         return grid.build(View(h.at(h.last_event), True, 1, h.last_step_events(h.last_event)), self.colors)
 
     def redraws(self, count: int, steps: int = 2) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {"view_ms": [], "frame_ms": [], "delta_ms": [], "total_ms": [], "kib": [], "events": []}
+        out: dict[str, list[float]] = {"view_ms": [], "frame_ms": [], "delta_ms": [], "total_ms": [], "kib": [],
+                                       "events": []}
         for _ in range(count):
             n = 0
             for _ in range(steps):
@@ -184,15 +186,13 @@ class Stamper(threading.Thread):
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
-        from websockets.sync.client import connect
-        self.ws = connect(url + "?features=columnar", max_size=None, max_queue=None, compression=None)
+        self.wire = WireClient(url, features=("columnar",), mirror=False, max_queue=None)
         self.arrivals: list[tuple[float, int]] = []  # (wall time, last event number in the frame)
         self.start()
 
     def run(self) -> None:
         try:
-            for frame in self.ws:
-                msg = p.decode_server_message(frame)
+            for msg in self.wire:
                 if isinstance(msg, p.Events) and msg.events:
                     self.arrivals.append((time.time() * 1000, msg.events[-1].seq))
         except Exception:
@@ -261,7 +261,8 @@ def browser_rounds(sizes: list[int], rounds: int, seconds: float, compare: Path 
         for n in sizes:
             mine = [r for r in runs if r["blocks"] == n and r["app"] == app]
             if mine:
-                out.append({"blocks": n, "app": app, **{k: [r[k] for r in mine] for k in mine[0] if k not in ("blocks", "app")}})
+                out.append({"blocks": n, "app": app,
+                            **{k: [r[k] for r in mine] for k in mine[0] if k not in ("blocks", "app")}})
     return out
 
 
@@ -280,11 +281,14 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
              "Server work per grid redraw in steady state (two engine steps apart): the view (a copy of the mirror), "
              "the frame (every block's drawing), the delta from the frame the browser holds; and the whole frame a "
              "browser gets when it loads:", "",
-             "| blocks | used / cached | sequences | events per redraw | view (ms) | frame (ms) | delta (ms) | **per redraw (ms)** | **bytes per redraw (KiB)** | whole frame (ms, KiB) |",
+             "| blocks | used / cached | sequences | events per redraw | view (ms) | frame (ms) | delta (ms) | **per "
+             "redraw (ms)** | **bytes per redraw (KiB)** | whole frame (ms, KiB) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in server:
-        lines.append(f"| {r['blocks']:,} | {r['used']:,} / {r['cached']:,} | {r['seqs']} | {statistics.median(r['events']):.0f} | "
-                     f"{spread(r['view_ms'])} | {spread(r['frame_ms'])} | {spread(r['delta_ms'])} | **{spread(r['total_ms'])}** | "
+        lines.append(f"| {r['blocks']:,} | {r['used']:,} / {r['cached']:,} | {r['seqs']} | "
+                     f"{statistics.median(r['events']):.0f} | "
+                     f"{spread(r['view_ms'])} | {spread(r['frame_ms'])} | {spread(r['delta_ms'])} | "
+                     f"**{spread(r['total_ms'])}** | "
                      f"**{spread(r['kib'])}** | {r['full_ms']:.0f}, {r['full_kib']:,.0f} |")
     lines += ["", "The view and the frame are made once per event number and shared by every session; the delta is "
               "per browser (from the frame it holds). A redraw's bytes are the blocks whose drawing changed, 20 bytes "
@@ -301,14 +305,18 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
         lines += ["In the browser: the app attached to the synthetic server (50 ms between steps), grid at \"10 per "
                   "second\". Latency: from an events frame's arrival at a second client of the engine to the first "
                   "canvas draw showing it (same machine clock).", "",
-                  "| dashboard | blocks | page load (s) | **redraws/s** | grid frames/s | **grid KiB per frame** p50 (max) | **latency p50 (ms)** | p95 (ms) | canvas draw (ms) | Streamlit CPU share |",
+                  "| dashboard | blocks | page load (s) | **redraws/s** | grid frames/s | **grid KiB per frame** p50 "
+                  "(max) | **latency p50 (ms)** | p95 (ms) | canvas draw (ms) | Streamlit CPU share |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in browser:
-            lines.append(f"| {r['app']} | {r['blocks']:,} | {spread(r['load_s'])} | **{spread(r['redraws_per_s'])}** | {spread(r['frames_per_s'])} | "
+            lines.append(f"| {r['app']} | {r['blocks']:,} | {spread(r['load_s'])} | **{spread(r['redraws_per_s'])}** | "
+                         f"{spread(r['frames_per_s'])} | "
                          f"**{spread(r['kib_p50'])}** ({max(r['kib_max']):,.0f}) | **{spread(r['latency_p50_ms'])}** | "
-                         f"{spread(r['latency_p95_ms'])} | {spread(r['draw_ms_p50'])} | {statistics.median(r['streamlit_cpu_share']):.0%} |")
+                         f"{spread(r['latency_p95_ms'])} | {spread(r['draw_ms_p50'])} | "
+                         f"{statistics.median(r['streamlit_cpu_share']):.0%} |")
         lines += ["", "Frames are what the browser received (each answers its request for the next); redraws also "
-                  "count the draws that hovering, zooming and the page's own resizing cause. The first frame is the whole pool; "
+                  "count the draws that hovering, zooming and the page's own resizing cause. The first frame is the "
+                  "whole pool; "
                   "the max column is that one."]
     return "\n".join(lines) + "\n"
 

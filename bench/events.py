@@ -22,28 +22,22 @@ import time
 
 from bench.rounds import interleave, ratios, spread
 from kvscope_contract import protocol as p
-from kvscope_contract.state import PoolState
 
 
 def reader(url: str, t0: float) -> None:
     """Client process: mirror the pool, note each event's delay; print stats when the server goes."""
-    from websockets.sync.client import connect
+    from app.data.wire import WireClient
 
-    step_lat, all_lat, state = [], [], None
+    step_lat, all_lat = [], []
     try:
-        with connect(url, max_size=None) as ws:
-            for frame in ws:
-                now = time.monotonic()
-                msg = p.decode_server_message(frame)
-                if isinstance(msg, p.Snapshot):
-                    state = PoolState.from_snapshot(msg)
-                elif isinstance(msg, p.Events):
-                    for ev in msg.events:
-                        state.apply(ev)
-                        delay = now - (t0 + ev.t)
-                        all_lat.append(delay)
-                        if isinstance(ev, p.StepDone):
-                            step_lat.append(delay)
+        for msg in WireClient(url):  # each message mirrored as the dashboard mirrors it
+            now = time.monotonic()
+            if isinstance(msg, p.Events):
+                for ev in msg.events:
+                    delay = now - (t0 + ev.t)
+                    all_lat.append(delay)
+                    if isinstance(ev, p.StepDone):
+                        step_lat.append(delay)
     except Exception:
         pass
     print(json.dumps({"step": step_lat, "all": all_lat}))

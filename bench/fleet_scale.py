@@ -182,7 +182,8 @@ def stall(args, page, procs: list[ServerProcess]) -> dict:
             for name, want in (("e00", ("stalled", "down")), ("e01", ("down",))):
                 if name not in marked and (state := cards.get(name, [None])[0]) in want:
                     marked[name] = (now, state)
-            ages = [a for name, (_, text, _) in cards.items() if name not in ("e00", "e01") and (a := age_s(text)) is not None]
+            ages = [a for name, (_, text, _) in cards.items()
+                    if name not in ("e00", "e01") and (a := age_s(text)) is not None]
             others_max = max([others_max, *ages])
             drawn.append((now, max(d for _, _, d in cards.values())))
             time.sleep(0.25)
@@ -190,9 +191,9 @@ def stall(args, page, procs: list[ServerProcess]) -> dict:
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
     redraws = (drawn[-1][1] - drawn[0][1]) / (drawn[-1][0] - drawn[0][0]) if len(drawn) > 1 else 0.0
+    others_before = [a for n, a in before.items() if n not in ("e00", "e01") and a is not None]
     return {"stopped_marked": marked.get("e00"), "killed_marked": marked.get("e01"), "victims_end": state,
-            "others_age_max_during_s": others_max, "others_age_before_s": max((a for n, a in before.items()
-                                                                                if n not in ("e00", "e01") and a is not None), default=None),
+            "others_age_max_during_s": others_max, "others_age_before_s": max(others_before, default=None),
             "runs_per_s_during": redraws}
 
 
@@ -203,14 +204,16 @@ def report(args, results: list[dict], engines_rss: float) -> str:
     lines = [f"`python -m bench.fleet_scale --sizes {','.join(map(str, args.sizes))} --blocks {args.blocks} "
              f"--seconds {args.seconds:g} --rounds {args.rounds}` (engines: --live {args.live} --step-delay-ms "
              f"{args.step_delay_ms:g} --fill {args.fill:g}, {args.per_process} per process; {os.cpu_count()} CPUs)", "",
-             "| engines | redraws/s in Chromium | fragment runs/s | gap between redraws p50 / max (s) | dashboard RSS, all live (MiB) "
+             "| engines | redraws/s in Chromium | fragment runs/s | gap between redraws p50 / max (s) | dashboard RSS, "
+             "all live (MiB) "
              "| RSS at the end (MiB) | dashboard CPU (cores) | load avg (1 min) | largest last-event age (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for n in sizes:
         rs = by[n]
         lines.append(f"| {n} | {spread([r['redraws_per_s'] for r in rs])} | {spread([r['runs_per_s'] for r in rs])} | "
                      f"{spread([r['redraw_gap_p50_s'] for r in rs])} / {spread([r['redraw_gap_max_s'] for r in rs])} | "
-                     f"{spread([r['rss_live_mib'] for r in rs], '{:.0f}')} | {spread([r['rss_end_mib'] for r in rs], '{:.0f}')} | "
+                     f"{spread([r['rss_live_mib'] for r in rs], '{:.0f}')} | "
+                     f"{spread([r['rss_end_mib'] for r in rs], '{:.0f}')} | "
                      f"{spread([r['cpu_share'] for r in rs])} | {spread([r['load'][1] for r in rs], '{:.1f}')} | "
                      f"{spread([r['age_max_s'] for r in rs], '{:.1f}')} |")
     if len(sizes) > 1:
@@ -227,10 +230,11 @@ def report(args, results: list[dict], engines_rss: float) -> str:
                      + ", ".join(f"{t:.0f}: {m:.0f}" for t, m in r["rss_trace"]))
     for r in results:
         if "stopped_marked" in r:
-            f = lambda x: "never marked" if x is None else f"marked {x[1]} after {x[0]:.1f} s"  # noqa: E731
+            f = lambda x: "never marked" if x is None else f"marked {x[1]} after {x[0]:.1f} s"
             lines.append(f"\nStall test at {r['n']} engines: the SIGSTOPped engine {f(r['stopped_marked'])} "
                          f"({r['victims_end']['e00']} at the end), the SIGKILLed one {f(r['killed_marked'])}; the "
-                         f"other {r['n'] - 2} engines' largest last-event age {r['others_age_max_during_s']:.1f} s during "
+                         f"other {r['n'] - 2} engines' largest last-event age {r['others_age_max_during_s']:.1f} s "
+                         f"during "
                          f"{args.stall_seconds:g} s of it (at most {r['age_max_s']:.1f} s in the {args.seconds:g} s "
                          f"before); fragment runs/s meanwhile {r['runs_per_s_during']:.2f}.")
     return "\n".join(lines)

@@ -102,7 +102,8 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{'CPU time' if args.cpu_time else 'wall clock'}", flush=True)
     print(cpu_report(), flush=True)
-    shapes = {k: v for k, v in SHAPES.items() if not args.shapes or any(k.startswith(p) for p in args.shapes.split(","))}
+    wanted = args.shapes.split(",") if args.shapes else None
+    shapes = {k: v for k, v in SHAPES.items() if not wanted or any(k.startswith(p) for p in wanted)}
     first = next(iter(sides))
     print(f"{'shape':<20} {'rows':>4}  " + "  ".join(f"{s + ' GB/s':>22}" for s in sides)
           + "  " + " ".join(f"{s + ' / ' + first:>14}" for s in sides if s != first), flush=True)
@@ -121,12 +122,12 @@ def main() -> None:
                 err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
                 if err > (1e-5 if x_dtype == torch.float32 else 2e-2):
                     raise SystemExit(f"{name} {label} rows {rows}: relative error {err:.2g}")
-            gbs = interleave({s: (lambda s=s, c=c: timed_pass(c, laid_out[s], x, out, clock)) for s, c in sides.items()},
-                             args.rounds)
+            passes = {s: (lambda s=s, c=c: timed_pass(c, laid_out[s], x, out, clock)) for s, c in sides.items()}
+            gbs = interleave(passes, args.rounds)
             cells = "  ".join(f"{statistics.median(v):>9.1f} ({min(v):5.1f}..{max(v):5.1f})" for v in gbs.values())
             rel = " ".join(f"{statistics.median(ratios(gbs[first], v)):>13.2f}x" for s, v in gbs.items() if s != first)
             print(f"{label:<20} {rows:>4}  {cells}  {rel}", flush=True)
-        del weights, laid_out
+        weights = laid_out = None  # freed before the next shape's copies
 
 
 if __name__ == "__main__":

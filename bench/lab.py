@@ -47,7 +47,8 @@ def main() -> None:
     args = ap.parse_args()
     cfgs = report.configs(BASE, block_sizes=[8, 16, 32])
     print(f"configs: {', '.join(c.label for c in cfgs)}; {args.rounds} rounds, sides interleaved\n")
-    print("| workload | requests | tokens | fast: tokens/s wall | fast: tokens/s CPU | step by step: tokens/s CPU | speed-up |")
+    print("| workload | requests | tokens | fast: tokens/s wall | fast: tokens/s CPU | step by step: tokens/s CPU | "
+          "speed-up |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     totals = {"fast": [0.0] * args.rounds, "slow": [0.0] * args.rounds}
     total_tokens = 0

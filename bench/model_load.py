@@ -28,7 +28,8 @@ def server_ready(spec: str, *flags: str, timeout: float = 300) -> float:
     proc = ServerProcess("engine.serve.server", ["--port", "0", "--model", spec, *flags]).start()
     try:
         if not proc.wait_ready(timeout):
-            raise RuntimeError(f"the {spec} server did not get ready ({proc.exit_reason()}): " + " | ".join(proc.tail(5)))
+            raise RuntimeError(f"the {spec} server did not get ready ({proc.exit_reason()}): "
+                               + " | ".join(proc.tail(5)))
         return proc.ready_after
     finally:
         proc.stop()

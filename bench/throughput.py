@@ -153,7 +153,8 @@ class VLLMSide:
         env = {k: v for k, v in {**os.environ, **extra}.items() if v is not None}
         if in_process:  # its torch profiler then sees the engine core's work
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        cmd = [str(python), str(VLLM_SIDE), "--model", str(folder), "--dtype", str(dtype).removeprefix("torch.")] + flags
+        cmd = [str(python), str(VLLM_SIDE), "--model", str(folder), "--dtype", str(dtype).removeprefix("torch."),
+               *flags]
         self.log = log
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
                                      text=True, env=env, cwd=ROOT)
@@ -367,7 +368,8 @@ def main() -> None:
         jobs = make_jobs(loaded.tokenizer, args.requests, args.new_tokens)
         if args.jobs:
             jobs = [j for j in jobs if any(j.name.startswith(x) for x in args.jobs.split(","))]
-        sides: list = ([KVScopeSide(loaded)] + [KVScopeSide(loaded, int(n)) for n in args.kvscope_threads.split(",") if n]
+        threads = [int(n) for n in args.kvscope_threads.split(",") if n]
+        sides: list = ([KVScopeSide(loaded)] + [KVScopeSide(loaded, n) for n in threads]
                        + ([] if args.skip_hf else [TransformersSide(loaded)]))
         vllms = [VLLMSide(args.vllm_python, folder, loaded.dtype, mode,
                           args.log_dir / f"kvscope-bench-vllm-{mode}-{dtype_name}.log")

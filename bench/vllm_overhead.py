@@ -18,12 +18,11 @@ import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 from bench.prompts import make_prompts
 from kvscope_contract.ready import free_port
+from integrations.vllm.serve import BUNDLED
 
-BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
 def make_llm(model: str, observed_port: int | None):
@@ -41,20 +40,19 @@ class Reader:
     """A KVScope client that reads (and decodes) every message, as a dashboard would."""
 
     def __init__(self, url: str):
-        from websockets.sync.client import connect
+        from app.data.wire import WireClient
 
-        from kvscope_contract import protocol as p
-
-        self.ws = connect(url, max_size=None)
-        self.events = 0
-        self._decode = p.decode_server_message
+        self.wire = WireClient(url, mirror=False)
         threading.Thread(target=self._run, daemon=True).start()
+
+    @property
+    def events(self) -> int:
+        return sum(self.wire.kinds.values())
 
     def _run(self) -> None:
         try:
-            for frame in self.ws:
-                msg = self._decode(frame)
-                self.events += len(getattr(msg, "events", ()))
+            for _ in self.wire:
+                pass
         except Exception:
             pass
 

@@ -42,7 +42,7 @@ def main() -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, max_model_len=args.max_model_len,
               enable_prefix_caching=False, block_size=32, seed=0)
-    send = lambda obj: results.write(json.dumps(obj) + "\n")  # noqa: E731
+    send = lambda obj: results.write(json.dumps(obj) + "\n")
     send({"ready": True, "load_seconds": round(time.perf_counter() - t0, 1), "vllm": vllm.__version__})
 
     def generate(req: dict) -> dict:

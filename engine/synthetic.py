@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                         kv_groups=gemma3_groups(args.window) if args.window else [])
     hubs = []
     for i in range(args.engines):
-        engine = SyntheticEngine(EngineConfig(model="synthetic", pool=pool, max_num_batched_tokens=args.max_num_batched_tokens),
+        engine = SyntheticEngine(EngineConfig(model="synthetic", pool=pool,
+                                              max_num_batched_tokens=args.max_num_batched_tokens),
                                  args.live, args.prompt_tokens, args.max_tokens, seed=i)
         t0 = time.monotonic()
         engine.fill(args.fill)

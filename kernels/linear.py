@@ -81,7 +81,8 @@ def choose_backend(layers: list[torch.nn.Linear], repeats: int = 5,
         backend = _fastest(layers, [("torch", False), ("onednn", False)], PACK_ROWS, repeats) \
             if _onednn_ops() else "torch"
         gemv = cpu_build.loaded() and (_gemv_runs(layers, gemv_dtype) if gemv_dtype is not None else
-                                       _fastest(layers, [(backend, False), (backend, True)], 1, repeats) == backend + "+gemv")
+                                       _fastest(layers, [(backend, False), (backend, True)], 1,
+                                                repeats) == backend + "+gemv")
         _choice[key] = backend, gemv
     return _choice[key]
 

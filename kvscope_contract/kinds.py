@@ -119,7 +119,8 @@ def _words(ev: p.Event) -> str:
             return (f"{len(ev.mapping)} blocks swapped in " + ", ".join(f"H{h}→{d}" for h, d in ev.mapping[:6])
                     + (" …" if len(ev.mapping) > 6 else "") + _group(ev))
         case p.Append():
-            return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids else " (prefill chunk)")
+            return f"{ev.num_tokens} tokens in cache" + (f", sampled {ev.text!r}" if ev.token_ids
+                                                         else " (prefill chunk)")
         case p.StatusChange():
             return f"now {ev.status}"
         case p.Finish():
@@ -141,5 +142,6 @@ def _group(ev: p.SwapOut | p.SwapIn) -> str:
     if ev.shared:
         where = ("already on the device (held, or found in the prefix cache)" if isinstance(ev, p.SwapIn)
                  else "shared with a copy already there")
-        out += f"; {len(ev.shared)} {where}, not copied (" + ", ".join(f"{a}→{b}" for a, b in ev.shared[:6]) + ")"
+        pairs = ", ".join(f"{a}→{b}" for a, b in ev.shared[:6])
+        out += f"; {len(ev.shared)} {where}, not copied ({pairs})"
     return out

@@ -1,5 +1,13 @@
 """Fixtures every kind of test shares: the tiny model and a factory of in-process engine servers.
-The one protocol client is tests/protocol_client.py; waiting helpers are in tests/waiting.py."""
+Each folder's conftest.py adds its own (integration: an engine server and the app under AppTest
+on it; browser: the app started for chromium; unit: each C++ kernel variant).
+
+Tests share helpers through modules here that are not test files, never by importing another
+test module: protocol_client.py (the one protocol client, over app/data/wire.py), waiting.py,
+apptest.py (driving the app under AppTest), synthetic.py (synthetic engines, in process or as
+servers), tiny_engine.py, pool_driver.py and histories.py (pools under pressure),
+attention_cases.py and cpu_variants.py (kernels), kv_event_stream.py (a ZMQ KV-event stream),
+grafana_board.py, perfetto_trace.py, prompts.py, processes.py, lesson_claims.py; browser/pages.py."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

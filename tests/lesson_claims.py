@@ -171,7 +171,8 @@ def l3_short(at: AtStop) -> None:
     sampled = sum(len(e.token_ids) for e in at.events if isinstance(e, p.Append) and e.seq_id == fin.seq_id)
     taken = [e for e in at.events if isinstance(e, p.Alloc) and e.seq_id == fin.seq_id]
     assert len(taken) == math.ceil((added.prompt_tokens + sampled - 1) / bs)  # the tokens it filled
-    assert len({e.step for e in taken[math.ceil(added.prompt_tokens / bs):]}) == len(taken) - math.ceil(added.prompt_tokens / bs)
+    prompt_blocks = math.ceil(added.prompt_tokens / bs)
+    assert len({e.step for e in taken[prompt_blocks:]}) == len(taken) - prompt_blocks
     assert fin.seq_id in at.values["what"]
     reservation(at)
 

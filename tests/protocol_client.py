@@ -1,55 +1,63 @@
-"""A protocol client for the tests: it mirrors the pool with the reducer, as the dashboard does."""
+"""The tests' protocol client: the one reader of the wire (app/data/wire.py's WireClient, which
+mirrors the pool as the dashboard does) with each message also as the JSON the server sent, so
+the tests check the wire format itself."""
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
-
-from websockets.sync.client import connect
 
 from kvscope_contract import protocol as p
-from kvscope_contract.state import PoolState
+from app.data.wire import WireClient
 
 
 class Client:
-    """A protocol client that mirrors the pool with the reducer, as the dashboard does."""
+    """Commands go out as the JSON a user would type; messages come back as dicts, applied to the
+    mirror on the way (`state`, `kinds`, `events`)."""
 
-    def __init__(self, url: str, **kw):
-        self.ws = connect(url, max_size=None, open_timeout=10, legacy=True, **kw)
-        self.hello = self.recv()
+    def __init__(self, url: str, **options):
+        self.wire = WireClient(url, **options)
+        self.ws = self.wire.ws
+        self.hello = json.loads(self.wire.frame)
         assert self.hello["type"] == "hello"
-        self.state = None
-        self.kinds: Counter = Counter()
         self.replies: list[dict] = []
         self.snapshots = 0
+        self.snapshot: dict | None = None   # the last snapshot, as sent
+        self.types: list[str] = []          # the type of every message read, in order
         self.events: list[p.AnyEvent] = []  # every event applied, in order
         self.sync(lambda m: m["type"] == "snapshot")
 
+    @property
+    def state(self):
+        return self.wire.state
+
+    @property
+    def kinds(self):
+        return self.wire.kinds
+
     def recv(self, timeout: float = 30) -> dict:
-        return json.loads(self.ws.recv(timeout=timeout))
+        """The next message (applied), as sent."""
+        msg = self.wire.read(timeout=timeout)
+        raw = json.loads(self.wire.frame)
+        self.types.append(raw["type"])
+        if isinstance(msg, p.Snapshot):
+            self.snapshots += 1
+            self.snapshot = raw
+        elif isinstance(msg, p.Events):
+            self.events += msg.events
+            if msg.events:
+                self.last_event = msg.events[-1]
+        else:
+            self.replies.append(raw)
+        return raw
 
     def send(self, **cmd) -> None:
         self.ws.send(json.dumps(cmd))
-
-    def take(self, msg: dict) -> None:
-        if msg["type"] == "snapshot":
-            self.state = PoolState.from_snapshot(p.decode_server_message(json.dumps(msg)))
-            self.snapshots += 1
-        elif msg["type"] == "events":
-            for ev in p.decode_server_message(json.dumps(msg)).events:
-                self.state.apply(ev)
-                self.events.append(ev)
-                self.kinds[ev.__struct_config__.tag] += 1
-                self.last_event = ev
-        else:
-            self.replies.append(msg)
 
     def sync(self, until, timeout: float = 60) -> dict:
         """Read and apply messages until `until(message)` holds; returns that message."""
         deadline = time.monotonic() + timeout
         while True:
             msg = self.recv(timeout=max(0.01, deadline - time.monotonic()))
-            self.take(msg)
             if until(msg):
                 return msg
 
@@ -61,7 +69,7 @@ class Client:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not true after {timeout:.0f} s")
             try:
-                self.take(self.recv(timeout=0.2))
+                self.recv(timeout=0.2)
             except TimeoutError:
                 pass
 
@@ -70,6 +78,11 @@ class Client:
         cmd.setdefault("id", f"c{time.monotonic_ns()}")
         self.send(**cmd)
         return self.sync(lambda m: m["type"] in ("ack", "error") and m.get("id") == cmd["id"])
+
+    def resync(self, timeout: float = 60) -> dict:
+        """Ask for a snapshot and read until it comes; that snapshot, as sent."""
+        self.request(op="snapshot")
+        return self.sync(lambda m: m["type"] == "snapshot", timeout)
 
     def finished(self, seq_id: str):
         return lambda m: m["type"] == "events" and any(

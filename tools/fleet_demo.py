@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[kvscope] {args.servers} vLLM servers starting (about a minute); fleet file {path}:\n{path.read_text()}",
           flush=True)
     print(f"[kvscope] the fleet page: http://localhost:{args.port}", flush=True)
-    dash = subprocess.Popen(streamlit_argv(sys.executable, ["--fleet", str(path)], "--server.port", str(args.port)), cwd=ROOT)
+    dash = subprocess.Popen(streamlit_argv(sys.executable, ["--fleet", str(path)], "--server.port", str(args.port)),
+                            cwd=ROOT)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stopped: clean up as on Ctrl-C
     try:
         return dash.wait()

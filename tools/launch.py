@@ -3,6 +3,7 @@ headless argv on a free loopback port, waiting until it listens, and Debian's ch
 flags a headless run needs (driven through playwright, never `playwright install`)."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 from app.data.source import ROOT
-from app.streamlit_argv import streamlit_argv
+from app.streamlit_argv import TEST_HOOKS, streamlit_argv
 from kvscope_contract.ready import free_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -24,9 +25,10 @@ def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.
     own, once it listens (a browser that comes too early is refused): (process, url). `out`:
     where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
     port = free_port()
+    env = {**os.environ, TEST_HOOKS: "1"}  # the grid publishes what it drew, for the page's driver
     proc = subprocess.Popen(
         streamlit_argv(python, app_args, "--server.port", str(port), main="app/main.py"),  # relative: the app of `cwd`
-        cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         with socket.socket() as s:

@@ -12,18 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-
-from websockets.sync.client import connect
 
 from app.data.launcher import ServerProcess
 from app.data.scenarios import SCENARIOS
+from app.data.wire import WireClient
 from kvscope_contract import protocol as p
 
 
 def start_engine(model: str, record: Path) -> ServerProcess:
-    proc = ServerProcess("engine.serve.server", ["--model", model, "--port", "0", "--record", str(record.resolve())]).start()
+    proc = ServerProcess("engine.serve.server",
+                         ["--model", model, "--port", "0", "--record", str(record.resolve())]).start()
     ready = proc.wait_ready(900)
     print("\n".join(proc.lines), file=sys.stderr)
     if not ready:
@@ -39,41 +38,40 @@ def main() -> int:
     args = ap.parse_args()
     args.out.unlink(missing_ok=True)
     proc = start_engine(args.model, args.out)
-    kinds: Counter = Counter()
-    live: set[str] = set()
-    config = None
     try:
-        with connect(proc.url, max_size=None) as ws:
-            def pump(until, timeout: float = 600) -> None:
-                nonlocal config
-                deadline = time.monotonic() + timeout
-                while not until():
-                    msg = p.decode_server_message(ws.recv(timeout=max(0.1, deadline - time.monotonic())))
-                    if isinstance(msg, (p.Hello, p.Snapshot)):
-                        config = msg.config
-                    elif isinstance(msg, p.Events):
-                        for ev in msg.events:
-                            kinds[ev.__struct_config__.tag] += 1
-                            if isinstance(ev, (p.RequestAdded, p.Fork)):
-                                live.add(ev.seq_id)
-                            elif isinstance(ev, p.Finish):
-                                live.discard(ev.seq_id)
-                            elif isinstance(ev, p.Reset):
-                                live.clear()
-                    elif isinstance(msg, p.Error):
-                        raise RuntimeError(f"the engine refused a command: {msg.message}")
+        wire = WireClient(proc.url)
+        live: set[str] = set()
 
-            pump(lambda: config is not None)
-            for run, scenario in enumerate(SCENARIOS, 1):
-                print(f"scenario: {scenario.title}", file=sys.stderr)
-                cmds = scenario.build(config, run)
-                added = kinds["request_added"] + sum(isinstance(c, p.Submit) for c in cmds)
-                for cmd in cmds:
-                    ws.send(p.encode(cmd).decode())
-                    if isinstance(cmd, p.ResetCmd):
-                        resets = kinds["reset"] + 1
-                        pump(lambda: kinds["reset"] == resets and config.num_device_blocks == cmd.config.num_device_blocks)
-                pump(lambda: kinds["request_added"] == added and not live)
+        def pump(until, timeout: float = 600) -> None:
+            """Read until `until()` holds, following which sequences are live."""
+            deadline = time.monotonic() + timeout
+            while not until():
+                msg = wire.read(timeout=max(0.1, deadline - time.monotonic()))
+                if isinstance(msg, p.Events):
+                    for ev in msg.events:
+                        if isinstance(ev, (p.RequestAdded, p.Fork)):
+                            live.add(ev.seq_id)
+                        elif isinstance(ev, p.Finish):
+                            live.discard(ev.seq_id)
+                        elif isinstance(ev, p.Reset):
+                            live.clear()
+                elif isinstance(msg, p.Error):
+                    raise RuntimeError(f"the engine refused a command: {msg.message}")
+
+        kinds = wire.kinds
+        pump(lambda: wire.state is not None)
+        for run, scenario in enumerate(SCENARIOS, 1):
+            print(f"scenario: {scenario.title}", file=sys.stderr)
+            cmds = scenario.build(wire.state.config, run)
+            added = kinds["request_added"] + sum(isinstance(c, p.Submit) for c in cmds)
+            for cmd in cmds:
+                wire.send(cmd)
+                if isinstance(cmd, p.ResetCmd):
+                    resets = kinds["reset"] + 1
+                    pump(lambda: kinds["reset"] == resets
+                         and wire.state.config.num_device_blocks == cmd.config.num_device_blocks)
+            pump(lambda: kinds["request_added"] == added and not live)
+        wire.close()
     finally:
         proc.stop()
     size = args.out.stat().st_size

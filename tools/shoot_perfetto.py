@@ -50,7 +50,8 @@ def summary_html(data: bytes) -> str:
         elif te.type == TrackEvent.TYPE_INSTANT:
             instants[te.name.split(":")[0].split(" →")[0].split(" (")[0]] += 1
         elif te.type == TrackEvent.TYPE_COUNTER:
-            counters[names[te.track_uuid]] = te.counter_value if te.HasField("counter_value") else te.double_counter_value
+            value = te.counter_value if te.HasField("counter_value") else te.double_counter_value
+            counters[names[te.track_uuid]] = value
     for uuid, (name, start) in opened.items():  # still open at the end of the history
         slices[uuid].append((name, start, t1))
     span, width, row = max((t1 or 0) - (t0 or 0), 1e-9), 560, 13
@@ -61,7 +62,8 @@ def summary_html(data: bytes) -> str:
         rows.append(f'<text x="0" y="{y + 10}" font-size="10">{html.escape(label)}</text>')
         for name, a, b in slices[uuid]:
             x = 120 + (a - t0) / span * width
-            rows.append(f'<rect x="{x:.1f}" y="{y + 1}" width="{max((b - a) / span * width, 1):.1f}" height="{row - 3}" '
+            rows.append(f'<rect x="{x:.1f}" y="{y + 1}" width="{max((b - a) / span * width, 1):.1f}" '
+                        f'height="{row - 3}" '
                         f'fill="{PHASE_COLOURS.get(name, "#000")}"><title>{html.escape(name)}</title></rect>')
     legend = " ".join(f'<span style="background:{c};color:white;padding:0 4px">{n}</span>'
                       for n, c in PHASE_COLOURS.items())
@@ -72,8 +74,10 @@ def summary_html(data: bytes) -> str:
 <h3 style="margin:0 0 4px">The downloaded kvscope.pftrace, decoded ({len(data):,} bytes)</h3>
 <div>{len(order)} sequence tracks, engine time {t0:.2f} s to {t1:.2f} s. Phases: {legend}</div>
 <svg width="700" height="{len(order) * row + 4}">{''.join(rows)}</svg>
-<table style="display:inline-block;vertical-align:top;margin-right:30px"><tr><th align=left>instant</th><th>count</th></tr>{counts}</table>
-<table style="display:inline-block;vertical-align:top"><tr><th align=left>counter (last step)</th><th>value</th></tr>{last}</table>
+<table style="display:inline-block;vertical-align:top;margin-right:30px">
+<tr><th align=left>instant</th><th>count</th></tr>{counts}</table>
+<table style="display:inline-block;vertical-align:top">
+<tr><th align=left>counter (last step)</th><th>value</th></tr>{last}</table>
 <p style="color:#555">Drawn from the trace by tools/shoot_perfetto.py (not the Perfetto UI): the same tracks,
 slices, instants and counters ui.perfetto.dev shows.</p></body></html>"""
 

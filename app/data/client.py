@@ -11,29 +11,22 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import ClientConnection
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import InvariantError
 from app.data.event_history import EventHistory
 from app.data.mirror import Mirror
+from app.data.wire import open_ws
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
 MAX_BACKOFF_S = 5.0
 MAX_REPLIES_KEPT = 500  # answers to commands, by id, until the session that sent them reads them
 MAX_VIEWS_CACHED = 8    # views (states at an event) shared by every session: live plus a few travelled to
 MAX_NOTICES = 50
-
-
-def with_features(url: str, features: tuple[str, ...]) -> str:
-    """`url` asking the server for optional protocol features (`?features=a,b`)."""
-    parts = urlsplit(url)
-    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "features"] + [("features", ",".join(features))]
-    return urlunsplit(parts._replace(query=urlencode(query, safe=",")))
 
 
 class NotConnected(RuntimeError):
@@ -93,12 +86,10 @@ class EngineClient:
     # ------------------------------------------------------------------ the connection thread
     def _run(self) -> None:
         backoff = 0.2
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         while not self._stop.is_set():
             try:
-                with connect(with_features(self.url, p.FEATURES), max_size=None, compression=None, open_timeout=5,
-                             close_timeout=1, additional_headers=headers, ping_interval=self.PING_INTERVAL_S,
-                             ping_timeout=self.PING_TIMEOUT_S) as ws:
+                with open_ws(self.url, p.FEATURES, self.token, open_timeout=5, close_timeout=1,
+                             ping_interval=self.PING_INTERVAL_S, ping_timeout=self.PING_TIMEOUT_S) as ws:
                     self._ws = ws
                     for frame in ws:
                         self._on_frame(frame)

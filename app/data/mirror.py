@@ -77,7 +77,8 @@ class Mirror:
     @classmethod
     def from_snapshot(cls, snap: p.Snapshot) -> Mirror:
         since = f"you attached (event {snap.seq:,})" if snap.seq else "engine start"
-        return cls(PoolState.from_snapshot(snap), Tally(since=since), texts=BlockTexts(snap.config.block_size, snap.seq))
+        return cls(PoolState.from_snapshot(snap), Tally(since=since),
+                   texts=BlockTexts(snap.config.block_size, snap.seq))
 
     def start_tally(self, since: str) -> None:
         """Count from here on (a clean slate); the pool itself is untouched."""
@@ -109,7 +110,7 @@ class Mirror:
         self.state.apply(ev)
         self.texts.apply(ev, self.state)
         self.t = ev.t
-        tl, bs = self.tally, self.state.config.block_size
+        tl = self.tally
         tl.count(ev, looked_up, hit)
         first = getattr(ev, "seq_id", None) not in tl.preempted
         if first:

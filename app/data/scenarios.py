@@ -75,7 +75,7 @@ MIXED_SYSTEM = ("You are a concise assistant in a demo of how a paged KV cache s
 def long_and_short(cfg: p.PoolConfig, run: int) -> list[p.Command]:
     """Two long generations among short answers, all allowed 256 tokens: a contiguous
     reservation holds 256 slots for each; paging holds what each really uses."""
-    chat = lambda q: [p.ChatMessage("system", MIXED_SYSTEM), p.ChatMessage("user", q)]  # noqa: E731
+    chat = lambda q: [p.ChatMessage("system", MIXED_SYSTEM), p.ChatMessage("user", q)]
     long = [p.Submit(messages=chat(f"Tell a long story about a {w} who learns to sail."),
                      request_id=f"mix{run}-long{i}", max_tokens=256, ignore_eos=True)
             for i, w in enumerate(("cat", "robot"), 1)]

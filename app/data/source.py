@@ -88,7 +88,8 @@ def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/mai
                                  description="KVScope's dashboard: a paged KV cache, live, at http://localhost:8501.\n"
                                              "Without a source flag it starts an embedded engine on the bundled model.")
     ap.add_argument("--engine", default=env.get("KVSCOPE_ENGINE", ""), help="attach to ws://HOST:PORT")
-    ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""), help="with --engine: the token it was started with")
+    ap.add_argument("--token", default=env.get("KVSCOPE_TOKEN", ""),
+                    help="with --engine: the token it was started with")
     ap.add_argument("--replay", default=env.get("KVSCOPE_REPLAY", ""), help="replay a recording")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")
@@ -110,7 +111,8 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     args, rest = parser(env).parse_known_args(argv)
     rest += shlex.split(env.get("KVSCOPE_ENGINE_ARGS", ""))
     if args.fleet is not None:
-        return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "", model=args.model)
+        return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "",
+                      model=args.model)
     if args.kv_events:
         return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)
     if args.vllm is not None:

@@ -32,7 +32,8 @@ def panel(fleet: Fleet, source: Source) -> None:
     run = current()
     all_ = lessons()
     lesson = run.lesson if run is not None else next(iter(all_.values()))
-    with st.expander(f":material/school: Lesson: {lesson.title}", expanded=run is not None or bool(st.session_state.get(OPEN))):
+    with st.expander(f":material/school: Lesson: {lesson.title}",
+                     expanded=run is not None or bool(st.session_state.get(OPEN))):
         with st.container(key="fleet_lesson_card"):
             _card(fleet, source, run, lesson)
 
@@ -50,7 +51,8 @@ def _card(fleet: Fleet, source: Source, run: FleetLessonRun | None, lesson) -> N
     c = st.columns([1, 1, 1, 4])
     c[0].button("Next", icon=":material/arrow_forward:", key="fleet_lesson_next", type="primary", width="stretch",
                 disabled=run.pending is not None or bool(run.errors) or run.at_end,
-                on_click=run.next, args=(run.viewing,), help="Run to the next stop (or show the next one reached before)")
+                on_click=run.next, args=(run.viewing,),
+                help="Run to the next stop (or show the next one reached before)")
     c[1].button("Back", icon=":material/arrow_back:", key="fleet_lesson_back", width="stretch",
                 disabled=run.pending is not None or run.viewing <= 0, on_click=run.back,
                 args=(run.viewing,))

@@ -22,7 +22,8 @@ from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
 from app.data.fleet import load as fleet_load
 from app.ui import stale
 from app.panels import prefix_tree
-from app.data.fleet.engines import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
+from app.data.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources,
+                                    load_fleet, tokenize)
 from app.data.fleet.index import FleetIndex, pick
 from app.data.refreshed import Refreshed
 from app.ui.palette import SEQ_COLORS
@@ -37,7 +38,8 @@ OVERVIEW_COLS = 64
 COLUMNS = 4
 STATE_RGB = {FREE: (0xe2, 0xe8, 0xf0), CACHED: (0x94, 0xa3, 0xb8), USED: (0x4e, 0x79, 0xa7),
              SHARED: (0x31, 0x2e, 0x81), RESERVED: (0x33, 0x41, 0x55)}
-SORTS = {"name": lambda r: r.name, "standing out": lambda r: (r.alarm == "", r.name), "used blocks": lambda r: r.used / max(r.blocks, 1),
+SORTS = {"name": lambda r: r.name, "standing out": lambda r: (r.alarm == "", r.name),
+         "used blocks": lambda r: r.used / max(r.blocks, 1),
          "free blocks": lambda r: r.free / max(r.blocks, 1), "cached blocks": lambda r: r.cached,
          "prefix hit rate": lambda r: r.hit_rate or 0.0, "preemptions": lambda r: r.preemptions or 0,
          "running": lambda r: r.running or 0, "waiting": lambda r: r.waiting or 0,
@@ -126,7 +128,8 @@ def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
             ("tokens/s", _n(row.tokens_per_s, "{:.1f}"), "over the engine steps of the last few seconds"),
             ("last event", _n(row.last_event_age_s, "{:.1f} s ago"), ""), ("stream gaps", f"{row.gaps:,}", "")]
     body = "".join(f'<span title="{html.escape(tip)}">{k}</span><b>{html.escape(v)}</b>' for k, v, tip in nums)
-    img = (f'<img src="{picture}" title="{row.blocks:,} blocks: used (blue), shared (indigo), cached (grey), free (light)">'
+    img = (f'<img src="{picture}" title="{row.blocks:,} blocks: used (blue), shared (indigo), cached (grey), free '
+           f'(light)">'
            if picture else '<div class="err">no pool: a KV-event stream says only what is cached</div>'
            if row.kind == "kv-events" else "")
     alarm = f'<div class="alarm">⚠ {html.escape(row.alarm)}</div>' if row.alarm else ""
@@ -172,7 +175,8 @@ def page(source: Source) -> None:
                            help="Show it in the single-engine views: grid, tables, history, time travel")
     # buttons outside the fragments act in their callbacks: a click can reach the server with a
     # fragment's timed rerun (that fragment's run then runs the callback); `cards` redraws the page
-    o[1].button("Open", key="fleet_open", width="stretch", disabled=chosen is None, on_click=_open, args=(fleet, source))
+    o[1].button("Open", key="fleet_open", width="stretch", disabled=chosen is None, on_click=_open,
+                args=(fleet, source))
     st.fragment(cards, run_every=REDRAW_S)(fleet, source)
     st.fragment(prefix_cache, run_every=INDEX_REDRAW_S)(fleet, source.path)
 
@@ -221,10 +225,12 @@ def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
     left_out = "; ".join(f"{r.name} is {r.state}: its {plural(r.cached, 'cached block')}, last seen "
                          f"{r.seen_s_ago:.0f} s ago, are left out" for r in rows if r.seen_s_ago is not None and r.cached)
     numbers = [("cached contents", f"{len(ix.holders):,}", "distinct cached blocks, by content"),
-               ("physical blocks", f"{sum(ix.copies(c) for c in ix.holders):,}", "cached blocks in every engine's pool"),
+               ("physical blocks", f"{sum(ix.copies(c) for c in ix.holders):,}",
+                "cached blocks in every engine's pool"),
                ("duplicated blocks", f"{ix.duplicated_blocks():,}",
                 "every copy but one of content the fleet holds more than once"),
-               ("duplicated", f"{ix.duplicated_bytes() / 2**20:,.1f} MiB", "those blocks' bytes, at each engine's bytes per block"),
+               ("duplicated", f"{ix.duplicated_bytes() / 2**20:,.1f} MiB",
+                "those blocks' bytes, at each engine's bytes per block"),
                ("on 2+ engines", f"{sum(n for k, n in ix.shared_by().items() if k > 1):,}",
                 "contents cached by more than one engine")]
     holders = ix.holders
@@ -245,7 +251,8 @@ def prefix_cache(fleet: Fleet, path: str) -> None:
     shared = prefix_cache_of(path)
     fresh = shared.get(wait_s=5)
     if fresh is None:
-        st.caption("Merging the engines' prefix caches…" + (f" (the last try failed: {shared.error})" if shared.error else ""))
+        st.caption("Merging the engines' prefix caches…"
+                   + (f" (the last try failed: {shared.error})" if shared.error else ""))
         return
     v = fresh.value
     for col, (label, value, help_) in zip(st.columns(len(v.numbers)), v.numbers):
@@ -255,8 +262,9 @@ def prefix_cache(fleet: Fleet, path: str) -> None:
     (st.warning if v.disagree else st.caption)(v.identity)
     left, right = st.columns([3, 2])
     with left:
-        key = " ".join(f'<span style="display:inline-block;width:10px;height:10px;background:{engine_color(v.names, {n})}"></span> {html.escape(n)}'
-                       for n in v.names) + f' <span style="display:inline-block;width:10px;height:10px;background:{SHARED_COLOR}"></span> several'
+        swatch = '<span style="display:inline-block;width:10px;height:10px;background:{}"></span> {}'.format
+        key = " ".join(swatch(engine_color(v.names, {n}), html.escape(n)) for n in v.names) + " " + swatch(
+            SHARED_COLOR, "several")
         st.caption("The merged prefix forest: each cached content once, coloured by the engine holding it "
                    "(indigo: several, named on the block; ×n copies: the physical blocks holding it). "
                    f"As of {max(0.0, time.time() - fresh.at):.0f} s ago; "
@@ -302,7 +310,8 @@ def engines_panel(fleet: Fleet) -> None:
             url = st.text_input("URL", key="fleet_add_url", placeholder="ws://127.0.0.1:8765 or tcp://HOST:5557")
             kind = st.selectbox("Kind", ENDPOINT_KINDS, key="fleet_add_kind")
             api = st.text_input("OpenAI server (optional)", key="fleet_add_api", placeholder="http://127.0.0.1:8000",
-                                help="vLLM's server: prompts are tokenized there; with kv-events, its ranks are looked up")
+                                help="vLLM's server: prompts are tokenized there; with kv-events, its ranks are looked "
+                                     "up")
             rank = st.number_input("Data-parallel rank", 0, 1024, 0, key="fleet_add_rank",
                                    help="vllm-plugin: rank r serves on the plugin's port + r")
             if st.form_submit_button("Add engine", width="stretch"):
@@ -360,7 +369,8 @@ def load_panel(fleet: Fleet) -> None:
 def _send(fleet: Fleet) -> None:
     """Send's callback; the form's values by key (a value changed with the click comes with it)."""
     values = st.session_state
-    policy, n, systems = values.get("fleet_policy") or "round-robin", int(values["fleet_n"]), int(values["fleet_systems"])
+    policy = values.get("fleet_policy") or "round-robin"
+    n, systems = int(values["fleet_n"]), int(values["fleet_systems"])
     max_tokens = int(values["fleet_max_tokens"])
     targets = takers(fleet)  # asked at the click: the sidebar is not redrawn on the cards' timer
     plan = fleet_load.assign(fleet_load.workload(n, systems, f"{policy[:2]}{next(_runs)}"), [e.name for e in targets],

@@ -22,7 +22,8 @@ from app.ui.palette import USED, block_color
 from app.data.source import ROOT, recordings
 
 TIMEOUT_S = 300
-PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)  # what a preset runs on (engine/lab/workload.py)
+# what a preset runs on (engine/lab/workload.py)
+PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)
 SLOTS = PRESET_POOL[0] * PRESET_POOL[1]
 
 
@@ -84,7 +85,8 @@ def page(client: EngineClient) -> None:
         sizes = cc[0].multiselect("Block sizes", p.BLOCK_SIZES, default=[4, 16, 64], key="lab_bs")
         blocks = cc[1].text_input("Device blocks", "", key="lab_blocks", placeholder="keep memory, or e.g. 64,128",
                                   help="Comma-separated. Empty: each block size gets the memory of the workload's "
-                                       f"pool (the recording's, or {PRESET_POOL[0]:,} × {PRESET_POOL[1]} for a preset).")
+                                       f"pool (the recording's, or {PRESET_POOL[0]:,} × {PRESET_POOL[1]} for a "
+                                       "preset).")
         cc = st.columns(3)
         caching = cc[0].multiselect("Prefix caching", ["on", "off"], default=["on"], key="lab_caching")
         modes = cc[1].multiselect("Preemption", ["swap", "recompute"], default=["swap"], key="lab_modes")
@@ -130,7 +132,8 @@ def show(report: LabReport) -> None:
     st.download_button("Download CSV", to_csv(report), file_name="kvscope_lab.csv", mime="text/csv",
                        icon=":material/download:", key="lab_csv")
     charts = st.columns(3)
-    for col, (field, title) in zip(charts, (("slot_util", "slot utilisation"), ("mean_entries", "block-table entries (mean)"),
+    for col, (field, title) in zip(charts, (("slot_util", "slot utilisation"), ("mean_entries", "block-table entries "
+                                                                                                "(mean)"),
                                            ("peak_used", "peak blocks used"))):
         col.vega_lite_chart({"data": {"values": df[["config", field]].to_dict("records")}, "height": 160,
                              "title": title, "mark": {"type": "bar", "color": USED},

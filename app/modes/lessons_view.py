@@ -79,7 +79,8 @@ def sidebar(client: EngineClient) -> None:
         return
     st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
               disabled=run.pending is not None or run.at_end,
-              on_click=_next, args=(client, run.viewing), help="Run to the next stop (or show the next one reached before)")
+              on_click=_next, args=(client, run.viewing),
+              help="Run to the next stop (or show the next one reached before)")
     c = st.columns(2)
     c[0].button("Back", icon=":material/arrow_back:", key="lesson_back", width="stretch",
                 disabled=run.pending is not None or run.viewing <= 0, on_click=_back, args=(run.viewing,),
@@ -159,7 +160,8 @@ def highlight() -> list[int]:
 
 
 def _describe(cfg) -> str:
-    return (f"{plural(cfg.num_device_blocks, 'block')} of {cfg.block_size}, {plural(cfg.num_host_blocks, 'host block')}, "
+    return (f"{plural(cfg.num_device_blocks, 'block')} of {cfg.block_size}, "
+            f"{plural(cfg.num_host_blocks, 'host block')}, "
             f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, {cfg.preemption_mode}")
 
 
@@ -178,7 +180,8 @@ def left_behind(client: EngineClient) -> None:
         return
     with st.container(border=True, key="left_behind"):
         st.markdown(f":orange[:material/school: **The engine is still on the lesson's pool**]: {_describe(cfg)}"
-                    + (", **paused**" if client.loop.paused else "") + f". Before the lesson it had {_describe(pool.apply_to(cfg))}"
+                    + (", **paused**" if client.loop.paused else "") + f". Before the lesson it had "
+                                                                       f"{_describe(pool.apply_to(cfg))}"
                     + (", paused" if paused else ", running") + ".")
         c = st.columns(2)
         c[0].button("Restore it", key="restore_pool", type="primary", width="stretch", on_click=_restore,

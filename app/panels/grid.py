@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import zlib
 from collections import Counter, OrderedDict
@@ -28,7 +29,8 @@ from kvscope_contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
 from kvscope_contract.state import STATE_NAMES
 from app.data.client import View
 from app.data.source import ASSETS
-from app.ui.palette import ACCENT, CACHED, FREE, RESERVED, SEQ_COLORS, SHARED, css_vars
+from app.streamlit_argv import TEST_HOOKS
+from app.ui.palette import ACCENT, CACHED, FREE, INK, RESERVED, SEQ_COLORS, SHARED, css_vars
 
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
 DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
@@ -269,16 +271,24 @@ def _layout(record: np.dtype) -> dict[str, int]:
 
 
 STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": SHARED, "reserved": RESERVED,
-         "accent": ACCENT, "record": {"dev": _layout(DEV), "host": _layout(HOST)},
+         "accent": ACCENT, "ink": INK, "record": {"dev": _layout(DEV), "host": _layout(HOST)},
          "states": {name: code for code, name in enumerate(STATE_NAMES)},
          "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
          "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}
 
 
+def _html() -> str:
+    """The grid's element; with KVSCOPE_TEST_HOOKS=1 in the app's environment (tools/launch.py
+    sets it for the browser tests, the screenshots and the benches) the script also publishes
+    what it drew for them (window.__kvscope_grid, __kvscope_draws, __kvscope_msgs,
+    __kvscope_grid_api)."""
+    return '<div class="kv" data-test-hooks></div>' if os.environ.get(TEST_HOOKS) == "1" else '<div class="kv"></div>'
+
+
 @lru_cache(maxsize=1)
 def _component():
     return st.components.v2.component(
-        "kvscope_grid", html='<div class="kv"></div>',
+        "kvscope_grid", html=_html(),
         css=css_vars(".kv") + (ASSETS / "grid.css").read_text(), js=(ASSETS / "grid.js").read_text())
 
 

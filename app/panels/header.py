@@ -7,7 +7,7 @@ import streamlit as st
 from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
-from app.ui.palette import USED
+from app.ui.palette import RESERVED_BAR, USED
 from app.data.words import count, plural, rate
 from app.data.source import Source
 
@@ -29,7 +29,8 @@ def status_line(client: EngineClient, source: Source, hosted: Hosted | None = No
     what = source.label
     if h:
         e = h.engine
-        kern = (f", {e.gemv_dtype} GEMV weights" if e.gemv_dtype else "") + (f", {e.kernels} kernels" if e.kernels else "")
+        kern = ((f", {e.gemv_dtype} GEMV weights" if e.gemv_dtype else "")
+                + (f", {e.kernels} kernels" if e.kernels else ""))
         what += f" · {e.model} on {e.device} ({e.dtype}{kern})" + (" · replay" if h.replay else "")
         if h.server != "kvscope":
             what += f" · {h.server}"
@@ -38,11 +39,13 @@ def status_line(client: EngineClient, source: Source, hosted: Hosted | None = No
     if h and h.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
         text += f" · OpenAI API `{h.api_url}/v1`"
     if state not in ("connected", "died"):
-        text += (f" · attempt {s.attempts}" if state == "reconnecting" else "") + (f" · {s.last_error}" if s.last_error else "")
+        text += ((f" · attempt {s.attempts}" if state == "reconnecting" else "")
+                 + (f" · {s.last_error}" if s.last_error else ""))
     if state != "connected":
         text += " · the views show the last state received"
     elif client.loop.paused:
-        text += " · :orange[:material/pause_circle: **paused**] (Step, Run to the next key event or Resume in the sidebar)"
+        text += (" · :orange[:material/pause_circle: **paused**] "
+                 "(Step, Run to the next key event or Resume in the sidebar)")
     elif client.loop.until:
         text += " · :blue[:material/fast_forward: **running to the next key event**]"
     elif client.loop.step_delay_ms:
@@ -99,7 +102,8 @@ def metrics(view: View, client: EngineClient) -> None:
                   _of_tokens(tl.hit_tokens, tl.looked_up_tokens) if caching else "caching off",
                   "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
-                  f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed again.")
+                  f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed "
+                  "again.")
     if caching and client.hello and client.hello.server.startswith("vllm"):
         row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
                        f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
@@ -112,7 +116,8 @@ def metrics(view: View, client: EngineClient) -> None:
     row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
                   help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
                        f"copy each (the grid outlines both the original and the copy). Since {tl.since}.")
-    row[1].metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}", f"host {u['host_used']:,} / {u['host_total']:,}",
+    row[1].metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}",
+                  f"host {u['host_used']:,} / {u['host_total']:,}",
                   "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray", **kw,
                   help="Sequences moved to the host pool and back. Frequent swapping means the pool is too "
                        f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}.")
@@ -120,7 +125,8 @@ def metrics(view: View, client: EngineClient) -> None:
                   "red" if tl.preemptions else "gray", **kw,
                   help=f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). "
                        f"Since {tl.since}.")
-    row[3].metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""), "orange" if wait or swap else "gray",
+    row[3].metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""),
+                  "orange" if wait or swap else "gray",
                   **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
     if tl.since != "engine start":  # counters cover only what this client saw
@@ -143,14 +149,15 @@ def reservation_card(view: View) -> None:
                 f'{100 * used:.1f}%)"></div></div>')
 
     body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
-                _mib(u["reserved_bytes"]), "#e15759")
+                _mib(u["reserved_bytes"]), RESERVED_BAR)
             + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)
             + summary(res, pag, cfg)
             if holding else
             '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
             'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
     st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
-            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {plural(holding, "sequence")} holding memory'
+            f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {plural(holding, "sequence")} holding '
+            f'memory'
             f' · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}{body}</div>')
 
 

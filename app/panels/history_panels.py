@@ -33,7 +33,7 @@ def _follower(client: EngineClient, name: str, start) -> Follower:
 
 
 def prefix_tree(client: EngineClient, view: View, highlight: list[int] = ()) -> None:
-    start = lambda state: ForestBuilder.from_state(state, client.history.live.texts)  # noqa: E731
+    start = lambda state: ForestBuilder.from_state(state, client.history.live.texts)
     builder = _follower(client, "prefix", start).at(client, view.event)
     if builder is None:
         return
@@ -99,7 +99,8 @@ def _histogram(values: np.ndarray) -> dict:
             "encoding": {"x": {"field": "from", "type": "quantitative", "bin": {"binned": True}, "title": "steps",
                                "axis": STEP_AXIS},
                          "x2": {"field": "to"},
-                         "y": {"field": "blocks", "type": "quantitative", "title": "samples", "axis": {"tickMinStep": 1}},
+                         "y": {"field": "blocks", "type": "quantitative", "title": "samples",
+                               "axis": {"tickMinStep": 1}},
                          "tooltip": [{"field": "from"}, {"field": "to"}, {"field": "blocks"}]}}
 
 
@@ -155,7 +156,8 @@ def event_log(client: EngineClient, view: View) -> None:
     block = -1 if block is None else int(block)
     st.session_state["log_filter"] = (seq, block)
     if seq.strip() or block >= 0:
-        label = " · ".join(([f"sequence {seq.strip()}"] if seq.strip() else []) + ([f"block {block}"] if block >= 0 else []))
+        label = " · ".join(([f"sequence {seq.strip()}"] if seq.strip() else [])
+                           + ([f"block {block}"] if block >= 0 else []))
         st.button(f"Filtered to {label}", icon=":material/close:", key="clear_filter", on_click=_clear_log_filter,
                   help="Show every sequence and block again")
     events = client.events_before(view.event, LOG_SCAN_EVENTS)

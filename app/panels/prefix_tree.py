@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from html import escape
 
-from app.ui.palette import CACHED, LIT, USED
+from app.ui.palette import CACHED, LIT, UNKNOWN_HASH, USED
 from app.data.words import plural
+from kvscope_contract.kinds import KINDS
 from kvscope_contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, Node, PrefixForest
 
-STATE_COLORS = {IN_USE: USED, CACHED_ONLY: CACHED, UNKNOWN: "#0f766e"}
-VICTIM_COLOR = "#dc2626"
+STATE_COLORS = {IN_USE: USED, CACHED_ONLY: CACHED, UNKNOWN: UNKNOWN_HASH}
+VICTIM_COLOR = KINDS["evict"].color  # the next block to be evicted
 
 
 # ---------------------------------------------------------------------------------- the view
@@ -26,7 +27,8 @@ CSS = """<style>
 .pt .n { position: relative; display: inline-flex; align-items: baseline; gap: 4px; max-width: 150px; height: 22px;
   padding: 0 5px; box-sizing: border-box; border-radius: 4px; color: #fff; font: 11px/22px ui-monospace, monospace;
   background: var(--c); white-space: nowrap; overflow: hidden; }
-.pt .n.cached { background: repeating-linear-gradient(135deg, var(--c) 0 5px, color-mix(in srgb, var(--c) 75%, #fff) 5px 10px);
+.pt .n.cached { background: repeating-linear-gradient(135deg, var(--c) 0 5px,
+                                                       color-mix(in srgb, var(--c) 75%, #fff) 5px 10px);
   color: #0f172a; }
 .pt .n .id { font-weight: 700; }
 .pt .n .tx { overflow: hidden; text-overflow: ellipsis; opacity: .95; font-family: var(--st-font, system-ui); }
@@ -34,7 +36,8 @@ CSS = """<style>
 .pt .n.victim { outline: 2px solid """ + VICTIM_COLOR + """; outline-offset: 1px; }
 .pt .n.lit { outline: 3px solid """ + LIT + """; outline-offset: 1px; }
 .pt .gap { font-size: 11px; opacity: .7; }
-.pt .key span { display: inline-block; width: 10px; height: 10px; border-radius: 2px; vertical-align: -1px; margin: 0 3px 0 8px; }
+.pt .key span { display: inline-block; width: 10px; height: 10px; border-radius: 2px; vertical-align: -1px;
+                margin: 0 3px 0 8px; }
 </style>"""
 
 
@@ -98,7 +101,8 @@ def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozense
             out.append(f'<div class="gap">… {plural(stats["blocks"] - shown, "more block")}</div>')
             break
         branch(root)
-    summary = f'<b>{plural(stats["blocks"], "cached block")}</b> in <b>{plural(stats["roots"], "prefix", "prefixes")}</b>'
+    summary = (f'<b>{plural(stats["blocks"], "cached block")}</b> in '
+               f'<b>{plural(stats["roots"], "prefix", "prefixes")}</b>')
     if stats["copies"] > stats["blocks"]:
         summary += f' · {stats["copies"]:,} physical blocks (the same content cached more than once)'
     if stats["in use"] + stats["cached only"]:  # the source reports holders

@@ -18,7 +18,7 @@ import streamlit as st
 
 from app.data.client import View
 from app.data.mirror import Finished
-from app.ui.palette import ACCENT, LIT, seq_color
+from app.ui.palette import ACCENT, INK, LIT, RESERVED, STATUS_COLORS, seq_color
 from app.data.words import plural
 from kvscope_contract.kinds import KINDS
 from kvscope_contract.state import SeqState
@@ -31,21 +31,21 @@ CSS = """<style>
 .bt .seq.pin { box-shadow: 0 0 0 2px """ + ACCENT + """ inset; }
 .bt .top { display: flex; gap: 8px; align-items: baseline; flex-wrap: wrap; }
 .bt .id { font-weight: 700; }
-.bt .st { font-size: 11px; padding: 0 6px; border-radius: 8px; background: #e2e8f0; color: #334155; }
-.bt .st.running { background: #dcfce7; color: #166534; } .bt .st.swapped { background: #ede9fe; color: #5b21b6; }
-.bt .st.waiting { background: #fef3c7; color: #92400e; }
-.bt .meta { font-size: 12px; opacity: .75; }
+.bt .st { font-size: 11px; padding: 0 6px; border-radius: 8px; }
+""" + "".join(f".bt .st{'' if k == 'other' else '.' + k} {{ background: {bg}; color: {fg}; }}\n"
+              for k, (bg, fg) in STATUS_COLORS.items()) + """.bt .meta { font-size: 12px; opacity: .75; }
 .bt .chips { display: flex; flex-wrap: wrap; gap: 3px; margin: 5px 0 3px; align-items: flex-start; }
 .bt .ch { position: relative; min-width: 30px; height: 24px; padding: 0 3px; box-sizing: border-box;
   border-radius: 3px; color: #fff; font: 600 11px/24px ui-monospace, monospace; text-align: center;
   background: linear-gradient(to top, var(--c) var(--f), color-mix(in srgb, var(--c) 35%, transparent) var(--f)); }
 .bt .ch::after { content: ""; position: absolute; left: 0; right: 0; bottom: -3px; height: 2px;
-  background: linear-gradient(to right, #334155 var(--p), var(--c) var(--p)); }
-.bt .ch .li { position: absolute; left: 2px; top: -1px; font-size: 8px; line-height: 9px; opacity: .8; font-weight: 400; }
+  background: linear-gradient(to right, """ + RESERVED + """ var(--p), var(--c) var(--p)); }
+.bt .ch .li { position: absolute; left: 2px; top: -1px; font-size: 8px; line-height: 9px; opacity: .8;
+              font-weight: 400; }
 .bt .ch .mk { position: absolute; right: 2px; top: 2px; width: 7px; height: 7px; border-radius: 50%;
   border: 1px solid #fff; box-sizing: border-box; }
 .bt .dot { display: inline-block; width: 8px; height: 8px; border-radius: 50%; vertical-align: 0; }
-.bt .ch.shared { outline: 2px solid #0f172a; outline-offset: -2px; }
+.bt .ch.shared { outline: 2px solid """ + INK + """; outline-offset: -2px; }
 .bt .ch.lit { box-shadow: 0 0 0 3px """ + LIT + """; }
 .bt .ch.host { border: 1px dashed var(--c); color: var(--c); background: transparent; }
 .bt .ch.run { padding: 0 6px 0 12px; }
@@ -204,7 +204,8 @@ def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = Non
     blocks to ring (a lesson's stop points at them)."""
     seqs = chosen(view) if seqs is None else seqs
     if not seqs:
-        return CSS + '<div class="bt"><div class="meta">No live sequence: submit a prompt or run a scenario.</div></div>'
+        return CSS + ('<div class="bt"><div class="meta">No live sequence: submit a prompt or run a scenario.'
+                      '</div></div>')
     pin = view.mirror.state.seqs.get(pinned) if pinned else None
     cards = ([card(view, pin, colors, True, open_runs, highlight)] if pin else []) + [
         card(view, s, colors, False, open_runs, highlight) for s in seqs if s is not pin]

@@ -14,7 +14,7 @@ import altair as alt
 
 from kvscope_contract.kinds import KINDS, MARKER_KINDS
 from app.data.event_history import Marker, StepPoint
-from app.ui.palette import ACCENT, BLOCK_STATE_COLORS
+from app.ui.palette import ACCENT, BLOCK_STATE_COLORS, LIVE
 
 MAX_POINTS, MAX_MARKERS = 400, 150
 STEP_AXIS = alt.Axis(format="d", tickMinStep=1)  # steps are whole numbers: no 1.5 ticks
@@ -27,7 +27,8 @@ CURSOR = alt.Chart(alt.Data(name="cursor")).mark_rule(color=ACCENT, strokeWidth=
 @lru_cache(maxsize=1)
 def _blocks_spec() -> dict:
     area = alt.Chart(alt.Data(name="blocks")).mark_area(interpolate="step-after", opacity=0.9).encode(
-        x=alt.X("step:Q", title="engine step", axis=STEP_AXIS), y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
+        x=alt.X("step:Q", title="engine step", axis=STEP_AXIS),
+        y=alt.Y("blocks:Q", stack="zero", title="device blocks"),
         color=alt.Color("state:N", scale=alt.Scale(domain=list(STATES), range=[BLOCK_STATE_COLORS[s] for s in STATES]),
                         legend=alt.Legend(orient="top", title=None)),
         order="order:Q", tooltip=["step:Q", "state:N", "blocks:Q"])
@@ -42,12 +43,12 @@ def _blocks_spec() -> dict:
 @lru_cache(maxsize=1)
 def _rates_spec() -> dict:
     base = alt.Chart(alt.Data(name="rates")).encode(x=alt.X("step:Q", title="engine step", axis=STEP_AXIS))
-    hit = base.mark_line(color="#2563eb", interpolate="step-after").encode(
-        y=alt.Y("hit_rate:Q", title="prefix hit rate", axis=alt.Axis(format="%", titleColor="#2563eb"),
+    hit = base.mark_line(color=KINDS["prefix_hit"].color, interpolate="step-after").encode(
+        y=alt.Y("hit_rate:Q", title="prefix hit rate", axis=alt.Axis(format="%", titleColor=KINDS["prefix_hit"].color),
                 scale=alt.Scale(domain=[0, 1])),
         tooltip=["step:Q", alt.Tooltip("hit_rate:Q", format=".1%", title="hit rate")])
-    tps = base.mark_line(color="#16a34a", opacity=0.85).encode(
-        y=alt.Y("tokens_per_s:Q", title="tokens/s", axis=alt.Axis(titleColor="#16a34a")),
+    tps = base.mark_line(color=LIVE, opacity=0.85).encode(
+        y=alt.Y("tokens_per_s:Q", title="tokens/s", axis=alt.Axis(titleColor=LIVE)),
         tooltip=["step:Q", alt.Tooltip("tokens_per_s:Q", format=".1f", title="tokens/s")])
     return alt.layer(hit, tps, CURSOR).resolve_scale(y="independent").properties(
         height=230, title=alt.TitleParams("prefix hit rate (blue) and tokens/s (green)", fontSize=12,

@@ -74,7 +74,8 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
         cols[0].button("Connect", type="primary", disabled=chosen(source, st.session_state) == source,
                        width="stretch", on_click=_connect, args=(source,))
         if source.kind in ("embedded", "replay", "vllm"):
-            cols[1].button({"embedded": "Restart engine", "replay": "Restart replay", "vllm": "Restart vLLM"}[source.kind],
+            cols[1].button({"embedded": "Restart engine", "replay": "Restart replay",
+                            "vllm": "Restart vLLM"}[source.kind],
                            width="stretch", on_click=restart, args=(source,),
                            help="Start it again (an engine with the pool config and pace it last had)")
         if hosted is not None:
@@ -334,7 +335,8 @@ def engine_panel(client: EngineClient, view: View) -> None:
     pacing(client)
     requests(client, view)
     st.caption(f"Pool: {plural(cfg.num_device_blocks, 'block')} × {plural(cfg.block_size, 'token')} · "
-               f"{plural(cfg.num_host_blocks, 'host block')} · prefix caching {'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
+               f"{plural(cfg.num_host_blocks, 'host block')} · prefix caching "
+               f"{'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
     if client.supports("reset"):
         with st.expander("Reset pool"):
             reset_form(client, cfg)

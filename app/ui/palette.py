@@ -14,12 +14,19 @@ SHARED = "#312e81"  # a block held by several sequences: a colour of its own, no
 BLOCK_STATE_COLORS = {"used": USED, "cached": CACHED, "free": FREE, "reserved": RESERVED, "shared": SHARED}
 ACCENT = "#d97706"  # where you are in time: the travel cursor and scrubber, the past badge, a pinned sequence
 LIT = "#f59e0b"     # what the pointer is on, lit in another view (a table chip, a prefix-tree node)
+RESERVED_BAR = SEQ_COLORS[3]  # "what paging saves": the contiguous reservation, beside paging's USED
+LIVE = "#16a34a"    # the present: the header's Live, the scrubber at the newest event, tokens/s
+INK = "#0f172a"     # drawn over blocks: the rings of a key event's blocks, a shared table chip's outline
+UNKNOWN_HASH = "#0f766e"  # a prefix-tree node known by its hash only (a KV-event stream without tokens)
+STATUS_COLORS = {"waiting": ("#fef3c7", "#92400e"), "running": ("#dcfce7", "#166534"),  # a status chip:
+                 "swapped": ("#ede9fe", "#5b21b6"), "other": (FREE, RESERVED)}         # (background, text)
 
 
 def css_vars(selector: str) -> str:
-    """A CSS rule giving `selector` and its descendants the highlight colours as variables
-    (`--kv-accent`, `--kv-lit`): the stylesheets in assets/ use them and hold no copy."""
-    return f"{selector} {{ --kv-accent: {ACCENT}; --kv-lit: {LIT}; }}\n"
+    """A CSS rule giving `selector` and its descendants the palette's colours as variables
+    (`--kv-accent`, `--kv-lit`, `--kv-live`, `--kv-ink`): the stylesheets in assets/ use them and
+    hold no copy."""
+    return f"{selector} {{ --kv-accent: {ACCENT}; --kv-lit: {LIT}; --kv-live: {LIVE}; --kv-ink: {INK}; }}\n"
 
 
 def block_color(state: int) -> str:

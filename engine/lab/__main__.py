@@ -55,7 +55,8 @@ def _window(text: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.lab", description=__doc__.splitlines()[0],
-                                 epilog="\n".join(__doc__.splitlines()[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog="\n".join(__doc__.splitlines()[2:]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", help=f"a preset ({', '.join(PRESETS)}) or a recording (.jsonl)")
     ap.add_argument("--scale", type=int, default=1, help="presets: repeat the mix this many times")
     ap.add_argument("--block-sizes", type=_list(int), default=[], metavar="B,...")

@@ -66,7 +66,7 @@ def load_model(spec: str = "smollm2", *, device: str | None = None, dtype: str |
     calling thread, each ending with the seconds elapsed since the call.
     """
     t0 = time.perf_counter()
-    say = lambda stage: progress(f"{stage} ({time.perf_counter() - t0:.1f} s)")  # noqa: E731
+    say = lambda stage: progress(f"{stage} ({time.perf_counter() - t0:.1f} s)")
     dev = _resolve_device(device)
     dt, gemv_dt = _resolve_dtype(dtype, dev)
     if spec == "tiny":

@@ -260,9 +260,11 @@ class Hub:
         if self.tokenize and url.path == TOKENIZE_PATH:
             prompt = parse_qs(url.query).get("prompt", [""])[0]
             if not prompt or len(prompt) > p.MAX_TEXT_CHARS:
-                return conn.respond(http.HTTPStatus.BAD_REQUEST, f"give ?prompt=TEXT, 1 to {p.MAX_TEXT_CHARS} characters\n")
+                return conn.respond(http.HTTPStatus.BAD_REQUEST,
+                                    f"give ?prompt=TEXT, 1 to {p.MAX_TEXT_CHARS} characters\n")
             tokens = await asyncio.to_thread(self.tokenize, prompt)
-            response = conn.respond(http.HTTPStatus.OK, msgspec.json.encode({"tokens": tokens, "count": len(tokens)}).decode())
+            response = conn.respond(http.HTTPStatus.OK,
+                                    msgspec.json.encode({"tokens": tokens, "count": len(tokens)}).decode())
             del response.headers["Content-Type"]
             response.headers["Content-Type"] = "application/json"
             return response
@@ -389,7 +391,7 @@ def serve_in_thread(hub: Hub, host: str = "127.0.0.1", port: int = 0) -> Serving
     async def main() -> None:
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
-        request_stop = lambda: loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))  # noqa: E731
+        request_stop = lambda: loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
         await hub.serve(host, port, lambda bound: box.put(Serving(
             f"ws://{host}:{bound}/", hub, threading.current_thread(), request_stop)), stop)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from kvscope_contract.ready import free_port
 
 # `smollm2`: the bundled model, as `make install` converts it (engine/model/model_loader.py)
-BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
+CACHE = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser()
+BUNDLED = CACHE / "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
 

@@ -10,45 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from tools.launch import CHROMIUM, FLAGS, ROOT, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT
+from tests.browser.pages import open_grid
+from tests.processes import children
 
 SHOT = ROOT / "out" / "test_browser.png"
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
-def open_grid(browser, url: str, blocks: int, errors: list[str], width: int = 1500, height: int = 1400):
-    """A page of the app at `url`, once its grid has drawn a pool of `blocks`; the page's
-    errors go to `errors`."""
-    page = browser.new_page(viewport={"width": width, "height": height})
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(url)
-    page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n === {blocks}", timeout=300_000)
-    return page
-
-
-@pytest.fixture
-def app_url(tmp_path, request):
-    """The app on the tiny model; a test may give other app arguments (indirect parametrize)."""
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
-    log = tmp_path / "streamlit.log"
-    with log.open("w") as out:
-        proc, url = start_streamlit(getattr(request, "param", ["--model", "tiny"]), out=out)
-    yield url, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-    print(f"streamlit's output ({log}):\n" + log.read_text()[-4000:])
 
 
 @pytest.mark.slow
@@ -80,7 +46,8 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
                 break
             except Exception:
                 if attempt == 9:
-                    raise AssertionError(f"no block in use after 10 steps; the page says:\n{page.inner_text('body')[:3000]}")
+                    raise AssertionError(f"no block in use after 10 steps; the page "
+                                         f"says:\n{page.inner_text('body')[:3000]}")
         grid = page.evaluate("window.__kvscope_grid")
         assert grid["draws"] > 1
         SHOT.parent.mkdir(exist_ok=True)
@@ -149,7 +116,7 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url)
             page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n === 256", timeout=120_000)
-        side = lambda page: page.get_by_test_id("stSidebar")  # noqa: E731
+        side = lambda page: page.get_by_test_id("stSidebar")
         side(one).get_by_role("button", name="Pause", exact=True).click()
         expect(side(two).get_by_role("button", name="Resume", exact=True)).to_be_visible(timeout=10_000)
         expect(side(two).get_by_role("button", name="Step", exact=True)).to_be_enabled()
@@ -246,7 +213,8 @@ def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_fra
         assert advanced >= 30 and last["kind"] == "delta" and last["seq"] > start["seq"]
         for panel in ("Event log", "Prefix tree", "Lifetimes", "Timeline"):  # every view of the page
             page.get_by_test_id("stMain").get_by_text(panel, exact=True).first.click()
-            for attempt, preset in enumerate(presets):  # new events to follow (a click on a redrawing sidebar may be lost)
+            # new events to follow (a click on a redrawing sidebar may be lost)
+            for attempt, preset in enumerate(presets):
                 sidebar.get_by_role("button", name=preset, exact=True).click()
                 try:
                     follow_redraws(page, 2, errors, panel, timeout=20_000)
@@ -286,7 +254,8 @@ def test_the_reset_form_of_every_fresh_tab_shows_the_engines_pool(app_url):
             page.wait_for_timeout(3_000)  # the fragments' timers run a few times first
             side = page.get_by_test_id("stSidebar")
             side.get_by_text("Reset pool").click()
-            shown = [side.get_by_label(label).input_value() for label in ("Device blocks", "Host blocks", "Max running")]
+            shown = [side.get_by_label(label).input_value() for label in ("Device blocks", "Host blocks",
+                                                                          "Max running")]
             assert shown == ["48", "12", "6"], f"tab {tab}: {shown}"
             page.close()
         assert not errors, errors

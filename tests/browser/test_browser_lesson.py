@@ -4,32 +4,20 @@ its end with Next alone; each stop's caption shows and the grid rings its blocks
 to a stop reached before."""
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 
-from tools.launch import CHROMIUM, ROOT
-from tools.shoot_docs import open_dashboard, start_app, walk_lesson
+from tools.launch import ROOT
+from tools.shoot_docs import open_dashboard, walk_lesson
 
 SHOT = ROOT / "out" / "test_browser_lesson.png"
-
-
-@pytest.fixture
-def app_url():
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
-    proc, url = start_app("tiny")
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
 
 
 @pytest.mark.slow
 def test_walk_a_lesson_with_next_and_back(app_url):
     from playwright.sync_api import sync_playwright
 
-    url = app_url
+    url, _ = app_url
     with sync_playwright() as pw:
         browser, page, errors = open_dashboard(pw, url, height=1400, timeout_ms=120_000)
         walk_lesson(page, "1. Block tables and on-demand allocation", 1, timeout_ms=60_000)

@@ -5,14 +5,13 @@ the overview; hovering a block explains it, its text included; nothing throws. L
 engine for a replay, and coming back, never waits on it."""
 from __future__ import annotations
 
-import signal
 import time
 
 import pytest
 
 from app.data.launcher import ServerProcess
-from tools.launch import start_streamlit
-from tests.browser.test_browser import CHROMIUM, FLAGS, open_grid
+from tools.launch import CHROMIUM, FLAGS
+from tests.browser.pages import open_grid
 
 BLOCKS = 1 << 20
 
@@ -20,7 +19,8 @@ BLOCKS = 1 << 20
 @pytest.fixture(scope="module")
 def big_engine():
     eng = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", str(BLOCKS), "--num-host-blocks",
-                                            "4096", "--fill", "0.2", "--warm-steps", "0", "--live", "48", "--max-num-seqs", "48",
+                                            "4096", "--fill", "0.2", "--warm-steps", "0", "--live", "48",
+                                            "--max-num-seqs", "48",
                                             "--max-tokens", "48", "--step-delay-ms", "100"]).start()
     assert eng.wait_ready(300), "\n".join(eng.tail(30))
     yield eng
@@ -28,11 +28,8 @@ def big_engine():
 
 
 @pytest.fixture
-def big_app(big_engine):
-    app, url = start_streamlit(["--engine", big_engine.url])
-    yield url
-    app.send_signal(signal.SIGTERM)
-    app.wait(timeout=30)
+def big_app(big_engine, start_app):
+    return start_app(["--engine", big_engine.url])[0]
 
 
 @pytest.mark.slow
@@ -43,7 +40,7 @@ def test_a_million_blocks_load_draw_an_overview_and_zoom(big_app):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
         page = open_grid(browser, big_app, BLOCKS, errors, height=1300)
-        grid = lambda: page.evaluate("window.__kvscope_grid")  # noqa: E731
+        grid = lambda: page.evaluate("window.__kvscope_grid")
         first = grid()
         assert first["count"] < BLOCKS and first["perPixel"] == 1 and first["cell"] >= 8  # a detailed region
         overview = page.locator("canvas.overview")

@@ -7,7 +7,6 @@ again once the engine has done what the test waits for.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import streamlit as st
@@ -15,93 +14,10 @@ from streamlit import dataframe_util
 from streamlit.testing.v1 import AppTest
 
 from kvscope_contract import protocol as p
-from app.panels import grid
 from app.data.client import EngineClient
-from app.data.launcher import ServerProcess
 from tests.waiting import wait
-
-MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
-DEFAULT_POOL = p.ResetConfig(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=16,
-                             enable_prefix_caching=True, preemption_mode="swap")
-
-
-@pytest.fixture(scope="module")
-def recording(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("rec") / "session.jsonl"
-
-
-@pytest.fixture(scope="module")
-def engine(recording):
-    proc = ServerProcess("engine.serve.server", ["--model", "tiny", "--port", "0", "--record", str(recording)]).start()
-    assert proc.wait_ready(90), "\n".join(proc.tail(30))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture
-def observer(engine):
-    """An independent client: the engine's effects, as the protocol reports them."""
-    c = EngineClient(engine.url)
-    wait(lambda: c.view() is not None, what="the observer's first snapshot")
-    for cmd in (p.Resume(), p.Pace(step_delay_ms=0), p.ResetCmd(config=DEFAULT_POOL)):
-        assert isinstance(c.wait_reply(c.send(cmd)), p.Ack)
-    wait(lambda: c.view().mirror.config.num_device_blocks == 256 and not c.view().mirror.state.seqs)
-    yield c
-    c.close()
-
-
-def events(c: EngineClient, kind: str, since: int = 0) -> list:
-    with c.lock:
-        return [e for e in c.history.events if e.seq > since and e.__struct_config__.tag == kind]
-
-
-@pytest.fixture
-def at(engine, observer, monkeypatch):
-    monkeypatch.setenv("KVSCOPE_ENGINE", engine.url)
-    st.cache_resource.clear()  # a fresh app client per test (the old one is released)
-    app = AppTest.from_file(MAIN, default_timeout=30)
-    app.run()
-    wait(lambda: grid_data(app.run()), what="the app's first grid")
-    yield app
-    st.cache_resource.clear()
-
-
-def grid_data(at: AppTest, name: str = "kvscope_grid") -> dict | None:
-    """The header of the grid's last frame (app/panels/grid.py), as the canvas reads it."""
-    for el in at.get("bidi_component"):
-        if el.proto.component_name == name:
-            return grid.read(el.proto.bytes)[0]
-    return None
-
-
-def metric(at: AppTest, label: str) -> str:
-    return next(m.value for m in at.metric if m.label == label)
-
-
-def html_with(at: AppTest, marker: str) -> str:
-    return next(h.value for h in at.html if marker in h.value)
-
-
-def rerun_until(at: AppTest, cond, timeout: float = 20.0, what: str = "the app to show it"):
-    return wait(lambda: cond(at.run()), timeout, what)
-
-
-def status_line(at: AppTest) -> str:
-    """The header's status line (state, source, address), found by its content."""
-    return next((m.value for m in at.markdown if "● **" in m.value), "")
-
-
-def show_log(at: AppTest):
-    next(c for c in at.segmented_control if c.label == "History").set_value("Event log").run()
-    return at.dataframe[0].value
-
-
-def submit(at: AppTest, text: str, **fields) -> None:
-    at.text_area(key="prompt_text").set_value(text)
-    for key, value in fields.items():
-        (at.toggle if isinstance(value, bool) else at.number_input)(key=key).set_value(value)
-    next(b for b in at.sidebar.button if b.label == "Submit").click()
-    at.run()
+from tests.apptest import (MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, rerun_until,
+                          reset_pool, reset_widget, show_log, status_line, submit)
 
 
 def test_prompt_pause_step_resume_and_every_view(at, observer):
@@ -178,7 +94,7 @@ def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metri
     need = 8 if key == "mixed" else 1
     got = wait(lambda: len(evs := events(observer, kind, start)) >= need and evs, 30, f"{kind} events")
     wait(lambda: events(observer, "step", start), what="the step")
-    truth = lambda: scenario_metric(observer, key, start)  # noqa: E731 (the engine may still be stepping)
+    truth = lambda: scenario_metric(observer, key, start)  # the engine may still be stepping
     rerun_until(at, lambda a: metric(a, metric_label) == truth(), 30, f"{metric_label} to show {truth()}")
     assert any("Watch:" in c.value for c in at.sidebar.caption)
     data = grid_data(at)
@@ -190,12 +106,6 @@ def test_each_scenario_shows_its_mechanism(at, observer, key, kind, steps, metri
         assert events(observer, "preempt", start) and metric(at, "Preemptions") != "0"
     if key == "mixed":
         assert "fewer slots" in html_with(at, "What paging saves")
-
-
-def reset_widget(at: AppTest, key: str):
-    """A widget of the reset form: its key is `key@<the pool it starts from>` (app/ui/controls.py)."""
-    return next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
-                for w in getattr(at, kind) if w.key and w.key.split("@")[0] == key)
 
 
 def test_reset_to_another_block_size(at, observer):
@@ -267,7 +177,8 @@ def test_time_travel_buttons_scrub_every_view(at, observer):
     at.session_state["travel"] = alloc.seq
     at.run()
     data = grid_data(at)
-    assert data["seq"] == alloc.seq and data["counts"]["used"] == observer.history.at(alloc.seq).state.counts().used >= 1
+    used = observer.history.at(alloc.seq).state.counts().used
+    assert data["seq"] == alloc.seq and data["counts"]["used"] == used >= 1
     assert alloc.seq_id in html_with(at, 'class="bt"')
     assert show_log(at)["event"].iloc[0] <= alloc.seq  # the log is frozen at that event too
     at.button(key="tt_next").click().run()
@@ -293,7 +204,7 @@ def test_event_log_filters(at, observer):
 
 
 def test_the_event_log_downloads_the_history_as_a_perfetto_trace(at, observer):
-    from tests.integration.test_export_perfetto import decode
+    from tests.perfetto_trace import decode
 
     start = observer.history.last_event
     submit(at, "Trace me", prompt_max=8)
@@ -387,12 +298,6 @@ def test_embedded_engine_shows_progress_then_the_pool(monkeypatch):
 
 
 # ------------------------------------------------------------------ issue 8: the bugs a new user met
-def reset_pool(at: AppTest, **widgets) -> None:
-    """Fill the sidebar's reset form (widget key -> value) and press Reset engine."""
-    for key, value in widgets.items():
-        reset_widget(at, key).set_value(value)
-    next(b for b in at.sidebar.button if b.label == "Reset engine").click()
-    at.run()
 
 
 def test_shrinking_the_pool_draws_the_new_pool_and_keeps_every_panel(at, observer):
@@ -435,14 +340,10 @@ def test_hit_rate_in_the_header_never_passes_100_percent(at, observer):
     assert "every admission" in next(m.help for m in at.metric if m.label == "Prefix hit rate")
 
 
-def delta(at: AppTest, label: str) -> str:
-    return next(m.proto.delta for m in at.metric if m.label == label)
-
-
 def test_the_last_error_goes_once_a_command_works(at, observer):
     at.number_input(key="prompt_max").set_value(4096)
     submit(at, "x " * 3000)
-    failed = lambda a: next((t.value for t in a.toast if "failed" in t.value), None)  # noqa: E731
+    failed = lambda a: next((t.value for t in a.toast if "failed" in t.value), None)
     toast = failed(at) or rerun_until(at, failed, what="the toast")
     assert toast.startswith("**Submit** failed") and "too_long" in toast  # not "Submitted failed"
     rerun_until(at, lambda a: any("Last error" in c.value and "too_long" in c.value for c in a.sidebar.caption))
@@ -511,21 +412,6 @@ def test_clean_slate_starts_the_counters_afresh_and_the_past_stays_reachable(at,
     at.session_state["travel"] = before - 1  # the scenario is still there in the past
     at.run()
     assert metric(at, "Prefix hit rate") != "0%"
-
-
-def embedded_tiny_512x8(monkeypatch):
-    """The dashboard on its embedded engine (the tiny model) reset to 512 blocks of 8 tokens:
-    (the app, the engine's Hosted, the grid's data)."""
-    from app.ui.connection import hosted
-    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
-    st.cache_resource.clear()
-    at = AppTest.from_file(MAIN, default_timeout=30)
-    rerun_until(at, grid_data, 90, "the embedded engine's grid")
-    reset_pool(at, reset_bs=8, reset_dev=512)
-    data = rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8) and d, what="512 x 8")
-    return at, hosted("engine.serve.server", ("--model", "tiny", "--port", "0")), data
 
 
 def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monkeypatch):

@@ -8,7 +8,8 @@ import pytest
 from kvscope_contract import protocol as p
 from app.data.client import EngineClient
 from app.data.launcher import ServerProcess
-from tests.waiting import wait, free_port
+from kvscope_contract.ready import free_port
+from tests.waiting import wait
 
 
 def server(*args: str) -> ServerProcess:

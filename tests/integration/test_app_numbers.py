@@ -10,22 +10,15 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from tests.integration.test_app import MAIN, html_with  # noqa: F401
-from tests.integration.test_app import at, delta, engine, events, grid_data, metric, observer, recording, rerun_until, submit  # noqa: F401
-from tests.integration.test_app_teach import start
-from tests.waiting import wait
+from tests.waiting import steady, until_elapsed, wait
 from app.data.words import rate
+from tests.apptest import (DEFAULT_POOL, MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric,
+                          rerun_until, show_log, start, submit)
 
 
 def quiet(c) -> int:
     """The last event once no more arrive for half a second (a paused engine's last step)."""
-    last = [-1]
-
-    def settled() -> bool:
-        now, last[0] = last[0], c.history.last_event
-        return now == last[0]
-    wait(lambda: time.sleep(0.5) or settled(), what="the engine to go quiet")
-    return last[0]
+    return steady(lambda: c.history.last_event, 0.5, what="the engine to go quiet")
 
 
 def rate_at(c, since: int, n: int) -> str:
@@ -47,11 +40,12 @@ def test_tokens_per_s_comes_from_step_times_and_holds_while_paused(at, observer)
     wait(lambda: len(events(observer, "step", start_ev)) >= 6, 60, "a few decode steps")
     at.button(key="pause").click().run()
     wait(lambda: observer.loop.paused, what="the pause")
+    paused = time.monotonic()
     last = quiet(observer)
     live = rerun_until(at, lambda a: (d := grid_data(a)) and d["seq"] == last and metric(a, "Tokens/s"),
                        what="the paused live view")
     assert live != "0.0" and live == rate_at(observer, start_ev, last), live
-    time.sleep(3.5)  # wall time passes; the engine does not run
+    until_elapsed(paused, 4)  # wall time passes; the engine does not run
     at.run()
     assert metric(at, "Tokens/s") == live
     mid = events(observer, "step", start_ev)[3].seq + 2  # inside the fifth step
@@ -68,9 +62,9 @@ def test_a_lesson_stop_with_decoding_sequences_shows_its_rate(at, observer):
     stays while the class reads the caption."""
     start(at, "02_fragmentation", 1)
     assert at.session_state["lesson"].reached
-    shown = metric(at, "Tokens/s")
+    shown, stopped = metric(at, "Tokens/s"), time.monotonic()
     assert shown != "0.0"
-    time.sleep(3.5)
+    until_elapsed(stopped, 3.5)  # the class reads the caption; the engine does not run
     at.run()
     assert metric(at, "Tokens/s") == shown
 
@@ -109,7 +103,6 @@ def test_run_to_the_next_key_event_names_the_event_shown_and_a_reset_ends_it(at,
     assert f"Paused at event {grid_data(at)['seq']:,}" in info
     assert f"({observer.loop.stopped_at:,})" in info or grid_data(at)["seq"] == observer.loop.stopped_at
     from kvscope_contract import protocol as p
-    from tests.integration.test_app import DEFAULT_POOL
     observer.wait_reply(observer.send(p.ResetCmd(config=DEFAULT_POOL)))
     wait(lambda: events(observer, "reset", last), what="the reset")
     rerun_until(at, lambda a: grid_data(a)["seq"] > last, what="the reset drawn")
@@ -118,7 +111,6 @@ def test_run_to_the_next_key_event_names_the_event_shown_and_a_reset_ends_it(at,
 
 def test_the_event_logs_block_filter_is_empty_until_one_is_chosen(at, observer):
     """Item 13: no '-1' in the block filter."""
-    from tests.integration.test_app import show_log
     show_log(at)
     box = next(n for n in at.number_input if n.label == "Block")
     assert box.value is None
@@ -199,7 +191,6 @@ def test_the_history_before_a_restart_stays_browsable(monkeypatch):
     browsed with time travel (as the page promised), and the page goes back to the live engine."""
     import os
     import signal
-    from tests.integration.test_app import embedded_tiny_512x8
     at, h, before = embedded_tiny_512x8(monkeypatch)
     old = h.client
     os.kill(h.process.pid, signal.SIGKILL)

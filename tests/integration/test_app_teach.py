@@ -11,36 +11,8 @@ import pytest
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import kind_of
-from app.data.lessons.lesson import all_lessons
 from tests.lesson_claims import CLAIMS, AtStop
-from tests.integration.test_app import at, engine, events, grid_data, html_with, observer, recording, rerun_until  # noqa: F401
-
-LESSONS = {lesson.key: lesson for lesson in all_lessons()}
-
-
-def card(at) -> str:
-    """The lesson card's text (its markdown blocks)."""
-    return "\n".join(m.value for m in at.markdown if "stop " in m.value or "**" in m.value)
-
-
-def reached(at, i: int, n: int):
-    """Stop i reached, shown, and Next drawn for it (the sidebar draws before the card, so a run
-    in which the stop arrives in between shows it reached with Next still disabled)."""
-    run = at.session_state["lesson"]
-    return (run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
-            and (i == n - 1 or not at.button(key="lesson_next").disabled))
-
-
-def start(at, key: str, stops: int) -> None:
-    """Lessons mode, `key` picked and started, then Next until `stops` stops were reached."""
-    n = len(LESSONS[key].stops)
-    at.segmented_control(key="mode").set_value("Lessons").run()
-    at.selectbox(key="lesson_pick").set_value(key).run()
-    at.button(key="lesson_start").click().run()
-    for i in range(stops):
-        if i:
-            at.button(key="lesson_next").click().run()
-        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+from tests.apptest import LESSONS, card, events, grid_data, html_with, reached, rerun_until, start
 
 
 def check_claims(observer, key: str, i: int, run) -> None:

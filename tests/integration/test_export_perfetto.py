@@ -9,30 +9,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState
 from app.data.export_perfetto import COUNTERS, export, ns
 from kvscope_contract.recording import Recording
+from tests.perfetto_trace import decode
 
 DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo_recording.jsonl"
-
-
-def decode(data: bytes):
-    """(track names by uuid, parents by uuid, track events as (ts, TrackEvent) in file order)."""
-    trace = Trace()
-    trace.ParseFromString(data)
-    names, parents, events = {}, {}, []
-    for pkt in trace.packet:
-        assert pkt.trusted_packet_sequence_id == 1
-        if pkt.HasField("track_descriptor"):
-            d = pkt.track_descriptor
-            names[d.uuid] = d.name
-            parents[d.uuid] = d.parent_uuid if d.HasField("parent_uuid") else None
-        elif pkt.HasField("track_event"):
-            events.append((pkt.timestamp, pkt.track_event))
-    return names, parents, events
 
 
 def args_of(te: TrackEvent) -> dict:
@@ -59,7 +44,8 @@ def expected_phases(events: list[p.AnyEvent]) -> dict[str, list[tuple[str, int]]
             case p.Fork():
                 enter(ev.seq_id, status[ev.parent_seq_id], ev.t)
             case p.StatusChange():
-                enter(ev.seq_id, {"running": "running", "waiting": "waiting", "swapped": "swapped out"}[ev.status], ev.t)
+                enter(ev.seq_id, {"running": "running", "waiting": "waiting", "swapped": "swapped out"}[ev.status],
+                      ev.t)
             case p.Preempt():
                 enter(ev.seq_id, "swapped out" if ev.mode == "swap" else "preempted", ev.t)
             case p.SwapIn():

@@ -21,8 +21,8 @@ from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
 from tests.waiting import free_port, wait
+from tests.synthetic import BS, synthetic_server
 
-BS, BLOCKS = 16, 64
 SYSTEM = " ".join(w.strip() for w in WORDS[100:150])         # 50 tokens: 3 full blocks
 QUESTIONS = [" ".join(w.strip() for w in WORDS[500 + 20 * i:500 + 20 * i + 21]) for i in range(3)]
 
@@ -31,17 +31,9 @@ def tokens(text: str) -> list[int]:
     return [INDEX[w] for w in text.split()]
 
 
-def synthetic(port: int = 0) -> ServerProcess:
-    proc = ServerProcess("engine.synthetic", ["--port", str(port), "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
-                                             "--block-size", str(BS), "--live", "0", "--fill", "0", "--warm-steps", "0",
-                                             "--step-delay-ms", "0", "--max-num-seqs", "8"]).start()
-    assert proc.wait_ready(120), "\n".join(proc.tail(30))
-    return proc
-
-
 @pytest.fixture()
 def pair():
-    procs = [synthetic(), synthetic()]
+    procs = [synthetic_server(), synthetic_server()]
     fleet = Fleet.of([Endpoint("a", procs[0].url), Endpoint("b", procs[1].url)])
     wait(lambda: all(r.state == "live" for r in fleet.rows()), 30, "both engines live")
     yield fleet, procs
@@ -179,7 +171,7 @@ def test_numbers_on_a_card_do_not_go_stale(pair, monkeypatch):
         time.sleep(2)  # several refused connections: it is coming up, not down
         row = late.rows()[0]
         assert row.state == "connecting" and "Error" not in row.error and row.alarm == "", row
-        proc = synthetic(port)
+        proc = synthetic_server(port)
         wait(lambda: late.rows()[0].state == "live", 30, "live once it listens")
         proc.stop()
         row = wait(lambda: (r := late.rows()[0]).state == "down" and r, 30, "down once it stops")
@@ -265,7 +257,8 @@ def test_round_robin_duplicates_the_system_prompts_and_affinity_does_not(pair):
 def test_fleet_files(tmp_path):
     good = tmp_path / "fleet.toml"
     good.write_text('[[engine]]\nname = "a"\nurl = "ws://127.0.0.1:8765"\nkind = "vllm-plugin"\nrank = 1\n'
-                    '[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"\nkind = "kv-events"\n')
+                    '[[engine]]\nname = "b"\nurl = "tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"\nkind = '
+                    '"kv-events"\n')
     a, b = load_fleet(good)
     assert a.address == "ws://127.0.0.1:8766" and b.kind == "kv-events"
     from app.data.source import Source, from_command_line
@@ -274,7 +267,8 @@ def test_fleet_files(tmp_path):
     for text, says in [('[[engine]]\nname = "a"\n', "no url"),
                        ('[[engine]]\nurl = "http://x"\n', "starts with ws://"),
                        ('[[engine]]\nurl = "ws://x:1"\nkind = "sglang"\n', "kind must be"),
-                       ('[[engine]]\nurl = "ws://x:1"\nname = "a"\n[[engine]]\nurl = "ws://x:2"\nname = "a"\n', "must differ"),
+                       ('[[engine]]\nurl = "ws://x:1"\nname = "a"\n[[engine]]\nurl = "ws://x:2"\nname = "a"\n',
+                        "must differ"),
                        ("engine = [", "not TOML"), ("", "[[engine]]")]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)
@@ -285,7 +279,7 @@ def test_fleet_files(tmp_path):
 def test_a_kv_event_stream_names_blocks_by_the_same_content_as_a_kvscope_engine(pair):
     """A ZMQ KV-event stream (vLLM's wire format, other hashes) and a KVScope engine caching the
     same tokens: one content, two holders, and the page warns that their hashes differ."""
-    from tests.vllm.test_kv_events import Publisher, stored_map
+    from tests.kv_event_stream import Publisher, stored_map
 
     fleet, _ = pair
     run(fleet, "a", SYSTEM)

@@ -13,15 +13,15 @@ from streamlit.testing.v1 import AppTest
 
 from app.data.client import EngineClient
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
-from tests.integration.test_fleet import synthetic
 from tests.waiting import wait
+from tests.synthetic import synthetic_server
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 
 
 @pytest.fixture()
 def engines(tmp_path):
-    procs = [synthetic(), synthetic()]
+    procs = [synthetic_server(), synthetic_server()]
     path = tmp_path / "fleet.toml"
     path.write_text("".join(f'[[engine]]\nname = "{n}"\nurl = "{p.url}"\n' for n, p in zip(("pod-a", "pod-b"), procs)))
     yield procs, path
@@ -205,7 +205,8 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
             page.get_by_role("option", name="pod-b", exact=True).click()
             page.locator(".st-key-fleet_open button").click()  # enabled once the choice has rerun the page
             main.get_by_text("Connected · attached engine", exact=False).wait_for(timeout=180_000)
-            assert re.search(r"\b[\d,]+ / 64\b", main.inner_text()) and procs[1].url in main.inner_text()  # pod-b's pool
+            assert re.search(r"\b[\d,]+ / 64\b",
+                             main.inner_text()) and procs[1].url in main.inner_text()  # pod-b's pool
             page.get_by_role("button", name="Back to the fleet").click()
             wait(lambda: numbers("pod-b").get("state") == "live", 120, "the fleet page again")
             browser.close()

@@ -18,8 +18,8 @@ from app.data.client import EngineClient
 from app.data.lessons.fleet_lesson import all_fleet_lessons, caption, stop_launched
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
-from tests.integration.test_app import at, engine, observer, recording  # noqa: F401
 from tests.waiting import wait
+from tests.synthetic import synthetic_server
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 LESSONS = {lesson.key: lesson for lesson in all_fleet_lessons()}
@@ -126,7 +126,8 @@ def hit_claims(at: AtStop, got: dict[str, list]) -> None:
             assert (n > 0) == (system[req.request_id] in seen), (e.name, req.request_id, n)
             seen.add(system[req.request_id])
             hit_tokens += n * 16
-        assert re.search(rf"{e.name} \d+% \({hit_tokens:,} of [\d,]+ tokens\)", at.words["hit_rates"]), at.words["hit_rates"]
+        assert re.search(rf"{e.name} \d+% \({hit_tokens:,} of [\d,]+ tokens\)",
+                         at.words["hit_rates"]), at.words["hit_rates"]
 
 
 def rr(at: AtStop) -> None:
@@ -306,9 +307,8 @@ def test_an_engine_killed_during_the_lesson_is_said_at_once():
 
     from app.data.fleet.engines import Endpoint, Fleet
     from app.data.lessons.fleet_lesson import FleetLessonRun
-    from tests.integration.test_fleet import synthetic
 
-    procs = [synthetic(), synthetic()]
+    procs = [synthetic_server(), synthetic_server()]
     fleet = Fleet.of([Endpoint("a", procs[0].url), Endpoint("b", procs[1].url)])
     try:
         run = FleetLessonRun(LESSONS["routing"], fleet)

@@ -4,10 +4,8 @@ names, only metrics vLLM 0.32 serves (VLLM_METRICS; tests/vllm/test_vllm.py chec
 against a real vLLM), with the alert's threshold drawn."""
 from __future__ import annotations
 
-import json
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,30 +15,10 @@ from kvscope_contract import protocol as p
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import load_model
 from engine.serve.server import start_in_thread
+from tests.grafana_board import ALERTS, VLLM_METRICS, board, exprs
 
-ROOT = Path(__file__).resolve().parents[2]
-BOARD = ROOT / "docs" / "grafana" / "kvscope.json"
-ALERTS = ROOT / "docs" / "prometheus" / "alerts.yml"
-# what vLLM 0.32 (v1 engine) serves on /metrics and the board reads (samples, counters with _total)
-# (the residency histograms with --kv-cache-metrics)
-VLLM_METRICS = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                "vllm:num_requests_waiting_by_reason", "vllm:prefix_cache_queries_total",
-                "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
-                "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total",
-                *(f"vllm:kv_block_{h}_seconds_{part}" for h in ("lifetime", "idle_before_evict", "reuse_gap")
-                  for part in ("bucket", "sum", "count"))}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
                 "bool", "offset"}
-
-
-def board() -> dict:
-    return json.loads(BOARD.read_text())
-
-
-def exprs(b: dict) -> list[str]:
-    out = [t["expr"] for panel in b["panels"] for t in panel["targets"]]
-    out += [v["definition"] for v in b["templating"]["list"] if v["type"] == "query"]
-    return out
 
 
 def metric_names(expr: str) -> set[str]:

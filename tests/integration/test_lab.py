@@ -134,7 +134,8 @@ def test_a_recording_replayed_at_its_own_config_gives_the_recorded_numbers():
 
 
 LIVE = {"tight swap": CONFIGS["tight swap"], "chunked": CONFIGS["chunked"],
-        "tight recompute": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=40, preemption_mode="recompute")),
+        "tight recompute": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=40,
+                                                       preemption_mode="recompute")),
         "no cache": LabConfig(pool=p.PoolConfig(block_size=16, num_device_blocks=64, enable_prefix_caching=False))}
 
 

@@ -17,7 +17,7 @@ from kvscope_contract.misses import REASONS
 from kvscope_contract.residency import Mark, Residency
 from kvscope_contract.state import PoolState
 from engine.model.engine import LLMEngine
-from tests.integration.test_server import SYSTEM
+from tests.prompts import SYSTEM
 from tests.protocol_client import Client
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away",

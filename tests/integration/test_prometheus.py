@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,8 +20,9 @@ import pytest
 
 from app.data.launcher import ServerProcess
 from tests.protocol_client import Client
-from tests.integration.test_grafana import board, exprs
-from tests.waiting import free_port, wait
+from tests.grafana_board import board, exprs
+from kvscope_contract.ready import free_port
+from tests.waiting import wait
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "docs" / "prometheus"
@@ -122,7 +122,9 @@ scrape_configs:
                 "kvscope_free_blocks", "kvscope_slot_utilisation", "vllm:kv_block_lifetime_seconds_bucket",
                 "vllm:num_requests_waiting_by_reason", "vllm:prompt_tokens_cached_total",
                 "kvscope_prefix_cache_miss_tokens_total"} <= names
-        time.sleep(3)  # a few evaluations of an empty pool: no alert
+        evaluations = set()  # a few evaluations of an empty pool: no alert
+        wait_for("three rule evaluations", lambda: evaluations.add(api(base, "rules")["groups"][0]["lastEvaluation"])
+                 or len(evaluations) > 3)
         assert not [a for a in api(base, "alerts")["alerts"] if a["labels"]["alertname"] == "KVCacheFreeBlocksLow"]
 
         # a scenario: a shared prompt twice (prefix hits, blocks cached then reused), then long requests

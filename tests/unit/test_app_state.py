@@ -109,7 +109,8 @@ def test_counters_of_a_client_that_attached_late_say_since_when(recorded):
     for ev in events[len(events) // 2:]:
         late.apply(ev)
     assert late.tally.since == f"you attached (event {events[len(events) // 2 - 1].seq:,})"
-    assert late.tally.hit_tokens <= late.tally.looked_up_tokens and Mirror.from_snapshot(first).tally.since == "engine start"
+    assert late.tally.hit_tokens <= late.tally.looked_up_tokens
+    assert Mirror.from_snapshot(first).tally.since == "engine start"
 
 
 def test_usage_compares_contiguous_reservation_with_paging(recorded):
@@ -223,7 +224,8 @@ def test_command_line_and_environment():
     assert from_command_line([], {}) == Source("embedded")
     assert from_command_line(["--model", "tiny", "--num-device-blocks", "1024"], {}) == Source(
         "embedded", model="tiny", engine_args=("--num-device-blocks", "1024"))
-    assert from_command_line(["--engine", "ws://h:1/", "--token", "t"], {}) == Source("attach", url="ws://h:1/", token="t")
+    attach = Source("attach", url="ws://h:1/", token="t")
+    assert from_command_line(["--engine", "ws://h:1/", "--token", "t"], {}) == attach
     assert from_command_line([], {"KVSCOPE_ENGINE": "ws://x:2/"}).url == "ws://x:2/"
     rep = from_command_line(["--replay", "assets/x.jsonl", "--speed", "2"], {})
     assert rep.kind == "replay" and rep.path.endswith("assets/x.jsonl") and rep.speed == 2

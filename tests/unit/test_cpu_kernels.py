@@ -10,36 +10,13 @@ import pytest
 import torch
 
 import kernels
-from engine.model.model_loader import default_cache_dir
 from kernels import cpu_build, linear
-from tests.unit.test_kernels import CASES, MIXED, close, make_batch, naive_attention
+from tests.cpu_variants import BUILD_DIR
+from tests.attention_cases import CASES, close, make_batch, naive_attention
 
 ok, why = cpu_build.supported()
 pytestmark = pytest.mark.skipif(not ok, reason=f"C++ CPU kernels cannot be built here: {why}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-BUILD_DIR = default_cache_dir() / "kernels"
-
-
-def _isa_param(isa: str):
-    runs, why = cpu_build.runnable(isa)
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(not (ok and runs), reason=f"{isa}: {why or why_not}"))
-
-
-why_not = why
-ISA_PARAMS = [_isa_param(isa) for isa in cpu_build.ISAS]
-
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def isa(request):
-    """Every kernel call goes to this variant (its own library and op namespace) while the
-    module's tests that ask for it run; the engine's own choice again after."""
-    saved = dict(cpu_build._state)
-    cpu_build.use(request.param, BUILD_DIR)
-    yield request.param
-    cpu_build._state.clear()
-    cpu_build._state.update(saved)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -168,7 +145,8 @@ def test_bad_input_is_refused_clearly(isa):
 def test_a_build_failure_falls_back_to_the_torch_path(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_state", {})
     monkeypatch.setattr(cpu_build, "_libraries", {})
-    monkeypatch.setattr(cpu_build, "FLAGS", cpu_build.FLAGS + ["-fno-such-flag"])  # a new key: a fresh build, which fails
+    monkeypatch.setattr(cpu_build, "FLAGS",
+                        cpu_build.FLAGS + ["-fno-such-flag"])  # a new key: a fresh build, which fails
     said = []
     assert not cpu_build.load(tmp_path, said.append)
     assert "g++ failed" in cpu_build.status() and "using the torch path" in said[-1]
@@ -202,7 +180,7 @@ def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, rows, bias):
     torch.manual_seed(rows)
     layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
     x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576]  # rows strided, as the engine's views are
-    streamed = lambda w: w.to(gemv_dtype or dtype).double()  # noqa: E731
+    streamed = lambda w: w.to(gemv_dtype or dtype).double()
     with torch.inference_mode():
         out = linear.Linear(layers, "torch", gemv=True, gemv_dtype=gemv_dtype)(x)
         expected = torch.cat([torch.nn.functional.linear(x.double(), streamed(layer.weight),
@@ -251,7 +229,8 @@ def test_each_cpu_gets_the_best_variant_it_runs_and_a_forced_one_it_cannot_run_i
             if isa in runs:
                 assert cpu_build.chosen_isa() == isa
             else:
-                with pytest.raises(cpu_build.IsaError, match=f"KVSCOPE_CPU_ISA={isa}: .*this CPU runs {', '.join(runs)}"):
+                with pytest.raises(cpu_build.IsaError,
+                                   match=f"KVSCOPE_CPU_ISA={isa}: .*this CPU runs {', '.join(runs)}"):
                     cpu_build.chosen_isa()
         monkeypatch.setenv("KVSCOPE_CPU_ISA", "sse9")
         with pytest.raises(cpu_build.IsaError, match="unknown variant 'sse9'"):
@@ -268,7 +247,7 @@ def test_the_variants_are_separate_libraries_loaded_side_by_side():
     compute the same GEMV (fp32; within rounding, as the sums are added in another order)."""
     runs = cpu_build.runnable_isas() if ok else []
     if not runs:
-        pytest.skip(why_not)
+        pytest.skip(why)
     w, x = torch.randn(64, 128), torch.randn(2, 128)
     outs = {}
     for isa in runs:

@@ -17,7 +17,7 @@ from engine.model.engine import LLMEngine
 from engine.model.model_loader import apply_chat_template, load_model
 from engine.core.sequence import SamplingParams
 from kvscope_contract.state import PoolState, check_invariants
-from tests.unit.test_cpu_kernels import isa  # noqa: F401  (a fixture: each C++ kernel variant this CPU runs)
+from tests.tiny_engine import make
 
 PROMPTS = [
     "The capital of France is",
@@ -27,12 +27,6 @@ PROMPTS = [
     "Paged attention stores the keys and values of every token in fixed-size blocks, so that",
     "Q:",
 ]
-
-
-def make(loaded, **pool) -> LLMEngine:
-    cfg = EngineConfig(model="tiny", max_num_batched_tokens=pool.pop("max_num_batched_tokens", 1024),
-                       pool=p.PoolConfig(**{"num_device_blocks": 128, "num_host_blocks": 64, **pool}))
-    return LLMEngine(cfg, loaded)
 
 
 def hf_greedy(loaded, prompt_ids: list[int], max_new: int) -> list[int]:

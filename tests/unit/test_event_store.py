@@ -8,7 +8,7 @@ from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState
 from app.data.event_store import CHUNK, EventStore
 from app.data.event_history import EventHistory
-from tests.unit.test_grid import busy_history
+from tests.histories import busy_history
 
 
 def test_the_store_reads_like_a_list_through_chunks_gaps_and_trims():

@@ -15,32 +15,12 @@ from app.panels import grid
 from app.data.client import View
 from app.data.event_history import EventHistory
 from tests.pool_driver import PoolDriver
-
-PREFIX = list(range(100, 132))
-
-
-def busy_history(seed: int = 7, ops: int = 1500) -> tuple[EventHistory, PoolDriver]:
-    """A small pool under pressure, driven by the real block manager: prefix hits, forks,
-    copies on write, swaps, recomputes, finishes; prompts carry their token texts; one
-    operation per engine step."""
-    rng = random.Random(seed)
-    d = PoolDriver(p.PoolConfig(block_size=4, num_device_blocks=48, num_host_blocks=16))
-    h = EventHistory(d.first, checkpoint_every=50)
-    for _ in range(ops):
-        d.random_op(rng, [PREFIX], vocab=90)
-        d.log.step += 1
-        for ev in d.drain():
-            h.append(ev)
-    return h, d
+from tests.histories import PREFIX, busy_history, view_at
 
 
 @pytest.fixture(scope="module")
 def history():
     return busy_history()
-
-
-def view_at(h: EventHistory, n: int) -> View:
-    return View(h.at(n), n == h.last_event, 1, h.last_step_events(n))
 
 
 def test_the_busy_history_shows_every_mechanism(history):
@@ -209,3 +189,13 @@ def test_deltas_over_many_frames_of_a_pool_without_host_blocks_or_of_one_block(c
         held = apply(held, grid.message(frame, base))
         assert held["dev"].tobytes() == frame.dev.tobytes() and held["host"].tobytes() == frame.host.tobytes()
     assert len(held["host"]) == config.num_host_blocks and len(held["dev"]) == config.num_device_blocks
+
+
+def test_the_grid_publishes_what_it_drew_only_when_the_tests_ask(monkeypatch):
+    """Shipped JavaScript keeps its test hooks (window.__kvscope_*) off unless the app runs with
+    KVSCOPE_TEST_HOOKS=1, as tools/launch.py starts it for a driven browser."""
+    from app.streamlit_argv import TEST_HOOKS
+    monkeypatch.delenv(TEST_HOOKS, raising=False)
+    assert "data-test-hooks" not in grid._html()
+    monkeypatch.setenv(TEST_HOOKS, "1")
+    assert "data-test-hooks" in grid._html()

@@ -33,7 +33,8 @@ def test_tiny_dims(tiny_cpu: ml.LoadedModel) -> None:
     lm = load_model("tiny", device="cpu", progress=lambda _: None)  # its load time: bench/model_load.py
     c = lm.model.config
     assert isinstance(lm.model, LlamaForCausalLM) and not lm.model.training
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (2, 96, 6, 2, 16)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim) == (2, 96, 6, 2, 16)
     assert c.vocab_size == len(lm.tokenizer) == 49152
     assert lm.model.get_input_embeddings().weight[lm.eos_token_ids].abs().sum(-1).min() > 0  # no zeroed pad row
     assert c._attn_implementation == "sdpa"
@@ -55,7 +56,8 @@ def test_tiny_greedy_is_not_degenerate(tiny_cpu: ml.LoadedModel) -> None:
 
 def test_tokenizer_round_trip(tiny_cpu: ml.LoadedModel) -> None:
     tok = tiny_cpu.tokenizer
-    for text in ["Hello, world!", "In 2018, 12,345 people paid €3.50 each.\n\tdef f(x): return x**2", "naïve café 東京"]:
+    for text in ["Hello, world!", "In 2018, 12,345 people paid €3.50 each.\n\tdef f(x): return x**2",
+                 "naïve café 東京"]:
         ids = tok.encode(text)
         assert ids and ids[0] != tok.bos_token_id  # SmolLM2 adds no BOS to plain text
         assert tok.decode(ids) == text
@@ -78,13 +80,16 @@ def test_chat_template(tiny_cpu: ml.LoadedModel) -> None:
     assert "<|im_start|>system\nYou are a helpful AI assistant" in text  # SmolLM2's default system turn
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in text
     own = apply_chat_template(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert tok.decode(own) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(own) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                               "<|im_start|>assistant\n")
 
 
 def test_chat_without_template_falls_back_to_plain_text() -> None:
     tok = load_model("tiny", device="cpu").tokenizer
     tok.chat_template = None
-    assert apply_chat_template(tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == tok.encode("a\nb")
+    assert apply_chat_template(tok,
+                               [{"role": "user", "content": "a"},
+                                {"role": "user", "content": "b"}]) == tok.encode("a\nb")
 
 
 def test_default_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,7 +152,8 @@ def _folder(tmp_path: Path, config: dict | None, weights: bool = True, tokenizer
     (lambda p: _folder(p, None, weights=False, tokenizer=False),
      r"missing config.json, weights \(\*.safetensors or pytorch_model\*.bin\), a tokenizer"),
     (lambda p: _folder(p, {"model_type": "llama"}, weights=False), r"missing weights"),
-    (lambda p: _folder(p, {"model_type": "gpt2"}), r"model_type 'gpt2' is not supported; .*llama, mistral, qwen2, qwen3"),
+    (lambda p: _folder(p, {"model_type": "gpt2"}),
+     r"model_type 'gpt2' is not supported; .*llama, mistral, qwen2, qwen3"),
     (lambda p: _folder(p, {"model_type": "mistral", "sliding_window": 4096}), "sliding-window attention"),
     (lambda p: _folder(p, {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}),
      "sliding-window attention"),

@@ -9,7 +9,7 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState, check_invariants
 from engine.core.sequence import SamplingParams
-from tests.unit.test_engine import make  # noqa: F401
+from tests.tiny_engine import make
 
 PROMPT = "The cat sat"
 

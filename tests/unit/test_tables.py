@@ -105,6 +105,9 @@ def test_a_waiting_or_recomputed_sequence_shows_the_tokens_it_has_and_needs():
         h.append(ev)
     view = View(h.at(h.last_event), True, 1, [])
     html = tables.render(view, {})
-    texts = {m.group(1): m.group(2) for m in re.finditer(r'class="id">([^<]+)</span>.*?class="meta">([^<]+)</span>', html)}
-    assert texts[waiting.seq_id] == "0 of 120 tokens in the cache (120 prompt + 0 output, max 40) · 120 to compute · no blocks, needs 8 blocks of 16"
-    assert texts[running.seq_id] == "0 of 96 tokens in the cache (80 prompt + 16 output, max 40) · 96 to recompute · no blocks, needs 6 blocks of 16"
+    texts = {m.group(1): m.group(2) for m in re.finditer(r'class="id">([^<]+)</span>.*?class="meta">([^<]+)</span>',
+                                                         html)}
+    assert texts[waiting.seq_id] == ("0 of 120 tokens in the cache (120 prompt + 0 output, max 40) · 120 to compute · "
+                                     "no blocks, needs 8 blocks of 16")
+    assert texts[running.seq_id] == ("0 of 96 tokens in the cache (80 prompt + 16 output, max 40) · 96 to recompute · "
+                                     "no blocks, needs 6 blocks of 16")

@@ -7,13 +7,11 @@ from __future__ import annotations
 import random
 import re
 
-import numpy as np
 
 from kvscope_contract import protocol as p
 from app.panels import grid, tables
 from app.data.event_history import EventHistory
-from tests.pool_driver import PoolDriver
-from tests.unit.test_grid import busy_history, view_at
+from tests.histories import busy_history, view_at
 
 
 def canvas(held: dict, data: bytes) -> tuple[dict, bool]:

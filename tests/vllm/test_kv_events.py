@@ -3,11 +3,8 @@ of what the stream shows, and the subscriber against real ZMQ PUB and ROUTER soc
 speak vLLM's wire format (tests/vllm/test_vllm.py feeds it a real vLLM)."""
 from __future__ import annotations
 
-import threading
 
-import msgspec
 import pytest
-import zmq
 
 from app.modes.kv_events_view import block_text
 from app.panels.prefix_tree import STATE_COLORS, render
@@ -16,21 +13,10 @@ from integrations.kv_events.decode import (Cleared, FrameError, Removed, Stored,
                                            decode_frames, vllm_hash_hex)
 from integrations.kv_events.model import KVEventsState
 from integrations.kv_events.subscriber import Endpoint, KVEventsSubscriber
-from kvscope_contract.ready import free_ports
 from tests.waiting import wait
+from tests.kv_event_stream import Publisher, frames, pack, stored_map
 
-pack = msgspec.msgpack.encode
 H1, H2, H3 = 0x1111_2222_3333_4444, 0xAAAA_BBBB_CCCC_DDDD, 7
-
-
-def stored_map(hashes, parent=None, tokens=None, size=2, medium="GPU"):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": tokens if tokens is not None else list(range(size * len(hashes))),
-            "block_size": size, "lora_id": None, "medium": medium}
-
-
-def frames(seq: int, events, ts: float = 1.0, topic: bytes = b"") -> list[bytes]:
-    return [topic, seq.to_bytes(8, "big"), pack([ts, events, 0])]
 
 
 def test_map_and_positional_encodings_decode_to_the_same_events():
@@ -132,42 +118,6 @@ def test_endpoints_parse_topic_and_replay_and_refuse_other_urls():
     for bad in ("http://x:1", "5557", "tcp://"):
         with pytest.raises(ValueError):
             Endpoint.parse(bad)
-
-
-class Publisher:
-    """vLLM's ZmqEventPublisher on the wire: PUB [topic, seq, payload], and a ROUTER that
-    replays buffered batches from a sequence number, then an end marker."""
-
-    def __init__(self, topic: bytes = b"kv"):
-        self.ctx = zmq.Context()
-        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
-        self.port, self.replay_port = free_ports(2)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
-        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
-        self.topic, self.buffer, self.stop = topic, [], threading.Event()
-        self.thread = threading.Thread(target=self._serve_replay, daemon=True)
-        self.thread.start()
-
-    def send(self, seq: int, events, raw: list[bytes] | None = None) -> None:
-        msg = raw or frames(seq, events, topic=self.topic)
-        self.buffer.append(msg)
-        self.pub.send_multipart(msg)
-
-    def _serve_replay(self) -> None:
-        while not self.stop.is_set():
-            if self.router.poll(50):
-                client, _, start = self.router.recv_multipart()
-                for msg in self.buffer:
-                    if int.from_bytes(msg[1], "big") >= int.from_bytes(start, "big"):
-                        self.router.send_multipart([client, b"", *msg])
-                self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.pub.close(0)
-        self.router.close(0)
-        self.ctx.term()
 
 
 def cached(sub: KVEventsSubscriber) -> set[str]:

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from tests.vllm.vllm_server import NO_VLLM, ROOT, VLLM_PYTHON
-from tests.waiting import free_port, wait
+from kvscope_contract.ready import free_port
+from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
 

@@ -21,7 +21,8 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
-from tests.vllm.vllm_server import BUNDLED, NO_VLLM, ROOT, VLLM_PYTHON, VllmServer, vllm_version
+from integrations.vllm.serve import BUNDLED
+from tests.vllm.vllm_server import NO_VLLM, ROOT, VLLM_PYTHON, VllmServer, vllm_version
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -238,13 +239,13 @@ def test_f_what_vllm_cannot_do_answers_unsupported_and_bad_prompts_come_back_as_
 
 
 def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(vllm):
-    """The board's and the alert rules' vllm: names (tests/integration/test_grafana.py's list) on vLLM's own /metrics."""
+    """The board's and the alert rules' vllm: names (tests/grafana_board.py's list) on vLLM's own /metrics."""
     import re
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.integration.test_grafana import ALERTS, VLLM_METRICS
+    from tests.grafana_board import ALERTS, VLLM_METRICS
     with urllib.request.urlopen(vllm.api + "/metrics", timeout=30) as r:
         served = {s.name for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
     assert VLLM_METRICS <= served, VLLM_METRICS - served
@@ -271,7 +272,7 @@ def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_res
     """The grid on vLLM's pool (no host blocks), then frame after frame of vLLM's traffic as the
     browser pulls them (each a delta from the one it holds), and every other view on the way
     (issue 17, item 1: the first delta of a pool without host blocks raised, the page froze)."""
-    from tests.integration.test_app import grid_data
+    from tests.apptest import grid_data
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
     data = wait(lambda: grid_data(at.run()), 60, "the grid")
@@ -299,7 +300,7 @@ def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate
     """Issue 17, items 8 and 12: the header names vLLM's OpenAI server; after the Overload preset
     (its re-admissions after recompute hit the cache, which vLLM's counter leaves out), the
     dashboard's numbers by vLLM's definition equal vLLM's own /metrics counters' deltas."""
-    from tests.integration.test_app import rerun_until
+    from tests.apptest import rerun_until
     from app.data.scenarios import SCENARIOS
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
@@ -348,7 +349,7 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
 def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard):
     """What `make run-vllm` does: the dashboard starts vLLM from .venv-vllm with the plugin, shows
     vLLM's log while it loads, then draws its pool."""
-    from tests.integration.test_app import grid_data
+    from tests.apptest import grid_data
 
     at = dashboard(KVSCOPE_VLLM="smollm2", KVSCOPE_ENGINE_ARGS="--num-blocks 40")
     assert any("Starting the vLLM (smollm2) with the KVScope plugin" in s.label for s in at.status)
@@ -455,7 +456,8 @@ def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_
         assert scores[best].cached_tokens >= 64 and ix.route(tokenize(fleet.engines["a"], prompt)) == best
         for name, server in zip("ab", (vllm, second)):
             out = server.post("/v1/completions", {"model": BUNDLED.name, "prompt": prompt, "max_tokens": 2})
-            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == scores[name].reusable_tokens, (name, prompt)
+            cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == scores[name].reusable_tokens, (name, prompt)
 
 
 def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload(vllm, second, fleet):
@@ -508,7 +510,7 @@ def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(v
     import os
     import signal
 
-    from tests.browser.test_browser import children
+    from tests.processes import children
 
     # the whole server: vLLM's engine core (where the plugin's WebSocket lives) is a child of its API server
     doomed, todo = [], [second.proc.pid]
@@ -584,6 +586,7 @@ def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_ope
              "the stream to hold only what was cached after the clear")
         f.engines["gone"].submit(fleet_load.workload(1)[0].command())
         wait(lambda: f.engines["gone"].load_errors, 30, "the dead server's error")
-        assert "refused" in f.engines["gone"].load_errors[0].lower() or "error" in f.engines["gone"].load_errors[0].lower()
+        said = f.engines["gone"].load_errors[0].lower()
+        assert "refused" in said or "error" in said
     finally:
         f.close()

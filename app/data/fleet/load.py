@@ -88,7 +88,8 @@ def assign(requests: Sequence[ChatRequest], engines: Sequence[str], policy: Poli
         turn = itertools.cycle(engines)
         return [(next(turn), r) for r in requests]
     if policy == "affinity":  # a stable hash of the first block: the same engine in every run and dashboard
-        return [(engines[int(hashlib.blake2b(affinity_key(r).encode(), digest_size=4).hexdigest(), 16) % len(engines)], r)
+        digest = lambda r: int(hashlib.blake2b(affinity_key(r).encode(), digest_size=4).hexdigest(), 16)
+        return [(engines[digest(r) % len(engines)], r)
                 for r in requests]
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
 
@@ -126,7 +127,8 @@ def post_openai(api: str, cmd: p.Submit, timeout: float = 600.0) -> dict:
         raise RuntimeError(f"{api}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
 
 
-def post_in_background(api: str, cmd: p.Submit | None, failed: Callable[[str], object], path: str = "") -> threading.Thread:
+def post_in_background(api: str, cmd: p.Submit | None, failed: Callable[[str], object],
+                       path: str = "") -> threading.Thread:
     """`post_openai` on a thread of its own (or an empty POST to `path`): the page never waits for
     a server's answer; a failure is handed to `failed`, in words."""
     def go() -> None:
@@ -134,7 +136,8 @@ def post_in_background(api: str, cmd: p.Submit | None, failed: Callable[[str], o
             if cmd is not None:
                 post_openai(api, cmd)
             else:
-                urllib.request.urlopen(urllib.request.Request(api.rstrip("/") + path, b"", method="POST"), timeout=60).close()
+                req = urllib.request.Request(api.rstrip("/") + path, b"", method="POST")
+                urllib.request.urlopen(req, timeout=60).close()
         except urllib.error.HTTPError as e:
             failed(f"{path or cmd.request_id}: HTTP {e.code}: {e.read()[:200].decode(errors='replace')}")
         except Exception as e:  # a server down, a bad answer: said on the page

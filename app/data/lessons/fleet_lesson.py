@@ -299,7 +299,8 @@ class FleetLessonRun(StopWalk):
         self.progress = f"sending {req.request_id} again to {picked}"
         again = fleet_load.ChatRequest(req.system, req.question, f"{req.request_id}-again")
         _acked(c, c.send(again.command(stop.max_tokens)), f"{picked}: submit")
-        _wait(lambda: c.view().mirror.tally.finished > finished and not c.view().mirror.state.seqs, f"{picked} to finish")
+        _wait(lambda: c.view().mirror.tally.finished > finished and not c.view().mirror.state.seqs,
+              f"{picked} to finish")
         self.probe = dict(request=req, first_engine=engine, ids=ids, scores=scores, picked=picked, again=again,
                           reused=self._counters(picked)[0] - before[0])
 

@@ -214,11 +214,13 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
         "moved": str(sum(len(e.mapping) for e in fx.step_events if isinstance(e, (p.SwapOut, p.SwapIn)))),
         "lost": str(sum(before.state.seqs[e.seq_id].num_tokens for e in fx.step_events if isinstance(e, p.Preempt)
                         and e.mode == "recompute" and before is not None and e.seq_id in before.state.seqs)),
-        "hash": getattr(ev, "hash", "") or "-", "parent_hash": getattr(ev, "parent_hash", None) or "none (a first block)",
+        "hash": getattr(ev, "hash", "") or "-",
+        "parent_hash": getattr(ev, "parent_hash", None) or "none (a first block)",
         "model": engine.model if engine else "?", "layers": str(engine.num_layers if engine else "?"),
         "kv_heads": str(engine.num_kv_heads if engine else "?"), "head_dim": str(engine.head_dim if engine else "?"),
         "dtype": dtype, "dtype_bytes": str(DTYPE_BYTES.get(dtype, "?")), "bytes_per_block": f"{bpb:,}",
-        "kib_per_block": f"{bpb / 1024:,.1f}", "bytes_per_token": f"{bpb // bs:,}", "blocks_per_gib": f"{GIB // bpb:,}" if bpb else "?",
+        "kib_per_block": f"{bpb / 1024:,.1f}", "bytes_per_token": f"{bpb // bs:,}",
+        "blocks_per_gib": f"{GIB // bpb:,}" if bpb else "?",
         "tokens_per_gib": f"{GIB // bpb * bs:,}" if bpb else "?",
         "seqs_per_gib": f"{GIB // bpb * bs // 2048:,}" if bpb else "?",
         "pool_mib": _mib(bpb * cfg.num_device_blocks),
@@ -243,7 +245,8 @@ def records_table(records: dict[str, dict], columns: list[str] = ()) -> str:
     if not records:
         return "(nothing recorded yet)"
     rows = list(records.items())
-    cols = list(columns) or [k for k in RECORDED if len(rows) == 1 or len({r[k] for _, r in rows}) > 1] or list(RECORDED)
+    differ = [k for k in RECORDED if len(rows) == 1 or len({r[k] for _, r in rows}) > 1]
+    cols = list(columns) or differ or list(RECORDED)
     names = {"bs": "block size", "total": "blocks", "used": "used", "slot_util": "slot util", "waste": "empty slots",
              "entries": "table entries", "paged_slots": "paged slots", "reserved_slots": "reserved slots",
              "hit_rate": "hit rate", "preemptions": "preemptions", "recomputes": "recomputes",

@@ -1,0 +1,120 @@
+"""Driving and reading the dashboard under AppTest, for the tests of tests/integration/ (their
+fixtures, an engine server and the app on it, are in tests/integration/conftest.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from kvscope_contract import protocol as p
+from app.panels import grid
+from app.data.client import EngineClient
+from app.data.lessons.lesson import all_lessons
+from tests.waiting import wait
+
+MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
+DEFAULT_POOL = p.ResetConfig(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=16,
+                             enable_prefix_caching=True, preemption_mode="swap")
+LESSONS = {lesson.key: lesson for lesson in all_lessons()}
+
+
+def events(c: EngineClient, kind: str, since: int = 0) -> list:
+    with c.lock:
+        return [e for e in c.history.events if e.seq > since and e.__struct_config__.tag == kind]
+
+
+def grid_data(at: AppTest, name: str = "kvscope_grid") -> dict | None:
+    """The header of the grid's last frame (app/panels/grid.py), as the canvas reads it."""
+    for el in at.get("bidi_component"):
+        if el.proto.component_name == name:
+            return grid.read(el.proto.bytes)[0]
+    return None
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def delta(at: AppTest, label: str) -> str:
+    return next(m.proto.delta for m in at.metric if m.label == label)
+
+
+def html_with(at: AppTest, marker: str) -> str:
+    return next(h.value for h in at.html if marker in h.value)
+
+
+def rerun_until(at: AppTest, cond, timeout: float = 20.0, what: str = "the app to show it"):
+    return wait(lambda: cond(at.run()), timeout, what)
+
+
+def status_line(at: AppTest) -> str:
+    """The header's status line (state, source, address), found by its content."""
+    return next((m.value for m in at.markdown if "● **" in m.value), "")
+
+
+def show_log(at: AppTest):
+    next(c for c in at.segmented_control if c.label == "History").set_value("Event log").run()
+    return at.dataframe[0].value
+
+
+def submit(at: AppTest, text: str, **fields) -> None:
+    at.text_area(key="prompt_text").set_value(text)
+    for key, value in fields.items():
+        (at.toggle if isinstance(value, bool) else at.number_input)(key=key).set_value(value)
+    next(b for b in at.sidebar.button if b.label == "Submit").click()
+    at.run()
+
+
+def reset_widget(at: AppTest, key: str):
+    """A widget of the reset form: its key is `key@<the pool it starts from>` (app/ui/controls.py)."""
+    return next(w for kind in ("select_slider", "number_input", "selectbox", "toggle")
+                for w in getattr(at, kind) if w.key and w.key.split("@")[0] == key)
+
+
+def reset_pool(at: AppTest, **widgets) -> None:
+    """Fill the sidebar's reset form (widget key -> value) and press Reset engine."""
+    for key, value in widgets.items():
+        reset_widget(at, key).set_value(value)
+    next(b for b in at.sidebar.button if b.label == "Reset engine").click()
+    at.run()
+
+
+def embedded_tiny_512x8(monkeypatch):
+    """The dashboard on its embedded engine (the tiny model) reset to 512 blocks of 8 tokens:
+    (the app, the engine's Hosted, the grid's data)."""
+    from app.ui.connection import hosted
+    for var in ("KVSCOPE_ENGINE", "KVSCOPE_REPLAY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVSCOPE_MODEL", "tiny")
+    st.cache_resource.clear()
+    at = AppTest.from_file(MAIN, default_timeout=30)
+    rerun_until(at, grid_data, 90, "the embedded engine's grid")
+    reset_pool(at, reset_bs=8, reset_dev=512)
+    data = rerun_until(at, lambda a: (d := grid_data(a)) and (d["n"], d["bs"]) == (512, 8) and d, what="512 x 8")
+    return at, hosted("engine.serve.server", ("--model", "tiny", "--port", "0")), data
+
+
+def card(at) -> str:
+    """The lesson card's text (its markdown blocks)."""
+    return "\n".join(m.value for m in at.markdown if "stop " in m.value or "**" in m.value)
+
+
+def reached(at, i: int, n: int):
+    """Stop i reached, shown, and Next drawn for it (the sidebar draws before the card, so a run
+    in which the stop arrives in between shows it reached with Next still disabled)."""
+    run = at.session_state["lesson"]
+    return (run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
+            and (i == n - 1 or not at.button(key="lesson_next").disabled))
+
+
+def start(at, key: str, stops: int) -> None:
+    """Lessons mode, `key` picked and started, then Next until `stops` stops were reached."""
+    n = len(LESSONS[key].stops)
+    at.segmented_control(key="mode").set_value("Lessons").run()
+    at.selectbox(key="lesson_pick").set_value(key).run()
+    at.button(key="lesson_start").click().run()
+    for i in range(stops):
+        if i:
+            at.button(key="lesson_next").click().run()
+        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
