@@ -134,6 +134,7 @@ def what_if_lines(report: LabReport) -> list[str]:
            f"tokens hit ({base.hit_rate:.1%})"]
     for row in report.rows[1:]:
         gain = row.hit_tokens - base.hit_tokens
-        out.append(f"{'+' if gain >= 0 else '−'}{abs(gain):,} tokens with {what_if(base.config.pool, row.config.pool)}: "
+        change = what_if(base.config.pool, row.config.pool)
+        out.append(f"{'+' if gain >= 0 else '−'}{abs(gain):,} tokens with {change}: "
                    f"hit rate {base.hit_rate:.1%} → {row.hit_rate:.1%}")
     return out

@@ -318,7 +318,8 @@ class MissExplainer:
                 status, e = o.statuses[i]
                 lo, hi = i * bs, (i + 1) * bs
                 if status == _CACHED:  # reachable only past the first miss: that miss broke the chain
-                    out.append(Span("evicted", lo, hi, (first[1],)) if first[0] == _EVICTED else Span("unknown", lo, hi))
+                    evicted = first[0] == _EVICTED
+                    out.append(Span("evicted", lo, hi, (first[1],)) if evicted else Span("unknown", lo, hi))
                 elif status == _EVICTED:
                     out.append(Span("evicted", lo, hi, (e,)))
                 else:

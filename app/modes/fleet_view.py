@@ -138,7 +138,8 @@ def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
             if row.seen_s_ago is not None and row.blocks else "")
     api = f'<div class="api">OpenAI API {html.escape(row.api)}/v1</div>' if row.api else ""
     gone = " gone" if row.seen_s_ago is not None else ""
-    return (f'<div class="fc{" out" if row.alarm else ""}{gone}" data-engine="{html.escape(row.name)}" data-drawn="{drawn}">'
+    return (f'<div class="fc{" out" if row.alarm else ""}{gone}" data-engine="{html.escape(row.name)}" '
+            f'data-drawn="{drawn}">'
             f'<div class="hd"><span>{html.escape(row.name)}</span><span class="st {row.state}">{row.state}</span></div>'
             f'<div style="opacity:.7">{html.escape(row.kind)} · {html.escape(row.url)}</div>{api}{alarm}{seen}'
             f'<div class="body">{img}<div class="nums">{body}</div></div>{err}</div>')
@@ -222,8 +223,9 @@ def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
     rows = fleet.rows()
     ix = fleet.index(rows)
     names = [e.name for e in fleet.members()]
+    gone = [r for r in rows if r.seen_s_ago is not None and r.cached]
     left_out = "; ".join(f"{r.name} is {r.state}: its {plural(r.cached, 'cached block')}, last seen "
-                         f"{r.seen_s_ago:.0f} s ago, are left out" for r in rows if r.seen_s_ago is not None and r.cached)
+                         f"{r.seen_s_ago:.0f} s ago, are left out" for r in gone)
     numbers = [("cached contents", f"{len(ix.holders):,}", "distinct cached blocks, by content"),
                ("physical blocks", f"{sum(ix.copies(c) for c in ix.holders):,}",
                 "cached blocks in every engine's pool"),

@@ -59,8 +59,8 @@ HOOKS = {
                   "cache_partial_block", "move_block_hashes", "get_num_free_blocks"),
 }
 OPTIONAL_HOOKS = {"pop_blocks_for_free", "cache_partial_block", "move_block_hashes"}
-TESTED = "0.27.1 to 0.32.0"
-SHOWN_KINDS = ("full_attention", "sliding_window")  # the KV-cache group kinds the protocol has  # the vLLM releases the tests ran on (docs/vllm.md, Versions)
+TESTED = "0.27.1 to 0.32.0"  # the vLLM releases the tests ran on (docs/vllm.md, Versions)
+SHOWN_KINDS = ("full_attention", "sliding_window")  # the KV-cache group kinds the protocol has
 
 
 def spec_kind(spec) -> str:
@@ -79,10 +79,10 @@ def check_engine(scheduler) -> None:
                                 "saves and frees blocks outside what the plugin sees; vLLM runs on, unobserved")
     for g, group in enumerate(scheduler.kv_cache_config.kv_cache_groups):
         if (kind := spec_kind(group.kv_cache_spec)) not in SHOWN_KINDS:
+            layers = ", ".join(group.layer_names[:3]) + (", ..." if len(group.layer_names) > 3 else "")
             raise UnsupportedEngine(f"KV-cache group {g} of this model holds {kind.replace('_', ' ')} state "
-                                    f"({type(group.kv_cache_spec).__name__}, layers {', '.join(group.layer_names[:3])}"
-                                    f"{', ...' if len(group.layer_names) > 3 else ''}); KVScope shows full-attention and "
-                                    "sliding-window blocks only; vLLM runs on, unobserved")
+                                    f"({type(group.kv_cache_spec).__name__}, layers {layers}); KVScope shows "
+                                    "full-attention and sliding-window blocks only; vLLM runs on, unobserved")
 
 
 def hooked_objects(scheduler) -> dict[str, Any]:

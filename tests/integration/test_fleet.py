@@ -140,7 +140,8 @@ def test_every_failed_send_is_counted_and_said(pair):
     assert a.load_failed == 1 and a.load_errors[0].startswith("huge: "), list(a.load_errors)
     refused = a.load_failed
     os.kill(procs[0].pid, signal.SIGSTOP)  # it reads nothing more: these wait in its socket unanswered
-    fleet_load.send_all([("a", r) for r in fleet_load.workload(3, 1, "lost")], lambda n, cmd: fleet.engines[n].submit(cmd))
+    fleet_load.send_all([("a", r) for r in fleet_load.workload(3, 1, "lost")],
+                        lambda n, cmd: fleet.engines[n].submit(cmd))
     assert a.load_failed == refused  # not failed yet: unanswered
     os.kill(procs[0].pid, signal.SIGKILL)
     wait(lambda: a.load_failed == refused + 3, 30, "the three unanswered sends counted failed")

@@ -194,8 +194,8 @@ def test_gauges_match_the_pool_while_paused(serve):
     assert (m["vllm:num_requests_running", ""], m["vllm:num_requests_waiting", ""]) \
         == (status["running"], status["waiting"]) == (3, 3)  # r1 and its child, r2; r3..r5 wait
     # every waiting sequence waits for room (blocks or a batch slot): vLLM's "capacity"; none is deferred
-    assert (m["vllm:num_requests_waiting_by_reason", "capacity"], m["vllm:num_requests_waiting_by_reason", "deferred"]) \
-        == (3, 0)
+    waiting = "vllm:num_requests_waiting_by_reason"
+    assert (m[waiting, "capacity"], m[waiting, "deferred"]) == (3, 0)
     counts = st.counts()
     assert (m["kvscope_used_blocks", ""], m["kvscope_shared_blocks", ""], m["kvscope_cached_blocks", ""],
             m["kvscope_free_blocks", ""]) == (counts.used, counts.shared, counts.cached, counts.free)

@@ -20,7 +20,7 @@ import pytest
 
 from app.data.launcher import ServerProcess
 from tests.protocol_client import Client
-from tests.grafana_board import board, exprs
+from tests.grafana_board import board
 from kvscope_contract.ready import free_port
 from tests.waiting import wait
 
@@ -45,8 +45,9 @@ def test_promtool_unit_tests_the_rules(tmp_path):
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     # and the tests can fail: a threshold of 96% misses the 95% pool they feed it, one of 70% the
     # two thirds of misses evicted
-    for rule, wrong, alert in (("vllm:kv_cache_usage_perc > 0.90", "vllm:kv_cache_usage_perc > 0.96", "KVCacheFreeBlocksLow"),
-                               ("          > 0.5\n", "          > 0.7\n", "PrefixCacheMissesMostlyEvicted")):
+    for rule, wrong, alert in (
+            ("vllm:kv_cache_usage_perc > 0.90", "vllm:kv_cache_usage_perc > 0.96", "KVCacheFreeBlocksLow"),
+            ("          > 0.5\n", "          > 0.7\n", "PrefixCacheMissesMostlyEvicted")):
         for name in ("alerts.yml", "alerts_test.yml"):
             shutil.copy(RULES / name, tmp_path / name)
         rules = tmp_path / "alerts.yml"
@@ -131,8 +132,8 @@ scrape_configs:
         # stepped until 15 of the 16 blocks are held, then paused
         c = Client(f"ws://127.0.0.1:{engine_port}/")
         for i in range(2):
-            ack = c.request(op="submit", request_id=f"warm{i}", prompt="the KV cache holds what attention has seen " * 3,
-                            max_tokens=4)
+            ack = c.request(op="submit", request_id=f"warm{i}",
+                            prompt="the KV cache holds what attention has seen " * 3, max_tokens=4)
             c.sync(c.finished(ack["seq_ids"][0]))
         c.request(op="pause")
         for i in range(4):

@@ -106,7 +106,8 @@ class PoolMachine(RuleBasedStateMachine):
             ev = self.d.log.pending[-1]
             pairs = ev.mapping + ev.shared
             to_device = {**dict(pairs), p.NULL_BLOCK: p.NULL_BLOCK}
-            assert sorted(h for h, _ in pairs) == sorted({h for ts in tables for t in ts for h in t if h != p.NULL_BLOCK})
+            held = {h for ts in tables for t in ts for h in t if h != p.NULL_BLOCK}
+            assert sorted(h for h, _ in pairs) == sorted(held)
             assert [s.block_tables for s in group] == [[[to_device[h] for h in t] for t in ts] for ts in tables]
 
     @rule(data=strategies.data())

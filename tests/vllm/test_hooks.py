@@ -11,7 +11,8 @@ import pytest
 
 from tests.vllm.vllm_server import NO_VLLM, ROOT, VLLM_PYTHON, vllm_version
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_smoke, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_smoke,
+              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
 
 PROBE = """
 import json

@@ -15,7 +15,6 @@ import time
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from app.data.source import ROOT, VLLM_PYTHON
 from kvscope_contract.ready import free_ports
