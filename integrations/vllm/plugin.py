@@ -59,6 +59,7 @@ def attach(scheduler) -> None:
     except Exception as e:
         log.exception("kvscope: not observing this vLLM (%s)", e)
         return
+    backend.stop_serving = serving.request_stop
     original_shutdown = scheduler.shutdown
 
     def shutdown() -> None:
