@@ -25,6 +25,7 @@ from app.panels import prefix_tree
 from app.data.fleet.engines import ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources, load_fleet, tokenize
 from app.data.fleet.index import FleetIndex, pick
 from app.data.refreshed import Refreshed
+from app.data.words import plural
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
@@ -106,10 +107,6 @@ HIT_RATES = {  # the card's two hit rates: label, what it counts (the single-eng
     "first_hit_rate": ("hit rate, vLLM's", "the same at each request's first admission only: vLLM's own "
                        "prefix_cache_hits / prefix_cache_queries over these requests"),
 }
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:

@@ -189,6 +189,28 @@ def test_numbers_on_a_card_do_not_go_stale(pair, monkeypatch):
         late.close()
 
 
+def test_the_routing_lessons_numbers_say_they_are_its_two_engines(pair):
+    """A fleet of three: the lesson runs on two, and its captions say their numbers are those two's
+    alone, naming the engine the fleet-wide panel counts besides (it showed 0 duplicated blocks
+    over a panel that counted 42)."""
+    from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption
+
+    fleet, _ = pair
+    third = synthetic()
+    try:
+        fleet.add(Endpoint("c", third.url))
+        wait(lambda: all(r.state == "live" for r in fleet.rows()), 30, "three engines live")
+        lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
+        run = FleetLessonRun(lesson, fleet, "tiny")
+        run.next()
+        run.wait()
+        assert not run.errors and run.engines == ["a", "b"], run.errors
+        text = caption(lesson.stops[0], run.words())
+        assert "These numbers are a's and b's alone" in text and "1 other engine too: c" in text, text
+    finally:
+        third.stop()
+
+
 def busy(engines: int) -> ServerProcess:
     """`engines` synthetic engines in one process, each always running a few requests."""
     proc = ServerProcess("engine.synthetic", ["--port", "0", "--engines", str(engines), "--num-device-blocks", "256",
