@@ -24,6 +24,14 @@ from typing import Callable, Literal
 from kvscope_contract.ready import ready_url
 
 ROOT = Path(__file__).resolve().parents[2]
+# "" in a checkout; "kvscope." in the wheel, whose build puts app/, engine/, ... inside `kvscope`
+PACKAGE = __name__.removesuffix("app.data.launcher")
+IMPORT_ROOT = ROOT.parent if PACKAGE else ROOT  # where `python -m` finds them
+
+
+def module_path(module: str) -> str:
+    """`engine.serve.server` as `python -m` runs it in this layout."""
+    return PACKAGE + module
 # Runs the module as __main__ after arranging to die with the thread that started it.
 _BOOT = ("import ctypes, os, runpy, signal, sys\n"
          "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
@@ -61,7 +69,7 @@ class ServerProcess:
 
     @property
     def argv(self) -> list[str]:
-        return [self.python, "-u", "-c", _BOOT, self.module, *self.args]
+        return [self.python, "-u", "-c", _BOOT, module_path(self.module), *self.args]
 
     @property
     def state(self) -> Literal["starting", "ready", "exited"]:
@@ -96,7 +104,7 @@ class ServerProcess:
     def _follow(self) -> None:
         env = {**os.environ, "KVSCOPE_PARENT": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         try:
-            self._proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+            self._proc = subprocess.Popen(self.argv, cwd=IMPORT_ROOT, env=env, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           errors="replace", start_new_session=True)
         except OSError as e:

@@ -60,6 +60,12 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
     wait(lambda: at.run() and "cached contents" in [m.label for m in at.metric]
          and int(next(m.value for m in at.metric if m.label == "cached contents").replace(",", "")) > 0,
          60, "the fleet index fills")
+    # a system prompt scored as the load generator's chats run (the template), with what each engine would reuse
+    from app.data.fleet.load import SYSTEM_PROMPTS
+    at.text_area(key="fleet_prompt").set_value(SYSTEM_PROMPTS[0]).run()
+    table = next(d.value for d in at.dataframe if "would reuse" in d.value.columns)
+    assert list(table["engine"]) == ["pod-a", "pod-b"] and (table["cached tokens"] >= table["would reuse"]).all()
+    assert (table["cached tokens"] > 0).any()  # the workload's chats cached this system prompt
 
     # add an engine while running (an address nothing answers: connecting, as a server still loading
     # its model, the others unaffected), then remove it
