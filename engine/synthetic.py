@@ -73,9 +73,14 @@ class SyntheticEngine(EngineCore):
     # ------------------------------------------------------------------ the engine API of the server
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
                     *, messages: list[dict] | None = None, request_id: str | None = None) -> list[str]:
-        text = "\n".join(m["content"] for m in messages) if messages else prompt
-        ids = self.tokenize(text) if isinstance(text, str) else list(text or [])
+        ids = self.tokenize_chat(messages) if messages else self.tokenize(prompt) if isinstance(prompt, str) \
+            else list(prompt or [])
         return self.add_tokens(ids, params or SamplingParams(), request_id)
+
+    @classmethod
+    def tokenize_chat(cls, messages: list[dict]) -> list[int]:
+        """A chat as this engine runs it: its messages' text, one a line (no chat template)."""
+        return cls.tokenize("\n".join(m["content"] for m in messages))
 
     @staticmethod
     def tokenize(text: str) -> list[int]:
@@ -174,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         free, cached, used, shared, _ = engine.capture().state().counts()
         log.info("engine %d filled in %.1f s: %d used (%d shared), %d cached, %d free, %d sequences",
                  i, time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
-        hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, tokenize=engine.tokenize)
+        hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, tokenize=engine.tokenize,
+                  tokenize_chat=engine.tokenize_chat)
         hubs.append((hub, args.port + i if args.port else 0))
     serve_all_until_signal(hubs, args.host, lambda i, port: log.info(
         ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks"

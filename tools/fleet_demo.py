@@ -7,6 +7,8 @@ workload round-robin or with prefix affinity.
 Both servers get the same PYTHONHASHSEED, so their block hashes agree as well as their content
 (docs/fleet.md). The fleet file is written to a temporary folder and listed on start; the page
 shows each server as connecting (retried with backoff) until its model is loaded, about a minute.
+vLLM's own output comes out here, each line after its server's name. Stopping it (Ctrl-C, SIGTERM,
+or the dashboard exiting) stops each server's whole process group, vLLM's engine core included.
 """
 from __future__ import annotations
 
@@ -25,20 +27,25 @@ from app.streamlit_argv import streamlit_argv
 from kvscope_contract.ready import free_ports
 
 
-def start_server(num_blocks: int, ports: list[int]) -> tuple[ServerProcess, dict]:
+def start_server(name: str, num_blocks: int, ports: list[int]) -> tuple[ServerProcess, dict]:
+    """One vLLM server; its output goes to ours, each line after its name."""
     api, ws, pub, replay = ports
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
     proc = ServerProcess("integrations.vllm.serve", ["--port", str(api), "--kvscope-port", str(ws), "--num-blocks",
                                                      str(num_blocks), "--", "--kv-events-config", json.dumps(events)],
-                         str(VLLM_PYTHON)).start()
+                         str(VLLM_PYTHON), on_line=lambda line: print(f"[{name}] {line}", flush=True)).start()
     return proc, {"url": f"ws://127.0.0.1:{ws}", "api": f"http://127.0.0.1:{api}",
                   "kv_events": f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"}
 
 
+def name_of(i: int) -> str:
+    return f"vllm-{chr(97 + i)}"
+
+
 def fleet_file(servers: list[dict], folder: Path) -> Path:
     path = folder / "fleet.toml"
-    path.write_text("".join(f'[[engine]]\nname = "vllm-{chr(97 + i)}"\nurl = "{s["url"]}"\nkind = "vllm-plugin"\n'
+    path.write_text("".join(f'[[engine]]\nname = "{name_of(i)}"\nurl = "{s["url"]}"\nkind = "vllm-plugin"\n'
                             f'api = "{s["api"]}"\n# KV events: {s["kv_events"]}\n\n' for i, s in enumerate(servers)))
     return path
 
@@ -55,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     # /reset_prefix_cache, for "Clear every prefix cache" and the routing lesson (the servers bind 127.0.0.1)
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     ports = free_ports(4 * args.servers)  # all at once: each distinct
-    procs, servers = zip(*(start_server(args.num_blocks, ports[4 * i:4 * i + 4]) for i in range(args.servers)))
+    procs, servers = zip(*(start_server(name_of(i), args.num_blocks, ports[4 * i:4 * i + 4])
+                           for i in range(args.servers)))
     folder = Path(tempfile.mkdtemp(prefix="kvscope-fleet-"))
     path = fleet_file(list(servers), folder)
     print(f"[kvscope] {args.servers} vLLM servers starting (about a minute); fleet file {path}:\n{path.read_text()}",

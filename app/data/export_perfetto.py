@@ -18,6 +18,7 @@ beyond the CLI: `TraceExport` is fed events one by one (the dashboard feeds its 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 from kvscope_contract import protocol as p
 from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState
+from app.data.source import ASSETS, is_bundled, recording_path
 
 SEQUENCE_ID = 1  # every packet comes from one writer
 COUNTERS = ("free blocks", "cached blocks", "used blocks", "shared blocks", "host blocks in use",
@@ -260,18 +262,33 @@ def export_recording(path: Path) -> bytes:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Export a KVScope recording as a Perfetto trace "
                                  "(open it at ui.perfetto.dev)")
-    ap.add_argument("recording", type=Path, help="a recording from `kvscope-engine --record`")
-    ap.add_argument("-o", "--output", type=Path, help="the trace file (default: RECORDING with .pftrace)")
+    ap.add_argument("recording", help="a recording from `kvscope-engine --record`, or the name of one bundled "
+                    f"in {ASSETS}: {', '.join(p.name for p in sorted(ASSETS.glob('*.jsonl')))}")
+    ap.add_argument("-o", "--output", type=Path, help="the trace file (default: RECORDING with .pftrace beside it; "
+                    "for a bundled recording or a read-only folder, in the current folder)")
     args = ap.parse_args(argv)
-    out = args.output or args.recording.with_suffix(".pftrace")
+    recording = recording_path(args.recording)
+    out = args.output or default_output(recording)
     try:
-        data = export_recording(args.recording)
+        data = export_recording(recording)
+    except FileNotFoundError:
+        print(f"kvscope-export: no recording {args.recording!r} here, nor bundled with KVScope ({ASSETS})",
+              file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         print(f"kvscope-export: {e}", file=sys.stderr)
         return 2
     out.write_bytes(data)
     print(f"wrote {out} ({len(data):,} bytes): open it at https://ui.perfetto.dev")
     return 0
+
+
+def default_output(recording: Path) -> Path:
+    """Beside the recording; in the current folder for a bundled one (never into the installed
+    package) or one in a folder we cannot write."""
+    if is_bundled(recording) or not os.access(recording.resolve().parent, os.W_OK):
+        return Path.cwd() / recording.with_suffix(".pftrace").name
+    return recording.with_suffix(".pftrace")
 
 
 if __name__ == "__main__":

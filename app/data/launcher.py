@@ -3,7 +3,9 @@ free loopback port, and follow its log: the progress lines while the model loads
 `ready: ws://...` line that gives its address.
 
 The child dies with us even when we are killed: it asks the kernel for SIGTERM on its
-parent's death (PR_SET_PDEATHSIG), and the parent is the thread that reads its log.
+parent's death (PR_SET_PDEATHSIG), and the parent is the thread that reads its log. It runs in a
+process group of its own, and `stop` signals the whole group: what the child started (vLLM's
+engine core) goes with it, even when the child itself died first and left it an orphan.
 """
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ from typing import Callable, Literal
 
 from app.data.source import ROOT
 from kvscope_contract.ready import ready_url, refused_reason
+
+# "" in a checkout; "kvscope." in the wheel, whose build puts app/, engine/, ... inside `kvscope`
+PACKAGE = __name__.removesuffix("app.data.launcher")
+IMPORT_ROOT = ROOT.parent if PACKAGE else ROOT  # where `python -m` finds them
+
+
+def module_path(module: str) -> str:
+    """`engine.serve.server` as `python -m` runs it in this layout."""
+    return PACKAGE + module
+
 
 # Runs the module as __main__ after arranging to die with the thread that started it.
 _BOOT = ("import ctypes, os, runpy, signal, sys\n"
@@ -41,10 +53,12 @@ class ServerProcess:
     ready_after: float | None = None  # seconds from start to ready
     refused: str | None = None  # why the vLLM plugin does not observe its vLLM (which runs on)
     on_exit: Callable[[ServerProcess], None] | None = None  # called on the log thread when it exits
+    on_line: Callable[[str], None] | None = None  # each line of its output, on the log thread
     _proc: subprocess.Popen | None = None
     stopping: bool = False
     _spawned: threading.Event = field(default_factory=threading.Event)
     _handled: threading.Event = field(default_factory=threading.Event)  # exited, and on_exit has returned
+    _drained: threading.Event = field(default_factory=threading.Event)  # its output closed: its group has gone
 
     @property
     def pid(self) -> int | None:
@@ -57,7 +71,7 @@ class ServerProcess:
 
     @property
     def argv(self) -> list[str]:
-        return [self.python, "-u", "-c", _BOOT, self.module, *self.args]
+        return [self.python, "-u", "-c", _BOOT, module_path(self.module), *self.args]
 
     @property
     def urls(self) -> list[str]:
@@ -97,9 +111,9 @@ class ServerProcess:
     def _follow(self) -> None:
         env = {**os.environ, "KVSCOPE_PARENT": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         try:
-            self._proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+            self._proc = subprocess.Popen(self.argv, cwd=IMPORT_ROOT, env=env, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          errors="replace")
+                                          errors="replace", start_new_session=True)
         except OSError as e:
             self.lines.append(f"could not start {self.command}: {e}")
             if self.module.startswith("integrations.vllm") and not os.path.exists(self.python):
@@ -109,13 +123,16 @@ class ServerProcess:
             return
         finally:
             self._spawned.set()
-        for line in self._proc.stdout:
+        for line in self._proc.stdout:  # until every process holding its output has exited
             line = line.rstrip()
             self.lines.append(line)
             if self.url is None and (url := ready_url(line)):
                 self.url, self.ready_after = url, time.time() - self.started
             elif self.refused is None and self.url is None and (why := refused_reason(line)):
                 self.refused = why
+            if self.on_line:
+                self.on_line(line)
+        self._drained.set()
         self.returncode = self._proc.wait()
         try:
             if self.on_exit:
@@ -130,16 +147,19 @@ class ServerProcess:
         return self.state == "ready"
 
     def stop(self) -> None:
+        """SIGTERM to its process group (SIGKILL after 10 s); returns once its output closed, that
+        is once every process of the group that held it is gone."""
         self.stopping = True
         proc = self._proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return  # the group is gone
+            if self._drained.wait(wait_s):
+                return
 
     def tail(self, n: int = 12) -> list[str]:
         return list(self.lines)[-n:]

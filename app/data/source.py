@@ -75,6 +75,18 @@ def recordings() -> list[Path]:
     return sorted(ASSETS.glob("*.jsonl"))
 
 
+def recording_path(given: str | Path) -> Path:
+    """A recording by its path, or by the name of one bundled in assets/ (`demo_recording.jsonl`
+    from any folder: with pip, the bundled ones live in the installed package)."""
+    path = Path(given).expanduser()
+    bundled = ASSETS / path.name
+    return bundled if not path.exists() and bundled.exists() else path
+
+
+def is_bundled(path: Path) -> bool:
+    return path.resolve().parent == ASSETS.resolve()
+
+
 EPILOG = """Any other flag goes to the embedded engine (kvscope-engine --help lists them: --model,
 --num-device-blocks, --num-host-blocks, --block-size, ...) or, with --vllm, to `vllm serve`.
 Streamlit's own options come from the environment, e.g. STREAMLIT_SERVER_PORT=8502 kvscope."""
@@ -120,8 +132,5 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     if args.engine:
         return Source("attach", url=args.engine, token=args.token)
     if args.replay:
-        path = Path(args.replay).expanduser()
-        bundled = ASSETS / path.name  # `--replay demo_recording.jsonl` from anywhere (pip install)
-        path = bundled if not path.exists() and bundled.exists() else path
-        return Source("replay", path=str(path.resolve()), speed=args.speed)
+        return Source("replay", path=str(recording_path(args.replay).resolve()), speed=args.speed)
     return Source("embedded", model=args.model, engine_args=tuple(rest))

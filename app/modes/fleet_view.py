@@ -26,6 +26,7 @@ from app.data.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, 
                                     load_fleet, tokenize)
 from app.data.fleet.index import FleetIndex, pick
 from app.data.refreshed import Refreshed
+from app.data.words import plural
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
 from app.data.source import Source
@@ -108,10 +109,6 @@ HIT_RATES = {  # the card's two hit rates: label, what it counts (the single-eng
     "first_hit_rate": ("hit rate, vLLM's", "the same at each request's first admission only: vLLM's own "
                        "prefix_cache_hits / prefix_cache_queries over these requests"),
 }
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
@@ -278,30 +275,45 @@ def prefix_cache(fleet: Fleet, path: str) -> None:
         route_panel(fleet, v.ix, st.session_state.get("fleet_rows") or fleet.rows())
 
 
+SCORE_AS = {"chat": "a chat, as the load generator sends it", "plain": "a plain prompt (a completion request)"}
+
+
 def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
     st.markdown("**Type a prompt**: how much of it each engine has cached")
-    text = st.text_area("Prompt", key="fleet_prompt", height=90, label_visibility="collapsed",
-                        placeholder="a prompt, as a completion request would send it")
+    how = st.segmented_control("Score it as", list(SCORE_AS), format_func=SCORE_AS.get, default="chat",
+                               key="fleet_prompt_as") or "chat"
+    chat = how == "chat"
+    text = st.text_area("System prompt" if chat else "Prompt", key="fleet_prompt", height=90,
+                        placeholder="a system prompt: the chat template wraps it, then the question, as a chat "
+                        "request's tokens are" if chat else "a prompt, as a completion request would send it")
+    question = st.text_input("Question", fleet_load.QUESTIONS[0], key="fleet_prompt_question") if chat else ""
     if not text.strip():
         return
+    messages = fleet_load.ChatRequest(text, question, "").messages() if chat else None
     free = {r.name: r.free + r.cached for r in rows}
-    memo = st.session_state.setdefault("fleet_tokens", {})  # (engine, prompt) -> its token ids: asked once
+    memo = st.session_state.setdefault("fleet_tokens", {})  # (engine, how, prompt) -> its token ids: asked once
     out, scores = [], []
     for eng in fleet.members():
-        ids = memo.get((eng.name, text))
-        if ids is None and (ids := tokenize(eng, text)) is not None:
-            memo[(eng.name, text)] = ids
+        key = (eng.name, how, text, question)
+        ids = memo.get(key)
+        if ids is None and (ids := tokenize(eng, text, messages=messages)) is not None:
+            memo[key] = ids
         s = next((x for x in ix.score(ids) if x.engine == eng.name), None) if ids is not None else None
         scores += [s] if s else []
         out.append({"engine": eng.name, "prompt tokens": len(ids) if ids is not None else None,
-                    "cached tokens": s.cached_tokens if s else None, "blocks": s.blocks if s else None})
+                    "cached tokens": s.cached_tokens if s else None, "blocks": s.blocks if s else None,
+                    "would reuse": s.reusable_tokens if s else None})
     if best := pick(scores, free):
         o = next(o for o in out if o["engine"] == best)
         st.success(f"A prefix-aware router picks **{best}** ({o['cached tokens']:,} of {o['prompt tokens']:,} "
                    "tokens cached; a tie goes to the engine with the most free and cached blocks).")
     st.dataframe(out, hide_index=True, width="stretch")
-    st.caption("Cached tokens: the prompt's longest prefix in full blocks this engine holds, at its block size. "
-               "An engine whose tokenizer cannot be asked (a KV-event stream without `api`) shows –.")
+    st.caption("Cached tokens: the prompt's longest prefix in full blocks this engine holds, at its block size, as "
+               "a prefix-aware router scores it. Would reuse: what the engine then takes from its cache (vLLM's "
+               "`cached_tokens`): the engine always computes a prompt's last token, so a prompt that fills its "
+               "last block exactly reuses one block less. A chat is scored in the tokens its template gives it "
+               "(its roles' markers first): a system prompt pasted as a plain prompt matches nothing a chat "
+               "cached. An engine whose tokenizer cannot be asked (a KV-event stream without `api`) shows –.")
 
 
 # ------------------------------------------------------------------------------ sidebar

@@ -19,7 +19,8 @@ from kvscope_contract.lab import COLUMNS, PRESETS, LabReport, LabRow, decode_rep
 from kvscope_contract.state import SHARED, USED as USED_STATE
 from app.data.client import EngineClient
 from app.ui.palette import USED, block_color
-from app.data.source import ROOT, recordings
+from app.data.launcher import IMPORT_ROOT, module_path
+from app.data.source import recordings
 
 TIMEOUT_S = 300
 # what a preset runs on (engine/lab/workload.py)
@@ -29,7 +30,7 @@ SLOTS = PRESET_POOL[0] * PRESET_POOL[1]
 
 def run_lab(workload: str, args: list[str]) -> LabReport:
     """Run `python -m engine.lab WORKLOAD ARGS --json`; raises RuntimeError with its message."""
-    proc = subprocess.run([sys.executable, "-m", "engine.lab", workload, *args, "--json"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", module_path("engine.lab"), workload, *args, "--json"], cwd=IMPORT_ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     if proc.returncode:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")

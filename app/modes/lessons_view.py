@@ -103,17 +103,24 @@ FLEET = "fleet:"  # the picker's key of a lesson that runs on the fleet page
 
 
 def _fleet_lesson(lesson) -> None:
-    """A lesson over two engines runs on the fleet page: say so and go there."""
+    """A lesson over two engines runs on the fleet page: say so and go there (back to the fleet this
+    engine was opened from, if it was)."""
     st.caption(lesson.goal)
-    st.caption("It runs over two engines, on the fleet page: it starts two KVScope engines of its own.")
+    if st.session_state.get("fleet_back") is not None:
+        st.caption("It runs over two engines, on the fleet page: the fleet you came from (its first two live "
+                   "engines that take prompts, or two KVScope engines of its own).")
+    else:
+        st.caption("It runs over two engines, on the fleet page: it starts two KVScope engines of its own.")
     st.button("Open it on the fleet page", type="primary", icon=":material/hub:", key="lesson_fleet_open",
               width="stretch", on_click=_open_fleet)
 
 
 def _open_fleet() -> None:
     source = st.session_state.get("source")
+    back = st.session_state.get("fleet_back")  # the fleet page this engine was opened from
     model = source.model if source is not None and source.kind == "embedded" else "smollm2"
-    st.session_state.update({"source": Source("fleet", model=model), fleet_lesson_view.OPEN: True, "travel": None})
+    fleet = back if back is not None else Source("fleet", model=model)
+    st.session_state.update({"source": fleet, fleet_lesson_view.OPEN: True, "travel": None})
 
 
 def stage(client: EngineClient) -> list[int]:

@@ -43,7 +43,7 @@ class LLMEngine(EngineCore):
                     *, messages: list[dict] | None = None, request_id: str | None = None) -> list[str]:
         """Queue a request; returns its sequence ids. Raises CommandError when it cannot run."""
         if messages is not None:
-            ids = apply_chat_template(self.tokenizer, messages)
+            ids = self.tokenize_chat(messages)
         elif isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
@@ -53,6 +53,10 @@ class LLMEngine(EngineCore):
     def tokenize(self, prompt: str) -> list[int]:
         """A plain prompt's token ids (no chat template, no special tokens)."""
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """A chat's token ids, as `add_request(messages=...)` runs it (the chat template)."""
+        return apply_chat_template(self.tokenizer, messages)
 
     def reset(self, pool: p.PoolConfig) -> None:
         """Drop every request and rebuild both pools; the model stays loaded."""

@@ -181,11 +181,13 @@ class Hub:
     def __init__(self, backend: Backend, *, token: str | None = None, max_queued_events: int = 256,
                  send_buffer: int = 64 * 1024, record: Path | None = None,
                  metrics: Callable[[str | None], tuple[bytes, str]] | None = None,
-                 tokenize: Callable[[str], list[int]] | None = None):
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 tokenize_chat: Callable[[list[dict]], list[int]] | None = None):
         self.backend = backend
         self.token = token
         self.metrics = metrics  # GET /metrics: (Accept header) -> (body, content type), off the loop
         self.tokenize = tokenize  # GET /tokenize: a prompt's token ids (the fleet page scores prompts with them)
+        self.tokenize_chat = tokenize_chat  # GET /tokenize?messages=JSON: a chat's, with the chat template
         self.max_queued_events = max_queued_events
         self.send_buffer = send_buffer  # a small kernel buffer, so a client that stalls is noticed
         self.clients: set[Client] = set()
@@ -258,11 +260,24 @@ class Hub:
             return refused
         url = urlsplit(request.path)
         if self.tokenize and url.path == TOKENIZE_PATH:
-            prompt = parse_qs(url.query).get("prompt", [""])[0]
-            if not prompt or len(prompt) > p.MAX_TEXT_CHARS:
+            query = parse_qs(url.query)
+            prompt, messages = query.get("prompt", [""])[0], query.get("messages", [""])[0]
+            if messages and self.tokenize_chat:
+                try:  # a chat as `submit` sends it: [{"role": ..., "content": ...}, ...]
+                    chat = msgspec.json.decode(messages, type=list[p.ChatMessage])
+                except msgspec.DecodeError as e:
+                    return conn.respond(http.HTTPStatus.BAD_REQUEST, f"messages must be a JSON list of "
+                                        f"{{role, content}}: {e}\n")
+                if not chat or sum(len(m.content) for m in chat) > p.MAX_TEXT_CHARS:
+                    return conn.respond(http.HTTPStatus.BAD_REQUEST, f"give 1 or more messages, up to "
+                                        f"{p.MAX_TEXT_CHARS} characters in all\n")
+                chat = [{"role": m.role, "content": m.content} for m in chat]
+                tokens = await asyncio.to_thread(self.tokenize_chat, chat)
+            elif not prompt or len(prompt) > p.MAX_TEXT_CHARS:
                 return conn.respond(http.HTTPStatus.BAD_REQUEST,
                                     f"give ?prompt=TEXT, 1 to {p.MAX_TEXT_CHARS} characters\n")
-            tokens = await asyncio.to_thread(self.tokenize, prompt)
+            else:
+                tokens = await asyncio.to_thread(self.tokenize, prompt)
             response = conn.respond(http.HTTPStatus.OK,
                                     msgspec.json.encode({"tokens": tokens, "count": len(tokens)}).decode())
             del response.headers["Content-Type"]

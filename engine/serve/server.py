@@ -195,7 +195,8 @@ def engine_hub(engine, step_delay_ms: float = 0.0, **hub_kw) -> Hub:
     """The engine's loop behind a hub, with its Prometheus metrics at GET /metrics and its
     tokenizer at GET /tokenize."""
     loop = EngineLoop(engine, step_delay_ms)
-    return Hub(loop, metrics=loop.metrics.render, tokenize=getattr(engine, "tokenize", None), **hub_kw)
+    return Hub(loop, metrics=loop.metrics.render, tokenize=getattr(engine, "tokenize", None),
+               tokenize_chat=getattr(engine, "tokenize_chat", None), **hub_kw)
 
 
 if __name__ == "__main__":

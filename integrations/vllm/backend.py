@@ -4,13 +4,25 @@ Events leave the engine core's thread in one hand-off per scheduler call (a dequ
 of the hub's loop); the loop adds each sampled token's text and publishes. A snapshot takes the
 observer's lock, publishes what is queued, and reads vLLM's structures: between two scheduler
 calls they say exactly what the events so far say.
+
+The engine core runs as a child of vLLM's API server, which alone sends it requests. When that
+parent dies (killed, crashed) the engine core lives on as an orphan nobody can use: the backend
+notices within PARENT_POLL_S, answers every pending submit with the reason, closes its clients'
+connections with it (the dashboard says why the engine went down) and stops the engine core as
+vLLM stops it on SIGTERM (killed after ORPHAN_EXIT_S if that hangs).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import multiprocessing
+import os
+import signal
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 
 from kvscope_contract import protocol as p
@@ -20,6 +32,10 @@ from integrations.vllm.forward import Forwarder, Submission
 from integrations.vllm.observer import NULL_BLOCK, PoolObserver, request_group
 
 log = logging.getLogger("kvscope")
+PARENT_POLL_S = 0.5
+FLUSH_S = 2.0        # for the replies queued to clients before their connections close
+ORPHAN_EXIT_S = 30.0  # after SIGTERM, then SIGKILL
+CLOSE_GOING_AWAY = 1001
 
 
 @dataclass
@@ -69,12 +85,15 @@ class VllmBackend:
         self.observer = PoolObserver(scheduler, self._queue)
         self._resync_due = False
         self._next_id = 0
+        self.stop_serving: Callable[[], None] | None = None  # the plugin's: stop listening (any thread)
 
     # ------------------------------------------------------------------ Backend
     def start(self, hub: Hub) -> None:
         self.hub = hub
         threading.Thread(target=self._load_tokenizer, name="kvscope-tokenizer", daemon=True).start()
         self._flush()
+        if (parent := multiprocessing.parent_process()) is not None:  # None: an engine core in-process
+            hub.loop.create_task(self._watch_parent(parent.pid))
 
     def stop(self) -> None:
         self.hub.loop.create_task(self.forwarder.close())
@@ -158,8 +177,34 @@ class VllmBackend:
         except Exception as e:  # text is a nicety: the pool is what the plugin is for
             log.warning("kvscope: no tokenizer (%s); appends carry token ids without text", e)
 
+    # ------------------------------------------------------------------ its API server
+    async def _watch_parent(self, pid: int) -> None:
+        while os.getppid() == pid:
+            await asyncio.sleep(PARENT_POLL_S)
+        await self._orphaned(f"vLLM's API server (pid {pid}) died")
+
+    async def _orphaned(self, why: str) -> None:
+        print(f"[kvscope] {why}: this engine core is an orphan that can take no request; "
+              "closing its clients and stopping it", file=sys.stderr, flush=True)
+        self.forwarder.fail_all(why)
+        clients = list(self.hub.clients)
+        for _ in range(int(FLUSH_S / 0.05)):  # the errors just queued, sent first
+            if not any(c.outbox or c.sending for c in clients):
+                break
+            await asyncio.sleep(0.05)
+        reason = why.encode()[:120].decode(errors="ignore")  # a close reason holds 123 bytes
+        await asyncio.gather(*(c.ws.close(CLOSE_GOING_AWAY, reason) for c in clients), return_exceptions=True)
+        if self.stop_serving is not None:  # no new client finds it live meanwhile
+            self.stop_serving()
+        killer = threading.Timer(ORPHAN_EXIT_S, os.kill, (os.getpid(), signal.SIGKILL))
+        killer.daemon = True
+        killer.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+
     # ------------------------------------------------------------------ commands
     def _submit(self, cmd: p.Submit, client: Client) -> None:
+        if self.forwarder.gone:
+            raise p.CommandError("busy", f"{self.forwarder.gone}: this engine takes no more requests")
         rid = cmd.request_id or self._fresh_id()
         if rid in self.forwarder.live or any(request_group(s) == rid for s in self.texts):
             raise p.CommandError("duplicate_id", f"request {rid!r} is still running; "

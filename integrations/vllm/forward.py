@@ -3,6 +3,10 @@
 A `submit` becomes a streamed POST to /v1/completions (a prompt) or /v1/chat/completions
 (chat messages), made from the plugin's event loop; `abort` closes that stream, and vLLM's
 server aborts a request whose client went away. The engine core itself is never called.
+
+Every submission gets an answer: its ack, or an error in words. While the server has never
+answered (it comes up after the engine core and this plugin) a refused connection is tried again
+for up to API_WAIT_S; once it has answered, a refused connection means it is gone, said at once.
 """
 from __future__ import annotations
 
@@ -58,7 +62,19 @@ class Forwarder:
     def __init__(self, base_url: str, model: str):
         self.base_url, self.model = base_url.rstrip("/"), model
         self.live: dict[str, Submission] = {}  # by request id, until its stream ends
+        self.answered = False  # the server has answered once: it is up, or was
+        self.gone = ""         # why no submission can be run any more (its server died)
         self._session: aiohttp.ClientSession | None = None
+
+    def fail_all(self, why: str) -> None:
+        """The server is gone: every submission not yet taken by vLLM gets `why`, none is tried again."""
+        self.gone = why
+        for sub in list(self.live.values()):
+            if not sub.accepted:
+                sub.accepted = True  # answered: no second error from its cancelled task
+                sub.on_error("busy", why)
+            if sub.task is not None:
+                sub.task.cancel()
 
     def submit(self, cmd: p.Submit, request_id: str, sub: Submission) -> None:
         path, body = request_body(cmd, self.model, request_id)
@@ -88,23 +104,27 @@ class Forwarder:
                 try:
                     return await self._stream(path, body, sub)
                 except aiohttp.ClientConnectorError:
-                    if waited == API_WAIT_S - 1:
+                    if self.answered or self.gone or waited == API_WAIT_S - 1:
                         raise
                     await asyncio.sleep(1)
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, OSError) as e:
-            if not sub.accepted:
+            if sub.accepted:
+                log.warning("kvscope: the stream of %s ended: %s", sub.request_id, e)
+            elif self.answered:
+                sub.on_error("busy", f"vLLM's OpenAI server at {self.base_url} stopped answering ({e}): "
+                             "it is down, or its process died")
+            else:
                 sub.on_error("busy", f"cannot reach vLLM's OpenAI server at {self.base_url} ({e}); "
                              "set KVSCOPE_VLLM_URL to where `vllm serve` listens")
-            else:
-                log.warning("kvscope: the stream of %s ended: %s", sub.request_id, e)
         finally:
             if self.live.get(sub.request_id) is sub:
                 del self.live[sub.request_id]
 
     async def _stream(self, path: str, body: dict, sub: Submission) -> None:
         async with self._client().post(self.base_url + path, json=body) as resp:
+            self.answered = True
             if resp.status != 200:
                 text = await resp.text()
                 try:

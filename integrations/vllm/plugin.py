@@ -62,6 +62,7 @@ def attach(scheduler) -> None:
     except Exception as e:
         log.exception("kvscope: not observing this vLLM")
         return refuse(f"the plugin failed to attach ({type(e).__name__}: {e}); vLLM runs on, unobserved")
+    backend.stop_serving = serving.request_stop
     original_shutdown = scheduler.shutdown
 
     def shutdown() -> None:

@@ -3,6 +3,7 @@ classes, holds a slice per request phase, the fork flows, the allocator's instan
 block ids, and pool counters equal to the reducer's at every engine step."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -162,6 +163,29 @@ def test_cli_writes_the_trace(tmp_path):
     r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", str(bad), "-o", str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a KVScope recording" in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_cli_finds_a_bundled_recording_by_name_and_writes_beside_the_input_or_here(tmp_path):
+    """`kvscope-export demo_recording.jsonl` from any folder finds the bundled recording, as `kvscope
+    --replay` does, and writes the trace in the current folder, never among the bundled files; a
+    recording of one's own gets its trace beside it."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    here = tmp_path / "here"
+    here.mkdir()
+    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", DEMO.name], cwd=here, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (here / "demo_recording.pftrace").exists() and not (DEMO.parent / "demo_recording.pftrace").exists()
+    mine = tmp_path / "mine" / "run.jsonl"
+    mine.parent.mkdir()
+    mine.write_bytes(DEMO.read_bytes())
+    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", str(mine)], cwd=here, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (mine.parent / "run.pftrace").exists(), r.stderr
+    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", "no_such.jsonl"], cwd=here, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no_such.jsonl" in r.stderr and "bundled" in r.stderr
 
 
 def test_the_dashboards_download_is_the_same_trace_and_survives_a_gap(demo):

@@ -181,6 +181,66 @@ def test_numbers_on_a_card_do_not_go_stale(pair, monkeypatch):
         late.close()
 
 
+def test_the_routing_lessons_numbers_say_they_are_its_two_engines(pair):
+    """A fleet of three: the lesson runs on two, and its captions say their numbers are those two's
+    alone, naming the engine the fleet-wide panel counts besides (it showed 0 duplicated blocks
+    over a panel that counted 42)."""
+    from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption
+
+    fleet, _ = pair
+    third = synthetic_server()
+    try:
+        fleet.add(Endpoint("c", third.url))
+        wait(lambda: all(r.state == "live" for r in fleet.rows()), 30, "three engines live")
+        lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
+        run = FleetLessonRun(lesson, fleet, "tiny")
+        run.next()
+        run.wait()
+        assert not run.errors and run.engines == ["a", "b"], run.errors
+        text = caption(lesson.stops[0], run.words())
+        assert "These numbers are a's and b's alone" in text and "1 other engine too: c" in text, text
+    finally:
+        third.stop()
+
+
+def test_a_chat_is_scored_in_the_tokens_its_template_gives_and_would_reuse_follows_the_last_token_rule():
+    """Two real engines (a chat template: the tiny model's SmolLM2 tokenizer). After a chat ran on a,
+    its system prompt pasted as a plain prompt scores nothing (no chat markers), while the chat,
+    tokenized as the engine runs chats, scores its cached blocks; "would reuse" is what the engine
+    then takes from its cache for a new question under that system prompt."""
+    procs = [ServerProcess("engine.serve.server", ["--model", "tiny", "--port", "0", "--block-size", "16",
+                                                   "--num-device-blocks", "128"]).start() for _ in range(2)]
+    fleet = Fleet.of([Endpoint(n, pr.url) for n, pr in zip("ab", procs)] if all(pr.wait_ready(120) for pr in procs)
+                     else [])
+    try:
+        assert len(fleet.members()) == 2, [pr.tail(10) for pr in procs]
+        wait(lambda: all(r.state == "live" for r in fleet.rows()), 30, "both live")
+        first, second = fleet_load.workload(7, 1, "chat")[0], fleet_load.workload(7, 1, "chat")[6]
+        a = fleet.engines["a"].client
+        finished = a.view().mirror.tally.finished
+        a.send(first.command(2))
+        wait(lambda: a.view().mirror.tally.finished > finished, 60, "the first chat on a")
+        chat = tokenize(fleet.engines["a"], messages=first.messages())
+        added = next(e for e in a.events_before(None, 2_000)
+                     if isinstance(e, p.RequestAdded) and e.request_id == first.request_id)
+        assert chat == added.prompt_token_ids  # the chat as the engine ran it
+        ix = fleet.index()
+        plain = tokenize(fleet.engines["a"], first.system)
+        score = lambda ids, name: next(s for s in ix.score(ids) if s.engine == name)  # noqa: E731
+        assert score(plain, "a").cached_tokens == 0 < score(chat, "a").cached_tokens
+        assert score(chat, "b").cached_tokens == 0
+        again = tokenize(fleet.engines["a"], messages=second.messages())  # same system prompt, another question
+        would = score(again, "a").reusable_tokens
+        before = a.view().mirror.tally.hit_tokens
+        a.send(second.command(2))
+        wait(lambda: a.view().mirror.tally.finished > finished + 1, 60, "the second chat on a")
+        assert a.view().mirror.tally.hit_tokens - before == would > 0
+    finally:
+        fleet.close()
+        for pr in procs:
+            pr.stop()
+
+
 def busy(engines: int) -> ServerProcess:
     """`engines` synthetic engines in one process, each always running a few requests."""
     proc = ServerProcess("engine.synthetic", ["--port", "0", "--engines", str(engines), "--num-device-blocks", "256",

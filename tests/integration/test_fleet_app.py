@@ -60,6 +60,12 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
     wait(lambda: at.run() and "cached contents" in [m.label for m in at.metric]
          and int(next(m.value for m in at.metric if m.label == "cached contents").replace(",", "")) > 0,
          60, "the fleet index fills")
+    # a system prompt scored as the load generator's chats run (the template), with what each engine would reuse
+    from app.data.fleet.load import SYSTEM_PROMPTS
+    at.text_area(key="fleet_prompt").set_value(SYSTEM_PROMPTS[0]).run()
+    table = next(d.value for d in at.dataframe if "would reuse" in d.value.columns)
+    assert list(table["engine"]) == ["pod-a", "pod-b"] and (table["cached tokens"] >= table["would reuse"]).all()
+    assert (table["cached tokens"] > 0).any()  # the workload's chats cached this system prompt
 
     # add an engine while running (an address nothing answers: connecting, as a server still loading
     # its model, the others unaffected), then remove it
@@ -118,6 +124,26 @@ def test_a_down_engines_card_is_last_seen_and_failed_sends_are_said(engines, tmp
         physical = next((m.value for m in at.metric if m.label == "physical blocks"), "")
         return any(c.startswith(":gray[pod-a is down") for c in at.caption.values) and physical == f"{pod_b:,}"
     wait(left_out, 30, "the fleet's numbers without pod-a's last seen cache")
+
+
+def test_the_lessons_list_opens_the_routing_lesson_on_the_fleet_one_came_from(engines, monkeypatch):
+    """From the fleet page, Open an engine, then the Lessons mode's routing lesson: "Open it on the
+    fleet page" returns to that fleet (its engines), not to an empty one."""
+    procs, path = engines
+    monkeypatch.setenv("KVSCOPE_FLEET", str(path))
+    at = AppTest.from_file(MAIN, default_timeout=60)
+    at.run()
+    wait(lambda: at.run() and all('class="st live"' in card_of(at, n) for n in ("pod-a", "pod-b")), 30, "both live")
+    at.selectbox(key="fleet_open_pick").set_value("pod-a").run()
+    at.button(key="fleet_open").click().run()
+    wait(lambda: at.run() and not at.exception and any(c.key == "mode" for c in at.segmented_control), 60,
+         "pod-a's views")
+    at.segmented_control(key="mode").set_value("Lessons").run()
+    at.selectbox(key="lesson_pick").set_value("fleet:routing").run()
+    assert "the fleet you came from" in "\n".join(c.value for c in at.sidebar.caption)
+    at.sidebar.button(key="lesson_fleet_open").click().run()
+    assert at.session_state["source"].kind == "fleet" and at.session_state["source"].path == str(path)
+    wait(lambda: at.run() and any(c.startswith("2 engines") for c in at.caption.values), 30, "the fleet's 2 engines")
 
 
 # a card's numbers as the page shows them: {"used": "12 19%", ..., "state": "live"}, or null

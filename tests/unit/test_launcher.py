@@ -3,6 +3,8 @@ get its virtualenv (walk of issue 17: `make run-vllm` without .venv-vllm read "s
 was ready (killed by SIGHUP)")."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from app.data.launcher import ServerProcess
 
 
@@ -38,3 +40,42 @@ def test_ports_picked_together_are_distinct_and_free():
     finally:
         for sock in socks:
             sock.close()
+
+
+SPAWNER = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(f"grandchild {child.pid}", flush=True)
+time.sleep(300)
+"""
+
+
+def test_stopping_a_server_whose_process_was_killed_stops_what_it_started(tmp_path, monkeypatch):
+    """vLLM's API server SIGKILLed leaves its engine core an orphan: stop() still ends it (the
+    server's process group), and says lines of output as they come (make run-fleet prints vLLM's)."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "spawner.py").write_text(SPAWNER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    seen: list[str] = []
+    proc = ServerProcess("spawner", [], on_line=seen.append).start()
+    deadline = time.monotonic() + 60
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(seen[0].split()[1])
+    os.kill(proc.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    os.kill(grandchild, 0)  # an orphan now, still running
+    proc.stop()
+    assert proc.wait_handled(10)
+
+    def state() -> str:  # "" once gone; "Z" for a zombie nobody reaps (a container without an init)
+        try:
+            return (Path("/proc") / str(grandchild) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return ""
+    deadline = time.monotonic() + 10  # its output closes a moment before it has finished exiting
+    while state() not in ("", "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state() in ("", "Z"), f"the orphan outlived stop() (state {state()})"

@@ -505,18 +505,23 @@ class Fleet:
 
 
 # ------------------------------------------------------------------------------ tokens
-def tokenize(engine: FleetEngine, text: str, timeout: float = 5.0) -> list[int] | None:
-    """`text` as `engine` tokenizes a plain prompt: its OpenAI server's `/tokenize` (vLLM) when the
-    endpoint gives `api`, a KVScope engine's own `GET /tokenize` (on its WebSocket port); None
-    when neither answers."""
+def tokenize(engine: FleetEngine, text: str = "", timeout: float = 5.0, *,
+             messages: list[p.ChatMessage] | None = None) -> list[int] | None:
+    """`text` as `engine` tokenizes a plain prompt, or `messages` as it runs a chat (its chat
+    template, with the assistant's turn opened, as the load generator's chats run): its OpenAI
+    server's `/tokenize` (vLLM) when the endpoint gives `api`, a KVScope engine's own `GET
+    /tokenize` (on its WebSocket port); None when neither answers."""
     e = engine.endpoint
+    chat = [{"role": m.role, "content": m.content} for m in messages] if messages else None
     if e.api:
-        req = urllib.request.Request(e.api.rstrip("/") + "/tokenize", json.dumps({"prompt": text}).encode(),
+        body = {"messages": chat, "add_generation_prompt": True} if chat else {"prompt": text}
+        req = urllib.request.Request(e.api.rstrip("/") + "/tokenize", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     elif e.kind == "kvscope":
         parts = urlsplit(e.address)
+        query = {"messages": json.dumps(chat)} if chat else {"prompt": text}
         req = urllib.request.Request(urlunsplit(parts._replace(scheme="https" if parts.scheme == "wss" else "http",
-                                                               path="/tokenize", query=urlencode({"prompt": text}))),
+                                                               path="/tokenize", query=urlencode(query))),
                                      headers={"Authorization": f"Bearer {e.token}"} if e.token else {})
     else:
         return None

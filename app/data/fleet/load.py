@@ -62,9 +62,11 @@ class ChatRequest:
     question: str
     request_id: str
 
+    def messages(self) -> list[p.ChatMessage]:
+        return [p.ChatMessage("system", self.system), p.ChatMessage("user", self.question)]
+
     def command(self, max_tokens: int = 16) -> p.Submit:
-        return p.Submit(messages=[p.ChatMessage("system", self.system), p.ChatMessage("user", self.question)],
-                        request_id=self.request_id, max_tokens=max_tokens, temperature=0.0)
+        return p.Submit(messages=self.messages(), request_id=self.request_id, max_tokens=max_tokens, temperature=0.0)
 
 
 def workload(n: int, systems: int = 3, run: str = "load", *, system_prompts: Sequence[str] = SYSTEM_PROMPTS,
