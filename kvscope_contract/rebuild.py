@@ -59,12 +59,14 @@ class PromptRebuilder:
         return out
 
 
-def with_rebuilt_prompts(start: p.Snapshot, events: list[p.AnyEvent]) -> tuple[list[p.AnyEvent], int]:
-    """`events` (which follow `start`) with every `request_added` that lacks its prompt's token
-    ids given rebuilt ones; and how many were rebuilt. Events that have them pass unchanged."""
+def with_rebuilt_prompts(start: p.Snapshot | PoolState, events: list[p.AnyEvent]) -> tuple[list[p.AnyEvent], int]:
+    """`events` (which follow `start`, one by one) with every `request_added` that lacks its
+    prompt's token ids given rebuilt ones; and how many were rebuilt. Events that have them pass
+    unchanged."""
     if all(known_prompt(ev) for ev in events if isinstance(ev, p.RequestAdded)):
         return events, 0
-    state, rebuilder = PoolState.from_snapshot(start), PromptRebuilder()
+    state = start.clone() if isinstance(start, PoolState) else PoolState.from_snapshot(start)
+    rebuilder = PromptRebuilder()
     for ev in events:
         if ev.seq > state.last_event:
             rebuilder.observe(ev, state)

@@ -10,7 +10,11 @@ ui.perfetto.dev or in trace_processor:
 - instants for copy-on-write, swap out/in and preemption on the sequence's track, and for
   evictions on an `evictions` track, with the block ids in their arguments;
 - pool counters at each engine step, from the project's reducer (kvscope_contract/state.py):
-  free, cached, used, shared blocks, host blocks in use, slot utilisation, prefix hit rate.
+  free, cached, used, shared blocks, host blocks in use, slot utilisation, prefix hit rate, and
+  the tokens the prefix cache missed so far by reason (kvscope_contract/misses.py, docs/misses.md);
+- an instant at each admission on its sequence's track, `prefix lookup: H of N hit`, with its
+  missed tokens by reason in the arguments, and a flow from each eviction that came before the
+  reuse (the `evict` instant) to it.
 
 Timestamps are the events' own engine times (`t`, seconds) in nanoseconds. No torch, no I/O
 beyond the CLI: `TraceExport` is fed events one by one (the dashboard feeds its history).
@@ -28,6 +32,8 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent, TraceP
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from kvscope_contract import protocol as p
+from kvscope_contract.misses import REASONS, Admission, MissExplainer
+from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState
 from app.data.source import ASSETS, is_bundled, recording_path
@@ -35,6 +41,7 @@ from app.data.source import ASSETS, is_bundled, recording_path
 SEQUENCE_ID = 1  # every packet comes from one writer
 COUNTERS = ("free blocks", "cached blocks", "used blocks", "shared blocks", "host blocks in use",
             "slot utilisation", "prefix hit rate")
+MISS_COUNTERS = {reason: f"prefix misses: {reason}" for reason in REASONS}  # tokens, since the start or a reset
 PHASES = {"waiting": "waiting", "running": "running", "swapped": "swapped out"}
 PREEMPTED = "preempted"  # a recompute preemption's waiting, until it runs again
 
@@ -70,11 +77,14 @@ class TraceExport:
         self.requests: dict[str, int] = {}  # request_id -> its track
         self.recomputed: set[str] = set()   # preempted by recompute, not yet running again
         self.hit_tokens = self.looked_up = 0
+        self.misses = MissExplainer.from_state(start, keep=0)
+        self.missed: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.t = 0.0
         self._started = False
         root = self._track(title)
         self.pool_track = self._track("pool", parent=root)
-        self.counter_tracks = {name: self._track(name, parent=self.pool_track, counter=True) for name in COUNTERS}
+        self.counter_tracks = {name: self._track(name, parent=self.pool_track, counter=True)
+                               for name in (*COUNTERS, *MISS_COUNTERS.values())}
         self.evict_track = self._track("evictions", parent=self.pool_track)
         self.requests_root = self._track("requests", parent=root)
 
@@ -165,7 +175,10 @@ class TraceExport:
         table = list(before.block_table) if before else []
         self.looked_up += self.state.prefix_lookup(ev)
         self.hit_tokens += self.state.prefix_hit_tokens(ev)
+        admitted = self.misses.observe(ev, self.state)
         self.state.apply(ev)
+        if admitted is not None:
+            self._admission(admitted)
         match ev:
             case p.RequestAdded():
                 self.requests.pop(ev.request_id, None)  # a request id used again gets a track of its own
@@ -178,8 +191,8 @@ class TraceExport:
                 self._instant(self._seq(sid).track, "copy-on-write", {
                     "logical_index": ev.logical_index, "src_block_id": ev.src_block_id,
                     "dst_block_id": ev.dst_block_id})
-            case p.Evict():
-                self._instant(self.evict_track, "evict", {"block_id": ev.block_id, "hash": ev.hash})
+            case p.Evict():  # a flow starts here, to the first admission that misses it (`_admission`)
+                self._instant(self.evict_track, "evict", {"block_id": ev.block_id, "hash": ev.hash}, flow=ev.seq)
             case p.Preempt():
                 if ev.mode == "recompute":
                     self.recomputed.add(sid)
@@ -207,16 +220,34 @@ class TraceExport:
             case p.Reset():
                 self._close_all("reset")
                 self.hit_tokens = self.looked_up = 0
+                self.missed = dict.fromkeys(REASONS, 0)
                 self._counters()
+
+    def _admission(self, a: Admission) -> None:
+        """The lookup an admission made: an instant on its sequence's track, every missed token's
+        reason in its arguments, and the end of a flow from each eviction that came before it."""
+        by = a.by_reason()
+        for reason, n in by.items():
+            self.missed[reason] += n
+        evictions = list(dict.fromkeys(e.event for s in a.spans for e in s.evictions))
+        te = self._event(self._seq(a.seq_id).track, TrackEvent.TYPE_INSTANT,
+                         f"prefix lookup: {a.hit:,} of {a.tokens:,} hit",
+                         {"hit_tokens": a.hit, "tokens": a.tokens, "looked_up_tokens": a.looked_up,
+                          "readmission": a.readmission, **{f"missed {r}": n for r, n in by.items()},
+                          **({"evicted_at_events": evictions} if evictions else {})})
+        te.terminating_flow_ids.extend(evictions)
 
     def resync(self, state: PoolState) -> None:
         """A new start after a gap in the stream: every phase ends, the new state's begin at
         its next event."""
         self._close_all("resync")
         self.state, self._started = state.clone(), False
+        self.misses = MissExplainer.from_state(state, keep=0)
 
     def _counters(self) -> None:
-        for name, value in pool_counters(self.state, self.hit_tokens, self.looked_up).items():
+        values = pool_counters(self.state, self.hit_tokens, self.looked_up)
+        values.update({MISS_COUNTERS[r]: n for r, n in self.missed.items()})
+        for name, value in values.items():
             te = self._event(self.counter_tracks[name], TrackEvent.TYPE_COUNTER)
             if isinstance(value, int):
                 te.counter_value = value
@@ -245,7 +276,9 @@ def _annotate(a, key: str, value) -> None:
 
 
 def export(start: PoolState, events: Iterable[p.AnyEvent], title: str = "KVScope") -> bytes:
-    """A start state and the events after it as a Perfetto trace (bytes)."""
+    """A start state and the events after it as a Perfetto trace (bytes). Prompts the events
+    carry no token ids of are rebuilt from block hashes for the miss reasons (kvscope_contract/rebuild.py)."""
+    events, _ = with_rebuilt_prompts(start, list(events))
     trace = TraceExport(start, title)
     for ev in events:
         trace.feed(ev)

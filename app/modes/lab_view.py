@@ -1,13 +1,12 @@
 """The Lab: one workload under several allocator configs, side by side, in seconds.
 
 The dashboard never imports the engine (it may run apart from it): the lab runs as
-`python -m engine.lab ... --json` and its report comes back through the contract
-(kvscope_contract/lab.py). The current session's requests go to it as a recording.
+`python -m engine.lab ... --json` (app/data/lab_run.py) and its report comes back through the
+contract (kvscope_contract/lab.py). The current session's requests go to it as a recording.
 """
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,43 +14,16 @@ import pandas as pd
 import streamlit as st
 
 from kvscope_contract import protocol as p
-from kvscope_contract.lab import COLUMNS, PRESETS, LabReport, LabRow, decode_report, row_values, to_csv
+from kvscope_contract.lab import COLUMNS, PRESETS, LabReport, LabRow, row_values, to_csv
 from kvscope_contract.state import SHARED, USED as USED_STATE
 from app.data.client import EngineClient
+from app.data.lab_run import run_lab, session_recording
 from app.ui.palette import USED, block_color
-from app.data.launcher import IMPORT_ROOT, module_path
 from app.data.source import recordings
 
-TIMEOUT_S = 300
 # what a preset runs on (engine/lab/workload.py)
 PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)
 SLOTS = PRESET_POOL[0] * PRESET_POOL[1]
-
-
-def run_lab(workload: str, args: list[str]) -> LabReport:
-    """Run `python -m engine.lab WORKLOAD ARGS --json`; raises RuntimeError with its message."""
-    proc = subprocess.run([sys.executable, "-m", module_path("engine.lab"), workload, *args, "--json"], cwd=IMPORT_ROOT,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-    return decode_report(proc.stdout)
-
-
-def session_recording(client: EngineClient, folder: Path) -> Path | None:
-    """The requests this dashboard has seen, as a recording the lab can read (None: none yet)."""
-    bounds = client.bounds()
-    if bounds is None or client.hello is None:
-        return None
-    first, last = bounds
-    start = client.view(first).mirror.state.snapshot()
-    events = [e for e in client.events_before(last, last - first) if e.seq > first]
-    if not any(isinstance(e, p.RequestAdded) for e in events):
-        return None
-    path = folder / "session.jsonl"
-    with open(path, "wb") as f:
-        for msg in (client.hello, start, p.Events(events=events)):
-            f.write(p.encode(msg) + b"\n")
-    return path
 
 
 def _numbers(text: str, cast) -> list:

@@ -14,7 +14,7 @@ import streamlit as st
 
 from app.ui import stale, travel
 from app.modes import lessons_view
-from app.panels import grid, header, history_panels, tables
+from app.panels import grid, header, history_panels, misses, tables
 from app.data.client import EngineClient, View
 from app.ui.commands import show_replies
 from app.ui.connection import Hosted, resolve, restart
@@ -117,11 +117,15 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
         where = f"**Paused at event {view.event:,}**" + (
             f", the end of the step of the key event ({at:,})" if view.event != at else ", the key event")
         st.info(f"{where} · {key.text}", icon=":material/fast_forward:")
+    ringed = misses.ring(view) if lesson is None and not key else None
+    if ringed:
+        st.info(f"**Event {view.event:,}** · {ringed[1]}", icon=":material/troubleshoot:")
     header.metrics(view, client)
     travel.bar(client, view, connected)
     grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
               on_block=history_panels.show_block_in_log, extra={
-                  "connected": connected, "highlight": lesson if lesson is not None else key.blocks if key else []})
+                  "connected": connected,
+                  "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
     # in the same redraw as the header (their numbers agree), below the grid: the card comes and
     # goes with the sequences, and the grid must not move under the pointer when it does
     header.reservation_card(view)

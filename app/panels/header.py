@@ -10,6 +10,7 @@ from app.data.mirror import RATE_STEPS
 from app.ui.palette import RESERVED_BAR, USED
 from app.data.words import count, plural, rate
 from app.data.source import Source
+from app.panels import misses
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
                      "closed": "red"}
@@ -104,6 +105,9 @@ def metrics(view: View, client: EngineClient) -> None:
                   "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
                   f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed "
                   "again.")
+    row[2].button("Why not more?", key="why_not_more", type="tertiary", icon=":material/troubleshoot:",
+                  on_click=misses.open_panel, help="Why the prefix cache missed, token by token, and what would "
+                  "have hit: opens the panel under the grid")
     if caching and client.hello and client.hello.server.startswith("vllm"):
         row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
                        f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)

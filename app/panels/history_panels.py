@@ -15,6 +15,7 @@ from app.ui.palette import USED, seq_color
 from app.data.prefix_events import ForestBuilder
 from app.panels.prefix_tree import render
 from app.panels import eventlog
+from app.panels import misses
 from app.panels import timeline
 from app.panels import trace_download
 from app.ui import travel
@@ -23,7 +24,7 @@ from kvscope_contract.kinds import DEFAULT_LOG_KINDS
 
 LOG_SCAN_EVENTS = 50_000  # the event log filters at most this many of the latest events
 LOG_ROWS = 300            # and lists at most this many of those that pass
-HISTORY_PANELS = ["Timeline", "Event log", "Prefix tree", "Lifetimes"]
+HISTORY_PANELS = ["Timeline", "Event log", "Prefix tree", "Lifetimes", misses.PANEL]
 _followers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> {name: Follower}
 WINDOWS = {"whole run": None, "last 50 steps": 50, "last 200 steps": 200, "last 1,000 steps": 1000}
 
@@ -129,6 +130,8 @@ def panel(client: EngineClient, view: View, highlight: list[int] = ()) -> None:
         return prefix_tree(client, view, highlight)
     if panel == "Lifetimes":
         return lifetimes(client, view)
+    if panel == misses.PANEL:
+        return misses.panel(client, view)
     points, markers = client.timeline(view.event)
     if len(points) < 2:
         st.caption("The timeline fills in as the engine runs steps.")

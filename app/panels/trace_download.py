@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvscope_contract import protocol as p
+from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.state import PoolState
 from app.data.export_perfetto import TraceExport
 from app.data.event_history import EventHistory
@@ -25,6 +26,8 @@ def take(history: EventHistory) -> tuple[PoolState, list[p.AnyEvent], dict[int, 
 
 def history_trace(start: PoolState, events: list[p.AnyEvent], resyncs: dict[int, PoolState],
                   title: str = "KVScope dashboard") -> bytes:
+    if not resyncs:  # prompts without token ids rebuilt from block hashes, for the miss reasons (as `export`)
+        events, _ = with_rebuilt_prompts(start, events)
     trace = TraceExport(start, title)
     for ev in events:
         if ev.seq in resyncs:

@@ -68,7 +68,9 @@ def print_report(name: str, x: MissExplainer, rebuilt: int, top: int, out=sys.st
     if rebuilt:
         say(f"  note: {rebuilt} {REBUILT_NOTE}")
     say()
-    say(f"why the other {t.missed:,} tokens missed:")
+    off = t.by_reason.get("caching_off", 0)
+    say(f"why the other {t.missed:,} tokens missed"
+        + (f" ({off:,} of them never looked up: prefix caching was off)" if off else "") + ":")
     width = max(map(len, REASONS))
     for r in REASONS:
         n = t.by_reason.get(r, 0)

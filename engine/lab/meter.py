@@ -36,6 +36,8 @@ class Meter(EventLog):
         self.overlap = 0                  # O: tokens of shared blocks counted more than once in H
         self.entries = 0                  # block-table entries of every sequence
         self.counts = EventCounts()       # hits, lookups, preemptions, swaps: the contract's fold
+        self.first_hit = self.first_looked_up = 0  # the same at first admissions (vLLM's counters)
+        self.recomputed: set[str] = set()  # live sequences preempted by recompute: their admissions are not first
         self.computed = 0
         self.finished = 0
         self.steps = 0
@@ -81,6 +83,9 @@ class Meter(EventLog):
         if self.caching:  # every token it holds was looked up (the rule of PoolState.prefix_lookup)
             self.counts.looked_up_tokens += len(seq)
             self.counts.hit_tokens += seq.num_computed_tokens  # the admission's hit, every group's once
+            if ev.seq_id not in self.recomputed:
+                self.first_looked_up += len(seq)
+                self.first_hit += seq.num_computed_tokens
         self.held += seq.num_computed_tokens
 
     def _fork(self, ev: p.Fork) -> None:
@@ -104,6 +109,8 @@ class Meter(EventLog):
 
     def _preempt(self, ev: p.Preempt) -> None:
         self.counts.count(ev)
+        if ev.mode == "recompute":
+            self.recomputed.add(ev.seq_id)
 
     def _swap_out(self, ev: p.SwapOut) -> None:
         refs, bs = self.core.block_manager.pool.ref_counts, self.bs
@@ -139,6 +146,7 @@ class Meter(EventLog):
 
     def _finish(self, ev: p.Finish) -> None:
         self.finished += 1
+        self.recomputed.discard(ev.seq_id)
 
     def _step(self, ev: p.StepDone) -> None:
         self.sample(1, 0)

@@ -16,12 +16,20 @@ def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEven
     sum_used = sum_held = sum_entries = 0
     computed = finished = 0
     counts = EventCounts()
+    first_hit = first_looked_up = 0
+    recomputed: set[str] = set()  # preempted by recompute: their admissions are not first ones
     for ev in events:
-        counts.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
+        looked_up, hit = state.prefix_lookup(ev), state.prefix_hit_tokens(ev)
+        counts.count(ev, looked_up, hit)
+        if getattr(ev, "seq_id", None) not in recomputed:
+            first_looked_up, first_hit = first_looked_up + looked_up, first_hit + hit
         state.apply(ev)
         match ev:
+            case p.Preempt(mode="recompute"):
+                recomputed.add(ev.seq_id)
             case p.Finish():
                 finished += 1
+                recomputed.discard(ev.seq_id)
             case p.StepDone():
                 used = state.counts().used
                 held = state.tokens_in_used_blocks()
@@ -34,4 +42,5 @@ def row_from_events(config: LabConfig, start: p.Snapshot, events: list[p.AnyEven
     return LabRow(config=config, steps=steps, peak_used=peak_used, mean_used=sum_used / n,
                   slot_util=sum_held / (sum_used * bs) if sum_used else 1.0, **counts.lab_fields(),
                   computed_tokens=computed, peak_entries=peak_entries,
-                  mean_entries=sum_entries / n, finished=finished)
+                  mean_entries=sum_entries / n, finished=finished, first_hit_tokens=first_hit,
+                  first_looked_up_tokens=first_looked_up)

@@ -112,7 +112,7 @@ class Lab(EngineCore):
             slot_util=m.sum_held / (m.sum_used * self.block_manager.block_size) if m.sum_used else 1.0,
             **m.counts.lab_fields(), computed_tokens=m.computed, peak_entries=m.peak_entries,
             mean_entries=m.sum_entries / steps, finished=m.finished, rejected=self.rejected,
-            peak=m.peak_grid())
+            peak=m.peak_grid(), first_hit_tokens=m.first_hit, first_looked_up_tokens=m.first_looked_up)
 
     # ------------------------------------------------------------------ the fast run
     def _lag(self, seq: Sequence) -> int:

@@ -14,7 +14,9 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState
-from app.data.export_perfetto import COUNTERS, export, ns
+from app.data.export_perfetto import COUNTERS, MISS_COUNTERS, export, ns
+from kvscope_contract.misses import REASONS, ExplainedPool
+from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.recording import Recording
 from tests.perfetto_trace import decode
 
@@ -125,8 +127,7 @@ def test_counters_equal_the_reducer_at_every_step(demo):
     counters = {uuid: name for uuid, name in names.items() if name in COUNTERS}
     got: dict[str, list] = defaultdict(list)
     for ts, te in tevents:
-        if te.type == TrackEvent.TYPE_COUNTER:
-            name = counters[te.track_uuid]
+        if te.type == TrackEvent.TYPE_COUNTER and (name := counters.get(te.track_uuid)):
             got[name].append((ts, te.counter_value if te.HasField("counter_value") else te.double_counter_value))
     state, hit, looked = PoolState.from_snapshot(rec.start), 0, 0
     want: dict[str, list] = defaultdict(list)
@@ -149,6 +150,36 @@ def test_counters_equal_the_reducer_at_every_step(demo):
         assert [v for _, v in got[name]] == pytest.approx([v for _, v in want[name]], rel=1e-12), name
     assert max(v for _, v in got["host blocks in use"]) > 0 and max(v for _, v in got["shared blocks"]) > 0
     assert 0 < got["prefix hit rate"][-1][1] < 1
+
+
+def test_each_admission_says_why_it_missed_and_each_eviction_flows_to_its_reuse(demo):
+    """The reasons of kvscope_contract/misses.py, on the demo with its prompts rebuilt from block
+    hashes (it has no token ids): an instant per admission, counters per reason, eviction flows."""
+    rec, events, (names, parents, tevents) = demo
+    pool = ExplainedPool.from_snapshot(rec.start, keep=None)
+    for ev in with_rebuilt_prompts(rec.start, events)[0]:
+        pool.apply(ev)
+    x = pool.explainer
+    by_name = {v: k for k, v in names.items()}
+    lookups = [te for _, te in tevents if te.name.startswith("prefix lookup: ")]
+    assert len(lookups) == len(x.admissions) == 21
+    for te, a in zip(lookups, x.admissions):
+        args = args_of(te)
+        assert te.track_uuid == by_name[a.seq_id] and te.name == f"prefix lookup: {a.hit:,} of {a.tokens:,} hit"
+        assert {k.removeprefix("missed "): v for k, v in args.items() if k.startswith("missed ")} == a.by_reason()
+        assert sum(v for k, v in args.items() if k.startswith("missed ")) == args["tokens"] - args["hit_tokens"]
+    # the tokens missed by reason, as counters: the explainer's totals at the last step
+    last = {}
+    for _, te in tevents:
+        if te.type == TrackEvent.TYPE_COUNTER and names[te.track_uuid] in MISS_COUNTERS.values():
+            last[names[te.track_uuid]] = te.counter_value
+    assert {r: last[MISS_COUNTERS[r]] for r in REASONS} == {r: x.totals.by_reason.get(r, 0) for r in REASONS}
+    assert x.totals.by_reason["evicted"] > 0 and x.totals.by_reason["unknown"] == 0
+    # an eviction before reuse: a flow from its `evict` instant to the admission that missed it
+    (reuse,) = [te for te in lookups if te.terminating_flow_ids]
+    (source,) = [te for _, te in tevents if te.name == "evict" and reuse.terminating_flow_ids[0] in te.flow_ids]
+    assert args_of(reuse)["evicted_at_events"] == list(reuse.terminating_flow_ids)
+    assert names[source.track_uuid] == "evictions" and names[reuse.track_uuid] == "mix4-long1"
 
 
 def test_cli_writes_the_trace(tmp_path):
@@ -218,6 +249,6 @@ def test_the_dashboards_download_is_the_same_trace_and_survives_a_gap(demo):
         assert depth[te.track_uuid] >= 0
     assert not any(depth.values())
     steps = sum(isinstance(ev, p.StepDone) for ev in kept)
-    assert sum(te.type == TrackEvent.TYPE_COUNTER for _, te in got) == steps * len(COUNTERS)
+    assert sum(te.type == TrackEvent.TYPE_COUNTER for _, te in got) == steps * (len(COUNTERS) + len(MISS_COUNTERS))
     alive_at_gap = len(h.at(999).state.seqs)  # their phases end at the gap with a `resync` instant
     assert alive_at_gap and sum(te.name == "resync" for _, te in got) == alive_at_gap

@@ -88,6 +88,10 @@ def test_the_tight_configs_do_preempt_both_ways(kind):
     rows = {name: stepwise(CONFIGS[kind + name], load("chat", 2))[0].row for name in ("tight swap", "tight recompute")}
     assert rows["tight swap"].swap_outs == rows["tight swap"].preemptions > 0 and rows["tight swap"].swapped_blocks > 0
     assert rows["tight recompute"].recomputes == rows["tight recompute"].preemptions > 0
+    # a re-admission after a recompute looks its tokens up again: vLLM's counters leave it out
+    swap, rec = rows["tight swap"], rows["tight recompute"]
+    assert (swap.first_looked_up_tokens, swap.first_hit_tokens) == (swap.looked_up_tokens, swap.hit_tokens)
+    assert rec.first_looked_up_tokens < rec.looked_up_tokens and rec.first_hit_tokens <= rec.hit_tokens
     # each token is computed once (the last sampled one never), less what the cache served; swap
     # pays in blocks copied, recompute in tokens computed again
     w = load("chat", 2)

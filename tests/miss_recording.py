@@ -1,0 +1,61 @@
+"""A recording in which the prefix cache misses for every reason (docs/misses.md), made by the real
+scheduler and block manager (the lab, outputs replayed): a new prompt (cold, partial block), two
+prompts that part inside a block (diverged), a prompt evicted by others before it comes again
+(evicted), two long generations that preempt each other by recompute (recomputed), after two long
+generations on a pool without prefix caching (caching off; one preempts the other) and a reset. The
+dashboard's browser test replays it."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from itertools import groupby
+from pathlib import Path
+
+from engine.lab.record import ENGINE, STEP_S
+from engine.lab.sim import Lab
+from engine.lab.workload import Request, Workload
+from kvscope_contract import protocol as p
+from kvscope_contract.lab import LabConfig
+
+POOL = p.PoolConfig(block_size=4, num_device_blocks=20, num_host_blocks=0, preemption_mode="recompute")
+
+
+def _toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30_000) for _ in range(n)]
+
+
+def requests() -> list[Request]:
+    system, again = _toks(1, 6), _toks(2, 9)
+    return [
+        Request("new", 0, _toks(3, 10), [[5, 6]], 2),                           # cold 8, partial 2
+        Request("sys-a", 0, system + _toks(4, 6), [[7]], 1),
+        Request("sys-b", 1, system + _toks(5, 6), [[8]], 1),                    # diverged 2 in block 1
+        Request("again-1", 2, again, [[9]], 1),
+        *[Request(f"filler{i}", 3, _toks(10 + i, 40), [[1]], 1) for i in range(2)],  # the whole pool
+        Request("again-2", 5, again, [[9]], 1),                                 # evicted 8
+        *[Request(f"long{i}", 6, _toks(20 + i, 8), [_toks(30 + i, 40)], 40) for i in range(2)],  # recomputed
+    ]
+
+
+def write(path: Path) -> int:
+    """Write the recording to `path`; returns the events written."""
+    off = p.PoolConfig(block_size=4, num_device_blocks=20, enable_prefix_caching=False, preemption_mode="recompute")
+    two = [Request(f"no-cache{i}", 0, _toks(40 + i, 10), [_toks(42 + i, 40)], 40) for i in range(2)]
+    lab = Lab(LabConfig(pool=off), Workload("caching off", two), keep_events=True)  # caching off, and a preemption
+    start = lab.snapshot()
+    lab.run(fast=False)
+    lab._reset_pools(POOL)
+    after = lab.log.step
+    lab.workload = Workload("every reason", [replace(r, arrival=r.arrival + after) for r in requests()])
+    lab.run(fast=False)
+    events = lab.log.drain()
+    with open(path, "wb") as f:
+        for msg in [p.Hello(engine=ENGINE, config=off), start]:
+            f.write(p.encode(msg) + b"\n")
+        for _, batch in groupby(events, key=lambda e: e.step):
+            batch = list(batch)
+            for ev in batch:
+                ev.t = round(ev.step * STEP_S, 3)
+            f.write(p.encode(p.Events(events=batch)) + b"\n")
+    return len(events)
