@@ -1,7 +1,8 @@
 """The page of a ZMQ KV-event source (`--kv-events tcp://HOST:5557`): what such a stream can
 show, and a plain statement of what it cannot. It carries content hashes only, so there are
-no block ids, ref counts or request tables here: the cached blocks per medium, the prefix
-forest their parent hashes form, stored / removed / cleared over time, and every frame that
+no block ids, ref counts or request tables here: the cached blocks per medium (and, for a
+hybrid model, per KV-cache group), the prefix forest their parent hashes form (each prefix
+once, however many groups store it), stored / removed / cleared over time, and every frame that
 could not be read.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import streamlit as st
 from app.panels.prefix_tree import render
 from app.data.source import Source
 from kvscope_contract.prefix_forest import Node
-from integrations.kv_events.model import KVEventsState
+from integrations.kv_events.model import Extra, GroupSpec, KVEventsState
 from integrations.kv_events.subscriber import KVEventsSubscriber
 
 
@@ -54,6 +55,26 @@ def rates_chart(state: KVEventsState) -> dict:
                          "color": {"field": "what", "type": "nominal"}}, "height": 220}
 
 
+def chip_text(node: Node, tok, held: dict[str, list[int]], groups: int, extras: dict[str, Extra]) -> str:
+    """A block's text, with what its hash covers beyond its tokens (LoRA, cache salt) and, on a
+    hybrid model, the groups that hold it when not all of them do (a sliding window's early
+    blocks leave those groups first)."""
+    text = block_text(node, tok)
+    if (extra := extras.get(node.key)) is not None and (label := extra.label()):
+        text = f"[{label}] {text}"
+    have = held.get(node.key, [])
+    if groups > 1 and len(have) < groups:
+        text += f"  (groups {', '.join(map(str, have))} of {groups})"
+    return text
+
+
+def group_rows(state: KVEventsState) -> list[dict]:
+    """One row per KV-cache group: its kind and window, its cached blocks per tier."""
+    tiers = state.tiers()
+    return [{"group": g, "kind": state.specs.get(g, GroupSpec()).label(),
+             **{f"blocks on {t}": state.per_group(t).get(g, 0) for t in tiers}} for g in state.groups()]
+
+
 def page(source: Source) -> None:
     st.title("KVScope · KV events")
     st.caption("A KV-event stream (vLLM `--kv-events-config`, SGLang, TensorRT-LLM) carries content "
@@ -72,21 +93,36 @@ def page(source: Source) -> None:
         with sub.lock:
             s = sub.state
             media = s.per_medium()
+            groups = s.groups()
             head = (f"`{source.url}` · {s.batches} batches (last #{s.last_seq}) · {s.stored} stored · "
                     f"{s.removed} removed · {s.cleared} cleared")
             health = (s.bad_frames, s.unknown_events, s.missed, s.removed_unknown, list(s.errors)[-5:])
             chart = rates_chart(s)
-            forests = {m: render(s.forests[m], text=lambda n: block_text(n, tok)) for m in sorted(media)}
+            content = {m: (s.prefixes(m), s.duplicated(m)) for m in media}
+            rows = group_rows(s) if len(groups) > 1 else []
+            forests = {}
+            for m in sorted(media):
+                forest, held = s.forest(m)
+                forests[m] = render(forest, text=lambda n, held=held: chip_text(n, tok, held, len(groups), s.extras))
         st.markdown(head)
         cols = st.columns(max(1, len(media)) + 1)
         for col, (m, n) in zip(cols, sorted(media.items())):
-            col.metric(f"cached on {m}", n)
+            prefixes, dup = content[m]
+            col.metric(f"cached on {m}", n, help="physical blocks, every KV-cache group's")
+            col.caption(f"{prefixes:,} blocks of content · {dup:,} duplicated"
+                        + (f" · {len(groups)} KV-cache groups" if len(groups) > 1 else ""))
         bad, unknown, missed, orphan, errors = health
         cols[-1].metric("unreadable", bad + unknown, help="frames and events that could not be read")
         if bad or unknown or missed or orphan:
             st.warning(f"{bad} unreadable frames · {unknown} unknown events · {missed} batches missed "
                        f"(sequence gaps) · {orphan} removals of blocks stored before this page subscribed"
                        + ("".join(f"\n- {html.escape(e)}" for e in errors)))
+        if rows:
+            st.subheader("KV-cache groups")
+            st.caption(f"A hybrid model: {len(groups)} groups of layers, each storing its own blocks of every "
+                       "prompt under the same hashes, so a prefix is one block of content per group, not "
+                       "duplicated content. Duplicated counts a group holding the same content twice.")
+            st.dataframe(rows, hide_index=True, width="stretch")
         left, right = st.columns([3, 2])
         with left:
             st.subheader("Prefix forest")
@@ -95,7 +131,7 @@ def page(source: Source) -> None:
             for m, body in forests.items():
                 st.caption(f"{m}: each block (its hash and the text of its tokens) under the block its prefix "
                            "continues; a row is a chain, branches are where prompts part; hover a block for its "
-                           "tokens")
+                           "tokens" + ("; each block once, however many KV-cache groups store it" if rows else ""))
                 st.html(body)
         with right:
             st.subheader("Stored, removed, cleared")

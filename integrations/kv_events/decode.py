@@ -4,9 +4,12 @@ A message is three frames: topic, an 8-byte big-endian sequence number, and a ms
 `[ts, events, dp_rank]` (or a map with those keys). Each event is a map with a `type` key
 (vLLM today: `{"type": "BlockStored", "block_hashes": [...], ...}`) or a positional array whose
 first item is the type (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-lora_id, medium, ...]`, as older vLLM and other servers send). Both decode to the same
-`Stored` / `Removed` / `Cleared`; anything else raises `FrameError` (a whole frame) or is
-counted as unknown (one event), never more.
+lora_id, medium, lora_name, extra_keys, group_idx, ...]`, as older vLLM and other servers send).
+Both decode to the same `Stored` / `Removed` / `Cleared`, with what a hybrid model's stream adds
+(the KV-cache group that stored a block, its kind and sliding window), the tier's locality and
+the extra keys a block's hash covers (LoRA, cache salt). Keys it does not know are ignored;
+optional fields of the wrong type read as absent; a frame that cannot be read raises
+`FrameError`, an event that cannot be read is counted as unknown, never more.
 """
 from __future__ import annotations
 
@@ -46,12 +49,21 @@ class Stored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM_GPU
+    group: int | None = None            # the KV-cache group that stored them (group_idx; a hybrid model has several)
+    spec_kind: str | None = None        # that group's kind: "full_attention", "sliding_window", ...
+    sliding_window: int | None = None   # its window in tokens, for a sliding-window group
+    locality: str | None = None         # LOCAL or REMOTE to the publisher (an offloading tier); None: unsaid
+    # per block: what its hash covers beyond the tokens (LoRA, cache salt, ...)
+    extra_keys: list[tuple | None] | None = None
+    lora: str | None = None             # the LoRA adapter whose K/V these are (lora_name, or lora_id)
 
 
 @dataclass
 class Removed:
     hashes: list[str]
     medium: str = MEDIUM_GPU
+    group: int | None = None
+    locality: str | None = None
 
 
 @dataclass
@@ -71,15 +83,39 @@ class Batch:
     unknown: list[str] = field(default_factory=list)  # why each skipped event was skipped
 
 
-# Field order of the positional (array) encoding, after the type tag.
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+# Field order of the positional (array) encoding, after the type tag (vLLM's BlockStored and
+# BlockRemoved structs, 0.27 to 0.33; later releases append fields, which are ignored).
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                  "locality")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
 
 
 def _as_map(raw: Any, names: tuple[str, ...]) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
     return dict(zip(names, raw[1:]))
+
+
+def _int(v: Any) -> int | None:
+    """An optional int field: None when absent or not an int (metadata never fails an event)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) and v else None
+
+
+def _frozen(v: Any) -> Any:
+    """msgpack gives arrays as lists: nested tuples, so extra keys can be compared and hashed."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _extra_keys(v: Any, n: int) -> list[tuple | None] | None:
+    """One entry per block (None: nothing beyond the tokens), or None when absent or malformed."""
+    if not isinstance(v, list) or len(v) != n:
+        return None
+    return [None if k is None else _frozen(k) if isinstance(k, (list, tuple)) else (k,) for k in v]
 
 
 def _event(raw: Any) -> KVEvent:
@@ -97,13 +133,17 @@ def _event(raw: Any) -> KVEvent:
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise FrameError("BlockStored token_ids must be a list of ints")
         parent = m.get("parent_block_hash")
+        lora = _str(m.get("lora_name")) or (str(i) if (i := _int(m.get("lora_id"))) is not None else None)
         return Stored([vllm_hash_hex(h) for h in hashes], None if parent is None else vllm_hash_hex(parent),
-                      tokens, size, m.get("medium") or MEDIUM_GPU)
+                      tokens, size, _str(m.get("medium")) or MEDIUM_GPU, _int(m.get("group_idx")),
+                      _str(m.get("kv_cache_spec_kind")), _int(m.get("kv_cache_spec_sliding_window")),
+                      _str(m.get("locality")), _extra_keys(m.get("extra_keys"), len(hashes)), lora)
     if kind == "BlockRemoved":
         m = _as_map(raw, _REMOVED_FIELDS)
         if not isinstance(m.get("block_hashes"), list):
             raise FrameError("BlockRemoved needs block_hashes (a list)")
-        return Removed([vllm_hash_hex(h) for h in m["block_hashes"]], m.get("medium") or MEDIUM_GPU)
+        return Removed([vllm_hash_hex(h) for h in m["block_hashes"]], _str(m.get("medium")) or MEDIUM_GPU,
+                       _int(m.get("group_idx")), _str(m.get("locality")))
     if kind == "AllBlocksCleared":
         medium = raw.get("medium") if isinstance(raw, dict) else (raw[1] if len(raw) > 1 else None)
         return Cleared(medium if isinstance(medium, str) else None)

@@ -1,8 +1,14 @@
-"""What a KV-event stream can show, as plain data: per medium, the prefix forest its cached
-blocks form by parent hash (kvscope_contract/prefix_forest.py, each node with its token ids and
-its copies: vLLM does not de-duplicate, so two physical blocks may cache the same content),
-stored / removed / cleared counts over time, and the frames that could not be read. No block
-ids, ref counts or request tables: the stream has none.
+"""What a KV-event stream can show, as plain data: per tier (medium, and locality when remote)
+and per KV-cache group, the prefix forest its cached blocks form by parent hash
+(kvscope_contract/prefix_forest.py, each node with its token ids and its copies: vLLM does not
+de-duplicate, so two physical blocks of one group may cache the same content), stored / removed
+/ cleared counts over time, and the frames that could not be read. No block ids, ref counts or
+request tables: the stream has none.
+
+A hybrid model (Gemma 3: five sliding-window groups and one full-attention group) stores each
+block of a prompt once per group, under the same hash: six physical blocks holding the K/V of
+different layers, one prefix, not six copies of it. So copies are counted within a group, and
+`forest(tier)` shows each prefix once with the groups that hold it.
 """
 from __future__ import annotations
 
@@ -23,9 +29,42 @@ class Point:
     cached: int
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """A KV-cache group as its store events describe it (absent from older streams)."""
+    kind: str | None = None            # "full_attention", "sliding_window", ... as the server names it
+    sliding_window: int | None = None  # tokens, for a sliding-window group
+
+    def label(self) -> str:
+        if self.kind is None:
+            return "kind not sent"
+        words = self.kind.replace("_", " ")
+        return f"{words} ({self.sliding_window} tokens)" if self.sliding_window else words
+
+
+@dataclass(frozen=True)
+class Extra:
+    """What a block's hash covers beyond its tokens: its K/V differ (LoRA) or are kept apart (cache salt)."""
+    lora: str | None = None
+    keys: tuple | None = None  # vLLM's extra keys of that block: LoRA name, multimodal ids, cache salt, ...
+
+    def label(self) -> str:
+        parts = [f"LoRA {self.lora}"] if self.lora else []
+        if self.keys:
+            parts += [str(k) for k in self.keys if k != self.lora]
+        return ", ".join(parts)
+
+
+def tier(medium: str, locality: str | None) -> str:
+    """Where a block lives: its medium, and `(remote)` for a remote tier of an offloading connector."""
+    return medium if locality in (None, "LOCAL") else f"{medium} ({locality.lower()})"
+
+
 @dataclass
 class KVEventsState:
-    forests: dict[str, PrefixForest] = field(default_factory=dict)  # medium -> its cached blocks
+    caches: dict[str, dict[int, PrefixForest]] = field(default_factory=dict)  # tier -> group -> its blocks
+    specs: dict[int, GroupSpec] = field(default_factory=dict)  # group -> its spec, as last stored
+    extras: dict[str, Extra] = field(default_factory=dict)     # hash -> what it covers beyond tokens
     stored: int = 0
     removed: int = 0
     cleared: int = 0
@@ -48,15 +87,14 @@ class KVEventsState:
                 case Stored():
                     self._store(ev)
                 case Removed():
-                    forest = self.forests.get(ev.medium)
-                    for h in ev.hashes:
-                        self.removed += 1
-                        if forest is None or not forest.remove(h):
-                            self.removed_unknown += 1
+                    self._remove(ev)
                 case Cleared():
-                    for medium, forest in self.forests.items():
-                        if ev.medium is None or medium == ev.medium:
-                            forest.clear()
+                    for name, groups in self.caches.items():
+                        if ev.medium is None or name.split(" ")[0] == ev.medium:
+                            for forest in groups.values():
+                                forest.clear()
+                    if ev.medium is None:
+                        self.extras.clear()
                     self.cleared += 1
         self.unknown_events += len(batch.unknown)
         self.errors.extend(batch.unknown)
@@ -64,20 +102,76 @@ class KVEventsState:
         self.points.append(Point(batch.ts, self.stored, self.removed, self.cleared, self.num_cached()))
 
     def _store(self, ev: Stored) -> None:
-        forest = self.forests.setdefault(ev.medium, PrefixForest())
+        group = ev.group or 0  # a stream that does not name groups has one
+        forest = self.caches.setdefault(tier(ev.medium, ev.locality), {}).setdefault(group, PrefixForest())
+        if ev.spec_kind is not None:
+            self.specs[group] = GroupSpec(ev.spec_kind, ev.sliding_window)
         parent, size = ev.parent, ev.block_size
         for i, h in enumerate(ev.hashes):
             self.stored += 1  # the clock of the forest: blocks stored so far
             forest.store(h, parent, medium=ev.medium, at=self.stored, tokens=ev.token_ids[i * size:(i + 1) * size])
+            keys = ev.extra_keys[i] if ev.extra_keys else None
+            if ev.lora or keys:
+                self.extras[h] = Extra(ev.lora, keys)
             parent = h
+
+    def _remove(self, ev: Removed) -> None:
+        forest = self.caches.get(tier(ev.medium, ev.locality), {}).get(ev.group or 0)
+        for h in ev.hashes:
+            self.removed += 1
+            if forest is None or not forest.remove(h):
+                self.removed_unknown += 1
+            elif h in self.extras and not any(h in f.nodes for g in self.caches.values() for f in g.values()):
+                del self.extras[h]
 
     def bad_frame(self, why: str) -> None:
         self.bad_frames += 1
         self.errors.append(why)
 
+    # ------------------------------------------------------------------ reading
+    def tiers(self) -> list[str]:
+        return sorted(self.caches)
+
+    def groups(self) -> list[int]:
+        """The KV-cache groups seen, in vLLM's order."""
+        return sorted({g for groups in self.caches.values() for g in groups} | set(self.specs))
+
     def num_cached(self) -> int:
         return sum(self.per_medium().values())
 
     def per_medium(self) -> dict[str, int]:
-        """Cached physical blocks per medium (copies of the same content counted)."""
-        return {m: n for m, f in self.forests.items() if (n := f.copies())}
+        """Cached physical blocks per tier, every group's (copies of the same content counted)."""
+        out = {name: sum(f.copies() for f in groups.values()) for name, groups in self.caches.items()}
+        return {name: n for name, n in out.items() if n}
+
+    def per_group(self, name: str) -> dict[int, int]:
+        """Cached physical blocks of one tier per KV-cache group."""
+        return {g: f.copies() for g, f in sorted(self.caches.get(name, {}).items())}
+
+    def prefixes(self, name: str) -> int:
+        """Distinct blocks of content (hashes) cached on a tier, however many groups store each."""
+        return len({h for f in self.caches.get(name, {}).values() for h in f.nodes})
+
+    def duplicated(self, name: str) -> int:
+        """Physical blocks that repeat content their own group already caches on that tier (a
+        block stored by several groups of a hybrid model is not one of them)."""
+        return sum(f.copies() - len(f.nodes) for f in self.caches.get(name, {}).values())
+
+    def forest(self, name: str) -> tuple[PrefixForest, dict[str, list[int]]]:
+        """A tier's cached content as one forest, each hash once (its `copies`: the most any one
+        group holds), and which groups hold each hash."""
+        groups = self.caches.get(name, {})
+        held: dict[str, list[int]] = {}
+        for g, f in sorted(groups.items()):
+            for h in f.nodes:
+                held.setdefault(h, []).append(g)
+        if len(groups) == 1:
+            return next(iter(groups.values())), held
+        merged = PrefixForest()
+        nodes = sorted((n for f in groups.values() for n in f.nodes.values()), key=lambda n: n.stored)
+        for n in nodes:
+            if (m := merged.nodes.get(n.key)) is None:
+                merged.store(n.key, n.parent, medium=n.medium, at=n.stored, tokens=n.tokens).copies = n.copies
+            else:
+                m.copies = max(m.copies, n.copies)
+        return merged, held

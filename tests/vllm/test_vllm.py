@@ -170,7 +170,7 @@ def test_c_a_small_pool_preempts_readmits_and_finishes_every_request_once(vllm, 
 def stored_hashes(sub) -> set[str]:
     """The hashes a KV-event subscriber holds cached, on any medium."""
     with sub.lock:  # its thread changes the forests
-        return {h for forest in sub.state.forests.values() for h in forest.nodes}
+        return {h for t in sub.state.tiers() for h in sub.state.forest(t)[0].nodes}
 
 
 @pytest.mark.vllm_smoke
@@ -188,7 +188,7 @@ def test_d_the_zmq_mode_shows_the_blocks_vllm_stores(vllm, c):
         with late.lock:
             assert late.state.per_medium() == {"GPU": int(c.state.has_hash.sum())}
             assert late.state.bad_frames == 0 and late.state.unknown_events == 0
-            forest = late.state.forests["GPU"]
+            forest = late.state.forest("GPU")[0]
             drawn, todo = [], forest.roots()  # every cached block hangs in the forest once
             while todo:
                 drawn.append(todo.pop())

@@ -35,6 +35,8 @@ class Content:
     parent: str | None       # the parent's content id; ROOT for a prompt's first block; None unknown
     tokens: tuple[int, ...]  # its token ids, () when unknown
     server_hash: str         # the hash its server gave it
+    kv_group: int = 0        # the KV-cache group whose layers' K/V it holds (a hybrid model stores a
+    #                          prompt once per group)
 
 
 @dataclass
@@ -49,7 +51,7 @@ class ContentTracker:
         """A stream joined late: the blocks already hashed have unknown tokens."""
         t = cls(state.config.block_size)
         for b in np.flatnonzero(state.has_hash).tolist():
-            t._put(b, None, state.hash_of(b))
+            t._put(b, None, state.hash_of(b), int(state.kv_group[b]))
         for s in state.seqs.values():
             t.seq_tokens[s.seq_id] = None
         return t
@@ -96,17 +98,18 @@ class ContentTracker:
         toks = self.seq_tokens.get(seq_id) if seq_id is not None else None
         bs = self.block_size
         if toks is None or index is None or len(toks) < (index + 1) * bs:
-            return self._put(ev.block_id, None, ev.hash)
+            return self._put(ev.block_id, None, ev.hash, ev.kv_group)
         ids = chain_ids(toks[:(index + 1) * bs], bs)
         parent = ids[-2] if index else ROOT
         self._drop(ev.block_id)
-        self.by_block[ev.block_id] = Content(ids[-1], parent, tuple(toks[index * bs:(index + 1) * bs]), ev.hash)
+        self.by_block[ev.block_id] = Content(ids[-1], parent, tuple(toks[index * bs:(index + 1) * bs]), ev.hash,
+                                             ev.kv_group)
 
-    def _put(self, b: int, parent: str | None, server_hash: str | None) -> None:
+    def _put(self, b: int, parent: str | None, server_hash: str | None, kv_group: int = 0) -> None:
         self._drop(b)
         if server_hash is None:
             return
-        self.by_block[b] = Content(HASH_PREFIX + server_hash, parent, (), server_hash)
+        self.by_block[b] = Content(HASH_PREFIX + server_hash, parent, (), server_hash, kv_group)
         self.unknown += 1
 
     def _drop(self, b: int) -> None:

@@ -43,6 +43,7 @@ from app.data.event_history import EventHistory
 from app.data.mirror import Mirror
 from app.data.fleet.content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
 from app.data.fleet.index import EngineCache, FleetIndex
+from integrations.kv_events.decode import MEDIUM_GPU
 
 Kind = Literal["kvscope", "vllm-plugin", "kv-events"]
 ENDPOINT_KINDS: tuple[str, ...] = ("kvscope", "vllm-plugin", "kv-events")
@@ -394,7 +395,8 @@ class FleetEngine:
             quiet = now - (s.received_at or s.connected_at)
             row.state = "live" if st.batches and quiet < SILENT_S else "silent" if st.batches else "connecting"
             row.error = st.errors[-1] if st.errors else ""
-            sizes = (n.tokens and len(n.tokens) for f in st.forests.values() for n in f.nodes.values())
+            sizes = (n.tokens and len(n.tokens) for groups in st.caches.values() for f in groups.values()
+                     for n in f.nodes.values())
             row.block_size = next(sizes, 0) or 0
             row.unknown_content = sum(1 for c in self._kv_contents() if c.cid.startswith(HASH_PREFIX))
         return row
@@ -410,13 +412,11 @@ class FleetEngine:
             return list(c.content.contents()) if c.content else []
 
     def _kv_contents(self) -> list[Content]:
-        """The stream's cached blocks (medium GPU, or none given), named by content: each node's
-        tokens under its parent's content id; a chain whose head this subscriber never saw (or
-        without token ids) is named by its hashes."""
+        """The stream's cached blocks on the GPU, named by content: each node's tokens under its
+        parent's content id; a chain whose head this subscriber never saw (or without token ids)
+        is named by its hashes. One entry per physical copy, in the KV-cache group that stored it."""
         out: list[Content] = []
-        for medium, forest in self.subscriber.state.forests.items():
-            if medium not in (None, "GPU"):
-                continue
+        for g, forest in self.subscriber.state.caches.get(MEDIUM_GPU, {}).items():
             ids: dict[str, str] = {}
             for root in forest.roots():  # parents before children
                 stack = [(root, ROOT if root.parent is None else None)]
@@ -424,9 +424,20 @@ class FleetEngine:
                     node, parent = stack.pop()
                     known = parent is not None and not parent.startswith(HASH_PREFIX) and len(node.tokens)
                     cid = ids[node.key] = content_id(parent, node.tokens) if known else HASH_PREFIX + node.key
-                    out.extend(Content(cid, parent, tuple(node.tokens), node.key) for _ in range(node.copies))
+                    out.extend(Content(cid, parent, tuple(node.tokens), node.key, g) for _ in range(node.copies))
                     stack.extend((kid, cid) for kid in forest.kids(node))
         return out
+
+    def windows(self) -> dict[int, int | None]:
+        """Its KV-cache groups' sliding windows (None: full attention), as its hello or its
+        stream's store events name them; empty when it names none (one full-attention group)."""
+        if self.subscriber is not None:
+            with self.subscriber.lock:
+                specs = self.subscriber.state.specs
+                return {g: s.sliding_window if s.kind == "sliding_window" else None for g, s in specs.items()}
+        hello = self.client.hello
+        groups = hello.config.kv_groups if hello else []
+        return {g: k.window for g, k in enumerate(groups)}
 
     def block_states(self) -> np.ndarray | None:
         """FREE/CACHED/USED/SHARED/RESERVED per device block, for the overview (None: no pool)."""
@@ -496,7 +507,7 @@ class Fleet:
         """The prefix cache across the fleet's engines that are up, now (`rows`: this moment's rows,
         if read already); a down engine's cache is only its last seen, so it is left out."""
         by_name = {r.name: r for r in rows or self.rows()}
-        return FleetIndex.build([EngineCache(e.name, row.block_size, row.bytes_per_block, e.contents())
+        return FleetIndex.build([EngineCache(e.name, row.block_size, row.bytes_per_block, e.contents(), e.windows())
                                  for e in self.members() if (row := by_name.get(e.name)) and row.state in COUNTED])
 
     def close(self) -> None:

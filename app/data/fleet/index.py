@@ -21,6 +21,8 @@ class EngineCache:
     block_size: int
     bytes_per_block: int
     blocks: Sequence[Content]  # one per physical block (two copies of the same content: two entries)
+    # KV-cache group -> its sliding window in tokens (None: full attention); empty: one full group
+    windows: Mapping[int, int | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,11 @@ class Score:
 
 @dataclass
 class FleetIndex:
-    # content id -> engine -> physical copies
+    # content id -> engine -> physical copies (every KV-cache group's)
     holders: dict[str, dict[str, int]] = field(default_factory=dict)
+    # content id -> KV-cache group -> engine -> physical copies: a hybrid model stores each block
+    # of a prompt once per group (each group's layers), which is not duplication
+    by_group: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)
     parent: dict[str, str | None] = field(default_factory=dict)
     tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     server_hashes: dict[str, set[str]] = field(default_factory=dict)  # content id -> the hashes servers gave it
@@ -47,6 +52,8 @@ class FleetIndex:
             for b in c.blocks:
                 ix.holders.setdefault(b.cid, {}).setdefault(c.name, 0)
                 ix.holders[b.cid][c.name] += 1
+                held = ix.by_group.setdefault(b.cid, {}).setdefault(b.kv_group, {})
+                held[c.name] = held.get(c.name, 0) + 1
                 if b.parent is not None or b.cid not in ix.parent:
                     ix.parent[b.cid] = b.parent
                 if b.tokens:
@@ -56,21 +63,32 @@ class FleetIndex:
 
     # ------------------------------------------------------------------ duplication
     def copies(self, cid: str) -> int:
+        """Physical blocks holding `cid`, fleet-wide, every group's."""
         return sum(self.holders[cid].values())
 
+    def content_copies(self, cid: str) -> int:
+        """Copies of the content `cid` fleet-wide: per engine, the most any one of its KV-cache
+        groups holds (a hybrid engine's six groups storing a prompt once are one copy)."""
+        per_engine: dict[str, int] = defaultdict(int)
+        for held in self.by_group[cid].values():
+            for e, n in held.items():
+                per_engine[e] = max(per_engine[e], n)
+        return sum(per_engine.values())
+
     def duplicated_blocks(self) -> int:
-        """Physical blocks that hold content some other block of the fleet holds too: every
-        copy but one of each content."""
-        return sum(self.copies(cid) - 1 for cid in self.holders)
+        """Physical blocks that hold content another block of the same KV-cache group holds too,
+        in the fleet: every copy but one of each content in each group."""
+        return sum(sum(held.values()) - 1 for groups in self.by_group.values() for held in groups.values())
 
     def duplicated_bytes(self) -> int:
         """The bytes of those blocks, each at its own engine's bytes per block (from its hello;
         0 for a KV-event stream, which does not say); the copy not counted is the first, in
         engine order."""
         total = 0
-        for held in self.holders.values():
-            sizes = [self.engines[e].bytes_per_block for e, n in held.items() for _ in range(n)]
-            total += sum(sizes) - (sizes[0] if sizes else 0)
+        for groups in self.by_group.values():
+            for held in groups.values():
+                sizes = [self.engines[e].bytes_per_block for e, n in held.items() for _ in range(n)]
+                total += sum(sizes) - (sizes[0] if sizes else 0)
         return total
 
     def shared_by(self) -> dict[int, int]:
@@ -109,15 +127,15 @@ class FleetIndex:
 
     # ------------------------------------------------------------------ the merged forest
     def forest(self) -> PrefixForest:
-        """Every cached content once, under its parent's content id; a node's `copies` is the
-        physical blocks fleet-wide (which engines hold it: `holders`). Its `holders` (the sequences
+        """Every cached content once, under its parent's content id; a node's `copies` is its
+        copies fleet-wide (`content_copies`; which engines hold it: `holders`). Its `holders` (the sequences
         holding it, in a single engine's forest) stays unknown: the index does not follow them."""
         f = PrefixForest()
         order = self._parents_first()
         for i, cid in enumerate(order):
             parent = self.parent.get(cid)
             node = f.store(cid, parent if parent not in (None, ROOT) else None, at=i, tokens=self.tokens.get(cid, ()))
-            node.copies = self.copies(cid)
+            node.copies = self.content_copies(cid)
         return f
 
     def _parents_first(self) -> list[str]:
@@ -142,17 +160,18 @@ class FleetIndex:
     # ------------------------------------------------------------------ routing
     def score(self, tokens: Sequence[int]) -> list[Score]:
         """Per engine, the prompt's longest cached prefix in tokens (full blocks, each engine at
-        its own block size), highest first."""
-        by_engine: dict[str, set[str]] = defaultdict(set)
-        for cid, held in self.holders.items():
-            for e in held:
-                by_engine[e].add(cid)
+        its own block size, a hybrid engine's groups as vLLM's hit rule has them), highest first."""
+        by_engine: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        for cid, groups in self.by_group.items():
+            for g, held in groups.items():
+                for e in held:
+                    by_engine[e][g].add(cid)
         out = []
         for name, eng in self.engines.items():
             bs = eng.block_size or 1
-            have = by_engine.get(name, set())
-            n = _prefix_blocks(chain_ids(tokens, bs), have)
-            reusable = _prefix_blocks(chain_ids(tokens[:max(0, len(tokens) - 1)], bs), have)
+            have = by_engine.get(name, {})
+            n = _hit_blocks(chain_ids(tokens, bs), have, eng.windows, bs)
+            reusable = _hit_blocks(chain_ids(tokens[:max(0, len(tokens) - 1)], bs), have, eng.windows, bs)
             out.append(Score(name, n * bs, reusable * bs, n))
         return sorted(out, key=lambda s: -s.cached_tokens)
 
@@ -169,10 +188,20 @@ def pick(scores: Sequence[Score], free_blocks: Mapping[str, int] | None = None) 
     return best.engine if best else None
 
 
-def _prefix_blocks(chain: list[str], have: set[str]) -> int:
-    n = 0
-    for cid in chain:
-        if cid not in have:
-            break
-        n += 1
+def _hit_blocks(chain: list[str], have: Mapping[int, set[str]], windows: Mapping[int, int | None],
+                block_size: int) -> int:
+    """Blocks of `chain` an engine's prefix cache serves, by vLLM's rule for KV-cache groups:
+    every full-attention group holds each block from the start; a sliding-window group of W
+    tokens holds the ceil((W - 1) / block_size) blocks before the hit's end (what the window
+    still sees). The longest such prefix; one full-attention group when the engine names none."""
+    if not have:
+        return 0
+    full = [g for g, w in windows.items() if w is None] if windows else list(have)
+    n = len(chain)
+    for g in full:
+        held = have.get(g, set())
+        n = min(n, next((i for i, cid in enumerate(chain) if cid not in held), len(chain)))
+    sliding = {g: -(-(w - 1) // block_size) for g, w in windows.items() if w is not None}
+    while n and not all(all(cid in have.get(g, ()) for cid in chain[max(0, n - k):n]) for g, k in sliding.items()):
+        n -= 1
     return n
