@@ -20,7 +20,8 @@ from app.data.launcher import ServerProcess
 from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
-from tests.waiting import free_port, wait
+from kvscope_contract.ready import free_port
+from tests.waiting import wait
 from tests.synthetic import BS, synthetic_server
 
 SYSTEM = " ".join(w.strip() for w in WORDS[100:150])         # 50 tokens: 3 full blocks
