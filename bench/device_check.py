@@ -107,8 +107,8 @@ def main() -> int:
     if args.greedy_only or args.convert_only:
         sys.path.insert(0, str(ROOT))
         if args.convert_only:
-            from engine.model.model_loader import convert_smollm2_gguf
-            print(f"model folder: {convert_smollm2_gguf(Path(args.model), args.model_dir)}")
+            from engine.model.model_loader import convert_gguf
+            print(f"model folder: {convert_gguf(Path(args.model), args.model_dir)}")
             return 0
         return greedy_check(args.model, args.device, args.out, 8 if args.quick else 48)
     needed = ("torch", "triton", "transformers", "msgspec") + (("gguf",) if gguf else ())

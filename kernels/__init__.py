@@ -14,14 +14,17 @@ from kernels.block_copy import (block_copy_triton, copy_blocks_torch, copy_block
                                 swap_blocks_torch, swap_blocks_triton)
 from kernels.metadata import AttentionMetadata, build_attention_metadata
 from kernels.attention import paged_attention_cpu, paged_attention_torch, paged_attention_triton
-from kernels.pointwise import add_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
+from kernels.pointwise import (add_rms_norm_torch, gelu_tanh_and_mul_torch, rms_norm_torch, rope_torch,
+                               silu_and_mul_torch)
 from kernels.store import store_kv_torch, store_kv_triton
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "store_kv", "paged_attention", "copy_blocks",
-           "swap_blocks", "rms_norm", "add_rms_norm", "rope_store", "silu_and_mul", "store_kv_torch",
+           "swap_blocks", "rms_norm", "add_rms_norm", "rope_store", "silu_and_mul", "gelu_tanh_and_mul",
+           "store_kv_torch",
            "store_kv_triton", "paged_attention_torch", "paged_attention_triton", "paged_attention_cpu",
            "copy_blocks_torch", "copy_blocks_triton", "swap_blocks_torch", "swap_blocks_triton",
-           "block_copy_triton", "rms_norm_torch", "add_rms_norm_torch", "rope_torch", "silu_and_mul_torch"]
+           "block_copy_triton", "rms_norm_torch", "add_rms_norm_torch", "rope_torch", "silu_and_mul_torch",
+           "gelu_tanh_and_mul_torch"]
 
 
 def _native(t: Tensor) -> bool:
@@ -49,18 +52,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_norm_torch(x, weight, eps)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    """residual += x, then x = norm(residual) * weight; both in place."""
-    (cpu_build.ops().add_rms_norm if _native(x) else add_rms_norm_torch)(x, residual, weight, eps)
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, pre: Tensor | None = None) -> None:
+    """x = norm(x) * pre first where given (Gemma); residual += x, then x = norm(residual) * weight;
+    both in place."""
+    (cpu_build.ops().add_rms_norm if _native(x) else add_rms_norm_torch)(x, residual, weight, eps, pre)
 
 
 def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-               slot_mapping: Tensor) -> None:
-    """Rotary embedding of q [T, H, D] and k [T, KVH, D] in place (cos/sin [T, D]), then k and v
-    into the cache slots."""
+               slot_mapping: Tensor, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+               eps: float = 0.0) -> None:
+    """Rotary embedding of q [T, H, D] and k [T, KVH, D] in place (cos/sin [T, D]), each head
+    RMS-normalised first by q_norm / k_norm where given, then k and v into the cache slots."""
     if _native(q):
-        return cpu_build.ops().rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    rope_torch(q, k, cos, sin)
+        return cpu_build.ops().rope_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+    rope_torch(q, k, cos, sin, q_norm, k_norm, eps)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -70,6 +75,14 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         cpu_build.ops().silu_and_mul(out, gate_up)
         return out
     return silu_and_mul_torch(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    if _native(gate_up):
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        cpu_build.ops().gelu_tanh_and_mul(out, gate_up)
+        return out
+    return gelu_tanh_and_mul_torch(gate_up)
 
 
 def copy_blocks(kv_cache: Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -5,6 +5,11 @@ it) what the torch path needs so that each layer does only gathers and SDPA call
 rows sorted by length and cut into batches of about DECODE_CHUNK_TOKENS context tokens, each
 padded only to its own longest, and per prefill chunk its rows, block ids and causal mask; and
 for the C++ CPU kernel, the decode rows with their block tables (`decode_rows`).
+
+A sliding window (`window` W > 0, the layers of a sliding-window KV group) limits the query at
+position p to keys p - W + 1 .. p: the torch path gathers only the blocks holding those keys and
+masks the rest, the kernels start their walk there. Blocks wholly before a window may have left
+the table (NULL_BLOCK, -1): they are mapped to block 0 here, and no kernel reads them.
 """
 from __future__ import annotations
 
@@ -34,9 +39,10 @@ class DecodeBatch:
 class PrefillChunk:
     start: int                 # first query row of the chunk in the flat batch
     end: int
-    blocks: Tensor             # [ceil(seq_len / block_size)] int64 physical block ids
+    blocks: Tensor             # int64 physical block ids of the keys first..seq_len-1
     seq_len: int               # context length after this step (cached prefix + chunk)
-    mask: Tensor | None        # [q_len, seq_len] additive (0 / -inf); None: plain causal (no prefix)
+    mask: Tensor | None        # [q_len, seq_len - first] additive (0 / -inf); None: plain causal (no prefix)
+    first: int = 0             # the first key gathered (block-aligned; > 0 only under a sliding window)
 
 
 @dataclass
@@ -57,6 +63,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     host: tuple = field(repr=False)  # (query_lens, seq_lens, query starts, CPU block table): the plan's input
+    window: int = 0            # a sliding window of this many tokens (0: full causal attention)
     _cast: dict = field(default_factory=dict, repr=False)
 
     @cached_property
@@ -80,34 +87,52 @@ class AttentionMetadata:
         sel = torch.tensor(idx, device=self.slot_mapping.device)
         return DecodeRows(rows, self.block_tables[sel], self.seq_lens[sel])
 
+    def _first_key(self, pos: int) -> int:
+        """The first key a query at position `pos` attends to."""
+        return max(0, pos - self.window + 1) if self.window else 0
+
     @cached_property
     def decodes(self) -> list[DecodeBatch]:
-        """Decode rows (q_len 1), sorted by length so that similar lengths share a batch."""
+        """Decode rows (q_len 1), sorted by gathered length so that similar lengths share a batch;
+        each gathers its blocks from the first one its window reaches."""
         query_lens, seq_lens, starts, table = self.host
-        dev, out = self.slot_mapping.device, []
-        todo = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: seq_lens[i])
+        dev, bs, out = self.slot_mapping.device, self.block_size, []
+        skip = {i: self._first_key(seq_lens[i] - 1) // bs for i, q in enumerate(query_lens) if q == 1}  # blocks
+        length = {i: seq_lens[i] - b * bs for i, b in skip.items()}  # keys gathered
+        todo = sorted(skip, key=length.get)
         while todo:
             n = 1
-            while n < len(todo) and (n + 1) * seq_lens[todo[n]] <= DECODE_CHUNK_TOKENS:
+            while n < len(todo) and (n + 1) * length[todo[n]] <= DECODE_CHUNK_TOKENS:
                 n += 1
             batch, todo = todo[:n], todo[n:]
-            rows, lens = [starts[i] for i in batch], torch.tensor([seq_lens[i] for i in batch])
-            L = int(lens[-1])
-            mask = None if lens[0] == L else _additive(torch.arange(L) < lens[:, None]).view(n, 1, 1, L).to(dev)
+            rows, lens = [starts[i] for i in batch], torch.tensor([length[i] for i in batch])
+            L, nblk = int(lens[-1]), -(-int(lens[-1]) // bs)
+            if self.window:  # each row from its own first block, keys before the window masked
+                firsts = torch.tensor([self._first_key(seq_lens[i] - 1) - skip[i] * bs for i in batch])
+                keys = torch.arange(L)
+                allowed = (keys < lens[:, None]) & (keys >= firsts[:, None])
+                mask = None if bool(allowed.all()) else _additive(allowed).view(n, 1, 1, L).to(dev)
+                blocks = torch.stack([_padded(table[i, skip[i]:skip[i] + nblk], nblk) for i in batch])
+            else:
+                mask = None if lens[0] == L else _additive(torch.arange(L) < lens[:, None]).view(n, 1, 1, L).to(dev)
+                blocks = table[batch, :nblk]
             contiguous = all(b - a == 1 for a, b in zip(rows, rows[1:]))
             out.append(DecodeBatch(slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=dev), n,
-                                   table[batch, :-(-L // self.block_size)].flatten().long().to(dev), L, mask))
+                                   blocks.flatten().long().to(dev), L, mask))
         return out
 
     @cached_property
     def prefills(self) -> list[PrefillChunk]:
         query_lens, seq_lens, starts, table = self.host
-        dev, out = self.slot_mapping.device, []
+        dev, bs, out = self.slot_mapping.device, self.block_size, []
         for i, (q, L) in enumerate(zip(query_lens, seq_lens)):
-            if q > 1:  # new token j sits at position L - q + j and sees keys 0..L - q + j
-                mask = None if q == L else _additive(torch.arange(L) <= torch.arange(L - q, L)[:, None]).to(dev)
-                out.append(PrefillChunk(starts[i], starts[i + 1], table[i, :-(-L // self.block_size)].long().to(dev),
-                                        L, mask))
+            if q > 1:  # new token j sits at position L - q + j and sees keys 0..L - q + j (or its window)
+                first = self._first_key(L - q) // bs * bs
+                pos, keys = torch.arange(L - q, L)[:, None], torch.arange(first, L)
+                allowed = (keys <= pos) & (keys >= pos - self.window + 1 if self.window else True)
+                plain = q == L and bool(allowed.equal(keys <= pos))  # no prefix, no window cut: is_causal
+                out.append(PrefillChunk(starts[i], starts[i + 1], table[i, first // bs:-(-L // bs)].long().to(dev),
+                                        L, None if plain else _additive(allowed).to(dev), first))
         return out
 
     def cast(self, mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -121,13 +146,22 @@ def _additive(allowed: Tensor) -> Tensor:
     return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
 
 
+def _padded(blocks: Tensor, n: int) -> Tensor:
+    """`blocks` (of one table row) padded with block 0 to n entries."""
+    return torch.cat([blocks, blocks.new_zeros(n - len(blocks))]) if len(blocks) < n else blocks
+
+
 def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                             slot_mapping: list[int], block_size: int, device) -> AttentionMetadata:
+                             slot_mapping: list[int], block_size: int, device, window: int | None = None
+                             ) -> AttentionMetadata:
+    """window: the layers' sliding window in tokens (None or 0: full causal attention)."""
     B = len(query_lens)
     nblks = [-(-s // block_size) for s in seq_lens]
     width = max(nblks, default=1)
     table = torch.tensor([t[:n] + [0] * (width - n) for t, n in zip(block_tables, nblks)],
                          dtype=torch.int32).view(B, width)  # view: B == 0 gives [0, width]
+    if window:
+        table.clamp_(min=0)  # NULL_BLOCK entries (before every window): block 0, never read
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -136,4 +170,5 @@ def build_attention_metadata(query_lens: list[int], seq_lens: list[int], block_t
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=table.to(device), max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0), block_size=block_size, host=(query_lens, seq_lens, starts, table))
+        max_seq_len=max(seq_lens, default=0), block_size=block_size, host=(query_lens, seq_lens, starts, table),
+        window=window or 0)

@@ -51,8 +51,10 @@ class LLMEngine(EngineCore):
         return self.add_tokens(ids, params or SamplingParams(), request_id)
 
     def tokenize(self, prompt: str) -> list[int]:
-        """A plain prompt's token ids (no chat template, no special tokens)."""
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        """A plain prompt's token ids (no chat template), with the special tokens the tokenizer adds
+        to any text, as HF's tokenizer(text) and vLLM do: Gemma's <bos> (without it Gemma 3 270M
+        continues "The capital of France is" with " France. The The The ..."); none for SmolLM2."""
+        return self.tokenizer.encode(prompt)
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """A chat's token ids, as `add_request(messages=...)` runs it (the chat template)."""

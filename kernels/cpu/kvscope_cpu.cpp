@@ -13,10 +13,13 @@
 //                     the block table: no gather copy, no padding (replaces gather + SDPA)
 //   prefill_attention causal attention of prompt chunks without a cached prefix, from the step's
 //                     own new K/V rows (flash-attention style)
-//   rope_store        rotary embedding of q and k in place, then k and v into their cache slots
+//   rope_store        rotary embedding of q and k in place (after their per-head norms where the
+//                     model has them), then k and v into their cache slots
 //   rms_norm          out = w * norm(x)
-//   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place)
+//   add_rms_norm      residual += x; x = w * norm(residual)   (the residual stream, in place;
+//                     Gemma: x = pre * norm(x) first)
 //   silu_and_mul      out = silu(gate) * up, gate and up the two halves of one [T, 2I] tensor
+//   gelu_tanh_and_mul out = gelu_tanh(gate) * up (Gemma)
 //   gemv              out = x W^T (+ b) for a few rows of x: the weights streamed once, at the
 //                     memory's speed (decode at small batch reads every weight for one token)
 //   gemv_pack         weights laid out for gemv to read in one sequential stream
@@ -92,7 +95,8 @@ inline float fast_exp(float x) {
 // ---------------------------------------------------------------------------- the vector layer
 // vf: W floats in a register (two on AVX2: 8 lanes). load(T*) widens W elements of T to float
 // (bf16 by a 16-bit shift, fp16 by F16C); sum_lanes(a) turns W vectors into one vector of their W
-// horizontal sums; keep(a, n, fill) keeps lanes < n and puts fill in the others.
+// horizontal sums; keep(a, n, fill) keeps lanes < n and puts fill in the others, keep_range(a, lo, hi,
+// fill) lanes lo <= i < hi.
 #if defined(KVSCOPE_ISA_AVX512)
 constexpr int W = 16;
 using vf = __m512;
@@ -118,6 +122,9 @@ inline __mmask16 lanes_below(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1u);
 }
 inline vf keep(vf a, int64_t n, float fill) { return _mm512_mask_blend_ps(lanes_below(n), set1(fill), a); }
+inline vf keep_range(vf a, int64_t lo, int64_t hi, float fill) {
+  return _mm512_mask_blend_ps(__mmask16(lanes_below(hi) & ~lanes_below(lo)), set1(fill), a);
+}
 inline void store_n(float* p, vf a, int64_t n) { _mm512_mask_storeu_ps(p, lanes_below(n), a); }
 inline vf round_nearest(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf exp2_int(vf n) {  // 2^n for integral n in float range
@@ -173,6 +180,9 @@ inline __m256 lanes_below(int64_t n) {  // all ones in lanes < n
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(std::max<int64_t>(n, 0), 8))), idx));
 }
 inline vf keep(vf a, int64_t n, float fill) { return _mm256_blendv_ps(set1(fill), a, lanes_below(n)); }
+inline vf keep_range(vf a, int64_t lo, int64_t hi, float fill) {
+  return _mm256_blendv_ps(set1(fill), a, _mm256_andnot_ps(lanes_below(lo), lanes_below(hi)));
+}
 inline void store_n(float* p, vf a, int64_t n) { _mm256_maskstore_ps(p, _mm256_castps_si256(lanes_below(n)), a); }
 inline vf round_nearest(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf exp2_int(vf n) {
@@ -219,6 +229,9 @@ inline float reduce_max(vf a) {
   return m;
 }
 inline vf keep(vf a, int64_t n, float fill) { return each([&](int i) { return i < n ? a.x[i] : fill; }); }
+inline vf keep_range(vf a, int64_t lo, int64_t hi, float fill) {
+  return each([&](int i) { return i >= lo && i < hi ? a.x[i] : fill; });
+}
 inline void store_n(float* p, vf a, int64_t n) {
   for (int i = 0; i < W && i < n; ++i) p[i] = a.x[i];
 }
@@ -329,84 +342,94 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t c_tok, int64_t D) {
       __builtin_prefetch(reinterpret_cast<const char*>(rows + i * c_tok) + b);
 }
 
+// The keys lo..L-1 of a sequence (lo > 0: a sliding window; the table's entries before lo's block
+// are never read, they may name no block) as runs within one block each: f(first row, index of
+// that key counted from lo, count). The next run's rows are prefetched while f runs when `ahead`.
+template <typename T, typename F>
+inline void for_each_run(const T* cache, const int32_t* table, int64_t lo, int64_t L, int64_t bs, int64_t c_blk,
+                         int64_t c_tok, int64_t D, bool ahead, F&& f) {
+  for (int64_t t0 = lo; t0 < L;) {
+    const int64_t n = std::min(bs - t0 % bs, L - t0);
+    if (ahead && t0 + n < L)
+      prefetch_rows(cache + int64_t(table[(t0 + n) / bs]) * c_blk, std::min(bs, L - t0 - n), c_tok, D);
+    f(cache + int64_t(table[t0 / bs]) * c_blk + (t0 % bs) * c_tok, t0 - lo, n);
+    t0 += n;
+  }
+}
+
 // acc[g] = inv[g] * sum_t s[g, t] V_t for G heads, whose output rows stay in (at most 16) registers
 // while V streams: CS vector chunks of each row at a time for up to 16 / CS heads; each slice of a V
 // row is loaded once for all those heads. Where G heads' whole rows do not fit (AVX2, D = 64, three
 // heads per KV head: 24 vectors), the row is split into slices and V read once per slice (mostly
 // from the cache), not once per head.
 template <typename T, int CS>
-void weighted_values(const T* vc, const int32_t* table, int64_t L, int64_t bs, int64_t c_blk, int64_t c_tok,
-                     int64_t G, int64_t DC, const float* s, const float* inv, float* acc) {
+void weighted_values(const T* vc, const int32_t* table, int64_t lo, int64_t L, int64_t bs, int64_t c_blk,
+                     int64_t c_tok, int64_t G, int64_t DC, const float* s, const float* inv, float* acc) {
   if constexpr (CS > 1) {
-    if (G * CS > 16) return weighted_values<T, CS / 2>(vc, table, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
+    if (G * CS > 16) return weighted_values<T, CS / 2>(vc, table, lo, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
   }
   constexpr int HM = 16 / CS;
-  const int64_t D = DC * W;
+  const int64_t D = DC * W, S = L - lo;
   for (int64_t g0 = 0; g0 < G; g0 += HM)
     for (int64_t c0 = 0; c0 < DC; c0 += CS) {
       vf av[HM][CS];
       for (int g = 0; g < HM; ++g)
         for (int c = 0; c < CS; ++c) av[g][c] = zero();
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const T* vb = vc + int64_t(table[t0 / bs]) * c_blk + W * c0;
-        const int64_t n = std::min(bs, L - t0);
-        if (c0 == 0 && t0 + bs < L)
-          prefetch_rows(vc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+      for_each_run(vc, table, lo, L, bs, c_blk, c_tok, D, c0 == 0, [&](const T* rows, int64_t t, int64_t n) {
+        const T* vb = rows + W * c0;
         for (int64_t i = 0; i < n; ++i) {
           vf v[CS];
           for (int c = 0; c < CS; ++c) v[c] = load(vb + i * c_tok + W * c);
           for (int g = 0; g < HM; ++g) {
             if (g0 + g >= G) break;
-            const vf p = set1(s[(g0 + g) * L + t0 + i]);
+            const vf p = set1(s[(g0 + g) * S + t + i]);
             for (int c = 0; c < CS; ++c) av[g][c] = fma(p, v[c], av[g][c]);
           }
         }
-      }
+      });
       for (int g = 0; g < HM && g0 + g < G; ++g)
         for (int c = 0; c < CS; ++c) store(acc + (g0 + g) * D + W * (c0 + c), mul(av[g][c], set1(inv[g0 + g])));
     }
 }
 
+// one (sequence, KV head): its G query heads against the keys lo..L-1
 template <typename T, int DC>
-void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t bs,
-                 int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc, float* inv) {
-  // scores s[g * L + t], block by block (no division per token)
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    const T* kb = kc + int64_t(table[t0 / bs]) * c_blk;
-    const int64_t n = std::min(bs, L - t0);
-    if (t0 + bs < L) prefetch_rows(kc + int64_t(table[t0 / bs + 1]) * c_blk, std::min(bs, L - t0 - bs), c_tok, D);
+void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int32_t* table, int64_t lo, int64_t L,
+                 int64_t bs, int64_t c_blk, int64_t c_tok, int64_t G, int64_t D, float* s, float* acc, float* inv) {
+  const int64_t S = L - lo;
+  // scores s[g * S + t], run by run (no division per token)
+  for_each_run(kc, table, lo, L, bs, c_blk, c_tok, D, true, [&](const T* kb, int64_t t, int64_t n) {
     if constexpr (DC > 0) {
       for (int64_t i = 0; i < n; i += W)
-        scores_tile<T, DC>(qf, sc, kb + i * c_tok, c_tok, int(std::min<int64_t>(W, n - i)), G, s + t0 + i, L);
-      continue;
+        scores_tile<T, DC>(qf, sc, kb + i * c_tok, c_tok, int(std::min<int64_t>(W, n - i)), G, s + t + i, S);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, sc, kb + i * c_tok, G, D, s + t + i, S);
     }
-    for (int64_t i = 0; i < n; ++i) dot_rows<T>(qf, sc, kb + i * c_tok, G, D, s + t0 + i, L);
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators; the sum divides at the end
-    float* sg = s + g * L;
+    float* sg = s + g * S;
     float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    for (int64_t t = 0; t < S; ++t) m = std::max(m, sg[t]);
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
+    for (int64_t t = 0; t < S; ++t) sum += (sg[t] = fast_exp(sg[t] - m));
     inv[g] = 1.f / sum;
   }
-  if constexpr (DC > 0) return weighted_values<T, DC>(vc, table, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
+  if constexpr (DC > 0) return weighted_values<T, DC>(vc, table, lo, L, bs, c_blk, c_tok, G, DC, s, inv, acc);
   for (int64_t g = 0; g < G; ++g) {  // any number of heads: one head at a time
     float* a = acc + g * D;
     std::fill(a, a + D, 0.f);
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
-      const T* vb = vc + int64_t(table[t0 / bs]) * c_blk;
-      const int64_t n = std::min(bs, L - t0);
-      for (int64_t i = 0; i < n; ++i) axpy_row<T>(a, s[g * L + t0 + i], vb + i * c_tok, D);
-    }
+    for_each_run(vc, table, lo, L, bs, c_blk, c_tok, D, false, [&](const T* vb, int64_t t, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) axpy_row<T>(a, s[g * S + t + i], vb + i * c_tok, D);
+    });
     for (int64_t d = 0; d < D; ++d) a[d] *= inv[g];
   }
 }
 
+// window: keys of a query at position p are p - window + 1 .. p (0: all of 0 .. p)
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& rows, double scale) {
+                           const at::Tensor& seq_lens, const at::Tensor& rows, double scale, int64_t window) {
   const int64_t B = seq_lens.size(0), H = query.size(1), D = query.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
@@ -421,12 +444,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   T* o = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const int64_t tasks = B * KVH;
+  auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t(0); };
   int64_t work = 0, longest = 0;
   for (int64_t b = 0; b < B; ++b) {
-    work += int64_t(lens[b]) * H * D;
-    longest = std::max<int64_t>(longest, lens[b]);
+    work += (lens[b] - first(b)) * H * D;
+    longest = std::max<int64_t>(longest, lens[b] - first(b));
   }
-  auto task_fn = D == 64 ? decode_task<T, 64 / W> : D == 128 ? decode_task<T, 128 / W> : decode_task<T, 0>;
+  auto task_fn = D == 64 ? decode_task<T, 64 / W> : D == 128 ? decode_task<T, 128 / W>
+               : D == 256 ? decode_task<T, 256 / W> : decode_task<T, 0>;
   // dynamic: sequences differ in length, so equal halves of the task list are not equal work
 #pragma omp parallel num_threads(threads()) if (tasks > 1 && work > kParallelWork)
   {
@@ -438,8 +463,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);  // scaled after the dot, as SDPA does
       }
-      task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, lens[b], bs, c_blk, c_tok, G, D,
-              s.data(), acc.data(), inv.data());
+      task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, first(b), lens[b], bs, c_blk,
+              c_tok, G, D, s.data(), acc.data(), inv.data());
       for (int64_t g = 0; g < G; ++g) {
         T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
         for (int64_t d = 0; d < D; ++d) og[d] = to<T>(acc[g * D + d]);
@@ -450,7 +475,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 
 void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      const at::Tensor& rows, double scale) {
+                      const at::Tensor& rows, double scale, int64_t window) {
   check_cpu("query, out and the caches", {&out, &query, &k_cache, &v_cache});
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.strides() == v_cache.strides(),
               "kvscope: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
@@ -460,7 +485,7 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "kvscope: query, out and the caches must share a dtype");
   dispatch(query.scalar_type(), "decode_attention", [&](auto tag) {
-    decode_attention_impl<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+    decode_attention_impl<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens, rows, scale, window);
   });
 }
 
@@ -469,13 +494,14 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
 // q/k/v rows ([T, H, D] and [T, KVH, D], rows strided): chunk c is rows spans[c][0]..spans[c][1].
 // Flash-attention style, in float32: one task per (chunk, KV head, tile of 16 positions); keys
 // come W at a time, transposed once per tile and used by the G query heads of the KV head, so
-// both products are register-blocked FMAs with no horizontal sums; softmax runs online.
+// both products are register-blocked FMAs with no horizontal sums; softmax runs online. window > 0:
+// position i sees keys i - window + 1 .. i only, and key tiles wholly before that are skipped.
 constexpr int64_t kQueryTile = 16;  // query positions per task
 
 template <typename T, int DC>
 void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t k_row, const T* v, int64_t v_row,
                   int64_t kv_head, T* o, int64_t o_row, int64_t o_head, int64_t start, int64_t len, int64_t i0,
-                  int64_t h, int64_t G, float sc) {
+                  int64_t h, int64_t G, float sc, int64_t window) {
   constexpr int D = W * DC, R = 8, QT = kQueryTile;  // R query rows at a time: R independent FMA chains
   const int64_t n = std::min<int64_t>(QT, len - i0);  // query positions i0..i0+n-1 of the chunk
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -486,7 +512,8 @@ void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t
       for (int c = 0; c < DC; ++c)
         store(qf.data() + (g * QT + i) * D + W * c,
               i < n ? mul(load(q + (start + i0 + i) * q_row + (h * G + g) * q_head + W * c), set1(sc)) : zero());
-  for (int64_t j0 = 0; j0 < i0 + n; j0 += W) {
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, i0 - window + 1) : 0;
+  for (int64_t j0 = first_key / W * W; j0 < i0 + n; j0 += W) {
     const int64_t nk = std::min<int64_t>(W, len - j0);
     // this tile's W keys transposed [D][W] and values [W][D], float32, zeros past the chunk
     for (int64_t j = 0; j < W; ++j) {
@@ -507,11 +534,17 @@ void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t
         }
         for (int r = 0; r < R && r0 + r < n; ++r) {
           const int64_t i = r0 + r;
-          const int64_t visible = std::min<int64_t>(nk, i0 + i - j0 + 1);  // causal: keys up to position i0 + i
-          const vf s = keep(srow[r], visible, -kInf);
+          // causal: keys up to position i0 + i; in a window, from i0 + i - window + 1
+          const int64_t hi = std::min<int64_t>(nk, i0 + i - j0 + 1);
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, i0 + i - window + 1 - j0) : 0;
+          if (lo >= hi) {  // no key of this tile in the window: nothing to add
+            store(p + i * W, zero());
+            continue;
+          }
+          const vf s = keep_range(srow[r], lo, hi, -kInf);
           float& mi = m[g * QT + i];
           const float m_new = std::max(mi, reduce_max(s));
-          const vf e = keep(exp_lanes(sub(s, set1(m_new))), visible, 0.f);
+          const vf e = keep_range(exp_lanes(sub(s, set1(m_new))), lo, hi, 0.f);
           const float alpha = std::isinf(mi) ? 0.f : fast_exp(mi - m_new);
           l[g * QT + i] = l[g * QT + i] * alpha + reduce_add(e);
           mi = m_new;
@@ -551,7 +584,7 @@ void prefill_task(const T* q, int64_t q_row, int64_t q_head, const T* k, int64_t
 }
 
 void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& spans, double scale) {
+                       const at::Tensor& spans, double scale, int64_t window) {
   check_cpu("out, query, key and value", {&out, &query, &key, &value});
   const int64_t H = query.size(1), D = query.size(2), KVH = key.size(1);
   TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
@@ -559,7 +592,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && value.scalar_type() == key.scalar_type() &&
                   out.scalar_type() == query.scalar_type() && H % KVH == 0,
               "kvscope: query, key, value and out must share a dtype; heads a multiple of KV heads");
-  TORCH_CHECK(D == 64 || D == 128, "kvscope: prefill_attention takes head_dim 64 or 128");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "kvscope: prefill_attention takes head_dim 64, 128 or 256");
   TORCH_CHECK(key.stride(1) == value.stride(1), "kvscope: key and value must share their head stride");
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t chunks = spans.size(0), G = H / KVH;
@@ -567,7 +600,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
   int64_t work = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t len = sp[2 * c + 1] - sp[2 * c];
-    work += len * len * H * D / 2;
+    work += len * std::min(len, window > 0 ? window : len) * H * D / 2;
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t i0 = 0; i0 < len; i0 += kQueryTile) tasks.push_back({c, h, i0});
   }
@@ -575,7 +608,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
   const float sc = float(scale);
   dispatch(query.scalar_type(), "prefill_attention", [&](auto tag) {
     using T = decltype(tag);
-    auto fn = D == 64 ? prefill_task<T, 64 / W> : prefill_task<T, 128 / W>;
+    auto fn = D == 64 ? prefill_task<T, 64 / W> : D == 128 ? prefill_task<T, 128 / W> : prefill_task<T, 256 / W>;
     const T* q = query.data_ptr<T>();
     const T* k = key.data_ptr<T>();
     const T* v = value.data_ptr<T>();
@@ -584,7 +617,80 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
     for (int64_t t = 0; t < ntasks; ++t) {
       const auto [c, h, i0] = tasks[t];
       fn(q, query.stride(0), query.stride(1), k, key.stride(0), v, value.stride(0), key.stride(1), o, out.stride(0),
-         out.stride(1), sp[2 * c], sp[2 * c + 1] - sp[2 * c], i0, h, G, sc);
+         out.stride(1), sp[2 * c], sp[2 * c + 1] - sp[2 * c], i0, h, G, sc, window);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------- RMSNorm
+// In float32, x * rsqrt(mean(x^2) + eps), times the weight. A weight of T (HF's LlamaRMSNorm):
+// the normalised x rounded to T first, then w * it; a float32 weight under a narrower T
+// (Gemma3RMSNorm, its weight 1 + w in float32): the product in float32, rounded once.
+template <typename T, typename WT>
+inline void norm_row(const T* x, const WT* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  if constexpr (std::is_same_v<WT, T>) {
+    for (int64_t i = 0; i < n; ++i) out[i] = to<T>(f32(w[i]) * rnd<T>(f32(x[i]) * r));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = to<T>(f32(x[i]) * r * w[i]);
+  }
+}
+
+// f(T{}, WT{}): x's dtype T, the weight's WT (T, or float32 under any T)
+template <typename F>
+void dispatch_norm(const at::Tensor& x, const at::Tensor& weight, const char* op, F&& f) {
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "kvscope: ", op, " wants a weight in x's dtype or in float32");
+  dispatch(x.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    if (weight.scalar_type() == x.scalar_type()) return f(T{}, T{});
+    return f(T{}, float{});
+  });
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu("out and x", {&out, &x});
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1),
+              "kvscope: rms_norm wants out and x [T, hidden] and a weight [hidden]");
+  dispatch_norm(x, weight, "rms_norm", [&](auto tag, auto wtag) {
+    using T = decltype(tag);
+    using WT = decltype(wtag);
+    const int64_t T_ = x.size(0), n = x.size(1);
+    const WT* w = weight.data_ptr<WT>();
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
+    for (int64_t t = 0; t < T_; ++t)
+      norm_row<T, WT>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, float(eps));
+  });
+}
+
+// x = pre * norm(x) first where pre is given (Gemma's norm of the attention's or MLP's output);
+// residual = residual + x (rounded to the dtype, as HF's `h = h + out`); x = w * norm(residual)
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
+                  const c10::optional<at::Tensor>& pre) {
+  check_cpu("x and residual", {&x, &residual});
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  (!pre || (pre->is_contiguous() && pre->scalar_type() == weight.scalar_type() &&
+                            pre->numel() == x.size(1))),
+              "kvscope: add_rms_norm wants x and residual [T, hidden] and weights [hidden] of one dtype");
+  dispatch_norm(x, weight, "add_rms_norm", [&](auto tag, auto wtag) {
+    using T = decltype(tag);
+    using WT = decltype(wtag);
+    const int64_t T_ = x.size(0), n = x.size(1);
+    const WT* w = weight.data_ptr<WT>();
+    const WT* pw = pre ? pre->data_ptr<WT>() : nullptr;
+    const float e = float(eps);
+#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
+    for (int64_t t = 0; t < T_; ++t) {
+      T* xr = x.data_ptr<T>() + t * x.stride(0);
+      T* rr = residual.data_ptr<T>() + t * residual.stride(0);
+      if (pw) norm_row<T, WT>(xr, pw, xr, n, e);
+      for (int64_t i = 0; i < n; ++i) rr[i] = to<T>(f32(rr[i]) + f32(xr[i]));
+      norm_row<T, WT>(rr, w, xr, n, e);
     }
   });
 }
@@ -592,10 +698,13 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
 // ---------------------------------------------------------------------------- rotary + store
 // q [T, H, D], k/v [T, KVH, D] (rows may be strided: views of one fused qkv output);
 // cos/sin [T, D] in the model dtype (the HF rotary module's output); slots [T] int64, -1 = skip.
-// As HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype.
-template <typename T>
+// Each head of q and k RMS-normalised first where q_norm / k_norm [D] are given (Qwen3, Gemma 3),
+// rounded to the dtype as HF's module returns it; then as HF: x * cos + rotate_half(x) * sin, each
+// product and the sum rounded to the dtype.
+template <typename T, typename WT>
 void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                     const WT* q_norm, const WT* k_norm, float eps) {
   const int64_t T_ = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), half = D / 2;
   const int64_t c_slot = k_cache.stride(1), c_head = k_cache.stride(2), bs = k_cache.size(1),
                 c_blk = k_cache.stride(0);
@@ -607,18 +716,19 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
     const T* c = cos.data_ptr<T>() + t * cos.stride(0);
     const T* s = sin.data_ptr<T>() + t * sin.stride(0);
     float x[512];
-    auto rotate = [&](T* row) {
+    auto rotate = [&](T* row, const WT* norm) {
+      if (norm) norm_row<T, WT>(row, norm, row, D, eps);
       for (int64_t d = 0; d < D; ++d) x[d] = f32(row[d]);
       for (int64_t d = 0; d < D; ++d) {
         const float r = d < half ? -x[d + half] : x[d - half];
         row[d] = to<T>(rnd<T>(x[d] * f32(c[d])) + rnd<T>(r * f32(s[d])));
       }
     };
-    for (int64_t h = 0; h < H; ++h) rotate(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1));
+    for (int64_t h = 0; h < H; ++h) rotate(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1), q_norm);
     const int64_t dst = slot[t] < 0 ? -1 : (slot[t] / bs) * c_blk + (slot[t] % bs) * c_slot;
     for (int64_t h = 0; h < KVH; ++h) {
       T* kr = k.data_ptr<T>() + t * k.stride(0) + h * k.stride(1);
-      rotate(kr);
+      rotate(kr, k_norm);
       if (dst < 0) continue;
       const T* vr = v.data_ptr<T>() + t * v.stride(0) + h * v.stride(1);
       for (int64_t d = 0; d < D; ++d) {
@@ -630,75 +740,50 @@ void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at
 }
 
 void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps) {
   check_cpu("q, k, v, cos, sin and the caches", {&q, &k, &v, &cos, &sin, &k_cache, &v_cache});
   TORCH_CHECK(q.size(2) <= 512 && q.size(2) % 2 == 0, "kvscope: head_dim must be even and at most 512");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong,
               "kvscope: contiguous caches and int64 slots expected");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == q.scalar_type(),
               "kvscope: q, k, v, cos, sin and the caches must share a dtype");
-  dispatch(q.scalar_type(), "rope_store", [&](auto tag) {
-    rope_store_impl<decltype(tag)>(q, k, v, cos, sin, k_cache, v_cache, slots);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value() &&
+                  (!q_norm || (q_norm->is_contiguous() && k_norm->is_contiguous() &&
+                               q_norm->numel() == q.size(2) && k_norm->numel() == q.size(2) &&
+                               q_norm->scalar_type() == k_norm->scalar_type())),
+              "kvscope: rope_store wants both q_norm and k_norm [head_dim] of one dtype, or neither");
+  const at::Tensor& norm_like = q_norm ? *q_norm : q;
+  dispatch_norm(q, norm_like, "rope_store", [&](auto tag, auto wtag) {
+    using T = decltype(tag);
+    using WT = decltype(wtag);
+    rope_store_impl<T, WT>(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm ? q_norm->data_ptr<WT>() : nullptr,
+                           k_norm ? k_norm->data_ptr<WT>() : nullptr, float(eps));
   });
 }
 
-// ---------------------------------------------------------------------------- RMSNorm
-// As HF's LlamaRMSNorm: in float32, x * rsqrt(mean(x^2) + eps), rounded to the dtype, times w.
-template <typename T>
-inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = to<T>(f32(w[i]) * rnd<T>(f32(x[i]) * r));
-}
-
-template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps) {
-  const int64_t T_ = x.size(0), n = x.size(1);
-  const T* w = weight.data_ptr<T>();
-#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
-  for (int64_t t = 0; t < T_; ++t)
-    norm_row<T>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, eps);
-}
-
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_cpu("out and x", {&out, &x});
-  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
-                  out.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-              "kvscope: rms_norm wants out and x [T, hidden] and a weight of their dtype");
-  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) { rms_norm_impl<decltype(tag)>(out, x, weight, eps); });
-}
-
-// residual = residual + x (rounded to the dtype, as HF's `h = h + out`); x = w * norm(residual)
-template <typename T>
-void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
-  const int64_t T_ = x.size(0), n = x.size(1);
-  const T* w = weight.data_ptr<T>();
-#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
-  for (int64_t t = 0; t < T_; ++t) {
-    T* xr = x.data_ptr<T>() + t * x.stride(0);
-    T* rr = residual.data_ptr<T>() + t * residual.stride(0);
-    for (int64_t i = 0; i < n; ++i) rr[i] = to<T>(f32(rr[i]) + f32(xr[i]));
-    norm_row<T>(rr, w, xr, n, eps);
+// ---------------------------------------------------------------------------- activation and multiply
+// out [T, I] = act(gate) * up for gu = [gate | up], act rounded to the dtype first (HF: act(gate) *
+// up). Both activations are x * sigmoid(a x'): SiLU with x' = x; GELU-tanh (Gemma) with
+// 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3). By the vector layer
+// (exp_lanes is fast_exp lane by lane, the same bits): g++ left the scalar loop unvectorized in
+// the AVX2 variant (7x slower than by the vector layer).
+constexpr float kGeluA = -1.5957691216057308f;  // -2 sqrt(2 / pi)
+constexpr float kGeluB = 0.044715f;
+struct Silu {
+  static vf lanes(vf x) { return div(x, add(set1(1.f), exp_lanes(sub(zero(), x)))); }
+  static float one(float x) { return x / (1.f + fast_exp(-x)); }
+};
+struct GeluTanh {
+  static vf lanes(vf x) {
+    const vf inner = add(x, mul(set1(kGeluB), mul(mul(x, x), x)));
+    return div(x, add(set1(1.f), exp_lanes(mul(set1(kGeluA), inner))));
   }
-}
+  static float one(float x) { return x / (1.f + fast_exp(kGeluA * (x + kGeluB * (x * x * x)))); }
+};
 
-void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  check_cpu("x and residual", {&x, &residual});
-  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
-                  residual.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-              "kvscope: add_rms_norm wants x and residual [T, hidden] and a weight of their dtype");
-  dispatch(x.scalar_type(), "add_rms_norm",
-           [&](auto tag) { add_rms_norm_impl<decltype(tag)>(x, residual, weight, eps); });
-}
-
-// ---------------------------------------------------------------------------- SiLU and multiply
-// out [T, I] = silu(gate) * up for gu = [gate | up], silu rounded to the dtype first (HF: act(gate)
-// * up). silu by the vector layer (exp_lanes is fast_exp lane by lane, the same bits): g++ left
-// the scalar loop unvectorized in the AVX2 variant (7x slower than by the vector layer).
-template <typename T>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+template <typename T, typename Act>
+void act_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
 #pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * I > kParallelWork)
   for (int64_t t = 0; t < T_; ++t) {
@@ -707,8 +792,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
     int64_t i = 0;
 #if !defined(KVSCOPE_ISA_GENERIC)  // the portable variant keeps the loop below: its compiler vectorizes it
     for (; i + W <= I; i += W) {
-      const vf x = load(g + i);
-      const vf act = div(x, add(set1(1.f), exp_lanes(sub(zero(), x))));
+      const vf act = Act::lanes(load(g + i));
       if constexpr (std::is_same_v<T, float>) {
         store(o + i, mul(act, load(g + I + i)));
       } else {
@@ -719,19 +803,22 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
     }
 #endif
 #pragma omp simd
-    for (int64_t j = i; j < I; ++j) {
-      const float x = f32(g[j]);
-      o[j] = to<T>(rnd<T>(x / (1.f + fast_exp(-x))) * f32(g[I + j]));
-    }
+    for (int64_t j = i; j < I; ++j) o[j] = to<T>(rnd<T>(Act::one(f32(g[j]))) * f32(g[I + j]));
   }
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+template <typename Act>
+void act_and_mul(at::Tensor& out, const at::Tensor& gate_up, const char* op) {
   check_cpu("out and gate_up", {&out, &gate_up});
   TORCH_CHECK(out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1) &&
                   out.scalar_type() == gate_up.scalar_type(),
-              "kvscope: silu_and_mul wants out [T, I] for gate_up [T, 2I], one dtype");
-  dispatch(out.scalar_type(), "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(out, gate_up); });
+              "kvscope: ", op, " wants out [T, I] for gate_up [T, 2I], one dtype");
+  dispatch(out.scalar_type(), op, [&](auto tag) { act_and_mul_impl<decltype(tag), Act>(out, gate_up); });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) { act_and_mul<Silu>(out, gate_up, "silu_and_mul"); }
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  act_and_mul<GeluTanh>(out, gate_up, "gelu_tanh_and_mul");
 }
 
 // ---------------------------------------------------------------------------- GEMV
@@ -911,13 +998,15 @@ void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::o
 
 KVSCOPE_LIBRARY(KVSCOPE_NS, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor rows, float scale) -> ()");
-  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor spans, float scale) -> ()");
+        "Tensor seq_lens, Tensor rows, float scale, int window=0) -> ()");
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor spans, float scale, "
+        "int window=0) -> ()");
   m.def("rope_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
-        "Tensor(d!) v_cache, Tensor slots) -> ()");
+        "Tensor(d!) v_cache, Tensor slots, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, Tensor? pre=None) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, bool packed=False) -> ()");
   m.def("gemv_pack(Tensor w) -> Tensor");
 }
@@ -929,6 +1018,7 @@ KVSCOPE_LIBRARY_IMPL(KVSCOPE_NS, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("gemv", &gemv);
   m.impl("gemv_pack", &gemv_pack);
 }

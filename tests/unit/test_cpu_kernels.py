@@ -12,7 +12,7 @@ import torch
 import kernels
 from kernels import cpu_build, linear
 from tests.cpu_variants import BUILD_DIR
-from tests.attention_cases import CASES, close, make_batch, naive_attention
+from tests.attention_cases import CASES, LONG, WINDOWS, close, make_batch, naive_attention
 
 ok, why = cpu_build.supported()
 pytestmark = pytest.mark.skipif(not ok, reason=f"C++ CPU kernels cannot be built here: {why}")
@@ -40,10 +40,10 @@ def test_cpu_attention_reads_fresh_keys_for_uncached_prefills(isa):
         close(impl(query, kv[0, 0], kv[0, 1], meta, 0.3, key, value), expected)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_prefill_kernel_matches_naive(isa, head_dim, dtype):
-    """Prompt chunks with no cached prefix go to the C++ prefill kernel (head_dim 64 or 128),
+    """Prompt chunks with no cached prefix go to the C++ prefill kernel (head_dim 64, 128 or 256),
     the others to SDPA, decode rows to the decode kernel, all in one batch."""
     specs = [(0, 37), (5, 1), (0, 16), (0, 1), (9, 4), (0, 33), (0, 2)]
     query, kv, meta, fk, fv = make_batch(specs, 16, 3, 3, head_dim=head_dim, dtype=dtype)
@@ -58,6 +58,22 @@ def test_cpu_prefill_kernel_matches_naive(isa, head_dim, dtype):
     cpu_build.ops().prefill_attention(direct, query, key, value, spans, head_dim ** -0.5)
     for a, b in spans.tolist():
         close(direct[a:b], expected[a:b], dtype)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_cpu_attention_in_a_sliding_window_matches_naive(isa, head_dim, block_size, window):
+    """The decode kernel (head_dim 16: its portable loops), the prefill kernel on fresh chunks
+    (given key/value) and SDPA on chunks with a cached prefix, each limited to the window; GQA 4 on
+    one KV head as Gemma 3; NULL entries before every window, whose blocks are never read."""
+    specs = LONG
+    query, kv, meta, fk, fv = make_batch(specs, block_size, 1, 4, head_dim=head_dim, seed=window, window=window)
+    key = torch.cat([k[p:] for k, (p, _) in zip(fk, specs)])
+    value = torch.cat([v[p:] for v, (p, _) in zip(fv, specs)])
+    expected = naive_attention(query, fk, fv, specs, 4, head_dim ** -0.5, window)
+    for kv_new in ((None, None), (key, value)):
+        close(kernels.paged_attention_cpu(query, kv[0, 0], kv[0, 1], meta, head_dim ** -0.5, *kv_new), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,6 +121,31 @@ def test_rope_store_equals_the_torch_path_exactly(isa, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_dtype", [None, torch.float32], ids=["qwen3-norm", "gemma-norm"])
+def test_rope_store_after_qk_norms_equals_the_torch_path(isa, dtype, norm_dtype):
+    """q and k normalised per head first (Qwen3's weight in the dtype, Gemma's 1 + w in float32)."""
+    T, H, KVH, D, bs = 21, 4, 1, 256, 8
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(T, D, generator=g)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_norm, k_norm = ((1 + 0.2 * torch.randn(D, generator=g)).to(norm_dtype or dtype) for _ in range(2))
+    slots = torch.randperm(4 * bs)[:T]
+    results = []
+    for native in (True, False):
+        qkv, (q, k, v) = qkv_views(T, H, KVH, D, dtype, seed=4)
+        cache = torch.zeros(2, 4, bs, KVH, D, dtype=dtype)
+        if native:
+            cpu_build.ops().rope_store(q, k, v, cos, sin, cache[0], cache[1], slots, q_norm, k_norm, 1e-6)
+        else:
+            kernels.rope_torch(q, k, cos, sin, q_norm, k_norm, 1e-6)
+            kernels.store_kv_torch(k, v, cache[0], cache[1], slots)
+        results.append((qkv, cache))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(results[0][0], results[1][0], **tol)
+    torch.testing.assert_close(results[0][1], results[1][1], **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 32, 300])  # 300 rows: the multi-threaded path
 def test_norms_and_silu_match_the_torch_path(isa, dtype, rows):
     g = torch.Generator().manual_seed(1)
@@ -121,11 +162,25 @@ def test_norms_and_silu_match_the_torch_path(isa, dtype, rows):
     kernels.add_rms_norm_torch(xb, rb, w, 1e-5)
     assert torch.equal(ra, rb)  # the residual add is one rounding on both paths
     torch.testing.assert_close(xa, xb, **tol)
+    # Gemma: its weight 1 + w in float32 (one rounding after the product), the norm of the layer's
+    # output first (`pre`); under float32 x the same products as the weight in x's dtype
+    w32, pre = 1 + 0.1 * torch.randn(576, generator=g), 1 + 0.1 * torch.randn(576, generator=g)
+    cpu_build.ops().rms_norm(out, x, w32, 1e-6)
+    torch.testing.assert_close(out, kernels.rms_norm_torch(x, w32, 1e-6), **tol)
+    expected = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w32).to(dtype)
+    torch.testing.assert_close(out, expected, **tol)  # Gemma3RMSNorm's arithmetic
+    xa, ra, xb, rb = x.clone(), res.clone(), x.clone(), res.clone()
+    cpu_build.ops().add_rms_norm(xa, ra, w32, 1e-6, pre)
+    kernels.add_rms_norm_torch(xb, rb, w32, 1e-6, pre)
+    torch.testing.assert_close(ra, rb, **tol)
+    torch.testing.assert_close(xa, xb, **tol)
     for inter in (1536, 1541):  # 1541: a tail after the last full vector
         gu = 4 * torch.randn(rows, 2 * inter, generator=g).to(dtype)
-        silu = torch.empty(rows, inter, dtype=dtype)
-        cpu_build.ops().silu_and_mul(silu, gu)
-        torch.testing.assert_close(silu, kernels.silu_and_mul_torch(gu), **tol)
+        for op, ref in (("silu_and_mul", kernels.silu_and_mul_torch),
+                        ("gelu_tanh_and_mul", kernels.gelu_tanh_and_mul_torch)):
+            act = torch.empty(rows, inter, dtype=dtype)
+            getattr(cpu_build.ops(), op)(act, gu)
+            torch.testing.assert_close(act, ref(gu), **tol)
 
 
 def test_bad_input_is_refused_clearly(isa):

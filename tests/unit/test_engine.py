@@ -292,3 +292,103 @@ def test_smollm2_with_bf16_gemv_weights_follows_fp32_transformers(smollm2, isa):
         gaps += (logits.max(dim=1).values - logits[torch.arange(len(out.token_ids)), out.token_ids]).tolist()
     print("reference logit below its first choice, per token:", [round(g, 3) for g in gaps])
     assert max(gaps) < 0.1 and sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
+
+
+# ---------------------------------------------------------------------------- Gemma 3: sliding windows
+# Longer than tiny-gemma3's window of 32 tokens in its prompt alone (54 tokens).
+LONG_PROMPT = ("Paged attention stores the keys and values of every token in fixed-size blocks that can live "
+               "anywhere in one pool; a block table maps each sequence's logical blocks to physical ones, and "
+               "a sliding-window layer only ever reads the blocks of its last few tokens.")
+
+
+def torch_path(monkeypatch) -> None:
+    """Engines made from here on run the plain torch path: no C++ kernels, F.linear."""
+    monkeypatch.setattr(model_runner, "_PREPARED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(model_runner, "choose_backend", lambda layers, **_: ("torch", False))
+    monkeypatch.setattr(kernels.cpu_build, "_state", {"loaded": False, "why": "this test"})
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    return load_model("tiny-gemma3", dtype="float32")
+
+
+def assert_greedy_matches_transformers(loaded, outs, max_new: int) -> None:
+    for (out,) in outs:
+        assert out.token_ids == hf_greedy(loaded, out.prompt_token_ids, max_new), out.prompt_token_ids[:8]
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_tiny_gemma3_greedy_matches_transformers_on_every_cpu_path(tiny_gemma3, isa, block_size, monkeypatch):
+    """Gemma 3's layers (sandwich norms, GELU-tanh, q/k norms, two RoPE bases, a window of 32 on two
+    of its three layers) through the paged engine: the C++ kernels of variant `isa`, prefill in
+    chunks of 16 (a cached prefix longer than the window), then the plain torch path."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS + [LONG_PROMPT]
+    assert len(tiny_gemma3.tokenizer.encode(LONG_PROMPT)) > 32
+    outs, _ = run_with_events(make(tiny_gemma3, block_size=block_size), prompts, params)
+    assert_greedy_matches_transformers(tiny_gemma3, outs, params.max_tokens)
+    chunked, _ = run_with_events(make(tiny_gemma3, block_size=block_size, max_num_batched_tokens=16), prompts, params)
+    assert token_ids(chunked) == token_ids(outs)
+    torch_path(monkeypatch)
+    plain, _ = run_with_events(make(tiny_gemma3, block_size=block_size), prompts, params)
+    assert token_ids(plain) == token_ids(outs)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return load_model("gemma3", dtype="float32")
+
+
+def gemma3_engine(loaded, max_num_batched_tokens: int = 1024, **pool) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="gemma3", max_num_batched_tokens=max_num_batched_tokens,
+                                  pool=p.PoolConfig(**{"num_device_blocks": 256, "num_host_blocks": 0, **pool})),
+                     loaded)
+
+
+def test_gemma3_greedy_matches_transformers_generate(gemma3, monkeypatch):
+    """The real Gemma 3 270M in fp32, prompts shorter than its window of 512: token-identical to
+    transformers on the C++ kernels (decode at 4 rows: the GEMV where chosen) and on the torch path."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = gemma3_engine(gemma3)
+    prompts = [engine.tokenize(x) for x in PROMPTS[:4]]
+    assert all(ids[0] == gemma3.tokenizer.bos_token_id for ids in prompts)
+    outs, _ = run_with_events(engine, prompts, params)
+    assert outs[0][0].text.startswith(" the capital of the country of France")
+    assert_greedy_matches_transformers(gemma3, outs, params.max_tokens)
+    torch_path(monkeypatch)
+    assert token_ids(run_with_events(gemma3_engine(gemma3), prompts, params)[0]) == token_ids(outs)
+
+
+@pytest.mark.slow
+def test_gemma3_long_prompt_slides_the_window_and_matches_transformers(gemma3, monkeypatch):
+    """A prompt of over 1,000 tokens (twice the window), prefilled in chunks of 256 with
+    64 tokens generated, beside a short one: every sliding layer attends only its last 512 tokens."""
+    engine = gemma3_engine(gemma3, 256, num_device_blocks=200)  # chunks: prefixes longer than the window
+    long = engine.tokenize(" ".join([LONG_PROMPT] * 24))
+    assert len(long) > 1000
+    prompts, params = [long, engine.tokenize(PROMPTS[2])], SamplingParams(max_tokens=64, ignore_eos=True)
+    outs, _ = run_with_events(engine, prompts, params)
+    assert_greedy_matches_transformers(gemma3, outs, params.max_tokens)
+    torch_path(monkeypatch)
+    plain = gemma3_engine(gemma3, 256, num_device_blocks=200)
+    assert token_ids(run_with_events(plain, prompts, params)[0]) == token_ids(outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32+bfloat16"])
+def test_gemma3_in_the_cpus_default_dtypes_follows_fp32_transformers(gemma3, dtype):
+    """bf16 (the default on CPUs with bf16 products) and float32+bfloat16 (elsewhere; force it with
+    --dtype on any CPU): teacher-forced through the fp32 reference, every token generated is its
+    first choice or a near-tie."""
+    loaded = load_model("gemma3", dtype=dtype)
+    engine = gemma3_engine(loaded)
+    outs = engine.generate([engine.tokenize(x) for x in PROMPTS[:4]], SamplingParams(max_tokens=12, ignore_eos=True))
+    gaps = []
+    for (out,) in outs:
+        ids = out.prompt_token_ids + out.token_ids
+        with torch.inference_mode():
+            logits = gemma3.model(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1:-1].float()
+        gaps += (logits.max(dim=1).values - logits[torch.arange(len(out.token_ids)), out.token_ids]).tolist()
+    print(f"{dtype}: reference logit below its first choice, per token:", [round(g, 3) for g in gaps])
+    assert max(gaps) < 0.5 and sum(g == 0 for g in gaps) >= 0.9 * len(gaps)

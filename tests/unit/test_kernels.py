@@ -22,7 +22,7 @@ from triton.runtime.jit import JITFunction
 
 import kernels
 from kernels import metadata
-from tests.attention_cases import CASES, MIXED, close, make_batch, naive_attention
+from tests.attention_cases import CASES, LONG, MIXED, WINDOWS, close, make_batch, naive_attention
 
 
 @contextlib.contextmanager
@@ -66,6 +66,18 @@ def triton_interpreter():
 def interpret():
     with triton_interpreter():
         yield
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode_ragged", "chunked_prefill", "many_decodes", "long"])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_torch_attention_in_a_sliding_window_matches_naive(monkeypatch, case, block_size, window):
+    """GQA 4 on one KV head (Gemma 3's shape); blocks before each window are NULL in the tables."""
+    monkeypatch.setattr(metadata, "DECODE_CHUNK_TOKENS", 100)
+    specs = LONG if case == "long" else CASES[case]
+    query, kv, meta, fk, fv = make_batch(specs, block_size, 1, 4, seed=window, window=window)
+    out = kernels.paged_attention(query, kv[0, 0], kv[0, 1], meta, 0.3)
+    close(out, naive_attention(query, fk, fv, specs, 4, 0.3, window))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -189,6 +201,16 @@ def test_paged_attention_triton(interpret, case, block_size, kv_heads, group):
     # block_m 16 with group 3 (padded to 4): 4 positions per tile, so prefill chunks span tiles
     out = kernels.paged_attention_triton(query, kv[0, 0], kv[0, 1], meta, 0.3, block_m=16, block_n=16)
     close(out, expected)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_paged_attention_triton_in_a_sliding_window(interpret, window, block_size):
+    """Decode rows, prefill chunks with and without cached prefixes, NULL entries before each window."""
+    specs = [(70, 1), (45, 9), (0, 30), (13, 1), (2, 1)]
+    query, kv, meta, fk, fv = make_batch(specs, block_size, 1, 4, seed=window, window=window)
+    out = kernels.paged_attention_triton(query, kv[0, 0], kv[0, 1], meta, 0.3, block_m=16, block_n=16)
+    close(out, naive_attention(query, fk, fv, specs, 4, 0.3, window))
 
 
 def test_paged_attention_triton_fp16(interpret):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, LlamaForCausalLM
 
 from engine.model import model_loader as ml
 from engine.model.model_loader import ModelLoadError, apply_chat_template, default_cache_dir, load_model
@@ -40,6 +40,23 @@ def test_tiny_dims(tiny_cpu: ml.LoadedModel) -> None:
     assert c._attn_implementation == "sdpa"
     assert (lm.name, lm.device, lm.dtype) == ("tiny-llama", torch.device("cpu"), DEFAULT_CPU_DTYPE)
     assert next(lm.model.parameters()).dtype == DEFAULT_CPU_DTYPE
+
+
+def test_tiny_gemma3_dims_and_layer_kinds() -> None:
+    lm = load_model("tiny-gemma3", device="cpu", dtype="float32", progress=lambda _: None)
+    c = lm.model.config
+    assert isinstance(lm.model, Gemma3ForCausalLM) and lm.name == "tiny-gemma3" and not lm.model.training
+    shape = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    assert shape == (3, 128, 4, 1, 64)
+    assert lm.layer_kinds == [ml.TINY_GEMMA3_WINDOW, ml.TINY_GEMMA3_WINDOW, None] == [32, 32, None]
+    assert c.vocab_size == len(lm.tokenizer) and lm.eos_token_ids == [2, 0]
+    norms = [w for n, w in lm.model.named_parameters() if n.endswith("norm.weight")]
+    assert len(norms) == 3 * 6 + 1 and all(w.abs().sum() > 0 for w in norms)  # random, not Gemma's zeros
+    assert _same_weights(lm.model, load_model("tiny-gemma3", device="cpu", dtype="float32").model)
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        ids = lm.tokenizer(prompt, return_tensors="pt")
+        out = lm.model.generate(**ids, max_new_tokens=40, do_sample=False)[0, ids.input_ids.shape[1]:]
+        assert len(set(out.tolist())) >= 10
 
 
 def test_tiny_deterministic_and_leaves_global_rng_alone(tiny_cpu: ml.LoadedModel) -> None:
@@ -148,19 +165,39 @@ def _folder(tmp_path: Path, config: dict | None, weights: bool = True, tokenizer
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda p: p / "nope", r"neither a bundled model \(smollm2, tiny\) nor an existing folder"),
+    (lambda p: p / "nope", r"neither a bundled model \(smollm2, gemma3, tiny, tiny-gemma3\) nor an existing folder"),
     (lambda p: _folder(p, None, weights=False, tokenizer=False),
      r"missing config.json, weights \(\*.safetensors or pytorch_model\*.bin\), a tokenizer"),
     (lambda p: _folder(p, {"model_type": "llama"}, weights=False), r"missing weights"),
     (lambda p: _folder(p, {"model_type": "gpt2"}),
-     r"model_type 'gpt2' is not supported; .*llama, mistral, qwen2, qwen3"),
-    (lambda p: _folder(p, {"model_type": "mistral", "sliding_window": 4096}), "sliding-window attention"),
-    (lambda p: _folder(p, {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}),
-     "sliding-window attention"),
+     r"model_type 'gpt2' is not supported; .*full and sliding-window attention: "
+     r"llama, mistral, qwen2, qwen3, gemma3_text"),
+    (lambda p: _folder(p, {"model_type": "gemma3"}),
+     r"model_type 'gemma3' is not supported \(Gemma 3's text model is gemma3_text\)"),
+    (lambda p: _folder(p, {"model_type": "gemma3_text", "num_hidden_layers": 2,
+                           "layer_types": ["chunked_attention", "full_attention"]}),
+     r"layer type\(s\) chunked_attention are not supported; KVScope runs full_attention and sliding_attention layers"),
+    (lambda p: _folder(p, {"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}),
+     r"gemma3_text with attn_logit_softcapping is not supported"),
 ])
 def test_bad_path_is_refused_clearly(tmp_path: Path, make, message: str) -> None:
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(make(tmp_path / "m")), device="cpu")
+
+
+@pytest.mark.parametrize("config, kinds", [
+    ({"model_type": "llama", "num_hidden_layers": 3}, [None] * 3),
+    ({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 4096}, [4096] * 2),
+    ({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": None}, [None] * 2),
+    ({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 2}, [None, None, 64, 64]),
+    ({"model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": 64}, [None] * 2),  # use_sliding_window off
+    ({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512}, [512] * 5 + [None, 512]),
+])
+def test_layer_kinds_follow_the_config(config: dict, kinds: list) -> None:
+    from transformers import AutoConfig
+    cfg = dict(config)
+    assert ml.layer_kinds(AutoConfig.for_model(cfg.pop("model_type"), **cfg)) == kinds
 
 
 def test_publish_keeps_the_first_finished_copy(tmp_path: Path) -> None:
@@ -190,10 +227,32 @@ def test_smollm2(monkeypatch: pytest.MonkeyPatch) -> None:
     out = lm.model.generate(torch.tensor([chat]), max_new_tokens=24, do_sample=False)[0, len(chat):].tolist()
     assert "Paris" in tok.decode(out) and out[-1] in lm.eos_token_ids  # stops on <|im_end|>
     # a second load reads the cached safetensors and never touches the GGUF
-    monkeypatch.setattr(ml, "_convert_smollm2", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr(ml, "_convert", lambda *a: pytest.fail("converted again"))
     again = load_model("smollm2", device="cpu")
     assert Path(again.model.name_or_path) == default_cache_dir() / "SmolLM2-135M-Instruct"
     assert _same_weights(lm.model, again.model)
+
+
+@pytest.mark.slow
+def test_gemma3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gemma 3 270M packages' GGUF, converted once like SmolLM2's: its layer kinds, EOS ids and
+    the continuation transformers gives; a folder vLLM can read (no quantization_config); the
+    assembled GGUF is not left behind."""
+    lm = load_model("gemma3", device="cpu", dtype="float32")
+    c, dest = lm.model.config, default_cache_dir() / "gemma-3-270m"
+    assert isinstance(lm.model, Gemma3ForCausalLM) and Path(lm.model.name_or_path) == dest
+    shape = (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size)
+    assert shape == (18, 4, 1, 256, 262144)
+    assert lm.layer_kinds == ([512] * 5 + [None]) * 3
+    assert lm.eos_token_ids == lm.tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"]) == [1, 106]
+    assert lm.tokenizer.chat_template is None  # the GGUF (a base model) carries none: chat is plain text
+    assert "quantization_config" not in json.loads((dest / "config.json").read_text())
+    assert not list(default_cache_dir().rglob("*.gguf"))
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt")
+    out = lm.model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids.input_ids.shape[1]:]
+    assert lm.tokenizer.decode(out) == " the capital of the country of France. It is the largest"
+    monkeypatch.setattr(ml, "_convert", lambda *a: pytest.fail("converted again"))
+    assert Path(load_model("gemma3", device="cpu").model.name_or_path) == dest
 
 
 @pytest.mark.slow
@@ -211,12 +270,12 @@ def test_two_processes_convert_into_a_fresh_cache(monkeypatch: pytest.MonkeyPatc
         assert out.read_text().strip() == "SmolLM2-135M-Instruct"
         assert "de-quantizing weights" in err.read_text() and "loaded: SmolLM2-135M-Instruct" in err.read_text()
     dest = cache / "SmolLM2-135M-Instruct"
-    assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-tokenizer"]
+    assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct"]
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "chat_template.jinja"} <= {p.name for p in dest.iterdir()}
     assert "quantization_config" not in json.loads((dest / "config.json").read_text())
     monkeypatch.setenv("KVSCOPE_CACHE", str(cache))
-    monkeypatch.setattr(ml, "_convert_smollm2", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr(ml, "_convert", lambda *a: pytest.fail("converted again"))
     lines: list[str] = []
     lm = load_model("smollm2", device="cpu", progress=lines.append)
     assert lines[0].startswith(f"loading SmolLM2-135M-Instruct from {dest} (")
