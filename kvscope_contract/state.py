@@ -42,8 +42,25 @@ class InvariantError(ValueError):
     """An event that cannot follow the current state (names the event)."""
 
 
+class GroupTables:
+    """A sequence's tables, one per KV-cache group (`block_tables`, `host_tables`), read as one
+    table where one is meant: a full-attention model's only one is group 0's."""
+    block_tables: list[list[int]]
+    host_tables: list[list[int]]
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's device table (a full-attention model's only one)."""
+        return self.block_tables[0]
+
+    @property
+    def host_table(self) -> list[int]:
+        """Group 0's host table, while swapped out."""
+        return self.host_tables[0]
+
+
 @dataclass
-class SeqState:
+class SeqState(GroupTables):
     seq_id: str
     request_id: str
     status: p.Status = "waiting"
@@ -56,16 +73,6 @@ class SeqState:
     text: str = ""
     key: int = 0  # this state's small integer name for the sequence (1, 2, ... in creation order)
     added: float | None = None  # engine time of its request_added or fork (None: before a snapshot)
-
-    @property
-    def block_table(self) -> list[int]:
-        """Group 0's device table (a full-attention model's only one)."""
-        return self.block_tables[0]
-
-    @property
-    def host_table(self) -> list[int]:
-        """Group 0's host table."""
-        return self.host_tables[0]
 
     def holds_blocks(self) -> bool:
         """Whether any of its device tables names a block."""

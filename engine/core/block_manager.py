@@ -3,10 +3,12 @@
 A model's layers form KV-cache groups (kvscope_contract/kv_groups.py): one for a full-attention
 model, several for a hybrid one (Gemma 3: five sliding-window groups and one full-attention
 group), as vLLM v1's KVCacheManager and its coordinator keep them. Every group has its own
-block table per sequence, drawn from the one BlockPool; a sliding-window group frees the blocks
-its window has passed (`window_free`; the table keeps NULL_BLOCK there), and a prefix hit is the
-longest prefix that every group can serve. Every change of state emits its protocol events, in
-order, through the event log.
+block table per sequence, drawn from the one BlockPool. A full-attention group takes blocks for
+the whole prompt at admission; a sliding-window group only for the tokens each step computes
+(a long prompt's prefill chunk by chunk, as vLLM allocates), and frees the blocks its window has
+passed (`window_free`; the table keeps NULL_BLOCK there). A prefix hit is the longest prefix
+that every group can serve. Every change of state emits its protocol events, in order, through
+the event log.
 """
 from __future__ import annotations
 
@@ -93,54 +95,72 @@ class BlockManager:
         """Blocks that hold `num_tokens` tokens in one table (the last one possibly partial)."""
         return -(-num_tokens // self.block_size)
 
-    def peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
-        """The most blocks a sequence of `prompt_tokens` growing to `total_tokens` holds at once,
-        alone in the pool: every group holds the prompt's blocks at admission; a sliding-window
-        group then keeps at most its window's blocks (and the one being filled)."""
-        full, prompt = self.num_blocks_for(total_tokens), self.num_blocks_for(prompt_tokens)
-        return sum(full if w is None else max(prompt, min(full, w // self.block_size + 2))
+    def peak_blocks(self, total_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a sequence growing to `total_tokens`, prefilled `chunk_tokens` at a
+        time, holds at once, alone in the pool: a full-attention group every block; a
+        sliding-window group its window's blocks and a chunk's (and a block each side)."""
+        full = self.num_blocks_for(total_tokens)
+        return sum(full if w is None else min(full, self.num_blocks_for(w + chunk_tokens) + 1)
                    for w in self.windows)
 
-    def can_ever_fit(self, prompt_tokens: int, total_tokens: int) -> bool:
+    def can_ever_fit(self, total_tokens: int, chunk_tokens: int) -> bool:
         """Whether such a sequence fits an otherwise empty pool above the watermark (False: it can
         never be admitted, whatever finishes)."""
-        return self.peak_blocks(prompt_tokens, total_tokens) <= self.max_blocks_per_seq
+        return self.peak_blocks(total_tokens, chunk_tokens) <= self.max_blocks_per_seq
 
     @property
     def max_blocks_per_seq(self) -> int:
         return self.config.num_device_blocks - len(self.config.reserved_blocks) - self.watermark_blocks
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether `allocate(seq)` would leave at least `watermark_blocks` allocatable: its
-        prefix hits cost nothing unless they leave the LRU (a cached block with no holder).
+    def _upto(self, seq: Sequence, g: int, hit_tokens: int, budget: int | None) -> int:
+        """Tokens group g's table covers after admission: every token for full attention; for a
+        sliding window, those of the first step (`budget` tokens past the hit; None: all)."""
+        if self.windows[g] is None or budget is None:
+            return len(seq)
+        return min(len(seq), hit_tokens + budget)
+
+    def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
+        """Whether `allocate(seq, budget)` would leave at least `watermark_blocks` allocatable:
+        its prefix hits cost nothing unless they leave the LRU (a cached block with no holder).
 
         Args:
             seq: a waiting sequence holding no block.
+            budget: tokens its first step may compute (None: every token).
         Returns:
             True when it can be admitted now.
         """
         hits = self._prefix_hits(seq)
         held = [b for blocks in hits for b in blocks if b != NULL]
         revived = sum(1 for b in held if not self.pool.ref_counts[b])
-        need = len(self.groups) * self.num_blocks_for(len(seq)) - sum(map(len, hits)) + revived
+        hit = len(hits[0]) * self.block_size
+        need = sum(max(0, self.num_blocks_for(self._upto(seq, g, hit, budget)) - len(blocks))
+                   for g, blocks in enumerate(hits)) + revived
         return self.num_allocatable_blocks - need >= self.watermark_blocks
 
-    def blocks_to_append(self, seq: Sequence) -> int:
-        """Blocks writing the next token takes: per group, a new one at a block boundary, or a
-        copy of a shared last block."""
-        n, refs = len(seq), self.pool.ref_counts
-        last = (n - 1) // self.block_size
-        return sum(n > len(t) * self.block_size or refs[t[last]] > 1 for t in seq.block_tables)
-
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether `append_slot(seq)` can succeed (it may dip into the watermark).
+    def blocks_to_append(self, seq: Sequence, num_tokens: int = 1) -> int:
+        """Blocks computing the next `num_tokens` of `seq` takes: per group, the new ones those
+        tokens reach into, or a copy of a shared block the first of them is written to.
 
         Args:
-            seq: a running sequence whose last token has no slot yet.
+            seq: a running sequence.
+            num_tokens: tokens the step computes (1 when decoding).
         Returns:
-            True when the pool can give every group the block it needs.
+            The blocks `append_slot(seq, num_tokens)` takes from the pool.
         """
-        return self.num_allocatable_blocks >= self.blocks_to_append(seq)
+        upto, refs = seq.num_computed_tokens + num_tokens, self.pool.ref_counts
+        last, need = (upto - 1) // self.block_size, self.num_blocks_for(upto)
+        return sum(need - len(t) if need > len(t) else refs[t[last]] > 1 for t in seq.block_tables)
+
+    def can_append(self, seq: Sequence, num_tokens: int = 1) -> bool:
+        """Whether `append_slot(seq, num_tokens)` can succeed (it may dip into the watermark).
+
+        Args:
+            seq: a running sequence whose next `num_tokens` have no slot yet.
+            num_tokens: tokens the step computes (1 when decoding).
+        Returns:
+            True when the pool can give every group the blocks it needs.
+        """
+        return self.num_allocatable_blocks >= self.blocks_to_append(seq, num_tokens)
 
     def can_swap_out(self, group: list[Sequence]) -> bool:
         """Whether the host pool can take `group`'s blocks: a block they share counted once, one
@@ -296,17 +316,19 @@ class BlockManager:
             self.host.unpair_device(b)
 
     # ------------------------------------------------------------------ sequence operations
-    def allocate(self, seq: Sequence) -> int:
-        """Blocks for every token of a waiting `seq` in every group, cached prefix first.
+    def allocate(self, seq: Sequence, budget: int | None = None) -> int:
+        """Blocks for a waiting `seq` in every group, cached prefix first: a full-attention
+        group's for every token, a sliding-window group's for the tokens its first step computes.
 
         Each hit's ref count goes up by one (a hit on a block with no holder takes it out of
-        the LRU); the other blocks are new, ref count 1. Returns how many leading tokens already
-        have their K/V in the cache. The caller checks `can_allocate` first (the watermark).
+        the LRU); the other blocks are new, ref count 1. The caller checks `can_allocate` first
+        (the watermark).
 
         Args:
             seq: a waiting sequence holding no block.
+            budget: tokens its first step may compute (None: every token).
         Returns:
-            The tokens of the prefix hit (a multiple of the block size).
+            The tokens of the prefix hit (a multiple of the block size): their K/V is cached.
         """
         assert not any(seq.block_tables), f"{seq.seq_id} already holds blocks"
         hits = self._prefix_hits(seq)
@@ -318,9 +340,9 @@ class BlockManager:
                     self.pool.hold(b)
                     self.log.emit(p.PrefixHit(seq_id=seq.seq_id, block_id=b, logical_index=i, kv_group=g,
                                               hash=hash_hex(self.cache.hashes[b])))
-        num_blocks, hit = self.num_blocks_for(len(seq)), len(hits[0])
+        hit = len(hits[0])
         for g, table in enumerate(seq.block_tables):
-            for i in range(hit, num_blocks):
+            for i in range(hit, self.num_blocks_for(self._upto(seq, g, hit * self.block_size, budget))):
                 table.append(self._alloc(seq, g, i))
         seq.num_registered_blocks = hit
         return hit * self.block_size
@@ -347,20 +369,25 @@ class BlockManager:
                 self.log.emit(p.WindowFree(seq_id=seq.seq_id, kv_group=g, logical_index=i, block_id=b,
                                            ref_count=self.pool.ref_counts[b]))
 
-    def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Room, in every group, for the K/V of the last token of `seq`: a new block at a
-        boundary, or a copy of a shared last block. May use the watermark; raises NoFreeBlocks
-        when no block is left (the caller checks `can_append`).
+    def append_slot(self, seq: Sequence, num_tokens: int = 1) -> list[tuple[int, int]]:
+        """Room, in every group, for the K/V of the next `num_tokens` of `seq` (decoding: its
+        last token): new blocks up to the last of them, or a copy of a shared block they write
+        into. May use the watermark; raises NoFreeBlocks when no block is left (the caller
+        checks `can_append`).
 
+        Args:
+            seq: a running sequence.
+            num_tokens: tokens the step computes (1 when decoding).
         Returns:
             The (src, dst) copies the model runner must make first: `src` loses this holder,
             `dst` (ref count 1) takes its place in `seq`'s table of that group.
         """
-        n, copies = len(seq), []
-        i = (n - 1) // self.block_size
+        upto, copies = seq.num_computed_tokens + num_tokens, []
+        i, need = (upto - 1) // self.block_size, self.num_blocks_for(upto)
         for g, table in enumerate(seq.block_tables):
-            if n > len(table) * self.block_size:
-                table.append(self._alloc(seq, g, len(table)))
+            if need > len(table):
+                while need > len(table):
+                    table.append(self._alloc(seq, g, len(table)))
                 continue
             src = table[i]
             if self.pool.ref_counts[src] == 1:

@@ -113,11 +113,11 @@ class EngineCore(ABC):
                                  "pick another request_id or leave it out")
         bm = self.block_manager
         longest = len(ids) + params.max_tokens
-        if not bm.can_ever_fit(len(ids), longest):
+        if not bm.can_ever_fit(longest, self.max_num_batched_tokens):
             groups = len(bm.groups)
             raise p.CommandError(
                 "too_long", f"{len(ids)} prompt tokens + {params.max_tokens} new tokens need "
-                f"{bm.peak_blocks(len(ids), longest)} blocks of {bm.block_size}"
+                f"{bm.peak_blocks(longest, self.max_num_batched_tokens)} blocks of {bm.block_size}"
                 f"{f' across {groups} KV-cache groups' if groups > 1 else ''}, but the pool can give one "
                 f"sequence at most {bm.max_blocks_per_seq}: shorten the "
                 "prompt, lower max_tokens, or reset with a bigger pool")

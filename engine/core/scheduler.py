@@ -130,7 +130,7 @@ class Scheduler:
         while i < len(self.running) and budget:
             seq = self.running[i]
             self.bm.free_window(seq)
-            while not self.bm.can_append(seq):
+            while not self.bm.can_append(seq, min(len(seq) - seq.num_computed_tokens, budget)):
                 gone = self._preempt(self.running[-1], i, batch)  # the latest arrival gives way
                 preempted = True
                 if seq in gone:
@@ -164,17 +164,17 @@ class Scheduler:
                 self.add_running(seq)
                 seats += _width(seq)
             for seq in group:
-                if budget and self.bm.can_append(seq):
+                if budget and self.bm.can_append(seq, min(len(seq) - seq.num_computed_tokens, budget)):
                     budget -= self.schedule_seq(seq, budget, batch)
         if not self.swapped:
             while self.waiting and budget:
                 seq = self.waiting[0]
                 if self.running and seats + _width(seq) > self.max_num_seqs:
                     break
-                if not self.bm.can_allocate(seq):
+                if not self.bm.can_allocate(seq, budget):
                     break
                 self.waiting.popleft()
-                seq.num_computed_tokens = self.bm.allocate(seq)
+                seq.num_computed_tokens = self.bm.allocate(seq, budget)
                 self.log.emit(p.StatusChange(seq_id=seq.seq_id, status="running"))
                 self.add_running(seq)
                 seats += _width(seq)
@@ -196,7 +196,7 @@ class Scheduler:
         """
         n = min(len(seq) - seq.num_computed_tokens, budget)
         self.bm.free_window(seq)
-        batch.copies += self.bm.append_slot(seq)
+        batch.copies += self.bm.append_slot(seq, n)
         self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         batch.rows.append(Scheduled(seq, n))
         return n

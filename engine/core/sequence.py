@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvscope_contract.protocol import DEFAULT_MAX_TOKENS
+from kvscope_contract.state import GroupTables
 from engine.core.detokenizer import Detokenizer
 
 
@@ -26,7 +27,7 @@ class SamplingParams:
 
 
 @dataclass(eq=False)
-class Sequence:
+class Sequence(GroupTables):
     seq_id: str
     request_id: str
     token_ids: list[int]
@@ -52,15 +53,6 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def block_table(self) -> list[int]:
-        """Group 0's device table (a full-attention model's only one)."""
-        return self.block_tables[0]
-
-    @property
-    def host_table(self) -> list[int]:
-        """Group 0's host table, while swapped out."""
-        return self.host_tables[0]
 
     @property
     def num_output_tokens(self) -> int:
