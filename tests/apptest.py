@@ -2,18 +2,18 @@
 fixtures, an engine server and the app on it, are in tests/integration/conftest.py)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from kvscope_contract import protocol as p
+from app import streamlit_argv
 from app.panels import grid
 from app.data.client import EngineClient
 from app.data.lessons.lesson import all_lessons
 from tests.waiting import wait
 
-MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
+MAIN = str(streamlit_argv.MAIN)  # app/main.py
 DEFAULT_POOL = p.ResetConfig(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=16,
                              enable_prefix_caching=True, preemption_mode="swap")
 LESSONS = {lesson.key: lesson for lesson in all_lessons()}

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BOARD = ROOT / "docs" / "grafana" / "kvscope.json"
 ALERTS = ROOT / "docs" / "prometheus" / "alerts.yml"
 # what vLLM 0.32 (v1 engine) serves on /metrics and the board reads (samples, counters with _total)

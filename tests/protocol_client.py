@@ -35,20 +35,24 @@ class Client:
         return self.wire.kinds
 
     def recv(self, timeout: float = 30) -> dict:
-        """The next message (applied), as sent."""
+        """The next message, as sent, once the mirror has applied it and `take` has seen it."""
         msg = self.wire.read(timeout=timeout)
-        raw = json.loads(self.wire.frame)
-        self.types.append(raw["type"])
-        if isinstance(msg, p.Snapshot):
-            self.snapshots += 1
-            self.snapshot = raw
-        elif isinstance(msg, p.Events):
+        if isinstance(msg, p.Events):
             self.events += msg.events
             if msg.events:
                 self.last_event = msg.events[-1]
-        else:
-            self.replies.append(raw)
+        raw = json.loads(self.wire.frame)
+        self.take(raw)
         return raw
+
+    def take(self, msg: dict) -> None:
+        """Note a message as sent (a test may wrap this to see every one)."""
+        self.types.append(msg["type"])
+        if msg["type"] == "snapshot":
+            self.snapshots += 1
+            self.snapshot = msg
+        elif msg["type"] != "events":
+            self.replies.append(msg)
 
     def send(self, **cmd) -> None:
         self.ws.send(json.dumps(cmd))
