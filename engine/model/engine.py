@@ -69,11 +69,11 @@ class LLMEngine(EngineCore):
 
     def reset(self, pool: p.PoolConfig) -> None:
         """Drop every request and rebuild both pools; the model stays loaded."""
-        pool = self._with_model(pool)
-        self.runner.allocate(pool)  # raises, changing nothing, if it does not fit
-        pool = self._with_bytes(pool)
+        pool = self._with_bytes(self._with_model(pool))
+        self.runner.check_fits(pool)  # raises, changing nothing, if it does not fit
+        self._reset_pools(pool)  # raises for groups the pool cannot serve (a window smaller than a block)
+        self.runner.allocate(pool)
         self.config.pool = pool
-        self._reset_pools(pool)
 
     # ------------------------------------------------------------------ the model's part of a step
     def _track(self, seq: Sequence, index: int) -> None:

@@ -341,6 +341,15 @@ def test_tiny_gemma3_greedy_matches_transformers_on_every_cpu_path(tiny_gemma3, 
     assert token_ids(plain) == token_ids(outs)
 
 
+def test_a_window_smaller_than_a_block_is_refused_and_the_engine_keeps_its_pool(tiny_gemma3):
+    engine = make(tiny_gemma3, block_size=16)
+    with pytest.raises(p.CommandError, match="sliding window of 32 tokens, smaller than a block of 64"):
+        engine.reset(p.PoolConfig(block_size=64, num_device_blocks=64))
+    assert engine.pool.block_size == engine.runner.block_size == 16
+    (out,), = engine.generate([LONG_PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
+
+
 @pytest.fixture(scope="module")
 def gemma3():
     return load_model("gemma3", dtype="float32")
