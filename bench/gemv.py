@@ -5,7 +5,7 @@ gate|up 576->3072, down 1536->576) and the lm_head (576->49152, ~113 MB fp32). E
 enough distinct weight copies (>= 128 MB) that every call reads its weights from memory, as a
 decode step does; a timed pass is one call on each copy, in turn. Sides are C++ kernel variants
 (kernels.cpu_build.ISAS, each its torch.ops.kvscope_<isa>.gemv; `<isa>+packed` on weights in that
-variant's gemv_pack layout, float32 x only), `torch` (x W^T by torch.mm) and
+variant's gemv_pack layout), `torch` (x W^T by torch.mm) and
 `read` (torch's sum over the same weights: what reading them costs, the GEMV's limit),
 interleaved round by round (A B, B A, ...); the report is the median GB/s per side and shape with
 its spread (min..max), and each side's ratio to the first as the median of per-round ratios.
@@ -37,7 +37,10 @@ from bench.baseline import BUILD_DIR
 from kernels import cpu_build
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
-          "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}  # name: (N, K)
+          "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576),  # name: (N, K)
+          # Gemma 3 270M (--model gemma3): its 262k-token lm_head is most of a decode step's bytes
+          "g-qkv 640->1536": (1536, 640), "g-o 1024->640": (640, 1024), "g-gate_up 640->4096": (4096, 640),
+          "g-down 2048->640": (640, 2048), "g-lm_head 640->262144": (262144, 640)}
 COPY_BYTES = 128 << 20  # per shape: far beyond the last-level cache
 
 

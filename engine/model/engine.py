@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from kvscope_contract import protocol as p
+from kvscope_contract.kv_groups import group_layers
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore, Output, StepResult
 from engine.core.detokenizer import Detokenizer
@@ -28,12 +29,18 @@ class LLMEngine(EngineCore):
         self.loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype,
                                            **({"progress": progress} if progress else {}))
         self.tokenizer = self.loaded.tokenizer
+        config.pool = self._with_model(config.pool)
         self.runner = ModelRunner(self.loaded, config.pool, config.memory_fraction)
         config.pool = self._with_bytes(config.pool)
         super().__init__(config.pool, config.max_num_batched_tokens, config.watermark)
 
+    def _with_model(self, pool: p.PoolConfig) -> p.PoolConfig:
+        """The pool's KV-cache groups are the model's (kvscope_contract.kv_groups): whatever a
+        config or a reset names, a sliding-window model gets one group per window kind and size."""
+        return msgspec.structs.replace(pool, kv_groups=group_layers(self.loaded.layer_kinds))
+
     def _with_bytes(self, pool: p.PoolConfig) -> p.PoolConfig:
-        return msgspec.structs.replace(pool, bytes_per_block=self.runner.bytes_per_block(pool.block_size))
+        return msgspec.structs.replace(pool, bytes_per_block=self.runner.bytes_per_block(pool))
 
     def hello(self) -> p.Hello:
         return p.Hello(engine=self.runner.info(), config=self.pool)
@@ -62,10 +69,11 @@ class LLMEngine(EngineCore):
 
     def reset(self, pool: p.PoolConfig) -> None:
         """Drop every request and rebuild both pools; the model stays loaded."""
-        self.runner.allocate(pool)  # raises, changing nothing, if it does not fit
-        pool = self._with_bytes(pool)
+        pool = self._with_bytes(self._with_model(pool))
+        self.runner.check_fits(pool)  # raises, changing nothing, if it does not fit
+        self._reset_pools(pool)  # raises for groups the pool cannot serve (a window smaller than a block)
+        self.runner.allocate(pool)
         self.config.pool = pool
-        self._reset_pools(pool)
 
     # ------------------------------------------------------------------ the model's part of a step
     def _track(self, seq: Sequence, index: int) -> None:

@@ -29,6 +29,7 @@ import torch
 import kernels
 from kernels.linear import Linear, choose_backend
 from engine.model.model_loader import LoadedModel, default_cache_dir, stderr_progress
+from kvscope_contract import kv_groups
 from kvscope_contract.protocol import CommandError, EngineInfo, PoolConfig
 from engine.core.scheduler import Batch
 
@@ -131,13 +132,7 @@ def _eps(norm: torch.nn.Module) -> float:
 
 def _group_layers(pool: PoolConfig, num_layers: int) -> list[list[int]]:
     """The model layers of each KV group of the pool (one group of every layer where it names none)."""
-    groups = getattr(pool, "kv_groups", None)
-    return [list(g.layers) for g in groups] if groups else [list(range(num_layers))]
-
-
-def _block_tables(seq) -> list[list[int]]:
-    """A sequence's block table per KV group."""
-    return getattr(seq, "block_tables", None) or [seq.block_table]
+    return [list(g.layers) for g in pool.kv_groups] or [list(range(num_layers))]
 
 
 class ModelRunner:
@@ -162,22 +157,21 @@ class ModelRunner:
         self.layers, self.lm_head = self.prepared.layers, self.prepared.lm_head
 
     def info(self) -> EngineInfo:
-        copy = self.lm_head.packed  # the GEMV streams its own copy of the weights (float32+bfloat16)
+        copy = self.lm_head.gemv and self.loaded.gemv_dtype != self.dtype  # the GEMV's own dtype (float32+bfloat16)
         return EngineInfo(model=self.loaded.name, device=str(self.device),
                           dtype=str(self.dtype).removeprefix("torch."), num_layers=self.num_layers,
                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                           kernels=(kernels.cpu_build.isa() or "torch") if self.device.type == "cpu" else None,
                           gemv_dtype=str(self.loaded.gemv_dtype).removeprefix("torch.") if copy else None)
 
-    def bytes_per_block(self, block_size: int, pool: PoolConfig | None = None) -> int:
-        """block_size x layers per KV group x kv heads x head dim x 2 (K and V) x bytes per element:
-        a block holds one group's layers (every layer when the pool has one group)."""
-        per_group = max(map(len, _group_layers(pool, self.num_layers))) if pool else self.layers_per_group
-        return block_size * per_group * self.num_kv_heads * self.head_dim * 2 * self.dtype.itemsize
+    def bytes_per_block(self, pool: PoolConfig) -> int:
+        """What one block of `pool` holds: one KV group's layers (every layer in a one-group pool)."""
+        return kv_groups.bytes_per_block(pool.block_size, pool.kv_groups, self.num_layers, self.num_kv_heads,
+                                         self.head_dim, self.dtype.itemsize)
 
     def check_fits(self, pool: PoolConfig) -> None:
         """Refuse pools that would take more than their share of free memory."""
-        per_block = self.bytes_per_block(pool.block_size, pool)
+        per_block = self.bytes_per_block(pool)
         need = per_block * (pool.num_device_blocks + pool.num_host_blocks)
         held = self.kv_cache.nbytes + self.host_cache.nbytes if self.kv_cache is not None else 0
         limit = int((_available_memory(self.device) + held) * self.memory_fraction)
@@ -200,7 +194,7 @@ class ModelRunner:
         self._check_groups(groups)
         self.check_fits(pool)
         self.kv_cache = self.host_cache = None  # free the old pools before taking new ones
-        self.layers_per_group = max(map(len, groups))
+        self.layers_per_group = kv_groups.layers_per_group(pool.kv_groups, self.num_layers)
         shape = (self.layers_per_group, 2, pool.block_size, self.num_kv_heads, self.head_dim)
         make = lambda n, **kw: torch.zeros(shape[:2] + (n,) + shape[2:], dtype=self.dtype, **kw)  # noqa: E731
         self.block_size = pool.block_size
@@ -244,7 +238,7 @@ class ModelRunner:
             positions += range(start, end)
             query_lens.append(row.num_tokens)
             seq_lens.append(end)
-            tables.append(_block_tables(seq))
+            tables.append(seq.block_tables)
             if row.completes:
                 last_rows.append(len(ids) - 1)
         group_slots: dict[int, list[int]] = {}

@@ -857,6 +857,9 @@ template <> struct Gemv<c10::BFloat16, c10::BFloat16> {  // bf16 x too (fp32 x k
 constexpr int64_t kAhead = 16;  // rows
 constexpr int kBlock = 16;      // output rows per task
 constexpr int kPackedRows = 8;  // weight rows dotted at once in the packed layout (gemv_pack)
+// elements of one weight row side by side in the packed layout: 64 bytes of bf16, one cache line,
+// a whole AVX512-BF16 dot-product chunk; the float32-x kernels read it in W-wide pieces
+constexpr int64_t kPackChunk = 32;
 // weight rows dotted at once for M rows of x of T (measured with bench/gemv.py): at one row of
 // fp32 the whole block on AVX2 and AVX-512, otherwise 8 (more accumulators than registers, yet
 // faster than 4; bf16 weights at one row: 16 at once were 1.5x slower than 4, each load widened
@@ -869,6 +872,12 @@ template <typename T> constexpr int rows_at_once(int M) { return M == 1 && std::
 
 // weights of T; x, bias and out of O (T, or float32 with bf16 weights: fp32 arithmetic on weights
 // stored in half the bytes). Packed: w in gemv_pack's layout, read in one sequential stream.
+// weight row j (of R side by side), element k, in gemv_pack's layout from a group's start r
+template <typename T>
+inline const T* packed_at(const T* r, int64_t k, int j, int R) {
+  return r + (k / kPackChunk) * kPackChunk * R + j * kPackChunk + k % kPackChunk;
+}
+
 template <typename T, typename O, int M, bool Packed>
 void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int64_t K, const O* bias, O* out,
                 int64_t o_row) {
@@ -888,11 +897,11 @@ void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int
         // Packed, one stream: the hardware follows it at one row; at 2-4 rows the next block's
         // same place is asked for too (0.66-0.96x without it, bench/gemv.py)
         if constexpr (Packed) {
-          if constexpr (M > 1) __builtin_prefetch(reinterpret_cast<const char*>(r + k * R + j * G::kChunk + kBlock * K));
+          if constexpr (M > 1) __builtin_prefetch(reinterpret_cast<const char*>(packed_at(r, k, j, R) + kBlock * K));
         } else if constexpr (R < kBlock) {
           __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
         }
-        const typename G::X wv = G::load_w(Packed ? r + k * R + j * G::kChunk : r + j * K + k);
+        const typename G::X wv = G::load_w(Packed ? packed_at(r, k, j, R) : r + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = G::dot(acc[m][j], wv, xs[m]);
       }
     }
@@ -942,21 +951,22 @@ void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const 
   }
 }
 
-// w [N, K] laid out for gemv(..., packed=True) under float32 x: per block of 16 output rows, per
-// group of kPackedRows, the chunks of K in order, each chunk's rows side by side. The kernel then
-// reads the weights in one sequential stream, which the hardware prefetcher follows at full speed
-// (bf16 on AVX2, 2 threads, bench/gemv.py: 1.3-1.7x the row-major layout, whose rows of ~1 KB end
-// before a stream's prefetch ramps up).
+// w [N, K] laid out for gemv(..., packed=True): per block of 16 output rows, per group of
+// kPackedRows, the chunks of kPackChunk elements of K in order, each chunk's rows side by side. The
+// kernel then reads the weights in one sequential stream, which the hardware prefetcher follows at
+// full speed (bf16 on AVX2, 2 threads, bench/gemv.py: 1.3-1.7x the row-major layout, whose rows of
+// ~1 KB end before a stream's prefetch ramps up; bf16 x and weights with AVX512-BF16, one thread:
+// 1.1-1.3x, Gemma 3's lm_head 640->262144 12.5 GB/s against 9.7, a plain read 17).
 at::Tensor gemv_pack(const at::Tensor& w) {
   check_cpu("w", {&w});
-  const int64_t N = w.size(0), K = w.size(1), C = Gemv<float, float>::kChunk;
+  const int64_t N = w.size(0), K = w.size(1), C = kPackChunk;
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && N % kBlock == 0 && K % C == 0,
               "kvscope: gemv_pack wants w [N, K] contiguous, N a multiple of 16, K of ", C);
   return w.view({N / kBlock, kBlock / kPackedRows, kPackedRows, K / C, C}).permute({0, 1, 3, 2, 4}).contiguous().view({N, K});
 }
 
 // x, out and bias in one dtype; w in it too, or bf16 under float32 x (see gemv_block); packed:
-// w as gemv_pack returns it (float32 x only)
+// w as gemv_pack returns it (float32 x, or bf16 x and weights)
 void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
           bool packed) {
   check_cpu("out, x and w", {&out, &x, &w});
@@ -970,8 +980,9 @@ void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::o
               "x, out and bias in one dtype, w in it or in bfloat16 under float32");
   using BF = c10::BFloat16;
   const int64_t K = w.size(1);
-  TORCH_CHECK(!packed || (xt == at::kFloat && K % Gemv<float>::kChunk == 0),
-              "kvscope: gemv takes packed weights under float32 x, K a multiple of ", Gemv<float>::kChunk);
+  TORCH_CHECK(!packed || ((xt == at::kFloat || wt == at::kBFloat16) && K % kPackChunk == 0),
+              "kvscope: gemv takes packed weights under float32 x or bf16 x and weights, K a multiple of ", kPackChunk);
+  if (packed && xt == at::kBFloat16) return gemv_impl<BF, BF, true>(out, x, w, bias);
   if (packed)
     return wt == at::kFloat ? gemv_impl<float, float, true>(out, x, w, bias) : gemv_impl<BF, float, true>(out, x, w, bias);
   if (wt == at::kFloat && K % Gemv<float>::kChunk == 0) return gemv_impl<float, float>(out, x, w, bias);

@@ -256,8 +256,10 @@ def test_gemv_refuses_what_it_cannot_do(isa):
         cpu_build.ops().gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None)
     with pytest.raises(RuntimeError, match="bfloat16 under float32"):  # bf16 x with fp32 weights: no
         cpu_build.ops().gemv(torch.empty(1, 32).bfloat16(), torch.randn(1, 64).bfloat16(), w, None)
-    with pytest.raises(RuntimeError, match="packed weights under float32 x"):
-        cpu_build.ops().gemv(torch.empty(1, 32).bfloat16(), torch.randn(1, 64).bfloat16(), w.bfloat16(), None, True)
+    with pytest.raises(RuntimeError, match="packed weights under float32 x or bf16 x and weights"):
+        cpu_build.ops().gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None, True)
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        cpu_build.ops().gemv(torch.empty(1, 32), torch.randn(1, 48), torch.randn(32, 48), None, True)
     with pytest.raises(RuntimeError, match="gemv_pack wants"):
         cpu_build.ops().gemv_pack(w[:24])
 

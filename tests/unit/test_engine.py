@@ -225,7 +225,7 @@ def test_reset_keeps_the_model_and_rebuilds_the_pools(tiny):
     engine.reset(p.PoolConfig(block_size=32, num_device_blocks=16, num_host_blocks=0))
     snap = engine.snapshot()
     assert snap.config.block_size == 32 and len(snap.device_blocks) == 16 and not snap.seqs
-    assert snap.config.bytes_per_block == engine.runner.bytes_per_block(32)
+    assert snap.config.bytes_per_block == engine.runner.bytes_per_block(snap.config)
     engine.runner.memory_fraction = 1e-4
     with pytest.raises(p.CommandError, match="GiB"):
         engine.reset(p.PoolConfig(block_size=256, num_device_blocks=65536))
@@ -321,18 +321,33 @@ def assert_greedy_matches_transformers(loaded, outs, max_new: int) -> None:
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_tiny_gemma3_greedy_matches_transformers_on_every_cpu_path(tiny_gemma3, isa, block_size, monkeypatch):
     """Gemma 3's layers (sandwich norms, GELU-tanh, q/k norms, two RoPE bases, a window of 32 on two
-    of its three layers) through the paged engine: the C++ kernels of variant `isa`, prefill in
+    of its three layers) through the paged engine on a hybrid pool (a KV group per layer here, the
+    sliding groups' blocks freed as the window moves): the C++ kernels of variant `isa`, prefill in
     chunks of 16 (a cached prefix longer than the window), then the plain torch path."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = PROMPTS + [LONG_PROMPT]
     assert len(tiny_gemma3.tokenizer.encode(LONG_PROMPT)) > 32
-    outs, _ = run_with_events(make(tiny_gemma3, block_size=block_size), prompts, params)
+    engine = make(tiny_gemma3, block_size=block_size)
+    assert [(g.kind, g.layers) for g in engine.pool.kv_groups] == [
+        ("sliding_window", [0]), ("sliding_window", [1]), ("full_attention", [2])]
+    assert engine.runner.kv_cache.shape[0] == 1  # one layer per group
+    outs, events = run_with_events(engine, prompts, params)
+    assert any(isinstance(e, p.WindowFree) for e in events)  # blocks left the window: NULL entries
     assert_greedy_matches_transformers(tiny_gemma3, outs, params.max_tokens)
     chunked, _ = run_with_events(make(tiny_gemma3, block_size=block_size, max_num_batched_tokens=16), prompts, params)
     assert token_ids(chunked) == token_ids(outs)
     torch_path(monkeypatch)
     plain, _ = run_with_events(make(tiny_gemma3, block_size=block_size), prompts, params)
     assert token_ids(plain) == token_ids(outs)
+
+
+def test_a_window_smaller_than_a_block_is_refused_and_the_engine_keeps_its_pool(tiny_gemma3):
+    engine = make(tiny_gemma3, block_size=16)
+    with pytest.raises(p.CommandError, match="sliding window of 32 tokens, smaller than a block of 64"):
+        engine.reset(p.PoolConfig(block_size=64, num_device_blocks=64))
+    assert engine.pool.block_size == engine.runner.block_size == 16
+    (out,), = engine.generate([LONG_PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +407,27 @@ def test_gemma3_in_the_cpus_default_dtypes_follows_fp32_transformers(gemma3, dty
         gaps += (logits.max(dim=1).values - logits[torch.arange(len(out.token_ids)), out.token_ids]).tolist()
     print(f"{dtype}: reference logit below its first choice, per token:", [round(g, 3) for g in gaps])
     assert max(gaps) < 0.5 and sum(g == 0 for g in gaps) >= 0.9 * len(gaps)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_sliding_window_families_match_transformers(tiny, family, tmp_path):
+    """The sliding-window variants the loader accepts besides Gemma 3, as random 3-layer models in
+    a local folder: Mistral (every layer in a window of 16 tokens) and Qwen2 (use_sliding_window:
+    its layers from max_window_layers on), against transformers on prompts longer than the window."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    common = dict(vocab_size=len(tiny.tokenizer), hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  sliding_window=16, initializer_range=0.2, tie_word_embeddings=True,
+                  eos_token_id=tiny.tokenizer.eos_token_id, bos_token_id=tiny.tokenizer.bos_token_id)
+    extra = {"mistral": {}, "qwen2": dict(use_sliding_window=True, max_window_layers=1)}[family]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **common, **extra))
+    model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert loaded.layer_kinds == {"mistral": [16] * 3, "qwen2": [None, 16, 16]}[family]
+    engine = make(loaded, block_size=8)
+    outs, events = run_with_events(engine, [PROMPTS[4], LONG_PROMPT], GREEDY)
+    assert any(isinstance(e, p.WindowFree) for e in events)
+    assert_greedy_matches_transformers(loaded, outs, GREEDY.max_tokens)
