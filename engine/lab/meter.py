@@ -243,10 +243,12 @@ class HybridMeter(Meter):
         match ev:
             case p.StatusChange():
                 Meter._status(self, ev)
-            case p.Preempt() | p.SwapOut() | p.SwapIn():
+            case p.Preempt():
+                Meter._preempt(self, ev)
+            case p.SwapOut() | p.SwapIn():
                 self.counts.count(ev)
             case p.Finish():
-                self.finished += 1
+                Meter._finish(self, ev)
             case p.StepDone():
                 self.sample(1, 0)
 
