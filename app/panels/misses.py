@@ -21,11 +21,11 @@ from kvscope_contract.misses import (REASONS, by_request, evicted_cases, evictio
 
 MAX_BARS = 60
 LABELS = {"hit": "hit", "evicted": "evicted", "cold": "cold", "diverged": "diverged mid-block",
-          "partial_block": "partial block", "recomputed": "recomputed after preemption",
+          "partial_block": "partial block", "window": "sliding window", "recomputed": "recomputed after preemption",
           "caching_off": "caching off", "unknown": "unknown"}
 assert set(LABELS) == {"hit", *REASONS}, "a reason needs its label and colour here"
 COLORS = {"hit": "#2563eb", "evicted": "#e15759", "cold": "#94a3b8", "diverged": "#f28e2b",
-          "partial_block": "#edc948", "recomputed": "#b07aa1", "caching_off": "#334155", "unknown": "#cbd5e1"}
+          "partial_block": "#edc948", "window": "#17becf", "recomputed": "#b07aa1", "caching_off": "#334155", "unknown": "#cbd5e1"}
 RING = "misses_ring"  # session state: (event, blocks, line) of the eviction travelled to
 
 
