@@ -56,6 +56,12 @@ REASONS: dict[str, str] = {
     "unknown": "the stream did not show these tokens (a recording without prompt token ids, a sequence from "
                "before this client attached), or the engine missed content cached under another key",
 }
+# each reason in a few words, as the views name it
+LABELS: dict[str, str] = {"evicted": "evicted", "cold": "cold", "diverged": "diverged mid-block",
+                          "partial_block": "partial block", "window": "sliding window",
+                          "recomputed": "recomputed after preemption", "caching_off": "caching off",
+                          "unknown": "unknown"}
+assert LABELS.keys() == REASONS.keys()
 REMEMBER = 1 << 18  # evicted contents remembered, newest first: older ones count as cold
 
 
@@ -507,9 +513,10 @@ def evicted_cases(admissions) -> list[tuple[Admission, Span]]:
     return [(a, s) for a in reversed(list(admissions)) for s in a.spans if s.reason == "evicted"]
 
 
-def reason_line(counts: Counter) -> str:
-    """'cold 464, partial_block 15': the reasons in REASONS order, tokens each."""
-    return ", ".join(f"{r} {counts[r]:,}" for r in REASONS if counts.get(r))
+def reason_line(counts: Counter, words: bool = False) -> str:
+    """'cold 464, partial_block 15': the reasons in REASONS order, tokens each (`words`: their
+    LABELS, 'partial block 15')."""
+    return ", ".join(f"{LABELS[r] if words else r} {counts[r]:,}" for r in REASONS if counts.get(r))
 
 
 def eviction_summary(evictions: tuple[Eviction, ...]) -> str:

@@ -16,16 +16,15 @@ from app.data.session_misses import admissions_between, explained, what_if
 from app.ui import travel
 from app.ui.palette import ACCENT
 from kvscope_contract.counters import hit_rate
+from kvscope_contract.misses import LABELS as REASON_LABELS
 from kvscope_contract.misses import (REASONS, by_request, evicted_cases, eviction_summary, reason_line,
                                      totals_of)
 
 MAX_BARS = 60
-LABELS = {"hit": "hit", "evicted": "evicted", "cold": "cold", "diverged": "diverged mid-block",
-          "partial_block": "partial block", "window": "sliding window", "recomputed": "recomputed after preemption",
-          "caching_off": "caching off", "unknown": "unknown"}
-assert set(LABELS) == {"hit", *REASONS}, "a reason needs its label and colour here"
+LABELS = {"hit": "hit", **REASON_LABELS}
 COLORS = {"hit": "#2563eb", "evicted": "#e15759", "cold": "#94a3b8", "diverged": "#f28e2b",
           "partial_block": "#edc948", "window": "#17becf", "recomputed": "#b07aa1", "caching_off": "#334155", "unknown": "#cbd5e1"}
+assert COLORS.keys() == LABELS.keys(), "a reason needs its colour here"
 RING = "misses_ring"  # session state: (event, blocks, line) of the eviction travelled to
 
 
