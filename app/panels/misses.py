@@ -5,6 +5,7 @@ its blocks ringed), and what would have hit, from a lab replay of this session's
 (docs/misses.md)."""
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 import altair as alt
@@ -42,7 +43,7 @@ PANEL = "Why not more?"
 def _spec() -> dict:
     order = list(LABELS.values())
     bars = alt.Chart(alt.Data(name="bars")).mark_bar().encode(
-        x=alt.X("from:Q", title="engine step", axis=alt.Axis(format="d", tickMinStep=1)), x2="to:Q",
+        x=alt.X("from:Q", bin="binned", title="engine step", axis=alt.Axis(format="d", tickMinStep=1)), x2="to:Q",
         y=alt.Y("tokens:Q", stack="zero", title="tokens looked up"),
         color=alt.Color("what:N", scale=alt.Scale(domain=order, range=[COLORS[k] for k in LABELS]),
                         legend=alt.Legend(orient="top", title=None)),
@@ -68,9 +69,12 @@ def chart(admissions: list, at_step: int | None) -> dict:
     keys = list(LABELS)
     rows = [{"from": b, "to": b + width, "what": LABELS[k], "tokens": n, "order": keys.index(k)}
             for (b, k), n in sorted(bins.items())]
-    out = dict(_spec())
-    out["datasets"] = {"bars": rows, "cursor": [] if at_step is None else [{"step": at_step}]}
-    return out
+    shown = [k for k in keys if any(k == what for _, what in bins)]  # the legend names only what happened
+    spec = copy.deepcopy(_spec())
+    bars = spec["layer"][0]["encoding"]["color"]
+    bars["scale"] = {"domain": [LABELS[k] for k in shown], "range": [COLORS[k] for k in shown]}
+    spec["datasets"] = {"bars": rows, "cursor": [] if at_step is None else [{"step": at_step}]}
+    return spec
 
 
 def panel(client: EngineClient, view: View) -> None:
@@ -115,7 +119,7 @@ def panel(client: EngineClient, view: View) -> None:
 def requests(adms: list) -> None:
     st.markdown("**The requests that missed most**")
     rows = [{"request": r.request_id, "looked up": r.tokens, "hit": r.hit, "missed": r.missed,
-             "why": reason_line(r.by_reason())} for r in by_request(adms) if r.missed][:50]
+             "why": reason_line(r.by_reason(), words=True)} for r in by_request(adms) if r.missed][:50]
     st.dataframe(pd.DataFrame(rows, columns=["request", "looked up", "hit", "missed", "why"]), hide_index=True,
                  height=240, width="stretch", key="misses_requests",
                  column_config={"why": st.column_config.TextColumn(width="large")})
