@@ -96,7 +96,13 @@ def panel(client: EngineClient, view: View) -> None:
     else:
         st.markdown(f"**Prefix caching is off**: nothing was looked up; the {t.tokens:,} tokens of {t.admissions:,} "
                     f"admissions since {tl.since} were all computed: {why}")
-    if t.first_looked_up != t.looked_up:
+    recomputed = t.by_reason.get("recomputed", 0)
+    if client.hello and client.hello.server.startswith("vllm"):
+        st.caption(f"vLLM's own counters (its /metrics, `vllm:prefix_cache_hits` / `queries`) count first admissions "
+                   f"only: **{t.first_hit:,} of {t.first_looked_up:,}** ({hit_rate(t.first_hit, t.first_looked_up):.0%}); "
+                   f"they leave out re-admissions after a preemption, whose {recomputed:,} missed tokens are "
+                   "*recomputed after preemption* here. The other reasons add up to vLLM's queries less its hits.")
+    elif t.first_looked_up != t.looked_up:
         st.caption(f"vLLM's definition leaves re-admissions after a recompute out: {t.first_hit:,} of "
                    f"{t.first_looked_up:,} ({hit_rate(t.first_hit, t.first_looked_up):.0%}); their misses are "
                    "*recomputed after preemption* here.")
