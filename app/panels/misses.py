@@ -78,11 +78,11 @@ def chart(admissions: list, at_step: int | None) -> dict:
 
 
 def panel(client: EngineClient, view: View) -> None:
-    x = explained(client)
-    if x is None:
-        return
     h = client.history
     since = h.segment_start(view.event + 1) if h else 0
+    x = explained(client, since)
+    if x is None:
+        return
     adms = admissions_between(x.pool.explainer, since, view.event)
     tl = view.mirror.tally
     if not adms:

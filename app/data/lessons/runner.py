@@ -16,7 +16,7 @@ import msgspec
 from kvscope_contract import protocol as p
 from app.data.lessons.lesson import Focus, Lesson, context, focus, recorded
 from app.data.lessons.walk import StopWalk
-from app.data.session_misses import admissions_between, explained
+from app.data.session_misses import admissions_of
 
 NEVER_IN_A_STEP = "reset"  # a reset happens between steps: `run_until` it = run exactly max_steps steps
 IDLE_GIVE_UP_S = 5.0       # a run the engine has no work for ends after this long
@@ -147,9 +147,7 @@ class LessonRun(StopWalk):
         before = client.view(first).mirror if first >= client.bounds()[0] else None
         records = {k: v for k, (i, v) in self.records.items() if i <= self.viewing}
         engine = client.hello.engine if client.hello else None
-        x = explained(client)
-        since = h.segment_start(r.end + 1) if h else 0
-        admissions = admissions_between(x.pool.explainer, since, r.end) if x else []
+        admissions = admissions_of(client, h.segment_start(r.end + 1), r.end) if h else []
         return context(fx, view.mirror, before, engine, records, self.lesson.columns, admissions), fx
 
 
