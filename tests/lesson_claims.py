@@ -262,7 +262,8 @@ def l4_why(at: AtStop) -> None:
         assert cached and any(isinstance(e, p.Evict) and e.block_id == b_blocks[i] and cached[0] < e.seq < admitted
                               for e in ev), i
     evicted, partial = (last_full - hit) * bs, n - last_full * bs
-    assert at.values["why_seq"] == f"{hit * bs:,} of its {n:,} tokens hit; evicted {evicted:,}, partial block {partial:,} missed"
+    assert at.values["why_seq"] == (f"{hit * bs:,} of its {n:,} tokens hit; evicted {evicted:,}, "
+                                    f"partial block {partial:,} missed")
     missed = sum(num(x) for x in re.findall(r"[a-z ]+ ([\d,]+)", at.values["why"]))
     assert missed == num(at.values["looked_up"]) - num(at.values["hit_tokens"]) > evicted
     assert not at.seqs("C")

@@ -89,7 +89,8 @@ def shoot_misses(page, path: Path) -> None:
     time.sleep(1)
     top = max(0, page.get_by_text("Lifetimes", exact=True).bounding_box()["y"] - 16)  # the panel picker
     end = page.get_by_text("What each reason means").bounding_box()
-    page.screenshot(path=str(path), clip={"x": 260, "y": top, "width": 1240, "height": end["y"] + end["height"] + 12 - top})
+    bottom = end["y"] + end["height"] + 12
+    page.screenshot(path=str(path), clip={"x": 260, "y": top, "width": 1240, "height": bottom - top})
 
 
 SHOTS = ("screenshot", "lesson", "lab", "misses")

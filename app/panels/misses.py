@@ -24,7 +24,8 @@ from kvscope_contract.misses import (REASONS, by_request, evicted_cases, evictio
 MAX_BARS = 60
 LABELS = {"hit": "hit", **REASON_LABELS}
 COLORS = {"hit": "#2563eb", "evicted": "#e15759", "cold": "#94a3b8", "diverged": "#f28e2b",
-          "partial_block": "#edc948", "window": "#17becf", "recomputed": "#b07aa1", "caching_off": "#334155", "unknown": "#cbd5e1"}
+          "partial_block": "#edc948", "window": "#17becf", "recomputed": "#b07aa1", "caching_off": "#334155",
+          "unknown": "#cbd5e1"}
 assert COLORS.keys() == LABELS.keys(), "a reason needs its colour here"
 RING = "misses_ring"  # session state: (event, blocks, line) of the eviction travelled to
 
@@ -98,8 +99,9 @@ def panel(client: EngineClient, view: View) -> None:
                     f"admissions since {tl.since} were all computed: {why}")
     recomputed = t.by_reason.get("recomputed", 0)
     if client.hello and client.hello.server.startswith("vllm"):
+        first = hit_rate(t.first_hit, t.first_looked_up)
         st.caption(f"vLLM's own counters (its /metrics, `vllm:prefix_cache_hits` / `queries`) count first admissions "
-                   f"only: **{t.first_hit:,} of {t.first_looked_up:,}** ({hit_rate(t.first_hit, t.first_looked_up):.0%}); "
+                   f"only: **{t.first_hit:,} of {t.first_looked_up:,}** ({first:.0%}); "
                    f"they leave out re-admissions after a preemption, whose {recomputed:,} missed tokens are "
                    "*recomputed after preemption* here. The other reasons add up to vLLM's queries less its hits.")
     elif t.first_looked_up != t.looked_up:

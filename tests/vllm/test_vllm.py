@@ -368,9 +368,11 @@ def test_g3_every_token_vllm_missed_has_a_reason_that_adds_up_to_its_own_counter
     assert all(e.by_seq for a in pool.explainer.admissions for s in a.spans for e in s.evictions)
     # the panel, attached before the run: vLLM's counters as the header shows them, the reasons beside
     at.button(key="why_not_more").click().run()
-    text = rerun_until(at, lambda a: (cap := next((x.value for x in a.caption if x.value.startswith("vLLM's own counters")),
-                                                  None)) and f"of {t.first_looked_up:,}**" in cap and cap, 60, "the panel")
-    assert f"**{t.first_hit:,} of {t.first_looked_up:,}**" in text and f"whose {t.by_reason['recomputed']:,} missed" in text
+    def caption(a):
+        return next((x.value for x in a.caption if x.value.startswith("vLLM's own counters")), "")
+    text = rerun_until(at, lambda a: f"of {t.first_looked_up:,}**" in caption(a) and caption(a), 60, "the panel")
+    assert f"**{t.first_hit:,} of {t.first_looked_up:,}**" in text
+    assert f"whose {t.by_reason['recomputed']:,} missed" in text
     header = next(x.value for x in at.caption if x.value.startswith("vLLM's definition"))
     assert f"{t.first_hit:,} / {t.first_looked_up:,} tokens" in header
 

@@ -26,8 +26,8 @@ from kvscope_contract import protocol as p
 from kvscope_contract.content import ROOT, cached_holder, chain_ids, content_id  # noqa: F401 (the fleet imports them from here)
 from kvscope_contract.state import PoolState
 
-HASH_PREFIX = "h:"
-EVICTED_KEPT = 65_536  # evicted contents remembered (the prompt box's "evicted"), newest kept   # an id made of the server's hash: this block's tokens are unknown here
+HASH_PREFIX = "h:"   # an id made of the server's hash: this block's tokens are unknown here
+EVICTED_KEPT = 65_536  # evicted contents remembered (the prompt box's "evicted"), newest kept
 
 
 @dataclass(frozen=True)

@@ -235,8 +235,11 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
     out["looked_up"] = f"{tl.looked_up_tokens:,}"
     out["why"] = reason_line(totals_of(admissions).by_reason, words=True) or "nothing missed"
     mine = [a for a in admissions if a.seq_id == seq_id]
-    out["why_seq"] = (f"{mine[-1].hit:,} of its {mine[-1].tokens:,} tokens hit; "
-                      f"{reason_line(mine[-1].by_reason(), words=True) or 'nothing'} missed") if mine else "not admitted yet"
+    out["why_seq"] = "not admitted yet"
+    if mine:
+        last = mine[-1]
+        out["why_seq"] = (f"{last.hit:,} of its {last.tokens:,} tokens hit; "
+                          f"{reason_line(last.by_reason(), words=True) or 'nothing'} missed")
     return out
 
 
