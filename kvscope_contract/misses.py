@@ -20,6 +20,9 @@ full blocks the lookup did not find, each block's content at the lookup was:
 - never cached (as far as the explainer remembers, `remember` evictions back): `cold`, but the
   first such block's tokens that a block cached at the lookup shares (same parent, a common
   start) are `diverged`: the prompt parts from cached content inside that block.
+In a hybrid pool (KV-cache groups with sliding windows) content counts as cached when every
+full-attention group holds it: the blocks past the hit that those groups had are `window` (a
+sliding group lacked the run of blocks its window needs to end the hit there), the rest as above.
 A re-admission after a recompute preemption is kept apart, all its missed tokens `recomputed`
 (vLLM leaves those lookups out of its prefix-cache counters). A sequence whose tokens the
 stream did not show (a recording without prompt token ids, a sequence from before the client
@@ -46,11 +49,19 @@ REASONS: dict[str, str] = {
                 "a smaller block size would have hit them",
     "partial_block": "past the last full block, or in the block holding the last token, which must be computed: "
                      "the block-boundary floor",
+    "window": "a hybrid model: the full-attention groups had these blocks, but a sliding-window group had lost "
+              "the run its window needs to end the hit there, so the common hit was shorter",
     "recomputed": "a re-admission after a recompute preemption (vLLM leaves these lookups out of its counters)",
     "caching_off": "prefix caching is off: nothing is looked up",
     "unknown": "the stream did not show these tokens (a recording without prompt token ids, a sequence from "
                "before this client attached), or the engine missed content cached under another key",
 }
+# each reason in a few words, as the views name it
+LABELS: dict[str, str] = {"evicted": "evicted", "cold": "cold", "diverged": "diverged mid-block",
+                          "partial_block": "partial block", "window": "sliding window",
+                          "recomputed": "recomputed after preemption", "caching_off": "caching off",
+                          "unknown": "unknown"}
+assert LABELS.keys() == REASONS.keys()
 REMEMBER = 1 << 18  # evicted contents remembered, newest first: older ones count as cold
 
 
@@ -168,10 +179,17 @@ class MissExplainer:
     def _new_pool(self, config: p.PoolConfig) -> None:
         """A pool with nothing in it (the start, a reset): nothing of the old one is remembered."""
         self.config = config
+        groups = config.groups
+        full = [g for g, grp in enumerate(groups) if grp.kind == "full_attention"]
+        # the groups whose blocks make content "cached": every full-attention group (a hit starts
+        # there); a pool of sliding windows alone, any group
+        self._watched, self._every = (full, True) if full else (list(range(len(groups))), False)
+        self._hybrid = len(full) < len(groups)
         self.seqs: dict[str, _Seq] = {}
         self._open: dict[str, _Open] = {}
-        self._block_content: dict[int, str] = {}    # hashed device block -> its content id (tokens known)
-        self._cached: Counter = Counter()            # content id -> hashed blocks holding it
+        self._block_content: dict[int, tuple[int, str]] = {}  # hashed device block -> (its group, its content id)
+        self._cached: Counter = Counter()            # content id -> hashed blocks holding it, in any group
+        self._in_group: Counter = Counter()          # (group, content id) -> hashed blocks holding it
         # parent id -> its cached children's tokens (big-endian uint32, so bytes sort as token lists), sorted
         self._children: dict[str, list[bytes]] = {}
         self._tokens: dict[str, bytes] = {}          # cached content id -> its tokens, as in `_children`
@@ -270,7 +288,7 @@ class MissExplainer:
         (block, tokens shared with a cached block) of the first one never cached."""
         statuses, diverged = [], (0, 0)
         for i, cid in enumerate(self._chain(seq, blocks)):
-            if self._cached[cid]:
+            if self._is_cached(cid):
                 statuses.append((_CACHED, None))
             elif (e := self._evicted.get(cid)) is not None:
                 statuses.append((_EVICTED, e))
@@ -280,6 +298,10 @@ class MissExplainer:
                     diverged = (i, self._shared(parent, seq.tokens[i * self.block_size:(i + 1) * self.block_size]))
                 statuses.append((_NEVER, None))
         return statuses, diverged
+
+    def _is_cached(self, cid: str) -> bool:
+        have = (self._in_group[g, cid] for g in self._watched)
+        return all(have) if self._every else any(have)
 
     def _shared(self, parent: str, tokens: list[int]) -> int:
         """The most leading tokens `tokens` shares with a cached block under `parent`: the
@@ -313,8 +335,13 @@ class MissExplainer:
             if hit < m * bs:
                 out.append(Span("unknown", hit, m * bs))
         else:
-            first = o.statuses[hit // bs] if hit // bs < len(o.statuses) else (_NEVER, None)
-            for i in range(hit // bs, m):
+            start = hit // bs
+            if self._hybrid:  # the blocks full attention had past the hit: a sliding window lacked its run
+                while start < m and o.statuses[start][0] == _CACHED:
+                    start += 1
+                out.append(Span("window", hit, start * bs))
+            first = o.statuses[start] if start < len(o.statuses) else (_NEVER, None)
+            for i in range(start, m):
                 status, e = o.statuses[i]
                 lo, hi = i * bs, (i + 1) * bs
                 if status == _CACHED:  # reachable only past the first miss: that miss broke the chain
@@ -340,17 +367,22 @@ class MissExplainer:
             return  # its content is unknown here: it can hit, but no miss is told against it
         chain = self._chain(s, index + 1)
         cid, parent = chain[index], chain[index - 1] if index else ROOT
-        self._block_content[ev.block_id] = cid
+        self._block_content[ev.block_id] = (ev.kv_group, cid)
+        self._in_group[ev.kv_group, cid] += 1
         self._cached[cid] += 1
         if self._cached[cid] == 1:
             self._parent[cid] = parent
             self._tokens[cid] = packed = _packed(s.tokens[index * bs:(index + 1) * bs])
             bisect.insort(self._children.setdefault(parent, []), packed)
 
-    def _uncache(self, b: int) -> str | None:
-        """Block b loses its hash: its content id, if known."""
-        cid = self._block_content.pop(b, None)
-        if cid is not None:
+    def _uncache(self, b: int) -> tuple[int, str] | None:
+        """Block b loses its hash: its group and content id, if known."""
+        known = self._block_content.pop(b, None)
+        if known is not None:
+            g, cid = known
+            self._in_group[g, cid] -= 1
+            if not self._in_group[g, cid]:
+                del self._in_group[g, cid]
             self._cached[cid] -= 1
             if not self._cached[cid]:
                 del self._cached[cid]
@@ -359,13 +391,13 @@ class MissExplainer:
                 del kids[bisect.bisect_left(kids, packed)]
                 if not kids:
                     del self._children[parent]
-        return cid
+        return known
 
     def _evict(self, ev: p.Evict) -> None:
         e = Eviction(ev.seq, ev.step, ev.t, ev.block_id)
         self._pending[ev.block_id] = e
-        cid = self._uncache(ev.block_id)
-        if cid is not None and not self._cached[cid]:
+        known = self._uncache(ev.block_id)
+        if known is not None and known[0] in self._watched and not self._is_cached(cid := known[1]):
             self._evicted[cid] = e
             self._evicted.move_to_end(cid)
             while len(self._evicted) > self.remember:
@@ -481,9 +513,10 @@ def evicted_cases(admissions) -> list[tuple[Admission, Span]]:
     return [(a, s) for a in reversed(list(admissions)) for s in a.spans if s.reason == "evicted"]
 
 
-def reason_line(counts: Counter) -> str:
-    """'cold 464, partial_block 15': the reasons in REASONS order, tokens each."""
-    return ", ".join(f"{r} {counts[r]:,}" for r in REASONS if counts.get(r))
+def reason_line(counts: Counter, words: bool = False) -> str:
+    """'cold 464, partial_block 15': the reasons in REASONS order, tokens each (`words`: their
+    LABELS, 'partial block 15')."""
+    return ", ".join(f"{LABELS[r] if words else r} {counts[r]:,}" for r in REASONS if counts.get(r))
 
 
 def eviction_summary(evictions: tuple[Eviction, ...]) -> str:

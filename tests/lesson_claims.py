@@ -5,6 +5,7 @@ without a function fails the test, so a new stop cannot go unchecked."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from kvscope_contract import protocol as p
@@ -243,6 +244,31 @@ def l4_eviction(at: AtStop) -> None:
     assert not at.seqs("A") and not at.seqs("B")
 
 
+def l4_why(at: AtStop) -> None:
+    """C asks B's question again: each of its full blocks it did not find had been cached (B took
+    it) and was evicted before C's admission; its last block is partial; {why_seq} says so, and
+    {why} adds up to the tokens looked up less those hit."""
+    bs, ev = at.state.config.block_size, at.events
+    added = {e.request_id: e for e in ev if isinstance(e, p.RequestAdded)}
+    assert added["C"].prompt_token_ids == added["B"].prompt_token_ids
+    n = added["C"].prompt_tokens
+    admitted = min(e.seq for e in ev if isinstance(e, (p.PrefixHit, p.Alloc)) and e.seq_id == "C")
+    hit = len([e for e in ev if isinstance(e, p.PrefixHit) and e.seq_id == "C"])
+    last_full = (n - 1) // bs
+    assert hit < last_full, (hit, last_full, at.values["why_seq"])
+    b_blocks = {e.logical_index: e.block_id for e in ev if isinstance(e, (p.Alloc, p.PrefixHit)) and e.seq_id == "B"}
+    for i in range(hit, last_full):  # B's block i: cached, then evicted before C came
+        cached = [e.seq for e in ev if isinstance(e, p.Cached) and e.block_id == b_blocks[i]]
+        assert cached and any(isinstance(e, p.Evict) and e.block_id == b_blocks[i] and cached[0] < e.seq < admitted
+                              for e in ev), i
+    evicted, partial = (last_full - hit) * bs, n - last_full * bs
+    assert at.values["why_seq"] == (f"{hit * bs:,} of its {n:,} tokens hit; evicted {evicted:,}, "
+                                    f"partial block {partial:,} missed")
+    missed = sum(num(x) for x in re.findall(r"[a-z ]+ ([\d,]+)", at.values["why"]))
+    assert missed == num(at.values["looked_up"]) - num(at.values["hit_tokens"]) > evicted
+    assert not at.seqs("C")
+
+
 # ---------------------------------------------------------------- 5. copy-on-write
 def l5_fork(at: AtStop) -> None:
     """The prompt computed once; every block shared by the four; the last holds {last_fill} < bs."""
@@ -328,7 +354,7 @@ CLAIMS = {
     ("02_fragmentation", 2): l2_side_by_side,
     ("03_reservation", 0): l3_admission, ("03_reservation", 1): l3_generating, ("03_reservation", 2): l3_short,
     ("04_prefix_caching", 0): l4_chained, ("04_prefix_caching", 1): l4_prefix_hit,
-    ("04_prefix_caching", 2): l4_finished, ("04_prefix_caching", 3): l4_eviction,
+    ("04_prefix_caching", 2): l4_finished, ("04_prefix_caching", 3): l4_eviction, ("04_prefix_caching", 4): l4_why,
     ("05_copy_on_write", 0): l5_fork, ("05_copy_on_write", 1): l5_cow, ("05_copy_on_write", 2): l5_still_shared,
     ("06_preemption", 0): l6_swapped, ("06_preemption", 1): l6_back, ("06_preemption", 2): l6_recompute,
     ("07_sizing", 0): l7_bytes, ("07_sizing", 1): l7_bytes,

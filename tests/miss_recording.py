@@ -2,8 +2,9 @@
 scheduler and block manager (the lab, outputs replayed): a new prompt (cold, partial block), two
 prompts that part inside a block (diverged), a prompt evicted by others before it comes again
 (evicted), two long generations that preempt each other by recompute (recomputed), after two long
-generations on a pool without prefix caching (caching off; one preempts the other) and a reset. The
-dashboard's browser test replays it."""
+generations on a pool without prefix caching (caching off; one preempts the other) and a reset;
+then a reset to a hybrid pool, a sliding window beside full attention (window). The dashboard's
+browser test replays it."""
 from __future__ import annotations
 
 import random
@@ -38,6 +39,18 @@ def requests() -> list[Request]:
     ]
 
 
+HYBRID = p.PoolConfig(block_size=4, num_device_blocks=40, kv_groups=[
+    p.KVGroup(kind="sliding_window", sliding_window=9, layers=[0]), p.KVGroup(layers=[1])])
+
+
+def hybrid_requests() -> list[Request]:
+    """A long generation whose prompt blocks leave its window and are evicted from the sliding
+    group by a filler; the prompt again hits only as far as the window still has a run."""
+    prompt = list(range(200, 232))
+    return [Request("hybrid-a", 0, prompt, [list(range(1, 41))], 40), Request("hybrid-filler", 16, [9] * 36, [[1]], 1),
+            Request("hybrid-b", 18, prompt[:24] + [7], [[2]], 1)]                    # window 16
+
+
 def write(path: Path) -> int:
     """Write the recording to `path`; returns the events written."""
     off = p.PoolConfig(block_size=4, num_device_blocks=20, enable_prefix_caching=False, preemption_mode="recompute")
@@ -48,6 +61,10 @@ def write(path: Path) -> int:
     lab._reset_pools(POOL)
     after = lab.log.step
     lab.workload = Workload("every reason", [replace(r, arrival=r.arrival + after) for r in requests()])
+    lab.run(fast=False)
+    lab._reset_pools(HYBRID)  # a sliding window beside full attention: the window's blocks go first
+    after = lab.log.step
+    lab.workload = Workload("hybrid", [replace(r, arrival=r.arrival + after) for r in hybrid_requests()])
     lab.run(fast=False)
     events = lab.log.drain()
     with open(path, "wb") as f:

@@ -1,11 +1,12 @@
 """Take the documentation's screenshots in a real browser: `streamlit run app/main.py` on the
 embedded engine, Debian's chromium through playwright.
 
-    python -m tools.shoot_docs [--model smollm2] [--out assets]
+    python -m tools.shoot_docs [--model smollm2] [--out assets] [--only misses,...]
 
 Writes screenshot.png (the README's: a shared system prompt, then parallel sampling up to its
 first copy-on-write), lesson.png (the prefix caching lesson at its prefix hit, with the prefix
-tree open) and lab.png (the long and short mixed preset at block sizes 4, 16 and 64).
+tree open), lab.png (the long and short mixed preset at block sizes 4, 16 and 64) and misses.png
+(the "Why not more?" panel at the prefix caching lesson's last stop, its what-ifs computed).
 """
 from __future__ import annotations
 
@@ -78,37 +79,66 @@ def shoot_explore(page, path: Path) -> None:
     page.screenshot(path=str(path))
 
 
+def shoot_misses(page, path: Path) -> None:
+    """The prefix caching lesson run to its last stop, which opens "Why not more?": the panel,
+    once the lab's replay of the session has said what would have hit, from the panel picker down."""
+    walk_lesson(page, "4. Prefix caching", 5)
+    page.wait_for_function("document.body.innerText.includes('tokens with 2× blocks')", timeout=300_000)
+    time.sleep(2)
+    page.get_by_text("What each reason means").evaluate("e => e.scrollIntoView({block: 'end'})")
+    time.sleep(1)
+    top = max(0, page.get_by_text("Lifetimes", exact=True).bounding_box()["y"] - 16)  # the panel picker
+    end = page.get_by_text("What each reason means").bounding_box()
+    bottom = end["y"] + end["height"] + 12
+    page.screenshot(path=str(path), clip={"x": 260, "y": top, "width": 1240, "height": bottom - top})
+
+
+SHOTS = ("screenshot", "lesson", "lab", "misses")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", type=Path, default=ROOT / "assets")
+    ap.add_argument("--only", default=",".join(SHOTS), help=f"the shots to take, of {', '.join(SHOTS)}")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if bad := only - set(SHOTS):
+        ap.error(f"unknown shots {sorted(bad)}")
     from playwright.sync_api import sync_playwright
 
     app, url = start_app(args.model)
     try:
         with sync_playwright() as pw:
-            browser, page, _ = open_dashboard(pw, url, height=1250)
-            shoot_explore(page, args.out / "screenshot.png")
-            browser.close()
-            browser, page, _ = open_dashboard(pw, url, height=1700)
-            walk_lesson(page, "4. Prefix caching", 2)
-            page.get_by_text("Prefix tree", exact=True).click()
-            page.wait_for_selector(".pt", timeout=30_000)
-            time.sleep(2)
-            page.evaluate(TOP)
-            page.screenshot(path=str(args.out / "lesson.png"))
-            page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click()
-            page.get_by_role("button", name="Run the lab").click()
-            page.wait_for_selector("[data-testid='stImage'] img", timeout=120_000)
-            time.sleep(2)
-            page.evaluate(TOP)
-            page.screenshot(path=str(args.out / "lab.png"))
-            browser.close()
+            if "screenshot" in only:
+                browser, page, _ = open_dashboard(pw, url, height=1250)
+                shoot_explore(page, args.out / "screenshot.png")
+                browser.close()
+            if only & {"lesson", "lab"}:
+                browser, page, _ = open_dashboard(pw, url, height=1700)
+                walk_lesson(page, "4. Prefix caching", 2)
+                page.get_by_text("Prefix tree", exact=True).click()
+                page.wait_for_selector(".pt", timeout=30_000)
+                time.sleep(2)
+                page.evaluate(TOP)
+                if "lesson" in only:
+                    page.screenshot(path=str(args.out / "lesson.png"))
+                if "lab" in only:
+                    page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click()
+                    page.get_by_role("button", name="Run the lab").click()
+                    page.wait_for_selector("[data-testid='stImage'] img", timeout=120_000)
+                    time.sleep(2)
+                    page.evaluate(TOP)
+                    page.screenshot(path=str(args.out / "lab.png"))
+                browser.close()
+            if "misses" in only:
+                browser, page, _ = open_dashboard(pw, url, height=1700)
+                shoot_misses(page, args.out / "misses.png")
+                browser.close()
     finally:
         os.killpg(app.pid, signal.SIGTERM)
         app.wait(timeout=30)
-    print(f"wrote screenshot.png, lesson.png and lab.png in {args.out}")
+    print(f"wrote {', '.join(f'{s}.png' for s in SHOTS if s in only)} in {args.out}")
     return 0
 
 

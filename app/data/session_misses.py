@@ -44,22 +44,25 @@ class _Follow:
 _follows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> _Follow
 
 
-def explained(client) -> Explained | None:
-    """The explainer over the client's history up to its latest event (None before any)."""
+def explained(client, since: int | None = None) -> Explained | None:
+    """The explainer over the client's history after event `since` (None: from the first event it
+    retains) up to its latest event (None before any). It keeps following from where it started,
+    and starts again earlier only when asked for an earlier `since` (time travel to an older segment)."""
     f = _follows.setdefault(client, _Follow())
     with f.lock:
         bounds = client.bounds()
         if bounds is None:
             return None
         first, last = bounds
+        start = first if since is None else max(first, min(since, last))
         x = f.now
-        if x is None or x.epoch != client.epoch or x.first < first or x.pool.last_event > last:
-            x = f.now = _start(client, first)
+        if x is None or x.epoch != client.epoch or x.first < first or x.first > start or x.pool.last_event > last:
+            x = f.now = _start(client, start)
         if x.pool.last_event == last:
             return x
         new = client.events_before(last, last - x.pool.last_event)
         if x.rebuilt or any(isinstance(e, p.RequestAdded) and not known_prompt(e) for e in new):
-            x = f.now = _refold(client, first, last)
+            x = f.now = _refold(client, x.first, last)
             return x
         for ev in new:
             if ev.seq == x.pool.last_event + 1:
@@ -90,6 +93,23 @@ def _refold(client, first: int, last: int) -> Explained:
 def admissions_between(x: MissExplainer, after: int, upto: int) -> list:
     """The admissions that began after event `after` and ended by event `upto`."""
     return [a for a in x.admissions if after < a.event <= upto]
+
+
+def admissions_of(client, after: int, upto: int) -> list:
+    """The admissions between two events of the client's history, folded for the purpose from the
+    state at `after` (a lesson's stop: from its reset, not from the start of a long history)."""
+    bounds = client.bounds()
+    if bounds is None:
+        return []
+    after = max(bounds[0], after)
+    pool = ExplainedPool.from_state(client.view(after).mirror.state, keep=None)
+    events = [e for e in client.events_before(upto, upto - after) if e.seq > after]
+    events, _ = with_rebuilt_prompts(pool.state, events)
+    for ev in events:
+        if ev.seq != pool.last_event + 1:
+            break
+        pool.apply(ev)
+    return admissions_between(pool.explainer, after, upto)
 
 
 # ------------------------------------------------------------------------------ what would have hit

@@ -24,7 +24,7 @@ from app.ui import stale
 from app.panels import prefix_tree
 from app.data.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources,
                                     load_fleet, tokenize)
-from app.data.fleet.index import FleetIndex, pick
+from app.data.fleet.index import FleetIndex, pick, why, why_words
 from app.data.refreshed import Refreshed
 from app.data.words import plural
 from app.ui.palette import SEQ_COLORS
@@ -300,9 +300,10 @@ def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
             memo[key] = ids
         s = next((x for x in ix.score(ids) if x.engine == eng.name), None) if ids is not None else None
         scores += [s] if s else []
+        w = why(ix, eng.name, ids) if ids is not None else None
         out.append({"engine": eng.name, "prompt tokens": len(ids) if ids is not None else None,
                     "cached tokens": s.cached_tokens if s else None, "blocks": s.blocks if s else None,
-                    "would reuse": s.reusable_tokens if s else None})
+                    "would reuse": s.reusable_tokens if s else None, "why not more": why_words(w) if w else None})
     if best := pick(scores, free):
         o = next(o for o in out if o["engine"] == best)
         st.success(f"A prefix-aware router picks **{best}** ({o['cached tokens']:,} of {o['prompt tokens']:,} "
@@ -313,7 +314,10 @@ def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
                "`cached_tokens`): the engine always computes a prompt's last token, so a prompt that fills its "
                "last block exactly reuses one block less. A chat is scored in the tokens its template gives it "
                "(its roles' markers first): a system prompt pasted as a plain prompt matches nothing a chat "
-               "cached. An engine whose tokenizer cannot be asked (a KV-event stream without `api`) shows –.")
+               "cached. An engine whose tokenizer cannot be asked (a KV-event stream without `api`) shows –. "
+               "Why not more: the rest of the prompt's tokens on that engine, evicted (it had cached them; when), "
+               "on another engine (named), on no engine, in a sliding window's lost run, or in the partial "
+               "block its last token is in (docs/misses.md).")
 
 
 # ------------------------------------------------------------------------------ sidebar

@@ -154,6 +154,10 @@ def stage(client: EngineClient) -> list[int]:
                     + (f" · *{stop.title}*" if stop.title else "")
                     + ("" if run.at_latest else " · :orange[a stop reached earlier]"))
         st.markdown(caption(stop, values))
+        if stop.panel and run.memo.get("panel_opened") != memo_key:  # once per stop: the reader may pick another
+            run.memo["panel_opened"] = memo_key
+            st.session_state["panel_shown"] = stop.panel
+            st.session_state["log_version"] = st.session_state.get("log_version", 0) + 1  # remounts the picker
         if run.at_end:
             st.caption("End of the lesson: **Restart** runs it again; pick another lesson in the sidebar.")
         st.session_state["lesson_blocks"] = fx.blocks

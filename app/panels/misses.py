@@ -5,6 +5,7 @@ its blocks ringed), and what would have hit, from a lab replay of this session's
 (docs/misses.md)."""
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 import altair as alt
@@ -16,16 +17,16 @@ from app.data.session_misses import admissions_between, explained, what_if
 from app.ui import travel
 from app.ui.palette import ACCENT
 from kvscope_contract.counters import hit_rate
+from kvscope_contract.misses import LABELS as REASON_LABELS
 from kvscope_contract.misses import (REASONS, by_request, evicted_cases, eviction_summary, reason_line,
                                      totals_of)
 
 MAX_BARS = 60
-LABELS = {"hit": "hit", "evicted": "evicted", "cold": "cold", "diverged": "diverged mid-block",
-          "partial_block": "partial block", "recomputed": "recomputed after preemption",
-          "caching_off": "caching off", "unknown": "unknown"}
-assert set(LABELS) == {"hit", *REASONS}, "a reason needs its label and colour here"
+LABELS = {"hit": "hit", **REASON_LABELS}
 COLORS = {"hit": "#2563eb", "evicted": "#e15759", "cold": "#94a3b8", "diverged": "#f28e2b",
-          "partial_block": "#edc948", "recomputed": "#b07aa1", "caching_off": "#334155", "unknown": "#cbd5e1"}
+          "partial_block": "#edc948", "window": "#17becf", "recomputed": "#b07aa1", "caching_off": "#334155",
+          "unknown": "#cbd5e1"}
+assert COLORS.keys() == LABELS.keys(), "a reason needs its colour here"
 RING = "misses_ring"  # session state: (event, blocks, line) of the eviction travelled to
 
 
@@ -43,7 +44,7 @@ PANEL = "Why not more?"
 def _spec() -> dict:
     order = list(LABELS.values())
     bars = alt.Chart(alt.Data(name="bars")).mark_bar().encode(
-        x=alt.X("from:Q", title="engine step", axis=alt.Axis(format="d", tickMinStep=1)), x2="to:Q",
+        x=alt.X("from:Q", bin="binned", title="engine step", axis=alt.Axis(format="d", tickMinStep=1)), x2="to:Q",
         y=alt.Y("tokens:Q", stack="zero", title="tokens looked up"),
         color=alt.Color("what:N", scale=alt.Scale(domain=order, range=[COLORS[k] for k in LABELS]),
                         legend=alt.Legend(orient="top", title=None)),
@@ -69,17 +70,20 @@ def chart(admissions: list, at_step: int | None) -> dict:
     keys = list(LABELS)
     rows = [{"from": b, "to": b + width, "what": LABELS[k], "tokens": n, "order": keys.index(k)}
             for (b, k), n in sorted(bins.items())]
-    out = dict(_spec())
-    out["datasets"] = {"bars": rows, "cursor": [] if at_step is None else [{"step": at_step}]}
-    return out
+    shown = [k for k in keys if any(k == what for _, what in bins)]  # the legend names only what happened
+    spec = copy.deepcopy(_spec())
+    bars = spec["layer"][0]["encoding"]["color"]
+    bars["scale"] = {"domain": [LABELS[k] for k in shown], "range": [COLORS[k] for k in shown]}
+    spec["datasets"] = {"bars": rows, "cursor": [] if at_step is None else [{"step": at_step}]}
+    return spec
 
 
 def panel(client: EngineClient, view: View) -> None:
-    x = explained(client)
-    if x is None:
-        return
     h = client.history
     since = h.segment_start(view.event + 1) if h else 0
+    x = explained(client, since)
+    if x is None:
+        return
     adms = admissions_between(x.pool.explainer, since, view.event)
     tl = view.mirror.tally
     if not adms:
@@ -93,7 +97,14 @@ def panel(client: EngineClient, view: View) -> None:
     else:
         st.markdown(f"**Prefix caching is off**: nothing was looked up; the {t.tokens:,} tokens of {t.admissions:,} "
                     f"admissions since {tl.since} were all computed: {why}")
-    if t.first_looked_up != t.looked_up:
+    recomputed = t.by_reason.get("recomputed", 0)
+    if client.hello and client.hello.server.startswith("vllm"):
+        first = hit_rate(t.first_hit, t.first_looked_up)
+        st.caption(f"vLLM's own counters (its /metrics, `vllm:prefix_cache_hits` / `queries`) count first admissions "
+                   f"only: **{t.first_hit:,} of {t.first_looked_up:,}** ({first:.0%}); "
+                   f"they leave out re-admissions after a preemption, whose {recomputed:,} missed tokens are "
+                   "*recomputed after preemption* here. The other reasons add up to vLLM's queries less its hits.")
+    elif t.first_looked_up != t.looked_up:
         st.caption(f"vLLM's definition leaves re-admissions after a recompute out: {t.first_hit:,} of "
                    f"{t.first_looked_up:,} ({hit_rate(t.first_hit, t.first_looked_up):.0%}); their misses are "
                    "*recomputed after preemption* here.")
@@ -116,7 +127,7 @@ def panel(client: EngineClient, view: View) -> None:
 def requests(adms: list) -> None:
     st.markdown("**The requests that missed most**")
     rows = [{"request": r.request_id, "looked up": r.tokens, "hit": r.hit, "missed": r.missed,
-             "why": reason_line(r.by_reason())} for r in by_request(adms) if r.missed][:50]
+             "why": reason_line(r.by_reason(), words=True)} for r in by_request(adms) if r.missed][:50]
     st.dataframe(pd.DataFrame(rows, columns=["request", "looked up", "hit", "missed", "why"]), hide_index=True,
                  height=240, width="stretch", key="misses_requests",
                  column_config={"why": st.column_config.TextColumn(width="large")})

@@ -248,7 +248,7 @@ class HybridMeter(Meter):
             case p.SwapOut() | p.SwapIn():
                 self.counts.count(ev)
             case p.Finish():
-                self.finished += 1
+                Meter._finish(self, ev)
             case p.StepDone():
                 self.sample(1, 0)
 

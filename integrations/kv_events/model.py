@@ -12,11 +12,13 @@ different layers, one prefix, not six copies of it. So copies are counted within
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvscope_contract.prefix_forest import PrefixForest
-from integrations.kv_events.decode import Batch, Cleared, Removed, Stored
+from integrations.kv_events.decode import MEDIUM_GPU, Batch, Cleared, Removed, Stored
+
+EVICTED_KEPT = 65_536  # removed blocks remembered (the prompt box's "evicted"), newest kept
 
 
 @dataclass
@@ -76,6 +78,9 @@ class KVEventsState:
     unknown_events: int = 0
     errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     points: deque[Point] = field(default_factory=lambda: deque(maxlen=5000))
+    # the blocks that left the GPU cache (their last copy), newest last: hash -> (parent hash, token
+    # ids, the batch's time), so a prompt can be told which of its blocks were evicted, and when
+    evicted: OrderedDict = field(default_factory=OrderedDict)
 
     def apply(self, batch: Batch) -> None:
         if batch.seq >= 0:
@@ -87,11 +92,14 @@ class KVEventsState:
                 case Stored():
                     self._store(ev)
                 case Removed():
-                    self._remove(ev)
+                    self._remove(ev, batch.ts)
                 case Cleared():
                     for name, groups in self.caches.items():
                         if ev.medium is None or name.split(" ")[0] == ev.medium:
                             for forest in groups.values():
+                                if name == MEDIUM_GPU:
+                                    for node in forest.nodes.values():
+                                        self._evicted(node, batch.ts)
                                 forest.clear()
                     if ev.medium is None:
                         self.extras.clear()
@@ -115,14 +123,24 @@ class KVEventsState:
                 self.extras[h] = Extra(ev.lora, keys)
             parent = h
 
-    def _remove(self, ev: Removed) -> None:
-        forest = self.caches.get(tier(ev.medium, ev.locality), {}).get(ev.group or 0)
+    def _remove(self, ev: Removed, ts: float) -> None:
+        name = tier(ev.medium, ev.locality)
+        forest = self.caches.get(name, {}).get(ev.group or 0)
         for h in ev.hashes:
             self.removed += 1
+            node = forest.nodes.get(h) if forest is not None else None
+            if node is not None and node.copies == 1 and name == MEDIUM_GPU:
+                self._evicted(node, ts)
             if forest is None or not forest.remove(h):
                 self.removed_unknown += 1
             elif h in self.extras and not any(h in f.nodes for g in self.caches.values() for f in g.values()):
                 del self.extras[h]
+
+    def _evicted(self, node, ts: float) -> None:
+        self.evicted[node.key] = (node.parent, tuple(node.tokens), ts)
+        self.evicted.move_to_end(node.key)
+        while len(self.evicted) > EVICTED_KEPT:
+            self.evicted.popitem(last=False)
 
     def bad_frame(self, why: str) -> None:
         self.bad_frames += 1

@@ -39,6 +39,12 @@ def test_captions_name_only_views_the_dashboard_has():
             assert not re.search(r"\(\w+ panel\)", stop.caption), f"{key} stop {i + 1}: {stop.caption}"
 
 
+def test_a_stop_opens_only_history_panels_the_dashboard_has():
+    from app.panels.history_panels import HISTORY_PANELS
+    panels = {stop.panel for lesson in LESSONS.values() for stop in lesson.stops} - {""}
+    assert panels and panels <= set(HISTORY_PANELS)
+
+
 def test_every_stop_of_every_lesson_has_its_claims_checked():
     assert set(CLAIMS) == {(key, i) for key, lesson in LESSONS.items() for i in range(len(lesson.stops))}
 
@@ -72,6 +78,9 @@ def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
                 assert blocks, f"{key} stop {i + 1} highlights nothing"
         if blocks and data["live"]:
             assert "lit" in html_with(at, 'class="bt"')  # the block tables ring them too
+        if stop.panel:  # the stop opens its history panel under the grid
+            rerun_until(at, lambda a: next(c for c in a.segmented_control if c.label == "History").value == stop.panel,
+                        what=f"the {stop.panel} panel")
         check_claims(observer, key, i, run)  # what the caption says, against the pool at the stop
     assert at.session_state["lesson"].done
     assert "End of the lesson" in "\n".join(c.value for c in at.caption)

@@ -361,3 +361,45 @@ def test_a_kv_event_stream_names_blocks_by_the_same_content_as_a_kvscope_engine(
         assert z.state == "live" and z.cached == 3 and z.gaps == 0
     finally:
         pub.close()
+
+
+def test_a_typed_prompt_is_explained_on_each_engine_hit_evicted_elsewhere_nowhere_partial(pair):
+    """Issue 26: the prompt box says, per engine, what of a prompt it would reuse and why not the
+    rest: a KV-event stream that stored the system prompt's three blocks and removed the third
+    (evicted, with the batch's time), a KVScope engine that holds them (hit), one that holds nothing
+    (the system prompt is on the others), the question on no engine, the last block partial."""
+    from app.data.fleet.index import why, why_words
+    from tests.kv_event_stream import Publisher, frames, stored_map
+
+    fleet, _ = pair
+    run(fleet, "a", SYSTEM)
+    ids = tokens(SYSTEM + " " + QUESTIONS[0])  # 71 tokens: 4 full blocks, the last partial
+    pub = Publisher(topic=b"")
+    try:
+        fleet.add(Endpoint("z", f"tcp://127.0.0.1:{pub.port}?replay=tcp://127.0.0.1:{pub.replay_port}", "kv-events"))
+        gone_at = time.time() - 30
+        pub.send(0, [stored_map([11, 12, 13], tokens=ids[:3 * BS], size=BS)])
+        pub.send(1, None, raw=frames(1, [{"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"}], ts=gone_at))
+        wait(lambda: len(fleet.engines["z"].contents()) == 2 and fleet.engines["z"].evicted(), 20,
+             "the stream's removal")
+        ix = fleet.index()
+        full, partial = (len(ids) - 1) // BS * BS, len(ids) - (len(ids) - 1) // BS * BS
+        w = {name: why(ix, name, ids) for name in "abz"}
+        assert (w["a"].hit, w["a"].missed) == (3 * BS, {"nowhere": full - 3 * BS, "partial_block": partial})
+        rest = {"nowhere": full - 3 * BS, "partial_block": partial}  # the question, and the last block
+        assert (w["b"].hit, w["b"].missed) == (0, {"elsewhere": 3 * BS, **rest})
+        assert w["b"].elsewhere == ("a", "z")
+        assert (w["z"].hit, w["z"].missed) == (2 * BS, {"evicted": BS, **rest})
+        assert w["z"].evicted_at == pytest.approx(gone_at)
+        for name in "abz":  # every token of the prompt: reused, or one reason
+            assert w[name].hit + sum(w[name].missed.values()) == len(ids)
+        assert why_words(w["z"], now=gone_at + 30) == (f"evicted {BS} (30 s ago) · on no engine {full - 3 * BS} · "
+                                                       f"partial block {partial}")
+        assert why_words(w["b"]).startswith(f"on a, z {3 * BS} · ")
+        # a KVScope engine's own evictions, from its `evict` events: clear a's prefix cache
+        assert fleet.engines["a"].clear_prefix_cache()
+        wait(lambda: not fleet.engines["a"].contents(), 20, "a's cache cleared")
+        w = why(fleet.index(), "a", ids)
+        assert w.hit == 0 and w.missed["evicted"] == 3 * BS and w.evicted_at > gone_at
+    finally:
+        pub.close()

@@ -66,6 +66,10 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
     table = next(d.value for d in at.dataframe if "would reuse" in d.value.columns)
     assert list(table["engine"]) == ["pod-a", "pod-b"] and (table["cached tokens"] >= table["would reuse"]).all()
     assert (table["cached tokens"] > 0).any()  # the workload's chats cached this system prompt
+    # and why not more: every other token of the prompt has a reason (the last block's: partial)
+    for _, row in table.iterrows():
+        counts = [int(n.replace(",", "")) for n in re.findall(r" (\d[\d,]*)(?= ·|$| \()", row["why not more"])]
+        assert "partial block" in row["why not more"] and row["would reuse"] + sum(counts) == row["prompt tokens"], row
 
     # add an engine while running (an address nothing answers: connecting, as a server still loading
     # its model, the others unaffected), then remove it

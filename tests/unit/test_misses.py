@@ -175,6 +175,25 @@ def test_with_prefix_caching_off_every_token_misses_for_that_and_none_is_looked_
     assert_accounts(x, counts)
 
 
+SLIDING_AND_FULL = [p.KVGroup(kind="sliding_window", sliding_window=9, layers=[0]), p.KVGroup(layers=[1])]
+
+
+def test_in_a_hybrid_pool_a_window_that_lost_its_blocks_shortens_the_hit_full_attention_had():
+    """A sliding window of 9 tokens (blocks of 4) and full attention: a long generation's prompt
+    blocks leave its window and are evicted from the sliding group by a filler, while full
+    attention keeps them; the same prompt again hits only as far as the window still has a run."""
+    prompt = list(range(200, 232))
+    reqs = [Request("a", 0, prompt, [list(range(1, 41))], 40), Request("filler", 16, [9] * 36, [[1]], 1),
+            Request("b", 18, prompt[:24] + [7], [[2]], 1)]
+    start, events, _ = run(reqs, p.PoolConfig(block_size=4, num_device_blocks=40, kv_groups=SLIDING_AND_FULL))
+    x, counts = explain(start, events)
+    b = of(x, "b")
+    full = {ev.logical_index for ev in events if isinstance(ev, p.PrefixHit) and ev.seq_id == "b" and ev.kv_group == 1}
+    assert b.hit == 4 * len(full) == 8
+    assert spans(b) == [("window", 8, 24), ("partial_block", 24, 25)]
+    assert_accounts(x, counts)
+
+
 def test_the_demo_recording_accounts_for_every_missed_token():
     """It has no prompt token ids: as recorded, its missed full blocks are `unknown`; with the
     prompts rebuilt from its block hashes (as the lab replays it) every one has a reason."""
@@ -205,11 +224,14 @@ def workloads(draw):
         n = draw(st.integers(1, 3))
         outs = [draw(st.lists(st.integers(1, 6), min_size=1, max_size=40)) for _ in range(n)]
         reqs.append(Request(f"r{i}", draw(st.integers(0, 12)), prompt, outs, 40))
-    need = max(-(-(len(r.prompt) + 40) // bs) for r in reqs) + 2  # every request fits alone
+    hybrid = draw(st.booleans())  # a sliding window of W tokens beside full attention
+    groups = [p.KVGroup(kind="sliding_window", sliding_window=draw(st.sampled_from([bs, 2 * bs + 1])), layers=[0]),
+              p.KVGroup(layers=[1])] if hybrid else []
+    need = (1 + hybrid) * (max(-(-(len(r.prompt) + 40) // bs) for r in reqs) + 2)  # every request fits alone
     pool = p.PoolConfig(block_size=bs, num_device_blocks=draw(st.integers(need, need * 2)),
                         num_host_blocks=draw(st.integers(0, need * 2)),
                         enable_prefix_caching=draw(st.booleans()),
-                        preemption_mode=draw(st.sampled_from(["swap", "recompute"])))
+                        preemption_mode=draw(st.sampled_from(["swap", "recompute"])), kv_groups=groups)
     return reqs, pool, draw(st.sampled_from([32, 1024]))
 
 
@@ -227,7 +249,9 @@ def test_random_workloads_every_miss_has_one_reason_that_the_engines_hashes_conf
     x, counts = explain(start, events)
     assert_accounts(x, counts)
     assert x.totals.admissions == sum(isinstance(ev, p.StatusChange) for ev in events)
-    # an oracle of the engine's hashes: what was cached at each admission, and ever before it
+    # an oracle of the engine's hashes: what the full-attention group had cached at each admission,
+    # and ever before it (a block's chained hash is the same in every group)
+    full = len(pool.groups) - 1
     admissions = {a.event: a for a in x.admissions}
     tokens: dict[str, list[int]] = {}
     ever, now = set(), {}
@@ -240,11 +264,11 @@ def test_random_workloads_every_miss_has_one_reason_that_the_engines_hashes_conf
                 tokens[ev.seq_id] = list(tokens[ev.parent_seq_id])
             case p.Append():
                 tokens[ev.seq_id] += ev.token_ids
-            case p.Cached():
+            case p.Cached() if ev.kv_group == full:
                 ever.add(ev.hash)
                 now[ev.block_id] = ev.hash
             case p.Evict():
-                del now[ev.block_id]
+                now.pop(ev.block_id, None)
         a = admissions.get(ev.seq)
         if a is None or not pool.enable_prefix_caching or a.readmission:
             continue
@@ -257,6 +281,8 @@ def test_random_workloads_every_miss_has_one_reason_that_the_engines_hashes_conf
                     assert i >= len(hashes)
                 elif s.reason in ("cold", "diverged"):
                     assert hashes[i] not in ever, (a, s)
+                elif s.reason == "window":
+                    assert pool.kv_groups and hashes[i] in cached, (a, s)
                 else:
                     assert s.reason == "evicted" and hashes[i] in ever, (a, s)
             for e in s.evictions:

@@ -329,6 +329,54 @@ def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate
     assert int(ours.split("/")[0].replace(",", "")) >= after[0] and "first admission" in vllm_help(at)
 
 
+def test_g3_every_token_vllm_missed_has_a_reason_that_adds_up_to_its_own_counters(vllm, c, dashboard):
+    """Issue 26: the reasons of kvscope_contract/misses.py on vLLM's own events (the plugin's):
+    shared system prompts and the Overload preset, which preempts. The first admissions' reasons add
+    up to vLLM's prefix_cache_queries less its hits (deltas of its /metrics over the run), its
+    re-admissions' misses are `recomputed` (outside vLLM's counters), and every eviction before a
+    reuse names the allocation that made it; the dashboard's panel shows the same."""
+    from kvscope_contract.misses import ExplainedPool
+    from tests.apptest import rerun_until
+    from app.data.scenarios import SCENARIOS
+
+    finishes(c, 0)
+    mine = Client(vllm.ws)
+    start = mine.state.clone()
+    hits0, queries0 = vllm.metric("vllm:prefix_cache_hits_total"), vllm.metric("vllm:prefix_cache_queries_total")
+    at = dashboard(KVSCOPE_ENGINE=vllm.ws)
+    cfg = p.decode_server_message(json.dumps(mine.hello)).config
+    seqs = [mine.request(op="submit", prompt=SYSTEMS[i % 2] + " " + q, max_tokens=8, ignore_eos=True)["seq_ids"][0]
+            for i, q in enumerate(QUESTIONS * 2)]
+    mine.until(lambda: all(any(isinstance(e, p.Finish) and e.seq_id == s for e in mine.events) for s in seqs), 300)
+    seqs = [sid for cmd in next(s for s in SCENARIOS if s.key == "overload").build(cfg, 9)
+            for sid in mine.request(**json.loads(p.encode(cmd)))["seq_ids"]]
+    mine.until(lambda: all(any(isinstance(e, p.Finish) and e.seq_id == s for e in mine.events) for s in seqs), 600)
+    hits, queries = (vllm.metric("vllm:prefix_cache_hits_total") - hits0,
+                     vllm.metric("vllm:prefix_cache_queries_total") - queries0)
+    pool = ExplainedPool.from_state(start, keep=None)
+    for ev in mine.events:
+        pool.apply(ev)
+    mine.close()
+    t = pool.explainer.totals
+    assert (t.first_hit, t.first_looked_up) == (hits, queries) and hits > 0
+    first = sum(n for a in pool.explainer.admissions if not a.readmission for n in a.by_reason().values())
+    assert first == queries - hits and "recomputed" not in {s.reason for a in pool.explainer.admissions
+                                                            if not a.readmission for s in a.spans}
+    again = [a for a in pool.explainer.admissions if a.readmission]
+    assert again and t.by_reason["recomputed"] == sum(a.missed for a in again) > 0
+    assert t.by_reason["unknown"] == 0 and t.by_reason["cold"] > 0 and t.by_reason["partial_block"] > 0
+    assert all(e.by_seq for a in pool.explainer.admissions for s in a.spans for e in s.evictions)
+    # the panel, attached before the run: vLLM's counters as the header shows them, the reasons beside
+    at.button(key="why_not_more").click().run()
+    def caption(a):
+        return next((x.value for x in a.caption if x.value.startswith("vLLM's own counters")), "")
+    text = rerun_until(at, lambda a: f"of {t.first_looked_up:,}**" in caption(a) and caption(a), 60, "the panel")
+    assert f"**{t.first_hit:,} of {t.first_looked_up:,}**" in text
+    assert f"whose {t.by_reason['recomputed']:,} missed" in text
+    header = next(x.value for x in at.caption if x.value.startswith("vLLM's definition"))
+    assert f"{t.first_hit:,} / {t.first_looked_up:,} tokens" in header
+
+
 def vllm_help(at) -> str:
     return next(x.proto.help for x in at.caption if x.value.startswith("vLLM's definition"))
 

@@ -16,6 +16,7 @@ ids), and the content id of every cached block. Pure: no I/O, no clock.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from kvscope_contract.content import ROOT, cached_holder, chain_ids, content_id 
 from kvscope_contract.state import PoolState
 
 HASH_PREFIX = "h:"   # an id made of the server's hash: this block's tokens are unknown here
+EVICTED_KEPT = 65_536  # evicted contents remembered (the prompt box's "evicted"), newest kept
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class ContentTracker:
     seq_tokens: dict[str, list[int] | None] = field(default_factory=dict)  # None: the prompt's ids unknown
     by_block: dict[int, Content] = field(default_factory=dict)             # every hashed device block
     unknown: int = 0  # blocks in by_block named by their server hash
+    # content id -> when (the caller's clock) a block holding it was evicted, newest last
+    evicted: OrderedDict = field(default_factory=OrderedDict)
 
     @classmethod
     def from_state(cls, state: PoolState) -> ContentTracker:
@@ -69,8 +73,9 @@ class ContentTracker:
                 self.by_block[b] = c
                 self.unknown += c.cid.startswith(HASH_PREFIX)
 
-    def apply(self, ev: p.AnyEvent, state: PoolState) -> None:
-        """Follow `ev`; `state` is the pool right after it."""
+    def apply(self, ev: p.AnyEvent, state: PoolState, now: float = 0.0) -> None:
+        """Follow `ev`; `state` is the pool right after it, `now` the time an eviction is
+        remembered at."""
         match ev:
             case p.RequestAdded():
                 ids = ev.prompt_token_ids
@@ -84,6 +89,11 @@ class ContentTracker:
             case p.Cached():
                 self._cached(ev, state)
             case p.Evict():
+                if (c := self.by_block.get(ev.block_id)) is not None and not c.cid.startswith(HASH_PREFIX):
+                    self.evicted[c.cid] = now
+                    self.evicted.move_to_end(c.cid)
+                    while len(self.evicted) > EVICTED_KEPT:
+                        self.evicted.popitem(last=False)
                 self._drop(ev.block_id)
             case p.Finish():
                 self.seq_tokens.pop(ev.seq_id, None)
@@ -91,6 +101,7 @@ class ContentTracker:
                 self.block_size = ev.config.block_size
                 self.seq_tokens.clear()
                 self.by_block.clear()
+                self.evicted.clear()
                 self.unknown = 0
 
     def _cached(self, ev: p.Cached, state: PoolState) -> None:

@@ -219,7 +219,7 @@ class FleetClient(EngineClient):
         if h is None or h.last_event != ev.seq or before == ev.seq:
             return  # not applied
         if self.content is not None:
-            self.content.apply(ev, h.live.state)
+            self.content.apply(ev, h.live.state, self.received_at)
         if isinstance(ev, p.StepDone):
             self.recent_steps.append((self.received_at, *h.live.tally.steps[-1]))
         elif isinstance(ev, p.Preempt):
@@ -428,6 +428,22 @@ class FleetEngine:
                     stack.extend((kid, cid) for kid in forest.kids(node))
         return out
 
+    def evicted(self) -> dict[str, float]:
+        """The contents it evicted (their last block in its cache went), by content id, and when
+        (wall time): a KVScope engine's `evict` events, a stream's removals of its GPU blocks."""
+        if self.subscriber is None:
+            c = self.client
+            with c.lock:
+                return dict(c.content.evicted) if c.content else {}
+        with self.subscriber.lock:
+            known = {c.server_hash: c.cid for c in self._kv_contents()}
+            gone = dict(self.subscriber.state.evicted)
+        out = {}
+        for h, (_, _, ts) in gone.items():
+            if (cid := _content_of(h, known, gone)) is not None:
+                out[cid] = ts
+        return out
+
     def windows(self) -> dict[int, int | None]:
         """Its KV-cache groups' sliding windows (None: full attention), as its hello or its
         stream's store events name them; empty when it names none (one full-attention group)."""
@@ -507,12 +523,34 @@ class Fleet:
         """The prefix cache across the fleet's engines that are up, now (`rows`: this moment's rows,
         if read already); a down engine's cache is only its last seen, so it is left out."""
         by_name = {r.name: r for r in rows or self.rows()}
-        return FleetIndex.build([EngineCache(e.name, row.block_size, row.bytes_per_block, e.contents(), e.windows())
+        return FleetIndex.build([EngineCache(e.name, row.block_size, row.bytes_per_block, e.contents(), e.windows(),
+                                             e.evicted())
                                  for e in self.members() if (row := by_name.get(e.name)) and row.state in COUNTED])
 
     def close(self) -> None:
         for e in self.members():
             e.close()
+
+
+def _content_of(h: str, known: dict[str, str], gone: dict) -> str | None:
+    """The content id of removed block `h`: its tokens under its parent's content id, the parent
+    found among the blocks still cached (`known`, hash -> id) or those removed (`gone`, hash ->
+    (parent, tokens, time)); None when a block of the chain is unknown. Memoised in `known`."""
+    chain = []
+    while h not in known:
+        if h is None:
+            break
+        rec = gone.get(h)
+        if rec is None or not rec[1]:
+            return None
+        chain.append(h)
+        h = rec[0]
+    cid = ROOT if h is None else known[h]
+    if cid.startswith(HASH_PREFIX):
+        return None
+    for x in reversed(chain):
+        cid = known[x] = content_id(cid, gone[x][1])
+    return cid
 
 
 # ------------------------------------------------------------------------------ tokens

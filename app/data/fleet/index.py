@@ -6,6 +6,7 @@ Built from each engine's cached blocks at one moment (`FleetIndex.build`); plain
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ class EngineCache:
     blocks: Sequence[Content]  # one per physical block (two copies of the same content: two entries)
     # KV-cache group -> its sliding window in tokens (None: full attention); empty: one full group
     windows: Mapping[int, int | None] = field(default_factory=dict)
+    evicted: Mapping[str, float] = field(default_factory=dict)  # content id -> when it left this cache
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,72 @@ class FleetIndex:
     def route(self, tokens: Sequence[int], free_blocks: Mapping[str, int] | None = None) -> str | None:
         """The engine a prefix-aware router picks for `tokens` (see `pick`)."""
         return pick(self.score(tokens), free_blocks)
+
+
+@dataclass(frozen=True)
+class PromptWhy:
+    """Why a prompt would not hit more on one engine, token by token (docs/misses.md, for a
+    prompt typed here rather than an admission): past what the engine would reuse, each token of
+    its full blocks is `evicted` (this engine cached that content and evicted it), `window` (a
+    hybrid engine holds it, but a sliding window lacks its run; with one group, an earlier block of
+    the chain was evicted),
+    `elsewhere` (another engine holds it, at this engine's block size), or `nowhere` (no engine
+    holds it); the rest of the prompt is `partial_block` (the block holding its last token is
+    always computed)."""
+    engine: str
+    hit: int
+    missed: dict[str, int]
+    evicted_at: float | None = None   # the latest of those evictions
+    elsewhere: tuple[str, ...] = ()   # the engines that hold what this one lacks
+
+
+def why(ix: FleetIndex, engine: str, tokens: Sequence[int]) -> PromptWhy | None:
+    """`tokens` (in `engine`'s own token ids) explained on `engine` (None: not in the index)."""
+    eng = ix.engines.get(engine)
+    if eng is None:
+        return None
+    bs = eng.block_size or 1
+    score = next(s for s in ix.score(tokens) if s.engine == engine)
+    chain = chain_ids(tokens, bs)[:max(0, len(tokens) - 1) // bs]  # the full blocks a lookup can reach
+    missed: dict[str, int] = defaultdict(int)
+    when, others = [], set()
+    hybrid = any(w is not None for w in eng.windows.values())
+    for cid in chain[score.reusable_tokens // bs:]:
+        held = ix.holders.get(cid, {})
+        if held.get(engine):  # held, past the hit: a window's run is gone, or (one group) a block before it
+            missed["window" if hybrid else "evicted"] += bs
+        elif cid in eng.evicted:
+            missed["evicted"] += bs
+            when.append(eng.evicted[cid])
+        elif held:
+            missed["elsewhere"] += bs
+            others.update(held)
+        else:
+            missed["nowhere"] += bs
+    if rest := len(tokens) - max(score.reusable_tokens, len(chain) * bs):
+        missed["partial_block"] += rest
+    return PromptWhy(engine, score.reusable_tokens, dict(missed), max(when, default=None), tuple(sorted(others)))
+
+
+WHY_WORDS = {"evicted": "evicted", "window": "sliding window", "elsewhere": "on", "nowhere": "on no engine",
+             "partial_block": "partial block"}
+
+
+def why_words(w: PromptWhy, now: float | None = None) -> str:
+    """'evicted 32 (12 s ago) · on b 48 · on no engine 120 · partial block 7'."""
+    now = time.time() if now is None else now
+    parts = []
+    for k, label in WHY_WORDS.items():
+        n = w.missed.get(k)
+        if not n:
+            continue
+        if k == "elsewhere":
+            parts.append(f"on {', '.join(w.elsewhere)} {n:,}")
+        elif k == "evicted" and w.evicted_at is not None:
+            parts.append(f"evicted {n:,} ({max(0.0, now - w.evicted_at):,.0f} s ago)")
+        else:
+            parts.append(f"{label} {n:,}")
+    return " · ".join(parts) or "nothing: all of it hits"
 
 
 def pick(scores: Sequence[Score], free_blocks: Mapping[str, int] | None = None) -> str | None:

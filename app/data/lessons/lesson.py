@@ -21,6 +21,7 @@ import msgspec
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, kind_of, touched_blocks
+from kvscope_contract.misses import reason_line, totals_of
 from kvscope_contract.state import held_tokens
 from app.data.key_events import KEY_KINDS, block_ranges, explain
 from app.data.words import plural
@@ -57,6 +58,7 @@ class Stop(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_steps: int = 2000                 # a run_until gives up after this many steps
     record: str = ""                      # keep this stop's numbers under this name, for {records}
     expect: Expect = Expect()             # what must hold at the stop besides its event (see Expect)
+    panel: str = ""                       # the history panel under the grid shown at this stop (its name)
 
     def __post_init__(self) -> None:
         if bool(self.until) == bool(self.steps):
@@ -118,6 +120,9 @@ PLACEHOLDERS = {
     "reserved_slots": "slots a contiguous prompt + max-tokens reservation holds", "paged_slots": "slots paging holds",
     "saved_pct": "how much less paging holds", "reserved_mib": "the reservation in MiB", "paged_mib": "paging in MiB",
     "hit_tokens": "prompt tokens served by the cache", "hit_rate": "prefix hit rate",
+    "looked_up": "tokens looked up in the prefix cache",
+    "why": "why the others missed, by reason, since the lesson last reset the pool (the panel's words)",
+    "why_seq": "the stop's sequence's last admission: its hit, and why the rest missed",
     "cows": "copies on write", "forks": "forks", "preemptions": "preemptions", "recomputes": "recompute preemptions",
     "swap_outs": "swaps out", "swap_ins": "swaps in", "moved": "blocks copied by swaps in this step",
     "lost": "tokens dropped by recompute preemptions in this step (computed again later)",
@@ -181,9 +186,10 @@ def _pct(x: float) -> str:
 
 
 def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dict[str, dict],
-            columns: list[str] = ()) -> dict[str, str]:
+            columns: list[str] = (), admissions: list = ()) -> dict[str, str]:
     """Every placeholder's value at a stop. `mirror` is the pool after the stop's step, `before`
-    the pool just before it (or None)."""
+    the pool just before it (or None); `admissions` the admissions explained
+    (kvscope_contract/misses.py) since the lesson last reset the pool, up to the stop."""
     st, cfg, tl = mirror.state, mirror.config, mirror.tally
     u = mirror.usage()
     bs = cfg.block_size
@@ -226,6 +232,14 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
         "pool_mib": _mib(bpb * cfg.num_device_blocks),
     }
     out["records"] = records_table(records, columns)
+    out["looked_up"] = f"{tl.looked_up_tokens:,}"
+    out["why"] = reason_line(totals_of(admissions).by_reason, words=True) or "nothing missed"
+    mine = [a for a in admissions if a.seq_id == seq_id]
+    out["why_seq"] = "not admitted yet"
+    if mine:
+        last = mine[-1]
+        out["why_seq"] = (f"{last.hit:,} of its {last.tokens:,} tokens hit; "
+                          f"{reason_line(last.by_reason(), words=True) or 'nothing'} missed")
     return out
 
 

@@ -16,6 +16,7 @@ import msgspec
 from kvscope_contract import protocol as p
 from app.data.lessons.lesson import Focus, Lesson, context, focus, recorded
 from app.data.lessons.walk import StopWalk
+from app.data.session_misses import admissions_of
 
 NEVER_IN_A_STEP = "reset"  # a reset happens between steps: `run_until` it = run exactly max_steps steps
 IDLE_GIVE_UP_S = 5.0       # a run the engine has no work for ends after this long
@@ -146,7 +147,8 @@ class LessonRun(StopWalk):
         before = client.view(first).mirror if first >= client.bounds()[0] else None
         records = {k: v for k, (i, v) in self.records.items() if i <= self.viewing}
         engine = client.hello.engine if client.hello else None
-        return context(fx, view.mirror, before, engine, records, self.lesson.columns), fx
+        admissions = admissions_of(client, h.segment_start(r.end + 1), r.end) if h else []
+        return context(fx, view.mirror, before, engine, records, self.lesson.columns, admissions), fx
 
 
 def _steps_after(client, since: int):
