@@ -106,8 +106,8 @@ def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/mai
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")
     ap.add_argument("--vllm", nargs="?", const="smollm2", default=env.get("KVSCOPE_VLLM"),
-                    help="start vLLM (from .venv-vllm) with the KVScope plugin on MODEL: a folder, smollm2 (the default) "
-                         "or gemma3 (the bundled hybrid Gemma 3)")
+                    help="start vLLM (from .venv-vllm) with the KVScope plugin on MODEL: a folder, smollm2 "
+                         "(the default) or gemma3 (the bundled hybrid Gemma 3)")
     ap.add_argument("--kv-events", default=env.get("KVSCOPE_KV_EVENTS", ""),
                     help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")
     ap.add_argument("--tokenizer", default=env.get("KVSCOPE_TOKENIZER", ""),

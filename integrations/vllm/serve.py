@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default="smollm2",
-                    help="a model folder, or a bundled model: smollm2 (default) or gemma3 (hybrid: sliding-window groups)")
+                    help="a model folder, or a bundled model: smollm2 (default) or gemma3 (hybrid: sliding windows)")
     ap.add_argument("--host", default="127.0.0.1", help="vLLM's OpenAI server")
     ap.add_argument("--port", type=int, default=8000, help="vLLM's OpenAI server; 0 picks a free one")
     ap.add_argument("--kvscope-port", type=int, default=8765, help="the plugin's WebSocket; 0 picks one")
