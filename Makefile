@@ -136,8 +136,10 @@ run-vllm: install vllm-venv $(if $(filter gemma3,$(VLLM_MODEL) $(ARGS)),vllm-gem
 
 # two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
 FLEET_BLOCKS ?= 96
-run-fleet: install vllm-venv
-	$(VLLM_ENV) $(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
+# FLEET_MODELS=smollm2,gemma3: one SmolLM2 and one Gemma 3 (FLEET_BLOCKS=384 for Gemma's six groups)
+FLEET_MODELS ?= smollm2
+run-fleet: install vllm-venv $(if $(filter %gemma3%,$(FLEET_MODELS)),vllm-gemma3)
+	$(VLLM_ENV) $(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS) --models $(FLEET_MODELS)
 
 # vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
 bench-vllm: vllm-venv

@@ -13,21 +13,29 @@ def compare_live_snapshot(c: Client, attempts: int = 20) -> int:
     """Ask for a snapshot (vLLM's structures, read between two scheduler calls) and check that
     it equals the client's mirror of the events up to the same event. A snapshot supersedes the
     events still queued for this client (docs/protocol.md), so one that is ahead of the mirror
-    cannot be compared: it is taken and asked for again. Returns how many snapshots it asked for."""
+    cannot be compared: it is taken and asked for again. The mirror is compared before the
+    snapshot replaces it (the client's reader would apply it on arrival). Returns how many
+    snapshots it asked for."""
+    from app.data.mirror import Mirror
+
     for asked in range(1, attempts + 1):
         c.send(op="snapshot", id=f"s{time.monotonic_ns()}")
-        while (msg := c.recv())["type"] != "snapshot":
-            c.take(msg)
+        c.wire.mirrors = False  # events still apply; the snapshot is compared, then taken
+        try:
+            msg = c.sync(lambda m: m["type"] == "snapshot")
+        finally:
+            c.wire.mirrors = True
         live = p.decode_server_message(json.dumps(msg))
         assert live.seq >= c.state.last_event, "a snapshot never goes back in time"
-        if live.seq == c.state.last_event:
+        same = live.seq == c.state.last_event
+        if same:
             mirror = c.state.snapshot()
             for a, b in zip(live.device_blocks, mirror.device_blocks):
                 assert a == b, f"block {a.id}: vLLM says {a}, the events say {b}"
             assert live.seqs == mirror.seqs and live == mirror
-            c.take(msg)
+        c.wire.mirror = Mirror.from_snapshot(live)
+        if same:
             return asked
-        c.take(msg)
     raise AssertionError(f"every one of {attempts} snapshots was ahead of the events received")
 
 

@@ -23,7 +23,7 @@ from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
 from integrations.vllm.serve import BUNDLED
 from tests.vllm.checks import compare_live_snapshot, finishes
-from tests.vllm.vllm_server import NO_VLLM, ROOT, VLLM_PYTHON, VllmServer, vllm_version
+from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer, vllm_version
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -224,22 +224,6 @@ def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(
         served = {s.name for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
     assert VLLM_METRICS <= served, VLLM_METRICS - served
     assert set(re.findall(r"vllm:\w+", ALERTS.read_text())) <= served
-
-
-@pytest.fixture
-def dashboard(monkeypatch):
-    import streamlit as st
-    from streamlit.testing.v1 import AppTest
-
-    def start(**env):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        st.cache_resource.clear()
-        at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=30)
-        return at.run()
-
-    yield start
-    st.cache_resource.clear()
 
 
 def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_reserved(vllm, c, dashboard):

@@ -126,12 +126,12 @@ def test_c_prefix_hit_tokens_equal_vllms_cached_tokens_across_groups(gemma, c):
 
 
 def test_d_a_small_pool_preempts_readmits_and_finishes_every_request_once(gemma, c):
-    """Six short prompts that each generate 400 tokens, at once, in 191 blocks shared by six
+    """Six short prompts that each generate 300 tokens, at once, in 191 blocks shared by six
     groups: admitted together, they outgrow the pool as they decode (every group's table grows
     until the window fills), so vLLM preempts (as many as its own counter says), admits again,
     and each finishes once with its tokens; the mirror still equals vLLM's snapshot."""
     before = gemma.metric("vllm:num_preemptions_total")
-    rids = [c.request(op="submit", prompt=text(20 + i, 30), max_tokens=400, ignore_eos=True,
+    rids = [c.request(op="submit", prompt=text(20 + i, 30), max_tokens=300, ignore_eos=True,
                       request_id=f"load{i}")["seq_ids"][0] for i in range(6)]
     c.until(lambda: c.kinds["preempt"] >= 1, timeout=600)
     compare_live_snapshot(c)
@@ -145,7 +145,7 @@ def test_d_a_small_pool_preempts_readmits_and_finishes_every_request_once(gemma,
     for e in c.events:
         if isinstance(e, p.Append) and e.seq_id in rids:
             outputs[e.seq_id] += len(e.token_ids)
-    assert all(outputs[r] == 400 for r in rids), outputs
+    assert all(outputs[r] == 300 for r in rids), outputs
     compare_live_snapshot(c)
 
 
@@ -181,6 +181,31 @@ def test_e_the_kv_events_count_each_groups_blocks_as_the_pool_holds_them(gemma, 
             assert s.bad_frames == 0 and s.unknown_events == 0
     finally:
         sub.close()
+
+
+def test_g_the_dashboard_attached_to_gemma_draws_its_pool_frame_after_frame(gemma, c, dashboard):
+    """The dashboard on the plugin of a hybrid vLLM: the grid of its one pool (block 0 reserved),
+    then frame after frame (each a delta from the one the browser holds) while a request longer
+    than the window runs, and every history panel on the way, without an error."""
+    from tests.apptest import grid_data
+
+    at = dashboard(KVSCOPE_ENGINE=gemma.ws)
+    data = wait(lambda: grid_data(at.run()), 60, "the grid")
+    assert data["n"] == BLOCKS and data["bs"] == BS and data["m"] == 0
+    c.request(op="submit", prompt=text(50, 520), max_tokens=60, ignore_eos=True, request_id="drawn")
+    data = wait(lambda: (d := grid_data(at.run())) and d["counts"]["used"] and d, 120, "used blocks in the grid")
+    frames, panels = [data], ["Event log", "Prefix tree", "Lifetimes", "Timeline"]
+    for pull in range(1, 7):
+        at.session_state["pool_grid"] = {"sync": {"have": frames[-1]["token"], "pull": pull, "style": 1}}
+        if pull <= len(panels):
+            next(x for x in at.segmented_control if x.label == "History").set_value(panels[pull - 1])
+        d = wait(lambda: (d := grid_data(at.run())) and d["seq"] > frames[-1]["seq"] and d, 120,
+                 f"frame {pull}: vLLM's next events")
+        assert d["kind"] == "delta" and d["base"] == frames[-1]["token"], d
+        errors = [e.value for e in at.error] + [str(e.value) for e in at.exception]
+        assert not errors, errors
+        frames.append(d)
+    finishes(c, 1)
 
 
 # ---------------------------------------------------------------------------- a fleet: SmolLM2 and Gemma 3

@@ -102,6 +102,8 @@ class VllmServer:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
     def stop(self) -> None:
+        # what the plugin said (a divergence, a refusal), shown with a failing test's output
+        print("\n".join(line for line in self.lines if "kvscope" in line)[-4000:])
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
