@@ -11,7 +11,7 @@ PROMTOOL := /usr/bin/promtool
 PORT ?= 8501
 ARGS ?=
 
-.PHONY: install lint test test-slow test-wheel run bench bench-dashboard clean vllm-venv test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
+.PHONY: install lint test test-slow test-wheel run bench bench-dashboard clean vllm-venv vllm-gemma3 test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -114,9 +114,12 @@ $(GEMMA3_DIR)/config.json: | $(STAMP)
 
 vllm-venv: $(VLLM_STAMP) $(SMOLLM2_DIR)/config.json
 
-VLLM_TESTS := tests/vllm/test_hooks.py tests/vllm/test_vllm.py tests/vllm/test_kv_events.py tests/vllm/test_run_fleet.py
-# the tests against a real vLLM (tests/vllm/); `make test` skips them without .venv-vllm
-test-vllm: install vllm-venv
+vllm-gemma3: $(GEMMA3_DIR)/config.json
+
+VLLM_TESTS := tests/vllm/test_hooks.py tests/vllm/test_vllm.py tests/vllm/test_vllm_gemma.py \
+	tests/vllm/test_kv_events.py tests/vllm/test_run_fleet.py
+# the tests against a real vLLM (tests/vllm/), SmolLM2 and Gemma 3; `make test` skips them without .venv-vllm
+test-vllm: install vllm-venv vllm-gemma3
 	$(VLLM_ENV) $(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) $(VLLM_TESTS)
 
 # the plugin, the launcher and the KV events on another vLLM, in minutes: CI runs it on 0.27.1
@@ -125,14 +128,18 @@ test-vllm-smoke: install vllm-venv
 
 # the dashboard on a real vLLM serving the bundled SmolLM2, its pool of $(VLLM_BLOCKS) blocks live;
 # the dashboard starts vLLM (VLLM_BLOCKS=256 make run-vllm for a bigger pool) and shows its progress
-run-vllm: install vllm-venv
+# VLLM_MODEL=gemma3 (or ARGS="--vllm gemma3") serves the hybrid Gemma 3 instead
+VLLM_MODEL ?= smollm2
+run-vllm: install vllm-venv $(if $(filter gemma3,$(VLLM_MODEL) $(ARGS)),vllm-gemma3)
 	@echo "KVScope on vLLM: open http://localhost:$(PORT) in a browser (vLLM loads first, about a minute)"
-	STREAMLIT_SERVER_PORT=$(PORT) $(VLLM_ENV) $(PY) -m app --vllm smollm2 --num-blocks $(VLLM_BLOCKS) $(ARGS)
+	STREAMLIT_SERVER_PORT=$(PORT) $(VLLM_ENV) $(PY) -m app --vllm $(VLLM_MODEL) --num-blocks $(VLLM_BLOCKS) $(ARGS)
 
 # two vLLM servers (plugin and KV events on) and the dashboard on the fleet page, with a load generator (docs/fleet.md)
 FLEET_BLOCKS ?= 96
-run-fleet: install vllm-venv
-	$(VLLM_ENV) $(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS)
+# FLEET_MODELS=smollm2,gemma3: one SmolLM2 and one Gemma 3 (FLEET_BLOCKS=384 for Gemma's six groups)
+FLEET_MODELS ?= smollm2
+run-fleet: install vllm-venv $(if $(filter %gemma3%,$(FLEET_MODELS)),vllm-gemma3)
+	$(VLLM_ENV) $(PY) -m tools.fleet_demo --port $(PORT) --num-blocks $(FLEET_BLOCKS) --models $(FLEET_MODELS)
 
 # vLLM's throughput with the plugin observing vs not, interleaved (docs/vllm.md)
 bench-vllm: vllm-venv

@@ -2,7 +2,7 @@
 plugin and ZMQ KV events on) and the dashboard on the fleet page, whose sidebar sends them a chat
 workload round-robin or with prefix affinity.
 
-    python -m tools.fleet_demo [--servers 2] [--num-blocks 96] [--port 8501]
+    python -m tools.fleet_demo [--servers 2] [--num-blocks 96] [--port 8501] [--models smollm2,gemma3]
 
 Both servers get the same PYTHONHASHSEED, so their block hashes agree as well as their content
 (docs/fleet.md). The fleet file is written to a temporary folder and listed on start; the page
@@ -27,13 +27,14 @@ from app.streamlit_argv import streamlit_argv
 from kvscope_contract.ready import free_ports
 
 
-def start_server(name: str, num_blocks: int, ports: list[int]) -> tuple[ServerProcess, dict]:
+def start_server(name: str, model: str, num_blocks: int, ports: list[int]) -> tuple[ServerProcess, dict]:
     """One vLLM server; its output goes to ours, each line after its name."""
     api, ws, pub, replay = ports
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-    proc = ServerProcess("integrations.vllm.serve", ["--port", str(api), "--kvscope-port", str(ws), "--num-blocks",
-                                                     str(num_blocks), "--", "--kv-events-config", json.dumps(events)],
+    proc = ServerProcess("integrations.vllm.serve", [model, "--port", str(api), "--kvscope-port", str(ws),
+                                                     "--num-blocks", str(num_blocks),
+                                                     "--", "--kv-events-config", json.dumps(events)],
                          str(VLLM_PYTHON), on_line=lambda line: print(f"[{name}] {line}", flush=True)).start()
     return proc, {"url": f"ws://127.0.0.1:{ws}", "api": f"http://127.0.0.1:{api}",
                   "kv_events": f"tcp://127.0.0.1:{pub}?replay=tcp://127.0.0.1:{replay}"}
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--num-blocks", type=int, default=96, help="each server's pool, in blocks of 32 tokens")
     ap.add_argument("--port", type=int, default=8501, help="the dashboard's")
+    ap.add_argument("--models", default="smollm2",
+                    help="the servers' models, comma-separated, in turn: e.g. smollm2,gemma3 (a hybrid model, whose "
+                         "six KV-cache groups each take a block of every prompt: give it --num-blocks 384)")
     args = ap.parse_args(argv)
     if not VLLM_PYTHON.exists():
         sys.exit("no .venv-vllm: `make vllm-venv` builds it (about 5 minutes)")
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     # /reset_prefix_cache, for "Clear every prefix cache" and the routing lesson (the servers bind 127.0.0.1)
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     ports = free_ports(4 * args.servers)  # all at once: each distinct
-    procs, servers = zip(*(start_server(name_of(i), args.num_blocks, ports[4 * i:4 * i + 4])
+    models = args.models.split(",")
+    procs, servers = zip(*(start_server(name_of(i), models[i % len(models)], args.num_blocks, ports[4 * i:4 * i + 4])
                            for i in range(args.servers)))
     folder = Path(tempfile.mkdtemp(prefix="kvscope-fleet-"))
     path = fleet_file(list(servers), folder)

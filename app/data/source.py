@@ -106,7 +106,8 @@ def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/mai
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed")
     ap.add_argument("--model", default=env.get("KVSCOPE_MODEL", "smollm2"), help="embedded engine's model")
     ap.add_argument("--vllm", nargs="?", const="smollm2", default=env.get("KVSCOPE_VLLM"),
-                    help="start vLLM (from .venv-vllm) with the KVScope plugin on MODEL (default: the bundled SmolLM2)")
+                    help="start vLLM (from .venv-vllm) with the KVScope plugin on MODEL: a folder, smollm2 "
+                         "(the default) or gemma3 (the bundled hybrid Gemma 3)")
     ap.add_argument("--kv-events", default=env.get("KVSCOPE_KV_EVENTS", ""),
                     help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")
     ap.add_argument("--tokenizer", default=env.get("KVSCOPE_TOKENIZER", ""),
@@ -128,7 +129,10 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     if args.kv_events:
         return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)
     if args.vllm is not None:
-        return Source("vllm", model=args.vllm, engine_args=tuple(rest))
+        named = any(a == "--model" or a.startswith("--model=") for a in argv)
+        # `--vllm --model gemma3` (and `make run-vllm ARGS="--model gemma3"`) name vLLM's model too
+        model = args.model if named and args.vllm == "smollm2" else args.vllm
+        return Source("vllm", model=model, engine_args=tuple(rest))
     if args.engine:
         return Source("attach", url=args.engine, token=args.token)
     if args.replay:

@@ -29,7 +29,7 @@ from kvscope_contract import protocol as p
 from engine.core.detokenizer import Detokenizer
 from engine.serve.hub import Client, Hub
 from integrations.vllm.forward import Forwarder, Submission
-from integrations.vllm.observer import NULL_BLOCK, PoolObserver, request_group
+from integrations.vllm.observer import VLLM_NULL_BLOCK, PoolObserver, kv_groups, request_group
 
 log = logging.getLogger("kvscope")
 PARENT_POLL_S = 0.5
@@ -46,15 +46,18 @@ class _Text:
 
 
 def pool_config(scheduler) -> p.PoolConfig:
+    """vLLM's pool: one block size and one page size for every KV-cache group (vLLM's uniform
+    page size), so a physical block holds one page for each of a group's layers."""
     kv = scheduler.kv_cache_config
     group = kv.kv_cache_groups[0]
     pool = scheduler.kv_cache_manager.block_pool
+    layers_per_group = max(len(g.layer_names) for g in kv.kv_cache_groups)
     return p.PoolConfig(
         block_size=group.kv_cache_spec.block_size, num_device_blocks=pool.num_gpu_blocks,
         num_host_blocks=0, enable_prefix_caching=pool.enable_caching, preemption_mode="recompute",
         max_num_seqs=scheduler.scheduler_config.max_num_seqs,
-        bytes_per_block=group.kv_cache_spec.page_size_bytes * len(group.layer_names),
-        reserved_blocks=[NULL_BLOCK])
+        bytes_per_block=group.kv_cache_spec.page_size_bytes * layers_per_group,
+        reserved_blocks=[VLLM_NULL_BLOCK], kv_groups=kv_groups(kv))
 
 
 def engine_info(vllm_config) -> p.EngineInfo:

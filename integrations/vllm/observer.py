@@ -2,12 +2,13 @@
 
 vLLM v1 keeps its allocator in three objects: the `BlockPool` (blocks, ref counts, the prefix
 cache's hash map), one `SingleTypeKVCacheManager` per KV-cache group (each request's block
-table, `req_to_blocks`) and the `Scheduler` (requests, admission, preemption, finishing).
-`PoolObserver` wraps a handful of their methods on the instances (nothing is copied or
-replaced) and turns each change they make into a protocol event, in the order vLLM makes it:
+table in that group, `req_to_blocks`) and the `Scheduler` (requests, admission, preemption,
+finishing). `PoolObserver` wraps a handful of their methods on the instances (nothing is copied
+or replaced) and turns each change they make into a protocol event, in the order vLLM makes it:
 
     add_local_computed_blocks  -> prefix_hit   (touch: the request adopts cached blocks)
     allocate_*_blocks          -> alloc        (get_new_blocks; evictions inside come first)
+    remove_skipped_blocks      -> window_free  (a sliding window passed a block: null in the table)
     _remove_cached_block_hashes -> evict       (a cached block with no holder loses its hash)
     cache_full_blocks          -> cached       (full blocks enter the prefix cache)
     manager.free               -> free         (tail first, with vLLM's ref count after)
@@ -15,15 +16,19 @@ replaced) and turns each change they make into a protocol event, in the order vL
     add_request / schedule / update_from_output / _free_blocks
                                -> request_added, status, append, step, finish
 
-A table change reads the request's table back and emits only the difference, so vLLM's code
-runs unchanged. A change the protocol cannot express (a hybrid model's second group, a KV
-connector's deferred free, copy-on-write of a partial hit) marks the stream `diverged`; the
-backend then sends every client a fresh snapshot built from vLLM's own structures.
+A hybrid model (Gemma 3: five sliding-window groups and one full-attention group) has one
+manager per group over the one pool: each hook knows its group, and events carry it
+(`kv_group`). vLLM's null block in a table (a sliding window's skipped or passed blocks) is
+NULL_BLOCK in the protocol's. A table change reads the request's table in that group back and
+emits only the difference, so vLLM's code runs unchanged. A change the protocol cannot express
+(a KV connector's deferred free, copy-on-write of a partial hit) marks the stream `diverged`;
+the backend then sends every client a fresh snapshot built from vLLM's own structures.
 Everything here runs on the engine core's thread, under `lock`, which a snapshot also takes.
 """
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -37,7 +42,9 @@ from vllm.v1.request import RequestStatus
 from integrations.kv_events.decode import vllm_hash_hex
 
 log = logging.getLogger("kvscope")
-NULL_BLOCK = 0  # vLLM's BlockPool pops block 0 as a placeholder that is never handed out
+VLLM_NULL_BLOCK = 0  # vLLM's BlockPool pops block 0 as a placeholder that is never handed out
+NULL = p.NULL_BLOCK  # a table entry with no block: where vLLM's tables hold that null block
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
 
@@ -54,7 +61,7 @@ HOOKS = {
                   "get_request_counts", "shutdown"),
     "KVCacheManager": ("pop_blocks_for_free",),
     "SingleTypeKVCacheManager": ("add_local_computed_blocks", "allocate_external_computed_blocks",
-                                 "allocate_new_blocks", "free"),
+                                 "allocate_new_blocks", "free", "remove_skipped_blocks"),
     "BlockPool": ("cache_full_blocks", "_remove_cached_block_hashes", "reset_prefix_cache",
                   "cache_partial_block", "move_block_hashes", "get_num_free_blocks"),
 }
@@ -113,6 +120,29 @@ def _block_hash(key: bytes) -> str:
     return vllm_hash_hex(key[:-4])
 
 
+def _key_group(key: bytes) -> int:
+    """The KV-cache group in a cached block's key (its last 4 bytes, big-endian)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+def layer_index(name: str, default: int) -> int:
+    """The model's layer index in a vLLM layer name (`model.layers.5.self_attn.attn` -> 5)."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else default
+
+
+def kv_groups(kv_cache_config) -> list[p.KVGroup]:
+    """vLLM's KV-cache groups as the protocol's, in vLLM's order (its group ids); empty for one
+    full-attention group, the protocol's default."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        kind = spec_kind(group.kv_cache_spec)
+        window = getattr(group.kv_cache_spec, "sliding_window", None) if kind == "sliding_window" else None
+        out.append(p.KVGroup(kind=kind, sliding_window=window,
+                             layers=[layer_index(n, i) for i, n in enumerate(group.layer_names)]))
+    return [] if len(out) == 1 and out[0].kind == "full_attention" else out
+
+
 def _finish_reason(request) -> p.FinishReason:
     reason = request.get_finished_reason()
     return _REASONS.get(str(reason).lower(), "stop") if reason is not None else "stop"
@@ -121,23 +151,22 @@ def _finish_reason(request) -> p.FinishReason:
 class PoolObserver:
     def __init__(self, scheduler, on_batch: Callable[[list[p.Event]], None]):
         kvm = scheduler.kv_cache_manager
-        managers = kvm.coordinator.single_type_managers
         check_engine(scheduler)
-        if len(managers) != 1:
-            raise UnsupportedEngine(f"this model has {len(managers)} KV-cache groups; KVScope shows "
-                                    "one pool with one block table per request")
         check_hooks(hooked_objects(scheduler))
-        self.scheduler, self.kvm, self.manager, self.pool = scheduler, kvm, managers[0], kvm.block_pool
+        self.scheduler, self.kvm, self.pool = scheduler, kvm, kvm.block_pool
+        self.managers = list(kvm.coordinator.single_type_managers)  # one per KV-cache group, in group order
         self.on_batch = on_batch  # receives each call's events, in order, under the lock
         self.lock = threading.Lock()
         self.log = EventLog()
         self.diverged = False
         # what the events said so far, per request and per block: the baseline of each diff
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # each request's table per group, NULLs included
+        self.live_from: dict[str, list[int]] = {}     # per group: its first entry a window has not passed
         self.tokens: dict[str, int] = {}    # tokens in the cache (append.num_tokens)
         self.outputs: dict[str, int] = {}   # sampled tokens sent
         self.running: set[str] = set()
         self.hashes: dict[int, str] = {}    # block -> hash in the prefix cache
+        self.hash_group: dict[int, int] = {}  # block -> the group whose prefix cache holds it
         self.prompts: dict[str, list[int]] = {}  # prompt ids of new requests, for the text of their tokens
         self.cached_free = 0                # hashed blocks no request holds (evictable)
         self._step_t0 = time.perf_counter()
@@ -145,7 +174,7 @@ class PoolObserver:
 
     # ------------------------------------------------------------------ hooks
     def _install(self) -> None:
-        s, m, pool = self.scheduler, self.manager, self.pool
+        s, pool = self.scheduler, self.pool
         for name in ("add_request", "finish_requests", "reset_prefix_cache"):
             self._wrap(s, name, None, top=True)
         self._wrap(s, "schedule", self._after_schedule, before=self._before_schedule, top=True)
@@ -153,9 +182,10 @@ class PoolObserver:
         self._wrap(s, "_free_request", None, before=lambda req, *a, **k: self._progress(req))
         self._wrap(s, "_free_blocks", lambda req, *a, **k: self._finish(req))
         self._wrap(s, "_preempt_request", lambda req, *a, **k: self._preempt(req))
-        self._wrap(m, "add_local_computed_blocks", lambda rid, *a, **k: self._sync(rid, hit=True))
-        for name in ("allocate_external_computed_blocks", "allocate_new_blocks", "free"):
-            self._wrap(m, name, lambda rid, *a, **k: self._sync(rid))
+        for g, m in enumerate(self.managers):
+            self._wrap(m, "add_local_computed_blocks", lambda rid, *a, g=g, **k: self._sync(rid, g, hit=True))
+            for name in ("allocate_external_computed_blocks", "allocate_new_blocks", "free", "remove_skipped_blocks"):
+                self._wrap(m, name, lambda rid, *a, g=g, **k: self._sync(rid, g))
         if hasattr(self.kvm, "pop_blocks_for_free"):
             self._wrap(self.kvm, "pop_blocks_for_free", lambda req, *a, **k: self._diverge(
                 f"{req.request_id}'s blocks are freed later (a KV connector's deferred free)"))
@@ -213,7 +243,9 @@ class PoolObserver:
         rid = req.request_id
         if rid in self.tables or req.resumable:
             return
-        self.tables[rid], self.tokens[rid], self.outputs[rid] = [], 0, 0
+        self.tables[rid] = [[] for _ in self.managers]
+        self.live_from[rid] = [0] * len(self.managers)
+        self.tokens[rid], self.outputs[rid] = 0, 0
         self.prompts[rid] = req.prompt_token_ids or []
         self._emit(p.RequestAdded(request_id=request_group(rid), seq_id=rid,
                                   prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens,
@@ -276,53 +308,78 @@ class PoolObserver:
         rid = req.request_id
         if rid not in self.tables:
             return
-        if self.tables[rid]:
+        if any(b != NULL for table in self.tables[rid] for b in table):
             self._diverge(f"{rid} finished still holding blocks {self.tables[rid]}")
             return
-        for d in (self.tables, self.tokens, self.outputs):
+        for d in (self.tables, self.live_from, self.tokens, self.outputs):
             del d[rid]
         self.running.discard(rid)
         self._emit(p.Finish(seq_id=rid, reason=_finish_reason(req)))
 
     # ------------------------------------------------------------------ block tables
-    def _sync(self, rid: str, hit: bool = False) -> None:
-        """Emit the change in `rid`'s block table since the last sync: appended blocks (prefix
-        hits or allocations), or the whole table freed, tail first."""
-        seen = self.tables.get(rid)
-        if seen is None:
+    def _sync(self, rid: str, g: int, hit: bool = False) -> None:
+        """Emit the change in `rid`'s table of group `g` since the last sync: entries a sliding
+        window passed (vLLM nulls them from the head), appended blocks (prefix hits, with nulls
+        where a window skips, or allocations), or the whole table freed, tail first."""
+        tables = self.tables.get(rid)
+        if tables is None:
             return
-        blocks = self.manager.req_to_blocks.get(rid, ())
+        seen = tables[g]
+        blocks = self.managers[g].req_to_blocks.get(rid, ())
         n_seen, n_now = len(seen), len(blocks)
-        if n_now and n_seen and (n_now < n_seen or blocks[n_seen - 1].block_id != seen[-1]):
-            return self._diverge(f"{rid}'s block table changed in place")
-        if n_now >= n_seen:
-            for i in range(n_seen, n_now):
-                blk = blocks[i]
-                b = blk.block_id
-                if blk.is_null:
-                    return self._diverge(f"{rid} holds vLLM's null block (a sliding window)")
-                if hit:
-                    h = self.hashes.get(b)
-                    if h is None:
-                        return self._diverge(f"{rid} hit block {b}, which the events never cached")
-                    if blk.ref_cnt == 1:
-                        self.cached_free -= 1
-                    self._emit(p.PrefixHit(seq_id=rid, block_id=b, logical_index=i, hash=h))
-                else:
-                    self._emit(p.Alloc(seq_id=rid, block_id=b, logical_index=i))
-                seen.append(b)
-            return
-        blocks_by_id = self.pool.blocks
-        for b in reversed(seen):
-            ref = blocks_by_id[b].ref_cnt
+        if not n_now:
+            return self._free_table(rid, g, seen) if n_seen else None
+        if n_now < n_seen:
+            return self._diverge(f"{rid}'s block table in group {g} shrank without a free")
+        live = self.live_from[rid]
+        i = live[g]
+        while i < n_seen and blocks[i].is_null:  # a window passed these: vLLM freed them
+            b = seen[i]
+            seen[i] = NULL
+            ref = blocks_ref(self.pool, b)
             if ref == 0 and b in self.hashes:
                 self.cached_free += 1
-            self._emit(p.Free(seq_id=rid, block_id=b, ref_count=ref))
+            self._emit(p.WindowFree(seq_id=rid, kv_group=g, logical_index=i, block_id=b, ref_count=ref))
+            i += 1
+        if n_seen and seen[-1] != NULL and blocks[n_seen - 1].block_id != seen[-1]:
+            return self._diverge(f"{rid}'s block table in group {g} changed in place")
+        for i in range(n_seen, n_now):
+            blk = blocks[i]
+            b = blk.block_id
+            if blk.is_null:  # a sliding window's hit skips the blocks before what it still sees
+                seen.append(NULL)
+                continue
+            if hit:
+                h = self.hashes.get(b)
+                if h is None:
+                    return self._diverge(f"{rid} hit block {b}, which the events never cached")
+                if blk.ref_cnt == 1:
+                    self.cached_free -= 1
+                self._emit(p.PrefixHit(seq_id=rid, block_id=b, logical_index=i, hash=h, kv_group=g))
+            else:
+                self._emit(p.Alloc(seq_id=rid, block_id=b, logical_index=i, kv_group=g))
+            seen.append(b)
+        first = live[g]
+        while first < len(seen) and seen[first] == NULL:
+            first += 1
+        live[g] = first
+
+    def _free_table(self, rid: str, g: int, seen: list[int]) -> None:
+        """vLLM freed `rid`'s whole table in group `g`, tail first."""
+        for b in reversed(seen):
+            if b == NULL:
+                continue
+            ref = blocks_ref(self.pool, b)
+            if ref == 0 and b in self.hashes:
+                self.cached_free += 1
+            self._emit(p.Free(seq_id=rid, block_id=b, ref_count=ref, kv_group=g))
         seen.clear()
+        self.live_from[rid][g] = 0
 
     # ------------------------------------------------------------------ the prefix cache
-    def _after_cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks,
-                                 *args, **kwargs) -> None:
+    def _after_cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size=None,
+                                 kv_cache_group_id=0, *args, **kwargs) -> None:
+        rid = request.request_id
         for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
             blk = blocks[i]
             key = blk.block_hash
@@ -331,10 +388,22 @@ class PoolObserver:
             h = _block_hash(key)
             if self.hashes.get(blk.block_id) == h:
                 continue
-            self.hashes[blk.block_id] = h
-            prev = blocks[i - 1].block_hash if i else None
-            self._emit(p.Cached(block_id=blk.block_id, hash=h,
-                                parent_hash=_block_hash(prev) if prev is not None else None))
+            self.hashes[blk.block_id], self.hash_group[blk.block_id] = h, _key_group(key)
+            self._emit(p.Cached(block_id=blk.block_id, hash=h, parent_hash=self._parent_hash(request, blocks, i),
+                                seq_id=rid if rid in self.tables else None, kv_group=_key_group(key)))
+
+    def _parent_hash(self, request, blocks, i: int) -> str | None:
+        """The hash of the block before block i of a request's chain (None for its first): the
+        table's block when it has one, else (a sliding window passed it) the request's own hash
+        of it, when vLLM hashes by the block size."""
+        if not i:
+            return None
+        prev = blocks[i - 1]
+        if not prev.is_null and prev.block_hash is not None:
+            return _block_hash(prev.block_hash)
+        hashes = request.block_hashes
+        same_size = getattr(self.pool, "hash_block_size", None) in (None, self.managers[0].block_size)
+        return vllm_hash_hex(hashes[i - 1]) if same_size and len(hashes) >= i else None
 
     def _removing_hashes(self, original, block, *args, **kwargs):
         b = block.block_id
@@ -342,9 +411,10 @@ class PoolObserver:
         out = original(block, *args, **kwargs)
         if h is not None and block.block_hash is None:
             del self.hashes[b]
+            g = self.hash_group.pop(b, 0)
             if block.ref_cnt == 0:
                 self.cached_free -= 1
-                self._emit(p.Evict(block_id=b, hash=h))
+                self._emit(p.Evict(block_id=b, hash=h, kv_group=g))
             else:  # a held block loses its hash: only a partial block's promotion re-caches it
                 self._diverge(f"block {b} lost its hash while held")
         return out
@@ -353,8 +423,9 @@ class PoolObserver:
         ok = original(*args, **kwargs)
         if ok:
             for b, h in sorted(self.hashes.items()):
-                self._emit(p.Evict(block_id=b, hash=h))
+                self._emit(p.Evict(block_id=b, hash=h, kv_group=self.hash_group.get(b, 0)))
             self.hashes.clear()
+            self.hash_group.clear()
             self.cached_free = 0
         return ok
 
@@ -366,26 +437,36 @@ class PoolObserver:
         n = len(pool.blocks)
         ref = [0 if blk.is_null else blk.ref_cnt for blk in pool.blocks]
         hashes: list[str | None] = [None] * n
+        groups = [0] * n
         for blk in pool.blocks:
             if blk.block_hash is not None and not blk.is_null:
-                hashes[blk.block_id] = _block_hash(blk.block_hash)
-        tables = self.manager.req_to_blocks
+                hashes[blk.block_id], groups[blk.block_id] = _block_hash(blk.block_hash), _key_group(blk.block_hash)
         seqs = [SeqState(rid, request_group(rid), "running" if req.status == RequestStatus.RUNNING else "waiting",
-                         [blk.block_id for blk in tables.get(rid, ())], [], self._processed(req),
+                         [[NULL if blk.is_null else blk.block_id for blk in m.req_to_blocks.get(rid, ())]
+                          for m in self.managers], [[] for _ in self.managers], self._processed(req),
                          req.num_prompt_tokens, len(req.output_token_ids), req.max_tokens)
                 for rid, req in s.requests.items() if rid in self.tables]
-        return PoolState.build(config, self.log.seq, ref, hash_columns(hashes), seqs)
+        return PoolState.build(config, self.log.seq, ref, hash_columns(hashes), seqs,
+                               groups if len(self.managers) > 1 else None)
 
     def rebase(self, state: PoolState) -> None:
         """Take `state` (vLLM's, from `live_state`) as what the clients now hold: after a
         divergence, every client gets it as a snapshot and the diffs start again from it."""
-        self.tables = {rid: list(s.block_table) for rid, s in state.seqs.items()}
+        self.tables = {rid: [list(t) for t in s.block_tables] for rid, s in state.seqs.items()}
+        self.live_from = {rid: [next((i for i, b in enumerate(t) if b != NULL), len(t)) for t in tables]
+                          for rid, tables in self.tables.items()}
         self.tokens = {rid: s.num_tokens for rid, s in state.seqs.items()}
         self.outputs = {rid: s.output_tokens for rid, s in state.seqs.items()}
         self.running = {rid for rid, s in state.seqs.items() if s.status == "running"}
         self.hashes = {b: state.hash_of(b) for b in np.flatnonzero(state.has_hash).tolist()}
+        self.hash_group = {b: int(state.kv_group[b]) for b in self.hashes}
         self.cached_free = sum(1 for b in self.hashes if state.ref_counts[b] == 0)
         self.diverged = False
+
+
+def blocks_ref(pool, b: int) -> int:
+    """vLLM's ref count of block b now."""
+    return pool.blocks[b].ref_cnt
 
 
 def request_group(rid: str) -> str:

@@ -22,7 +22,8 @@ from kvscope_contract import protocol as p
 from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
 from integrations.vllm.serve import BUNDLED
-from tests.vllm.vllm_server import NO_VLLM, ROOT, VLLM_PYTHON, VllmServer, vllm_version
+from tests.vllm.checks import compare_live_snapshot, finishes
+from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer, vllm_version
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -61,33 +62,6 @@ def c(vllm):
 
 def long_prompt(i: int, words: int = 280) -> str:
     return f"Request {i}: " + " ".join(FILLER[j % len(FILLER)] for j in range(words))
-
-
-def compare_live_snapshot(c: Client, attempts: int = 20) -> int:
-    """Ask for a snapshot (vLLM's structures, read between two scheduler calls) and check that
-    it equals the client's mirror of the events up to the same event. A snapshot supersedes the
-    events still queued for this client (docs/protocol.md), so one that is ahead of the mirror
-    cannot be compared: it is taken and asked for again. Returns how many snapshots it asked for."""
-    for asked in range(1, attempts + 1):
-        c.send(op="snapshot", id=f"s{time.monotonic_ns()}")
-        while (msg := c.recv())["type"] != "snapshot":
-            c.take(msg)
-        live = p.decode_server_message(json.dumps(msg))
-        assert live.seq >= c.state.last_event, "a snapshot never goes back in time"
-        if live.seq == c.state.last_event:
-            mirror = c.state.snapshot()
-            for a, b in zip(live.device_blocks, mirror.device_blocks):
-                assert a == b, f"block {a.id}: vLLM says {a}, the events say {b}"
-            assert live.seqs == mirror.seqs and live == mirror
-            c.take(msg)
-            return asked
-        c.take(msg)
-    raise AssertionError(f"every one of {attempts} snapshots was ahead of the events received")
-
-
-def finishes(c: Client, n: int, timeout: float = 300) -> None:
-    """Until `n` requests finished and none runs (an earlier test's request may still run)."""
-    c.until(lambda: c.kinds["finish"] >= n and not c.state.seqs, timeout)
 
 
 @pytest.mark.vllm_smoke
@@ -250,22 +224,6 @@ def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(
         served = {s.name for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
     assert VLLM_METRICS <= served, VLLM_METRICS - served
     assert set(re.findall(r"vllm:\w+", ALERTS.read_text())) <= served
-
-
-@pytest.fixture
-def dashboard(monkeypatch):
-    import streamlit as st
-    from streamlit.testing.v1 import AppTest
-
-    def start(**env):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        st.cache_resource.clear()
-        at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=30)
-        return at.run()
-
-    yield start
-    st.cache_resource.clear()
 
 
 def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_reserved(vllm, c, dashboard):

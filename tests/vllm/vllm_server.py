@@ -33,6 +33,7 @@ def vllm_version() -> str:
 @dataclass
 class VllmServer:
     num_blocks: int
+    model: str = "smollm2"      # a bundled model (smollm2, gemma3) or a folder
     api: str = ""
     ws: str = ""
     kv_events: str = ""         # tcp://... with ?replay=...
@@ -61,7 +62,7 @@ class VllmServer:
                   "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
         env = {**os.environ, "KVSCOPE_PORT": "0", "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "integrations.vllm.serve", "--port", str(port),
+            [str(VLLM_PYTHON), "-m", "integrations.vllm.serve", self.model, "--port", str(port),
              "--num-blocks", str(self.num_blocks), "--", "--kv-events-config", json.dumps(events), *self.args],
             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -101,6 +102,8 @@ class VllmServer:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
     def stop(self) -> None:
+        # what the plugin said (a divergence, a refusal), shown with a failing test's output
+        print("\n".join(line for line in self.lines if "kvscope" in line)[-4000:])
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
