@@ -7,7 +7,8 @@ test module: protocol_client.py (the one protocol client, over app/data/wire.py)
 apptest.py (driving the app under AppTest), synthetic.py (synthetic engines, in process or as
 servers), tiny_engine.py, pool_driver.py and histories.py (pools under pressure),
 attention_cases.py and cpu_variants.py (kernels), kv_event_stream.py (a ZMQ KV-event stream),
-grafana_board.py, perfetto_trace.py, prompts.py, processes.py, lesson_claims.py; browser/pages.py."""
+grafana_board.py, perfetto_trace.py, prompts.py, processes.py, lesson_claims.py; tools/launch.py opens
+the app's page for a browser test as for the screenshots."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.launch import CHROMIUM, FLAGS, ROOT, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid, start_streamlit
 
 TOP = "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })"
 
@@ -30,12 +30,8 @@ def start_app(model: str) -> tuple[subprocess.Popen, str]:
 def open_dashboard(pw, url: str, height: int = 1250, timeout_ms: int = 240_000):
     """(browser, page, errors) with the dashboard drawn: its grid has blocks."""
     browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-    page = browser.new_page(viewport={"width": 1500, "height": height})
     errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(url)
-    page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=timeout_ms)
-    return browser, page, errors
+    return browser, open_grid(browser, url, errors, height=height, timeout_ms=timeout_ms), errors
 
 
 def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000) -> None:

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tools.launch import CHROMIUM, FLAGS, ROOT
-from tests.browser.pages import open_grid
+from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid
 from tests.processes import children
 
 SHOT = ROOT / "out" / "test_browser.png"
@@ -25,7 +24,7 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
-        page = open_grid(browser, url, 256, errors)  # the embedded engine starts, then the grid draws the empty pool
+        page = open_grid(browser, url, errors, 256)  # the embedded engine starts, then the grid draws the empty pool
         assert page.evaluate("window.__kvscope_grid.used") == 0
         sidebar = page.get_by_test_id("stSidebar")
         # Paused, so the blocks stay in use until the test has seen them (a busy machine may
@@ -192,7 +191,7 @@ def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_fra
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
-        page = open_grid(browser, url, 256, errors)
+        page = open_grid(browser, url, errors, 256)
         assert page.evaluate("window.__kvscope_grid.m") == 0
         sidebar = page.get_by_test_id("stSidebar")
         sidebar.get_by_label("Pace (ms between steps)")  # the engine panel is there
@@ -250,7 +249,7 @@ def test_the_reset_form_of_every_fresh_tab_shows_the_engines_pool(app_url):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
         for tab in range(4):
-            page = open_grid(browser, url, 48, errors)
+            page = open_grid(browser, url, errors, 48)
             page.wait_for_timeout(3_000)  # the fragments' timers run a few times first
             side = page.get_by_test_id("stSidebar")
             side.get_by_text("Reset pool").click()

@@ -4,30 +4,19 @@ manager); the hit-rate chip opens the panel, which names each reason with its to
 eviction with its blocks ringed, and says what would have hit from a lab replay of the session."""
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from tests.miss_recording import write
-from tools.launch import CHROMIUM, FLAGS, ROOT, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid
 
 SHOT = ROOT / "out" / "test_browser_misses.png"
 
 
 @pytest.fixture
-def replay_url(tmp_path):
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
+def replay_url(tmp_path, start_app):
     rec = tmp_path / "every_reason.jsonl"
     write(rec)
-    log = tmp_path / "streamlit.log"
-    with log.open("w") as out:
-        proc, url = start_streamlit(["--replay", str(rec), "--speed", "4"], out=out)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
-    print(f"streamlit's output ({log}):\n" + log.read_text()[-4000:])
+    return start_app(["--replay", str(rec), "--speed", "4"])[0]
 
 
 def said(page, words: str, timeout: int = 30_000) -> None:
@@ -59,11 +48,8 @@ def test_each_reason_is_shown_and_an_eviction_is_travelled_to(replay_url):
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1500})
         errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(replay_url)
-        page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.n > 0", timeout=120_000)
+        page = open_grid(browser, replay_url, errors, 20, height=1500, timeout_ms=120_000)
         side = page.get_by_test_id("stSidebar")
         side.get_by_role("button", name="Pause", exact=True).click()
         side.get_by_text("Key events to stop at").click()

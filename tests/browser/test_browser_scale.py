@@ -10,8 +10,7 @@ import time
 import pytest
 
 from app.data.launcher import ServerProcess
-from tools.launch import CHROMIUM, FLAGS
-from tests.browser.pages import open_grid
+from tools.launch import CHROMIUM, FLAGS, open_grid
 
 BLOCKS = 1 << 20
 
@@ -39,7 +38,7 @@ def test_a_million_blocks_load_draw_an_overview_and_zoom(big_app):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
-        page = open_grid(browser, big_app, BLOCKS, errors, height=1300)
+        page = open_grid(browser, big_app, errors, BLOCKS, height=1300)
         grid = lambda: page.evaluate("window.__kvscope_grid")
         first = grid()
         assert first["count"] < BLOCKS and first["perPixel"] == 1 and first["cell"] >= 8  # a detailed region
@@ -97,7 +96,7 @@ def test_leaving_a_busy_million_block_engine_for_a_replay_and_back_never_waits_o
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
         for _ in range(3):  # each time a fresh tab on the engine, busy and drawing, then the replay
-            page = open_grid(browser, big_app, BLOCKS, errors)
+            page = open_grid(browser, big_app, errors, BLOCKS)
             page.wait_for_function("window.__kvscope_grid.draws > 2 && window.__kvscope_grid.live", timeout=60_000)
             sidebar = page.get_by_test_id("stSidebar")
             panel = sidebar.locator("details", has_text="Connection")
