@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.vllm.test_vllm_faults import alive, descendants
+from tests.processes import alive, descendants
 from tests.vllm.vllm_server import NO_VLLM, ROOT, VLLM_PYTHON
 from kvscope_contract.ready import free_port
 from tests.waiting import wait
