@@ -9,13 +9,14 @@ from __future__ import annotations
 import streamlit as st
 from streamlit import config as st_config
 
-from app.ui import controls, stale, travel
+from app.ui import controls, quiet_log, stale, travel
 from app.modes import fleet_view, kv_events_view, lab_view, lessons_view, live
 from app.data.source import Source, from_command_line
 
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
 # that costs ~60 ms, ten times a second. Python's own generational GC still runs.
 st_config.set_option("runner.postScriptGC", False)
+quiet_log.install()
 MODES = {"Explore": ":material/explore: Explore", "Lessons": ":material/school: Lessons",
          "Lab": ":material/science: Lab"}
 

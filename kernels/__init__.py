@@ -3,6 +3,7 @@ attention, block copies), C++ on CPU tensors once `cpu_build.load` succeeded (at
 fused ops), the torch implementation everywhere else.
 
 Each implementation is also importable directly (`*_triton`, `*_torch`) for tests and benchmarks.
+Triton is optional (torch's CUDA builds bring it; a CPU-only install has none): triton_or_standin.py.
 """
 from __future__ import annotations
 

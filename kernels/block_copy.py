@@ -6,8 +6,7 @@ must not chain (no dst is also a src in one call): the engine copies into freshl
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from kernels.triton_or_standin import tl, triton
 from torch import Tensor
 
 

@@ -1,8 +1,7 @@
 """Write each new token's K and V into its cache slot (slot = block_id * block_size + offset)."""
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from kernels.triton_or_standin import tl, triton
 from torch import Tensor
 
 

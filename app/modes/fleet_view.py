@@ -25,6 +25,7 @@ from app.panels import prefix_tree
 from app.data.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources,
                                     load_fleet, tokenize)
 from app.data.fleet.index import FleetIndex, pick, why, why_words
+from app.data.client import NotConnected
 from app.data.refreshed import Refreshed
 from app.data.words import plural
 from app.ui.palette import SEQ_COLORS
@@ -381,7 +382,7 @@ def load_panel(fleet: Fleet) -> None:
         st.fragment(load_since, run_every=1.0)(fleet)
         st.button("Clear every prefix cache", width="stretch", key="fleet_clear",
                   help="on the engines that allow it (vLLM: only with VLLM_SERVER_DEV_MODE=1)",
-                  on_click=lambda: [e.clear_prefix_cache() for e in takers(fleet)])
+                  on_click=_clear_all, args=(fleet,))
 
 
 def _send(fleet: Fleet) -> None:
@@ -402,6 +403,18 @@ def _send(fleet: Fleet) -> None:
         if targets else "no live engine takes prompts")
 
 
+def _clear_all(fleet: Fleet) -> None:
+    """Clear's callback: ask every engine; `load_since` then says what each answered."""
+    asked = []
+    for e in fleet.members():
+        try:
+            e.clear_prefix_cache()
+        except NotConnected:
+            pass  # said as "not asked"
+        asked.append(e.name)
+    st.session_state["fleet_cleared"] = asked
+
+
 def load_since(fleet: Fleet) -> None:
     """Each engine's prefix hit rate over the requests since the last Send (a card's hit rate counts
     everything since the page attached, both policies' runs together)."""
@@ -415,6 +428,9 @@ def load_since(fleet: Fleet) -> None:
             parts.append(f"{name} **{hit / looked:.0%}** ({hit:,} of {looked:,} tokens)")
     if parts:
         st.caption("Hit rate since this Send: " + " · ".join(parts))
+    if asked := st.session_state.get("fleet_cleared"):
+        said = [f"{n} {fleet.engines[n].cleared()}" for n in asked if n in fleet.engines]
+        st.caption("Clear every prefix cache: " + " · ".join(said))
     # sends fail later too: a refusal, no answer before a connection closed, an HTTP error
     failed_base = st.session_state.get("fleet_failed_base") or {}
     for e in fleet.members():

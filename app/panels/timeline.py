@@ -61,8 +61,13 @@ def _thin(points: list[StepPoint]) -> list[StepPoint]:
 
 
 def _with(spec: dict, **datasets: list[dict]) -> dict:
+    """`spec` with its rows; a layer after the first whose rows are empty (no markers yet, no
+    cursor while live) is left out: Vega warns of an infinite extent for each empty one."""
     out = copy.copy(spec)
-    out["datasets"] = datasets
+    first, *rest = spec["layer"]
+    out["layer"] = [first] + [layer for layer in rest if datasets.get(layer.get("data", {}).get("name"))]
+    out["datasets"] = {name: rows for name, rows in datasets.items()
+                       if rows or name == first.get("data", {}).get("name")}
     return out
 
 

@@ -70,6 +70,10 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
     for _, row in table.iterrows():
         counts = [int(n.replace(",", "")) for n in re.findall(r" (\d[\d,]*)(?= ·|$| \()", row["why not more"])]
         assert "partial block" in row["why not more"] and row["would reuse"] + sum(counts) == row["prompt tokens"], row
+    # Clear every prefix cache says what each engine answered
+    at.sidebar.button(key="fleet_clear").click().run()
+    wait(lambda: at.run() and "Clear every prefix cache: pod-a emptied · pod-b emptied" in at.sidebar.caption.values,
+         30, "both engines' answers to the clear")
 
     # add an engine while running (an address nothing answers: connecting, as a server still loading
     # its model, the others unaffected), then remove it
@@ -183,6 +187,7 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
     procs, path = engines
     observer = EngineClient(procs[1].url)  # pod-b as the engine itself says: what its card must show
+    console: list[str] = []
     log = tmp_path / "streamlit.log"
     with log.open("w") as out:
         streamlit, url = start_streamlit(["--fleet", str(path)], out=out)
@@ -193,6 +198,7 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
             page.set_default_timeout(120_000)
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: console.append(m.text))
             page.goto(url)
 
             def numbers(name: str) -> dict:
@@ -239,7 +245,17 @@ def test_the_fleet_page_in_a_browser_over_several_redraws(engines, tmp_path):
                              main.inner_text()) and procs[1].url in main.inner_text()  # pod-b's pool
             page.get_by_role("button", name="Back to the fleet").click()
             wait(lambda: numbers("pod-b").get("state") == "live", 120, "the fleet page again")
+            for _ in range(2):  # the fleet page's fragments leave the page and come back
+                main.get_by_role("combobox", name="Open an engine").click()
+                page.get_by_role("option", name="pod-b", exact=True).click()
+                page.locator(".st-key-fleet_open button").click()
+                main.get_by_text("Connected · attached engine", exact=False).wait_for(timeout=180_000)
+                page.get_by_role("button", name="Back to the fleet").click()
+                wait(lambda: numbers("pod-b").get("state") == "live", 120, "the fleet page again")
             browser.close()
+        # the logs carry no noise: Streamlit's note on a fragment gone from the page, Vega's on an empty layer
+        assert "does not exist anymore" not in log.read_text()
+        assert not [m for m in console if "Infinite extent" in m], console[-10:]
     finally:
         observer.close()
         streamlit.send_signal(signal.SIGTERM)

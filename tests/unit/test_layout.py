@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kvscope_contract", "app", "engine", "kernels", "integrations", "tools")
+PACKAGES = ("kvscope_contract", "app", "engine", "kernels", "integrations", "tools", "kvscope")
 
 
 def imports(path: Path) -> set[str]:

@@ -68,6 +68,23 @@ def test_step_ticks_are_whole_numbers():
         assert area.get("format") == "d" and area.get("tickMinStep") == 1, axes
 
 
+def test_timeline_charts_hold_no_empty_layer():
+    """Walk of issue 29: an empty layer (no markers, no cursor while live) made Vega warn "Infinite
+    extent for field step" at every redraw; such layers are left out, the rest kept."""
+    from app.data.event_history import Marker, StepPoint
+    import dataclasses
+
+    points = [StepPoint(**{f.name: (i if f.name == "step" else 0) for f in dataclasses.fields(StepPoint)})
+              for i in range(1, 4)]
+    for spec in (timeline.blocks_chart(points, [], None, 8), timeline.rates_chart(points, None)):
+        named = [layer["data"]["name"] for layer in spec["layer"]]
+        assert "cursor" not in named and "markers" not in named and all(spec["datasets"][n] for n in named), named
+    marker = Marker(**{f.name: ("preempt" if f.name == "kind" else "s1" if f.name == "seq_id" else 2)
+                       for f in dataclasses.fields(Marker)})
+    spec = timeline.blocks_chart(points, [marker], 2, 8)
+    assert [layer["data"]["name"] for layer in spec["layer"]] == ["blocks", "markers", "cursor"]
+
+
 def test_lifetime_histograms_bin_whole_steps():
     """Walk of issue 17: seven reuse gaps of 152 steps (vLLM, Overload) drew one bar from 151.5 to
     152.5 under ticks 151.5, 151.7, ...: bins are whole steps, ticks too."""

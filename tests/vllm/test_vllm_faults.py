@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from tests.processes import alive, descendants
 from tests.protocol_client import Client
 from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer
 from tests.waiting import wait
@@ -20,32 +20,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON.exists(), rea
 
 SYSTEM = ("You are a careful assistant for a paged KV cache demo. Answer in one short sentence, "
           "name the block you would reuse, and never invent numbers you were not given. ") * 3
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` (from /proc: children, their children, ...)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    out, todo = set(), [pid]
-    while todo:
-        pid = todo.pop()
-        kids = [c for c, p in parents.items() if p == pid]
-        out.update(kids)
-        todo += kids
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_killed_api_server_is_said_answered_and_leaves_no_orphan():

@@ -287,6 +287,7 @@ class FleetEngine:
         self.subscriber = None
         self.load_errors: deque[str] = deque(maxlen=20)  # the load generator's failed sends, newest last
         self.load_failed = 0                             # and how many in all
+        self._clear: int | threading.Thread | None = None  # the last clear asked: its command id, or its HTTP thread
         self._picture: tuple = (None, None)  # ((epoch, last event, drawer), the picture drawn then)
         if endpoint.kind == "kv-events":
             from integrations.kv_events.subscriber import KVEventsSubscriber  # pyzmq only when asked for
@@ -330,16 +331,29 @@ class FleetEngine:
 
     def clear_prefix_cache(self) -> bool:
         """Ask the engine to empty its prefix cache (a vLLM only with VLLM_SERVER_DEV_MODE=1: its
-        `/reset_prefix_cache`); False where it cannot be asked."""
+        `/reset_prefix_cache`); False where it cannot be asked. `cleared()` says what came of it."""
+        self._clear = None
         if self.client is not None:
             if not self.client.supports("clear_prefix_cache"):
                 return False
-            self.client.send(p.ClearPrefixCache())
+            self._clear = self.client.send(p.ClearPrefixCache())
             return True
         if not self.endpoint.api:
             return False
-        fleet_load.post_in_background(self.endpoint.api, None, self._load_failed, path="/reset_prefix_cache")
+        self._clear = fleet_load.post_in_background(self.endpoint.api, None, self._load_failed,
+                                                    path="/reset_prefix_cache")
         return True
+
+    def cleared(self) -> str:
+        """What the last `clear_prefix_cache` came to, in words: "emptied", "asking", or why not."""
+        asked = self._clear
+        if asked is None:
+            return "cannot be asked" if self.client is None or not self.client.supports("clear_prefix_cache") \
+                else "not asked"
+        if isinstance(asked, threading.Thread):  # over HTTP: its failure, if any, is in load_errors
+            return "asking" if asked.is_alive() else "asked its server (a KV-event stream shows it after its next step)"
+        reply = self.client.reply(asked)
+        return "asking" if reply is None else "emptied" if isinstance(reply, p.Ack) else f"refused: {reply.message}"
 
     def row(self, now: float | None = None) -> EngineRow:
         now = time.time() if now is None else now

@@ -72,7 +72,7 @@ PLACEHOLDERS = {
     "physical": "cached blocks in both pools", "contents": "distinct cached contents",
     "duplicated": "duplicated blocks (every copy but one)", "dup_mib": "their MiB",
     "on_both": "contents cached on both engines", "on_both_engines": "where they are (both engines' names)",
-    "elsewhere": "with other engines in the fleet: that these numbers are the two engines' alone",
+    "elsewhere": "with other engines in the fleet: that these numbers are the two engines' alone (from a space)",
     "dup_names": "the system prompts cached on both engines, by their first words",
     "requests": "requests sent", "systems": "system prompts", "per_engine": "requests per engine",
     "hit_rates": "each engine's hit rate over this stop's requests", "hit_rate": "the hit rate over both",
@@ -328,7 +328,7 @@ class FleetLessonRun(StopWalk):
                  duplicated=f"{ix.duplicated_blocks():,}", dup_mib=f"{ix.duplicated_bytes() / 2**20:,.2f}",
                  on_both=f"{on_both:,}", on_both_engines=f"both {a} and {b}")
         if others := [e.name for e in self.fleet.members() if e.name not in self.engines]:
-            w["elsewhere"] = (f"(These numbers are {a}'s and {b}'s alone; the fleet's panel below counts "
+            w["elsewhere"] = (f" (These numbers are {a}'s and {b}'s alone; the fleet's panel below counts "
                               f"{plural(len(others), 'other engine')} too: {', '.join(others)}.)")
         if stop.do == "send":
             phase = self.phases[-1]
