@@ -46,7 +46,8 @@ def main() -> None:
         return live.connecting(client, source, hosted)
     with st.sidebar:
         controls.unsupported_note(client)
-        st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode", default="Explore",
+        st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode",
+                             default="Lessons" if lessons_view.autostarting() else "Explore",
                              label_visibility="collapsed", on_change=_mode_changed)
         if live.mode() == "Lessons":
             st.subheader("Lessons")

@@ -10,7 +10,7 @@ let DEV, HOST, R, STATE, FREE, CACHED, USED, SHARED, RESERVED;
 function layout(st) {
   const d = st.record.dev, h = st.record.host;
   DEV = d.size; HOST = h.size;  // bytes per device / host block
-  R = { owner: d.owner / 4, hash: d.hash / 4, ref: d.ref / 2, tokens: d.tokens / 2, state: d.state, touch: d.touch,
+  R = { owner: d.owner / 4, hash: d.hash / 4, ref: d.ref / 2, tokens: d.tokens / 2, state: d.state, touch: d.touch, group: d.group,
     hOwner: h.owner / 4, hTokens: h.tokens / 2, hTouch: h.touch, hRef: h.ref };  // field offsets in units of their own width
   STATE = [];
   for (const [name, code] of Object.entries(st.states)) STATE[code] = name;
@@ -29,7 +29,8 @@ function columnsDev(buf) {
 }
 const owner = (c, i) => c.u32[DEV / 4 * i + R.owner], hash = (c, i) => c.u32[DEV / 4 * i + R.hash],
   ref = (c, i) => c.u16[DEV / 2 * i + R.ref], tokens = (c, i) => c.u16[DEV / 2 * i + R.tokens],
-  state = (c, i) => c.u8[DEV * i + R.state], touch = (c, i) => c.u8[DEV * i + R.touch];
+  state = (c, i) => c.u8[DEV * i + R.state], touch = (c, i) => c.u8[DEV * i + R.touch],
+  group = (c, i) => c.u8[DEV * i + R.group];  // its KV-cache group (a hybrid pool's; else 0)
 const hOwner = (c, i) => c.u32[HOST / 4 * i + R.hOwner], hTokens = (c, i) => c.u16[HOST / 2 * i + R.hTokens],
   hTouch = (c, i) => c.u8[HOST * i + R.hTouch];
 const hRef = (c, i) => c.u8[HOST * i + R.hRef];  // sequences holding a host block (a fork group swapped together shares it)
@@ -103,10 +104,20 @@ function palette(s) {
   return s.pal;
 }
 
-// The colour of device block i in the overview: by state, or by sequence.
+// A hybrid pool's group colours (the frame's `groups`: [name, colour, used, cached] each), as rgb.
+function groupRGB(s) {
+  const gs = s.data.groups || [];
+  if (s.gpal && s.gpal.src === gs.map((x) => x[1]).join()) return s.gpal.rgb;
+  s.gpal = { src: gs.map((x) => x[1]).join(), rgb: gs.map((x) => rgb(x[1])) };
+  return s.gpal.rgb;
+}
+const byGroup = (s) => s.mode === "group" && s.data.groups;
+
+// The colour of device block i in the overview: by state, by sequence, or by KV-cache group.
 function devRGB(s, i, pal) {
   const stt = state(s.dev, i);
   if (stt === FREE) return pal.free;
+  if (byGroup(s) && stt !== RESERVED) return groupRGB(s)[group(s.dev, i)] || pal.used;
   if (stt === CACHED) return pal.cached;
   if (stt === SHARED) return pal.shared;
   if (stt === RESERVED) return pal.reserved;
@@ -207,7 +218,8 @@ function cell(ctx, s, pal, x, y, c, i, host) {
       ctx.moveTo(x, y); ctx.lineTo(x + z, y + z); ctx.moveTo(x, y + z); ctx.lineTo(x + z, y); ctx.stroke();
     }
   } else if (stt === CACHED) {
-    ctx.fillStyle = sty.cached; ctx.fillRect(x, y, z, z);
+    ctx.fillStyle = !host && byGroup(s) ? rgba(s.data.groups[group(s.dev, i)][1], 0.45) : sty.cached;
+    ctx.fillRect(x, y, z, z);
     if (z >= 8) {
       ctx.strokeStyle = "rgba(255,255,255,0.7)"; ctx.lineWidth = 1;
       ctx.beginPath(); ctx.moveTo(x, y + z); ctx.lineTo(x + z, y); ctx.stroke();
@@ -215,7 +227,8 @@ function cell(ctx, s, pal, x, y, c, i, host) {
   } else {
     const tok = host ? hTokens(s.host, i) : tokens(s.dev, i), fh = Math.round(z * Math.min(1, tok / bs));
     let full, part;
-    if (stt === SHARED) { full = sty.shared; part = pal.sharedTint; }  // shared: a style of its own
+    if (!host && byGroup(s)) { full = s.data.groups[group(s.dev, i)][1]; part = rgba(full, 0.3); }
+    else if (stt === SHARED) { full = sty.shared; part = pal.sharedTint; }  // shared: a style of its own
     else {
       const q = s.seqs.get(host ? hOwner(s.host, i) : owner(s.dev, i)), ci = q ? q[1] : 0;
       full = s.mode === "state" ? sty.palette[0] : sty.palette[ci];
@@ -321,7 +334,7 @@ function setup(root) {
   root.tabIndex = 0;
   s.bar.innerHTML = '<button data-z="all" title="Show the whole pool (Home)">Whole pool</button>' +
     '<button data-z="out" title="Zoom out (−, or the wheel)">−</button><button data-z="in" title="Zoom in (+, or the wheel)">+</button>' +
-    '<span class="range"></span><span class="sp"></span>colour by <button data-m="sequence">sequence</button><button data-m="state">state</button>' +
+    '<span class="range"></span><span class="sp"></span>colour by <button data-m="sequence">sequence</button><button data-m="state">state</button><button data-m="group">group</button>' +
     '<span class="hint">wheel zooms · drag pans · keys + − ↑ ↓ PgUp PgDn Home</span>';
   s.bar.addEventListener("click", (ev) => {
     const b = ev.target.closest("button");
@@ -478,6 +491,11 @@ function focusLines(s, i, host) {
 function deviceTip(s, i) {
   const d = s.dev, st = STATE[state(d, i)], r = ref(d, i);
   const lines = [`<b>Block ${fmt(i)}</b> · ${st}${r ? ` · ref count ${r}` : ""}`];
+  const gs = s.data.groups;
+  if (gs && (r || st === "cached")) {  // a hybrid pool: the KV-cache group whose table holds it, or whose cache keeps it
+    const [name, colour] = gs[group(d, i)] || [`group ${group(d, i)}`, "#94a3b8"];
+    lines.push(`<span class="sw" style="background:${colour}"></span>KV-cache ${esc(name)}`);
+  }
   if (r === 1) {
     const q = s.seqs.get(owner(d, i));
     if (q) lines.push(`held by ${swatch(s, q[1])}${esc(q[0])}`);
@@ -499,6 +517,8 @@ function hostTip(s, i) {
   const o = hOwner(s.host, i), q = o ? s.seqs.get(o) : null, n = hRef(s.host, i);
   const lines = [`<b>Host block ${fmt(i)}</b> · ${n > 1 ? `ref count ${n}: one copy shared by ${n} swapped-out sequences`
     : n ? "holds a swapped-out block" : "free"}`];
+  const f = s.focus, gs = s.data.groups;
+  if (n && gs && f && f.b === i && f.host && gs[f.group]) lines.push(`of KV-cache ${esc(gs[f.group][0])}`);
   if (n > 1) lines.push(`${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
   if (q) lines.push(`of ${swatch(s, q[1])}${esc(q[0])} · ${hTokens(s.host, i)} / ${s.data.bs} tokens`, ...focusLines(s, i, true));
   const t = hTouch(s.host, i);
@@ -559,7 +579,8 @@ function draw(s) {
   const now = Date.now(), ms = performance.now() - t0;
   window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
     token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k,
-    touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length };
+    touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length,
+    groups: d.groups ? d.groups.length : 1, mode: s.mode };
   const log = (window.__kvscope_draws ||= []);
   log.push([d.seq, now, ms]);
   if (log.length > 20000) log.splice(0, 10000);
@@ -586,7 +607,10 @@ function header(s, whole) {
   const r = s.range, scale = g.k > 1 ? `${g.k} blocks per pixel` : g.c >= DETAIL ? `${g.c} px per block` : `${g.c} px per block, zoom in for detail`;
   s.bar.querySelector(".range").textContent = whole ? `whole pool · ${scale}` :
     `blocks ${fmt(r.start)}–${fmt(r.start + r.count - 1)} of ${fmt(d.n)} · ${scale}`;
-  for (const b of s.bar.querySelectorAll("button[data-m]")) b.classList.toggle("on", b.dataset.m === s.mode);
+  for (const b of s.bar.querySelectorAll("button[data-m]")) {
+    b.classList.toggle("on", b.dataset.m === s.mode);
+    if (b.dataset.m === "group") b.style.display = d.groups ? "" : "none";  // a hybrid pool's KV-cache groups
+  }
   s.hostHead.innerHTML = `<b>Host swap pool</b> · ${plural(d.m, "block")} · <span class="num">${fmt(k.host_used)}</span> hold swapped-out blocks`;
   s.hostHead.style.display = s.hostCanvas.style.display = d.m ? "" : "none";
 }
@@ -602,6 +626,10 @@ function legend(s) {
     used,
     `${box(sty.shared, '<b class="ref">×2</b>')}shared ${fmt(k.shared)} <small>(held by several: ×ref count)</small>`,
   ];
+  if (byGroup(s)) {  // colour = group: each group's swatch and blocks instead of the states'
+    parts.splice(1, 3, ...d.groups.map(([name, colour, n, cached]) =>
+      `${box(colour)}${esc(name)} <span class="num">${fmt(n)}</span> <small>used, ${fmt(cached)} cached (lighter)</small>`));
+  }
   const reserved = d.n - k.free - k.cached - k.used;
   if (reserved > 0) parts.push(`${box(sty.reserved)}reserved ${fmt(reserved)} <small>(never handed out)</small>`);
   const touched = sty.touchKinds.map((kind, i) => [kind, i]).filter(([kind]) => d.touched[kind])
@@ -664,6 +692,8 @@ function testApi(s) {
       for (let i = 0; i < s.data.n && out.length < most; i++) if (code ? touch(s.dev, i) === code : state(s.dev, i) === what) out.push(i);
       return out;
     },
+    group(i) { return group(s.dev, i); },
+    tip() { return s.tip.style.display === "block" ? s.tip.innerText : ""; },
     locate(i) {
       if (i < s.range.start || i >= s.range.start + s.range.count) setRange(s, i - s.range.count / 2, s.range.count);
       const [x, y, c] = place(s.geo, i), r = s.canvas.getBoundingClientRect();

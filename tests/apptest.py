@@ -2,15 +2,18 @@
 fixtures, an engine server and the app on it, are in tests/integration/conftest.py)."""
 from __future__ import annotations
 
+import re
 
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from kvscope_contract import protocol as p
+from kvscope_contract.kinds import kind_of
 from app import streamlit_argv
 from app.panels import grid
 from app.data.client import EngineClient
 from app.data.lessons.lesson import all_lessons
+from tests.lesson_claims import CLAIMS, AtStop
 from tests.waiting import wait
 
 MAIN = str(streamlit_argv.MAIN)  # app/main.py
@@ -118,3 +121,56 @@ def start(at, key: str, stops: int) -> None:
         if i:
             at.button(key="lesson_next").click().run()
         rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+
+
+def check_claims(observer, key: str, i: int, run) -> None:
+    """The stop's caption's claims (tests/lesson_claims.py) against the observer's pool at the stop."""
+    r = run.reached[i]
+    values, fx = run.memo["words"]
+    with observer.lock:
+        h = observer.history
+        state = h.at(r.end).state
+        upto = [e for e in h.events if e.seq <= r.end]
+        step = h.last_step_events(r.end)
+        hit = h.event(r.at) if r.at is not None else None
+    reset = max((e.seq for e in upto if isinstance(e, p.Reset)), default=0)
+    CLAIMS[key, i](AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit))
+
+
+def walk_lesson(at: AppTest, observer: EngineClient, key: str) -> None:
+    """Lessons mode, lesson `key` from Start to its last stop with Next alone: at each stop the caption
+    filled, the engine paused at an event of the stop's kinds, the grid and the tables ringing its
+    blocks, and the caption's claims (tests/lesson_claims.py) true of the pool there."""
+    lesson = LESSONS[key]
+    n = len(lesson.stops)
+    at.segmented_control(key="mode").set_value("Lessons").run()
+    at.selectbox(key="lesson_pick").set_value(key).run()
+    at.button(key="lesson_start").click().run()
+    for i, stop in enumerate(lesson.stops):
+        if i:
+            at.button(key="lesson_next").click().run()
+        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
+        run = at.session_state["lesson"]
+        text = card(at)
+        assert not run.errors and not run.notes, (run.errors, run.notes)
+        assert "?" not in re.sub(r"`[^`]*`", "", text.split("\n", 1)[1]), text  # every placeholder filled
+        assert not re.search(r"\b(\w+) finished\W+\1 finished\b", text), text  # "A and B finished. B finished;"
+        assert observer.loop.paused if observer.hello and "loop" in observer.hello.features else True
+        data = rerun_until(at, lambda a: grid_data(a), what="the grid")
+        blocks = run.memo["words"][1].blocks
+        assert data["highlight"] == blocks
+        if stop.until:  # the engine stopped at an event of the stop's kinds, in the step shown
+            hit = run.reached[i].at
+            with observer.lock:
+                ev = observer.history.event(hit)
+            assert ev is not None and kind_of(ev) in stop.until
+            if kind_of(ev) not in ("finish", "cached", "step"):
+                assert blocks, f"{key} stop {i + 1} highlights nothing"
+        if blocks and data["live"]:
+            assert "lit" in html_with(at, 'class="bt"')  # the block tables ring them too
+        if stop.panel:  # the stop opens its history panel under the grid
+            rerun_until(at, lambda a: next(c for c in a.segmented_control if c.label == "History").value == stop.panel,
+                        what=f"the {stop.panel} panel")
+        check_claims(observer, key, i, run)  # what the caption says, against the pool at the stop
+    assert at.session_state["lesson"].done
+    assert "End of the lesson" in "\n".join(c.value for c in at.caption)

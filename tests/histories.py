@@ -13,12 +13,12 @@ from tests.pool_driver import PoolDriver
 PREFIX = list(range(100, 132))
 
 
-def busy_history(seed: int = 7, ops: int = 1500) -> tuple[EventHistory, PoolDriver]:
+def busy_history(seed: int = 7, ops: int = 1500, pool: p.PoolConfig | None = None) -> tuple[EventHistory, PoolDriver]:
     """A small pool under pressure, driven by the real block manager: prefix hits, forks,
-    copies on write, swaps, recomputes, finishes; prompts carry their token texts; one
-    operation per engine step."""
+    copies on write, swaps, recomputes, finishes (and, on a hybrid `pool`, windows that free
+    blocks as they move); prompts carry their token texts; one operation per engine step."""
     rng = random.Random(seed)
-    d = PoolDriver(p.PoolConfig(block_size=4, num_device_blocks=48, num_host_blocks=16))
+    d = PoolDriver(pool or p.PoolConfig(block_size=4, num_device_blocks=48, num_host_blocks=16))
     h = EventHistory(d.first, checkpoint_every=50)
     for _ in range(ops):
         d.random_op(rng, [PREFIX], vocab=90)

@@ -346,6 +346,134 @@ def l7_bytes(at: AtStop) -> None:
     assert num(v["tokens_per_gib"]) == (1 << 30) // product * cfg.block_size
 
 
+# ---------------------------------------------------------------- 8. sliding windows and hybrid models
+def _groups(at: AtStop) -> tuple[list[int], list[int]]:
+    """The pool's sliding-window and full-attention groups: the lesson's goal says it has both."""
+    groups = at.state.config.groups
+    sliding = [g for g, x in enumerate(groups) if x.window is not None]
+    full = [g for g, x in enumerate(groups) if x.window is None]
+    assert sliding and full, "a hybrid pool: sliding-window and full-attention groups"
+    return sliding, full
+
+
+def _window(at: AtStop) -> int:
+    sliding, _ = _groups(at)
+    return at.state.config.groups[sliding[0]].window
+
+
+def l8_tables(at: AtStop) -> None:
+    """A admitted: its prompt takes ⌈prompt / bs⌉ blocks in each of its {ngroups} tables ({used} in all,
+    those highlighted); {ngroups} groups of {group_layers} layers of the model's {layers}; bytes per block
+    = bs × group_layers × KV heads × head dim × 2 × dtype bytes, the pool's own number."""
+    sliding, full = _groups(at)
+    st, v, cfg = at.state, at.values, at.state.config
+    (a,) = at.seqs("A")
+    assert a.status == "running" and v["seq"] == "A" and num(v["prompt"]) == a.prompt_tokens
+    need = math.ceil(a.prompt_tokens / cfg.block_size)
+    assert num(v["pblocks"]) == need and all(t == [b for b in t if b != p.NULL_BLOCK] for t in a.block_tables)
+    assert [len(t) for t in a.block_tables] == [need] * len(cfg.groups) and num(v["ngroups"]) == len(cfg.groups)
+    held = [b for t in a.block_tables for b in t]
+    assert num(v["used"]) == st.counts().used == len(held) == len(set(held)) and sorted(at.blocks) == sorted(held)
+    assert num(v["group_layers"]) == len(cfg.groups[0].layers) and all(len(g.layers) == len(cfg.groups[0].layers)
+                                                                       for g in cfg.groups)
+    assert sorted(x for g in cfg.groups for x in g.layers) == list(range(num(v["layers"])))
+    product = cfg.block_size * num(v["group_layers"]) * num(v["kv_heads"]) * num(v["head_dim"]) * 2 \
+        * num(v["dtype_bytes"])
+    assert num(v["bytes_per_block"]) == product == cfg.bytes_per_block
+    assert num(v["window"]) == _window(at)
+
+
+def l8_window(at: AtStop) -> None:
+    """{freed} blocks left A's sliding-window tables (and only those) in this step, each wholly before the
+    last {window} tokens; their entries are empty now; the blocks keep their hashes (cached, no holder);
+    the full-attention table keeps every block."""
+    sliding, full = _groups(at)
+    st, v, bs, w = at.state, at.values, at.state.config.block_size, _window(at)
+    (a,) = at.seqs("A")
+    freed = at.of(p.WindowFree)
+    assert freed and num(v["freed"]) == len(freed) and sorted(at.blocks) == sorted(e.block_id for e in freed)
+    assert {e.seq_id for e in freed} == {"A"} and {e.kv_group for e in freed} == set(sliding)
+    assert num(v["tokens"]) == a.num_tokens
+    for e in freed:
+        assert a.block_tables[e.kv_group][e.logical_index] == p.NULL_BLOCK
+        assert (e.logical_index + 1) * bs <= a.num_tokens - w + 1  # wholly before the window of the next token
+        assert st.has_hash[e.block_id] and st.ref_counts[e.block_id] == 0
+    (f,) = full
+    assert p.NULL_BLOCK not in a.block_tables[f] and num(v["full_table"]) == len(a.block_tables[f])
+    assert len(a.block_tables[f]) == math.ceil(a.num_tokens / bs) or len(a.block_tables[f]) == math.ceil(
+        (a.num_tokens + 1) / bs)
+
+
+def l8_saved(at: AtStop) -> None:
+    """A's full-attention table: {full_table} blocks; each sliding table holds {sliding_held}, no more than
+    its window reads; full attention everywhere = groups × the full group's blocks; the pool holds {used};
+    the windows save the difference, in blocks, MiB and share."""
+    sliding, (f,) = _groups(at)
+    st, v, cfg, w = at.state, at.values, at.state.config, _window(at)
+    (a,) = at.seqs("A")
+    assert v["seq"] == "A" and num(v["tokens"]) == a.num_tokens and num(v["full_table"]) == len(a.block_tables[f])
+    for g in sliding:
+        held = [b for b in a.block_tables[g] if b != p.NULL_BLOCK]
+        assert len(held) == num(v["sliding_held"]) <= math.ceil(w / cfg.block_size) + 1
+    full_used = len({b for s in at.seqs() for b in s.block_tables[f]})
+    everywhere, used = len(cfg.groups) * full_used, st.counts().used
+    assert num(v["full_everywhere"]) == everywhere and num(v["used"]) == used
+    assert num(v["window_saved"]) == everywhere - used > 0
+    assert v["window_saved_mib"] == f"{(everywhere - used) * cfg.bytes_per_block / 2**20:,.2f} MiB"
+    assert v["full_everywhere_mib"] == f"{everywhere * cfg.bytes_per_block / 2**20:,.2f} MiB"
+    assert v["window_saved_pct"] == f"{(everywhere - used) / everywhere:.0%}"
+
+
+def l8_hit(at: AtStop) -> None:
+    """B's prompt shares A's document: the full group hits {hit_full} blocks from block 0; each sliding group
+    only the ⌈(W-1)/bs⌉ blocks before the hit's end, from {hit_from}; B's entries before them empty; the
+    hit's tokens count once ({hit_tokens} = hit_full × bs, the only hit since the lesson's reset)."""
+    sliding, (f,) = _groups(at)
+    v, bs, w = at.values, at.state.config.block_size, _window(at)
+    (b,) = at.seqs("B")
+    hits = [e for e in at.of(p.PrefixHit) if e.seq_id == "B"]
+    full = sorted(e.logical_index for e in hits if e.kv_group == f)
+    assert full == list(range(len(full))) and num(v["hit_full"]) == len(full) > 0
+    want = min(len(full), math.ceil((w - 1) / bs))
+    for g in sliding:
+        mine = sorted(e.logical_index for e in hits if e.kv_group == g)
+        assert mine == list(range(len(full) - want, len(full))) and num(v["hit_sliding"]) == want
+        assert b.block_tables[g][:len(full) - want] == [p.NULL_BLOCK] * (len(full) - want)
+    assert num(v["hit_from"]) == len(full) - want and num(v["window_blocks"]) == math.ceil((w - 1) / bs)
+    everything = [e for e in at.events if isinstance(e, p.PrefixHit)]
+    assert {e.seq_id for e in everything} == {"B"}
+    assert num(v["hit_tokens"]) == len(full) * bs
+
+
+def l8_every_group(at: AtStop) -> None:
+    """The cache was cleared of every unheld block first; C admitted; the full group had {full_only} blocks
+    of C's prompt cached, the sliding groups not; C found {hit_full} (none) in the cache and computes every
+    prompt token; A still holds those full-attention blocks."""
+    sliding, (f,) = _groups(at)
+    v, st = at.values, at.state
+    clear = [e for e in at.events if isinstance(e, p.Evict) and e.seq < at.hit.seq]
+    (c,) = at.seqs("C")
+    (a,) = at.seqs("A")
+    assert c.status == "running" and v["seq"] == "C" and num(v["prompt"]) == c.prompt_tokens
+    assert not [e for e in at.of(p.PrefixHit) if e.seq_id == "C"] and num(v["hit_full"]) == 0
+    cached = [e for e in at.of(p.Cached) if e.seq_id == "C"]
+    in_full = {e.hash for e in at.events if isinstance(e, p.Cached) and e.kv_group == f and e.seq_id == "A"}
+    mine = [e for e in cached if e.kv_group == sliding[0]]
+    shared = [e for e in mine if e.hash in in_full]
+    assert num(v["full_only"]) == len(shared) > 0  # A's full-attention blocks of the same content, still cached
+    assert not [e for e in cached if e.kv_group == f and e.hash in in_full]  # the full group had them: not again
+    for e in shared:  # A holds them in its full-attention table
+        assert any(st.hash_of(x) == e.hash for x in a.block_tables[f])
+    since = max(e.seq for e in at.events if isinstance(e, p.StepDone) and e.seq < at.hit.seq and e.step < at.hit.step)
+    clear = [e for e in clear if e.seq > since]  # Clear prefix cache: between the last step and C's
+    assert clear
+    for e in clear:  # every block it evicted had left a window: its last holder's release was a window's
+        last = [r for r in at.events if isinstance(r, (p.Free, p.WindowFree)) and r.block_id == e.block_id
+                and r.ref_count == 0 and r.seq < e.seq][-1]
+        assert isinstance(last, p.WindowFree) and last.seq_id in ("A", "B")
+    assert c.num_tokens >= c.prompt_tokens  # computed, all of it
+
+
 CLAIMS = {
     ("01_block_tables", 0): l1_admission, ("01_block_tables", 1): l1_decode,
     ("01_block_tables", 2): l1_next_block, ("01_block_tables", 3): l1_interleave,
@@ -358,4 +486,7 @@ CLAIMS = {
     ("05_copy_on_write", 0): l5_fork, ("05_copy_on_write", 1): l5_cow, ("05_copy_on_write", 2): l5_still_shared,
     ("06_preemption", 0): l6_swapped, ("06_preemption", 1): l6_back, ("06_preemption", 2): l6_recompute,
     ("07_sizing", 0): l7_bytes, ("07_sizing", 1): l7_bytes,
+    ("08_sliding_windows", 0): l8_tables, ("08_sliding_windows", 1): l8_window,
+    ("08_sliding_windows", 2): l8_saved, ("08_sliding_windows", 3): l8_hit,
+    ("08_sliding_windows", 4): l8_every_group,
 }

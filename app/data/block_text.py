@@ -76,7 +76,7 @@ class BlockTexts:
         s = state.seqs.get(seq_id) if seq_id else None
         if s is None:
             return None
-        table = s.block_table
+        table = s.block_tables[int(state.kv_group[b])] if len(s.block_tables) > 1 else s.block_table  # b's group's
         for i in range(len(table) - 1, -1, -1):  # blocks are registered near the end
             if table[i] == b:
                 return self.text(s.seq_id, i)

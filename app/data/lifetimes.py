@@ -13,7 +13,7 @@ import numpy as np
 
 from kvscope_contract import protocol as p
 from kvscope_contract.residency import Mark, Residency
-from kvscope_contract.state import PoolState
+from kvscope_contract.state import NULL, PoolState
 
 METRICS = {"lifetime": "block lifetime (alloc → free or evict)",
            "idle": "idle before eviction (last holder gone → evicted)",
@@ -53,7 +53,10 @@ class Lifetimes:
     def _per_request(self, step: int) -> None:
         blocks: dict[str, set[int]] = {}
         for s in self.state.seqs.values():
-            blocks.setdefault(s.request_id, set()).update(s.block_table)
+            held = blocks.setdefault(s.request_id, set())
+            for table in s.block_tables:  # every KV-cache group's (a hybrid pool's NULL entries hold none)
+                held.update(table)
+            held.discard(NULL)
         for rid, held in blocks.items():
             series = self.held.setdefault(rid, [])
             if not series or series[-1][1] != len(held):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts, hit_rate
 from kvscope_contract.state import PoolState
+from app.data import groups
 from app.data.block_text import BlockTexts
 
 RATE_STEPS = 16     # tokens/s: the tokens generated in the last this many engine steps over their durations
@@ -68,8 +69,9 @@ class Finished:
 class Mirror:
     state: PoolState
     tally: Tally = field(default_factory=Tally)
-    # seq_id -> {logical index: "prefix_hit" | "cow"}: how a table entry was obtained, for the tables view
-    origins: dict[str, dict[int, str]] = field(default_factory=dict)
+    # seq_id -> {(KV-cache group, logical index): "prefix_hit" | "cow" | "window_free"}: how a table
+    # entry was obtained (or, "window_free", why it is empty), for the tables view
+    origins: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)
     finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))  # Finished, newest last
     t: float = 0.0  # engine time of the last event applied
     texts: BlockTexts = field(default_factory=BlockTexts)  # shared by every copy: see block_text.py
@@ -119,13 +121,15 @@ class Mirror:
             case p.RequestAdded():
                 tl.requests += 1
             case p.Alloc():
-                self.origins.get(ev.seq_id, {}).pop(ev.logical_index, None)
+                self.origins.get(ev.seq_id, {}).pop((ev.kv_group, ev.logical_index), None)
             case p.PrefixHit():
                 tl.first_hit_tokens += hit if first else 0
-                self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "prefix_hit"
+                self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "prefix_hit"
             case p.Cow():
                 tl.cows += 1
-                self.origins.setdefault(ev.seq_id, {})[ev.logical_index] = "cow"
+                self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "cow"
+            case p.WindowFree():
+                self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "window_free"
             case p.Fork():
                 tl.forks += 1
                 self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
@@ -151,18 +155,24 @@ class Mirror:
                 self.tally, self.origins = Tally(since=f"the reset (event {ev.seq:,})"), {}
 
     # ------------------------------------------------------------------ derived numbers
-    def usage(self) -> dict[str, float]:
+    def usage(self) -> dict:
         """The numbers the header shows: pool and host usage, slot utilisation (internal
-        fragmentation), and a contiguous prompt + max-tokens reservation next to paging."""
+        fragmentation), and a contiguous prompt + max-tokens reservation next to paging; on a
+        hybrid pool also the blocks by kind of KV-cache group (`kinds`) and what full attention
+        on every layer would hold (`full_everywhere`, blocks)."""
         st, cfg = self.state, self.state.config
-        free, cached, used, shared, host_used = st.counts()
+        states = st.block_states()
+        free, cached, used, shared, host_used = st.counts(states)
         bs, bpb = cfg.block_size, cfg.bytes_per_block
-        holding = [s for s in st.seqs.values() if s.block_table]
-        stored = sum(s.num_tokens for s in holding)
+        holding = [s for s in st.seqs.values() if s.holds_blocks()]
         # Paging holds each physical block once, however many sequences share it.
         paged_slots = used * bs
         tokens_in_blocks = st.tokens_in_used_blocks()
-        reserved = sum(s.prompt_tokens + s.max_tokens for s in holding)
+        kinds = groups.by_kind(st, states)  # a hybrid pool: a reservation per group, a window's never more than W
+        if kinds:
+            reserved, stored = sum(k.reserved for k in kinds), sum(k.reserved_tokens for k in kinds)
+        else:
+            reserved, stored = sum(s.prompt_tokens + s.max_tokens for s in holding), sum(s.num_tokens for s in holding)
         return dict(
             free=free, cached=cached, used=used, total=cfg.num_device_blocks, shared=shared,
             host_used=host_used, host_total=cfg.num_host_blocks,
@@ -171,4 +181,6 @@ class Mirror:
             reserved_slots=reserved, reserved_bytes=reserved * bpb / bs,
             reserved_util=stored / reserved if reserved else 1.0,
             waste_per_seq=(paged_slots - tokens_in_blocks) / len(holding) if holding else 0.0,
+            holding=len(holding), kinds=kinds,
+            full_everywhere=groups.full_attention_everywhere(st, kinds) if kinds else used,
         )

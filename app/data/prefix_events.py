@@ -3,7 +3,9 @@ past event.
 
 Each `cached` event stores a node under its `parent_hash`, labelled with the text of the block's
 tokens when the stream carries token texts; holders follow the reducer's ref counts, and the
-order in which cached blocks lose their last holder is the allocator's eviction order.
+order in which cached blocks lose their last holder is the allocator's eviction order. On a
+hybrid pool a node is one hash with each KV-cache group's block (each group caches its own
+under the same chained hash), and a request's hit counts once however many groups served it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 from app.data.block_text import BlockTexts
 from kvscope_contract import protocol as p
 from kvscope_contract.prefix_forest import PrefixForest
-from kvscope_contract.state import PoolState
+from kvscope_contract.state import NULL, PoolState
 
 
 @dataclass
@@ -22,6 +24,7 @@ class ForestBuilder:
     state: PoolState                 # the reducer, following the same events
     forest: PrefixForest = field(default_factory=PrefixForest)
     texts: BlockTexts = field(default_factory=BlockTexts)  # what each block's tokens say
+    hits: dict[str, tuple[str, int]] = field(default_factory=dict)  # hash -> (sequence, step) of its last hit
 
     @classmethod
     def from_state(cls, state: PoolState, texts: BlockTexts | None = None) -> ForestBuilder:
@@ -32,7 +35,7 @@ class ForestBuilder:
         b = cls(state.clone(), texts=texts or BlockTexts(state.config.block_size, state.last_event))
         for block in np.flatnonzero(b.state.has_hash).tolist():
             b.forest.store(b.state.hash_of(block), None, block=block, holders=int(b.state.ref_counts[block]),
-                           at=state.last_event)
+                           at=state.last_event, group=b._group(block))
         return b
 
     @property
@@ -42,7 +45,8 @@ class ForestBuilder:
     def apply(self, ev: p.AnyEvent) -> None:
         st, forest = self.state, self.forest
         if isinstance(ev, p.SwapOut):  # released tail first, as the allocator does (docs/protocol.md)
-            order = list(dict.fromkeys(b for s in ev.group if s in st.seqs for b in st.seqs[s].block_table))
+            order = list(dict.fromkeys(b for s in ev.group if s in st.seqs for t in st.seqs[s].block_tables
+                                       for b in t if b != NULL))
             st.apply(ev)
             for d in reversed(order):
                 self._hold(d)
@@ -51,15 +55,19 @@ class ForestBuilder:
         self.texts.apply(ev, st)
         match ev:
             case p.Fork():
-                for b in ev.block_ids:
-                    self._hold(b)
+                for t in ev.block_tables or [ev.block_ids]:
+                    for b in t:
+                        if b != NULL:
+                            self._hold(b)
             case p.Cached():
                 forest.store(ev.hash, ev.parent_hash, self._label(ev), block=ev.block_id,
-                             holders=int(st.ref_counts[ev.block_id]), at=ev.seq)
+                             holders=int(st.ref_counts[ev.block_id]), at=ev.seq, group=self._group(ev.block_id))
             case p.PrefixHit():
-                forest.hit(ev.hash)
+                if self.hits.get(ev.hash) != (ev.seq_id, ev.step):  # one admission's groups hit it once
+                    forest.hit(ev.hash)
+                self.hits[ev.hash] = (ev.seq_id, ev.step)
                 self._hold(ev.block_id)
-            case p.Free():
+            case p.Free() | p.WindowFree():
                 self._hold(ev.block_id)
             case p.Cow():
                 self._hold(ev.src_block_id)
@@ -67,14 +75,24 @@ class ForestBuilder:
                 for _, d in ev.shared:
                     self._hold(d)
             case p.Evict():
-                forest.remove(ev.hash)
+                forest.remove(ev.hash, ev.kv_group if self.hybrid else None)
+                self.hits.pop(ev.hash, None)
             case p.Reset():
                 forest.clear()
+                self.hits.clear()
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.state.config.groups) > 1
+
+    def _group(self, block: int) -> int | None:
+        """The KV-cache group of a hashed block, on a hybrid pool (None on a one-group pool)."""
+        return int(self.state.kv_group[block]) if self.hybrid else None
 
     def _hold(self, block: int) -> None:
         h = self.state.hash_of(block)
         if h is not None:
-            self.forest.hold(h, int(self.state.ref_counts[block]))
+            self.forest.hold(h, int(self.state.ref_counts[block]), self._group(block))
 
     def _label(self, ev: p.Cached) -> str:
         """The start of the text of the block's tokens (from the sequence that filled it)."""

@@ -18,6 +18,8 @@ from app.data.words import plural
 
 KEY = "lesson"  # session state: the LessonRun in progress
 BEFORE = "pool_before_lesson"  # session state: (ResetConfig, paused, pace) the engine had before a lesson
+AUTOSTART = "lesson_autostart"  # session state: the lesson to start once the engine started for it is ready
+SOURCE_BEFORE = "source_before_lesson"  # session state: the source before a lesson's own engine
 
 
 @lru_cache(maxsize=1)
@@ -55,6 +57,17 @@ def _back(seen: int) -> None:
     _travel(current().back(seen))
 
 
+def autostarting() -> bool:
+    """Whether a lesson waits for the engine started for it (the page comes back in Lessons mode)."""
+    return st.session_state.get(AUTOSTART) is not None
+
+
+def hybrid(client: EngineClient) -> bool:
+    """Whether the engine's pool has sliding-window KV-cache groups beside full attention."""
+    view = client.view()
+    return view is not None and len(view.mirror.config.groups) > 1
+
+
 def sidebar(client: EngineClient) -> None:
     """The lesson picker and its controls (a fragment body: it also notices a stop reached)."""
     run = current()
@@ -63,7 +76,9 @@ def sidebar(client: EngineClient) -> None:
     all_ = lessons()
     fleet = {FLEET + k: v for k, v in fleet_lesson_view.lessons().items()}  # lessons over two engines
     keys = list(all_) + list(fleet)
-    pick = st.selectbox("Lesson", keys, index=keys.index(run.lesson.key) if run else 0, key="lesson_pick",
+    auto = st.session_state.get(AUTOSTART)
+    pick = st.selectbox("Lesson", keys, key="lesson_pick",
+                        index=keys.index(run.lesson.key) if run else keys.index(auto) if auto in keys else 0,
                         format_func=lambda k: f"{keys.index(k) + 1}. {(all_ | fleet)[k].title}")
     if pick in fleet:
         return _fleet_lesson(fleet[pick])
@@ -71,11 +86,18 @@ def sidebar(client: EngineClient) -> None:
     can_drive = client.supports("run_until") and client.supports("reset") and client.supports("submit")
     if not can_drive:
         st.warning("Lessons drive a live KVScope engine (reset, submit, run until): this source cannot.")
+    if lesson.model and not hybrid(client):
+        return _own_engine(lesson)
+    if auto == pick and can_drive and (run is None or run.lesson.key != pick):  # its engine is ready: go
+        st.session_state.pop(AUTOSTART, None)
+        _start(client, pick)
+        run = current()
     if run is None or run.lesson.key != pick:
         st.caption(lesson.goal)
         st.button("Start the lesson", type="primary", icon=":material/school:", key="lesson_start", width="stretch",
                   disabled=not can_drive, on_click=_start, args=(client, pick),
                   help="Resets the engine to the lesson's pool and submits its requests")
+        back_from_own_engine()
         return
     st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
               disabled=run.pending is not None or run.at_end,
@@ -97,6 +119,49 @@ def sidebar(client: EngineClient) -> None:
         st.caption(f":red[{msg}]")
     for note in run.notes[-3:]:
         st.caption(f":orange[{note}]")
+    back_from_own_engine()
+
+
+def _own_engine(lesson: Lesson) -> None:
+    """A lesson that needs a hybrid model (sliding windows) on an engine that has none: one click
+    starts an engine of the lesson's model (the dashboard's own, as the embedded engine starts) and
+    the lesson on it once it is ready."""
+    st.caption(lesson.goal)
+    source = st.session_state.get("source")
+    if source is not None and source.kind == "embedded" and source.model == lesson.model:
+        st.error(f"This engine runs `{lesson.model}` but its pool has a single KV-cache group: it gives the "
+                 "model's sliding-window layers no groups of their own, so the lesson cannot show them.")
+        back_from_own_engine()
+        return
+    st.caption(f"It needs a model with sliding-window layers, which this engine's pool has not: the dashboard "
+               f"starts an engine of its own on `{lesson.model}` (under a minute; the first time it converts the "
+               "bundled model once, a minute more) and the lesson on it. *Back* returns to this engine.")
+    st.button(f"Start {lesson.model} and the lesson", type="primary", icon=":material/school:", key="lesson_own_engine",
+              width="stretch", on_click=_open_own_engine, args=(lesson,))
+
+
+def _open_own_engine(lesson: Lesson) -> None:
+    source = st.session_state.get("source")
+    if SOURCE_BEFORE not in st.session_state:
+        st.session_state[SOURCE_BEFORE] = source
+    st.session_state.update({"source": Source("embedded", model=lesson.model), AUTOSTART: lesson.key,
+                             "travel": None, "frame": None})
+    st.session_state.pop(KEY, None)
+
+
+def back_from_own_engine() -> None:
+    """On the engine a lesson started for itself: the way back to the one before."""
+    before = st.session_state.get(SOURCE_BEFORE)
+    if before is None or st.session_state.get("source") == before:
+        return
+    st.button(f"Back to the {before.label}", icon=":material/undo:", key="lesson_back_engine", width="stretch",
+              on_click=_back_to, args=(before,), help="The lesson's engine keeps running for a return")
+
+
+def _back_to(before: Source) -> None:
+    for key in (SOURCE_BEFORE, AUTOSTART, KEY, BEFORE):
+        st.session_state.pop(key, None)
+    st.session_state.update({"source": before, "travel": None, "frame": None})
 
 
 FLEET = "fleet:"  # the picker's key of a lesson that runs on the fleet page

@@ -3,7 +3,7 @@ per-block detail, drawn on canvases by a components.v2 component (assets/grid.js
 
 The server builds a *frame* per view: 16 bytes per device block (holder key when the block
 has one holder, the first 32 bits of its hash, ref count, tokens held, state, latest-step
-touch) and 8 per host block, plus the live sequences by key. Frames are kept, by token, in a
+touch, KV-cache group) and 8 per host block, plus the live sequences by key. Frames are kept, by token, in a
 store shared by every session. The browser holds the last frame it drew and asks for the next
 (its `sync` state: the token it holds and the block under the pointer) once it has drawn;
 the answer is a delta from exactly that frame (the blocks whose drawing changed), or the
@@ -26,15 +26,16 @@ import streamlit as st
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
-from kvscope_contract.state import STATE_NAMES
+from kvscope_contract.state import CACHED as CACHED_STATE, SHARED as SHARED_STATE, STATE_NAMES, USED
 from app.data.client import View
+from app.data.groups import group_label
 from app.data.source import ASSETS
 from app.streamlit_argv import TEST_HOOKS
-from app.ui.palette import ACCENT, CACHED, FREE, INK, RESERVED, SEQ_COLORS, SHARED, css_vars
+from app.ui.palette import ACCENT, CACHED, FREE, INK, RESERVED, SEQ_COLORS, SHARED, css_vars, group_colors
 
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
 DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
-                ("state", "u1"), ("touch", "u1"), ("pad", "<u2")])
+                ("state", "u1"), ("touch", "u1"), ("group", "u1"), ("pad", "u1")])
 HOST = np.dtype([("owner", "<u4"), ("tokens", "<u2"), ("touch", "u1"), ("ref", "u1")])
 MAGIC = b"KVG1"
 COMPRESS_ABOVE = 256 * 1024  # whole frames larger than this go deflated
@@ -114,6 +115,7 @@ def build(view: View, colors: dict[str, int]) -> Frame:
     dev["state"] = states = st_.block_states()
     dev_touch, host_touch, events = step_touches(view.step_events)
     dev["touch"] = _touch_column(n, dev_touch)
+    dev["group"] = st_.kv_group
     host = np.zeros(m, HOST)
     host_ref = st_.host_ref_counts
     host["owner"] = np.where(host_ref == 1, st_.host_holder, 0)  # shared: no single owner
@@ -127,7 +129,18 @@ def build(view: View, colors: dict[str, int]) -> Frame:
     info = {"seq": view.event, "live": view.live, "step": last.step if last else 0,
             "counts": st_.counts(states)._asdict(),
             "touched": {k: [events[k], blocks[k]] for k in TOUCH_KINDS if blocks[k] or events[k]}}
+    if len(cfg.groups) > 1:  # a hybrid pool: each group's name, colour and blocks, for the hover and "colour by group"
+        info["groups"] = group_legend(st_, states)
     return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info)
+
+
+def group_legend(st_, states: np.ndarray) -> list[list]:
+    """[name, colour, used blocks, cached blocks] per KV-cache group."""
+    n = len(st_.config.groups)
+    used = np.bincount(st_.kv_group[(states == USED) | (states == SHARED_STATE)], minlength=n)
+    cached = np.bincount(st_.kv_group[states == CACHED_STATE], minlength=n)
+    colors = group_colors(st_.config.groups)
+    return [[group_label(g, st_.config.groups), colors[g], int(used[g]), int(cached[g])] for g in range(n)]
 
 
 class FrameStore:
@@ -241,8 +254,8 @@ def read(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
 
 # ------------------------------------------------------------------------------- hover
 def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | None:
-    """The block under the pointer, said in full: its holders and the start of its text.
-    Computed once per view and block."""
+    """The block under the pointer, said in full: its holders (in the table of its KV-cache
+    group) and the start of its text. Computed once per view and block."""
     key = ("grid_focus", block, host)
     if key in view.memo:
         return view.memo[key]
@@ -250,13 +263,20 @@ def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | 
     size = len(st_.host_ref_counts) if host else len(st_.ref_counts)
     if not 0 <= block < size:
         return None
-    holders = [(s.seq_id, (s.host_table if host else s.block_table).index(block))
-               for s in st_.seqs.values() if block in (s.host_table if host else s.block_table)]
+    if host:  # a host block mirrors a device block of one group: find which
+        found = [(s.seq_id, g, t.index(block)) for s in st_.seqs.values()
+                 for g, t in enumerate(s.host_tables) if block in t]
+        group = found[0][1] if found else 0
+        holders = [(sid, i) for sid, g, i in found if g == group]
+    else:
+        group = int(st_.kv_group[block])
+        holders = [(s.seq_id, t.index(block)) for s in st_.seqs.values()
+                   if group < len(s.block_tables) and block in (t := s.block_tables[group])]
     texts = view.mirror.texts
     text = (texts.text(*holders[0]) if holders else None) if host else texts.of_block(st_, block, holders)
     out = {"b": block, "host": host, "text": text,
            "holders": [[sid, colors.get(sid, 0) % palette, i] for sid, i in holders[:64]],
-           "more": max(0, len(holders) - 64)}
+           "more": max(0, len(holders) - 64), "group": group}
     view.memo[key] = out
     return out
 

@@ -2,12 +2,15 @@
 number (what a contiguous max-length reservation would hold next to what paging holds)."""
 from __future__ import annotations
 
+from html import escape
+
 import streamlit as st
 
 from app.data.client import EngineClient, View
 from app.ui.connection import Hosted
 from app.data.mirror import RATE_STEPS
 from app.ui.palette import RESERVED_BAR, USED
+from app.data.groups import span
 from app.data.words import count, plural, rate
 from app.data.source import Source
 from app.panels import misses
@@ -133,15 +136,39 @@ def metrics(view: View, client: EngineClient) -> None:
                   "orange" if wait or swap else "gray",
                   **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
                              f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
+    if u["kinds"]:
+        st.caption(groups_line(u, cfg), help=GROUPS_HELP)
     if tl.since != "engine start":  # counters cover only what this client saw
         st.caption(f"Counters since {tl.since}; pool usage and sequences are the whole engine's.")
+
+
+GROUPS_HELP = ("A hybrid model's layers make KV-cache groups of one attention kind each; every sequence has a "
+               "block table per group, and one pool serves them all (a block of any group holds as many layers). "
+               "A sliding-window group frees the blocks its window has passed (still cached if hashed); a "
+               "full-attention group keeps every block. Used: blocks some sequence holds in that group's tables; "
+               "cached: blocks its prefix cache keeps with no holder; slots: tokens stored over the used blocks' "
+               "slots.")
+
+
+def groups_line(u: dict, cfg) -> str:
+    """The pool by kind of KV-cache group: 'KV-cache groups · sliding 512 ×5 (groups 0–4): 749 used
+    (150 per group), 93% of slots, 2,700 cached · full (group 5): ...'."""
+    parts = []
+    for k in u["kinds"]:
+        gs = k.groups
+        where = f"group {gs[0]}" if len(gs) == 1 else f"groups {span(list(gs))}"
+        each = f" ({k.used / len(gs):,.0f} per group)" if len(gs) > 1 else ""
+        util = f", {k.slot_util:.0%} of slots hold tokens" if k.used else ""
+        parts.append(f"**{k.label}** ({where}): {k.used:,} used{each}{util}, {k.cached:,} cached")
+    return "KV-cache groups · " + " · ".join(parts)
 
 
 def reservation_card(view: View) -> None:
     """Teaching point 1: a contiguous max-length reservation per sequence vs paging."""
     u, cfg = usage(view), view.mirror.config
-    holding = sum(1 for s in view.mirror.state.seqs.values() if s.block_table)
+    holding = u["holding"]
     res, pag = u["reserved_slots"], u["paged_slots"]
+    hybrid = bool(u["kinds"])
     top = max(res, pag, 1)
 
     def bar(label: str, slots: int, used: float, size: str, color: str) -> str:
@@ -152,17 +179,38 @@ def reservation_card(view: View) -> None:
                 f'linear-gradient(to right,{color} {100 * used:.1f}%,color-mix(in srgb,{color} 25%,transparent) '
                 f'{100 * used:.1f}%)"></div></div>')
 
-    body = (bar("Contiguous, prompt + max tokens reserved per sequence", res, u["reserved_util"],
-                _mib(u["reserved_bytes"]), RESERVED_BAR)
+    body = (bar("Contiguous, prompt + max tokens reserved per sequence" + (" and group (a window's: at most W)"
+                                                                         if hybrid else ""),
+                res, u["reserved_util"], _mib(u["reserved_bytes"]), RESERVED_BAR)
             + bar(f"Paged, blocks held × {cfg.block_size}", pag, u["slot_util"], _mib(u["paged_bytes"]), USED)
-            + summary(res, pag, cfg)
+            + summary(res, pag, cfg) + (by_group(u, cfg) if hybrid else "")
             if holding else
             '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
             'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
     st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
             f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {plural(holding, "sequence")} holding '
-            f'memory'
-            f' · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}{body}</div>')
+            f'memory · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}'
+            + (f' (one group\'s {plural(len(cfg.groups[0].layers), "layer")})'
+               if hybrid and cfg.groups[0].layers else "")
+            + f'{body}</div>')
+
+
+def by_group(u: dict, cfg) -> str:
+    """A hybrid pool's card: each kind of group's reservation and paged blocks, then what the
+    windows save against full attention on every layer (each group holding what a full one does)."""
+    bs, bpb = cfg.block_size, cfg.bytes_per_block
+    rows = "".join(
+        f'<div>{escape(k.label)}: contiguous <b>{k.reserved:,}</b> slots ({_mib(k.reserved * bpb / bs)}) · '
+        f'paged <b>{k.slots:,}</b> slots ({_mib(k.used * bpb)}, {plural(k.used, "block")})</div>' for k in u["kinds"])
+    full, held = u["full_everywhere"], u["used"]
+    saved = full - held
+    window = ""
+    if full and saved > 0:
+        window = (f'<div style="margin-top:6px">Full attention on every layer would hold '
+                  f'<b>{plural(full, "block")}</b> '
+                  f'({_mib(full * bpb)}) for these sequences; with the windows the pool holds {held:,}: they save '
+                  f'<b>{plural(saved, "block")}</b> (<b>{_mib(saved * bpb)}</b>, {saved / full:.0%}).</div>')
+    return f'<div style="margin-top:6px;font-size:12.5px">{rows}</div>{window}'
 
 
 def summary(reserved: int, paged: int, cfg) -> str:

@@ -40,7 +40,7 @@ def prefix_tree(client: EngineClient, view: View, highlight: list[int] = ()) -> 
         return
     if not view.mirror.config.enable_prefix_caching:
         st.caption("Prefix caching is off in this pool: nothing is cached.")
-    st.html(render(builder.forest, set(highlight)))
+    st.html(render(builder.forest, set(highlight), groups=len(view.mirror.config.groups)))
     st.caption("Each chip is a cached block (its id and the text of its tokens), under the block before it in "
                "its prompt; a row is a chain, branches are where prompts part. Hatched: cached with no holder "
                "(evictable); red outline: the next one evicted. Blocks cached before this page attached have "

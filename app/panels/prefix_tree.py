@@ -41,32 +41,43 @@ CSS = """<style>
 </style>"""
 
 
-def _chip(node: Node, victim: str | None, lit: set[int], text: str, color: str | None = None) -> str:
+def _chip(node: Node, victim: str | None, lit: set[int], text: str, color: str | None = None,
+          groups: int = 0, victim_group: int | None = None) -> str:
+    """A node's chip; on a hybrid pool (`groups` KV-cache groups) its title lists each group's block
+    and a badge says when only some groups cache it (a hit needs every group that reads it)."""
+    blocks = node.blocks.values() if node.blocks else [node.block] if node.block is not None else []
     cls = "n" + (" cached" if node.state == CACHED_ONLY else "") + (" victim" if node.key == victim else "") \
-        + (" lit" if node.block is not None and node.block in lit else "")
+        + (" lit" if any(b in lit for b in blocks) else "")
     name = f"{node.block}" if node.block is not None else node.key[:6]
     held = f"×{node.holders}" if node.holders and node.holders > 1 else ""
     title = " · ".join(x for x in (
         f"block {node.block}" if node.block is not None else "", f"hash {node.key}",
         f"parent {node.parent}" if node.parent else "first block of a prompt",
         "" if node.state == UNKNOWN else node.state + (f" by {node.holders}" if node.holders else ""),
-        f"{node.copies} copies of the same content" if node.copies > 1 else "",
+        f"{node.copies} copies of the same content" if node.copies > 1 and not node.blocks else "",
+        "blocks by KV-cache group: " + ", ".join(
+            f"group {g}: {b}" + ("" if node.held.get(g) else " (cached only)") for g, b in sorted(node.blocks.items()))
+        if node.blocks else "",
         "" if node.state == UNKNOWN else f"{node.hits} hits",
         f"stored at {node.stored:g}", f"on {node.medium}" if node.medium else "",
-        "next to be evicted" if node.key == victim else "", repr(text) if text else "") if x)
+        ("next to be evicted" + (f" (group {victim_group}'s block)" if node.blocks else "")) if node.key == victim
+        else "", repr(text) if text else "") if x)
     return (f'<span class="{cls}" style="--c:{color or STATE_COLORS[node.state]}" title="{escape(title)}">'
             f'<span class="id">{escape(name)}{held}</span>'
             + (f'<span class="tx">{escape(text)}</span>' if text else "")
             + (f'<span class="h">{plural(node.hits, "hit")}</span>' if node.hits else "")
-            + (f'<span class="h">×{node.copies} copies</span>' if node.copies > 1 else "")
+            + (f'<span class="h">×{node.copies} copies</span>' if node.copies > 1 and not node.blocks else "")
+            + (f'<span class="h">{len(node.blocks)}/{groups} groups</span>' if node.blocks and len(node.blocks) < groups
+               else "")
             + "</span>")
 
 
 def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozenset(), max_nodes: int = 400,
            max_chain: int = 24, text: Callable[[Node], str] = lambda n: n.label,
-           color: Callable[[Node], str] | None = None) -> str:
+           color: Callable[[Node], str] | None = None, groups: int = 1) -> str:
     """The forest as HTML: one row per chain, branches indented below their parent's row; a
-    chip shows `text(node)` (its label unless told), coloured by `color(node)` (its state unless told)."""
+    chip shows `text(node)` (its label unless told), coloured by `color(node)` (its state unless told).
+    `groups`: the pool's KV-cache groups (a hybrid pool's nodes carry a block per group)."""
     stats, victim = forest.stats(), forest.victim
     if not forest.nodes:
         return CSS + ('<div class="pt"><div class="sum">The prefix cache is empty: full blocks are registered '
@@ -75,7 +86,7 @@ def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozense
     shown = 0
 
     def chip(n: Node) -> str:
-        return _chip(n, victim, highlight, text(n), color(n) if color else None)
+        return _chip(n, victim, highlight, text(n), color(n) if color else None, groups, forest.victim_group)
 
     def branch(node: Node) -> None:
         nonlocal shown
@@ -103,7 +114,10 @@ def render(forest: PrefixForest, highlight: set[int] | frozenset[int] = frozense
         branch(root)
     summary = (f'<b>{plural(stats["blocks"], "cached block")}</b> in '
                f'<b>{plural(stats["roots"], "prefix", "prefixes")}</b>')
-    if stats["copies"] > stats["blocks"]:
+    if groups > 1:
+        summary += (f' · {stats["copies"]:,} physical blocks in {groups} KV-cache groups (each group caches its own '
+                    'block under the same hash; a hit needs every group that reads it)')
+    elif stats["copies"] > stats["blocks"]:
         summary += f' · {stats["copies"]:,} physical blocks (the same content cached more than once)'
     if stats["in use"] + stats["cached only"]:  # the source reports holders
         key = "".join(f'<span style="background:{STATE_COLORS[s]}"></span>{s}' for s in (IN_USE, CACHED_ONLY)) \

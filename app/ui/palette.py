@@ -22,6 +22,23 @@ STATUS_COLORS = {"waiting": ("#fef3c7", "#92400e"), "running": ("#dcfce7", "#166
                  "swapped": ("#ede9fe", "#5b21b6"), "other": (FREE, RESERVED)}         # (background, text)
 
 
+SLIDING_COLORS = ("#0f766e", "#0d9488", "#14b8a6", "#2dd4bf", "#5eead4", "#99f6e4", "#115e59", "#134e4a")
+FULL_COLORS = ("#7c3aed", "#a855f7", "#6d28d9", "#c084fc")
+
+
+def group_colors(groups) -> list[str]:
+    """A colour per KV-cache group (kvscope_contract.protocol.KVGroup): sliding-window groups in
+    shades of teal, full-attention groups in violet, so the grid's "colour by group" tells the
+    kinds apart first."""
+    out, n = [], {True: 0, False: 0}
+    for g in groups:
+        sliding = g.window is not None
+        ramp = SLIDING_COLORS if sliding else FULL_COLORS
+        out.append(ramp[n[sliding] % len(ramp)])
+        n[sliding] += 1
+    return out
+
+
 def css_vars(selector: str) -> str:
     """A CSS rule giving `selector` and its descendants the palette's colours as variables
     (`--kv-accent`, `--kv-lit`, `--kv-live`, `--kv-ink`): the stylesheets in assets/ use them and

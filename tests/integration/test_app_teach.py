@@ -10,23 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvscope_contract import protocol as p
-from kvscope_contract.kinds import kind_of
-from tests.lesson_claims import CLAIMS, AtStop
-from tests.apptest import LESSONS, card, events, grid_data, html_with, reached, rerun_until, start
-
-
-def check_claims(observer, key: str, i: int, run) -> None:
-    """The stop's caption's claims (tests/lesson_claims.py) against the observer's pool at the stop."""
-    r = run.reached[i]
-    values, fx = run.memo["words"]
-    with observer.lock:
-        h = observer.history
-        state = h.at(r.end).state
-        upto = [e for e in h.events if e.seq <= r.end]
-        step = h.last_step_events(r.end)
-        hit = h.event(r.at) if r.at is not None else None
-    reset = max((e.seq for e in upto if isinstance(e, p.Reset)), default=0)
-    CLAIMS[key, i](AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit))
+from tests.lesson_claims import CLAIMS
+from tests.apptest import LESSONS, card, events, grid_data, html_with, reached, rerun_until, start, walk_lesson
 
 
 def test_captions_name_only_views_the_dashboard_has():
@@ -49,41 +34,9 @@ def test_every_stop_of_every_lesson_has_its_claims_checked():
     assert set(CLAIMS) == {(key, i) for key, lesson in LESSONS.items() for i in range(len(lesson.stops))}
 
 
-@pytest.mark.parametrize("key", list(LESSONS))
+@pytest.mark.parametrize("key", [k for k, lesson in LESSONS.items() if not lesson.model])
 def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
-    lesson = LESSONS[key]
-    n = len(lesson.stops)
-    at.segmented_control(key="mode").set_value("Lessons").run()
-    at.selectbox(key="lesson_pick").set_value(key).run()
-    at.button(key="lesson_start").click().run()
-    for i, stop in enumerate(lesson.stops):
-        if i:
-            at.button(key="lesson_next").click().run()
-        rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
-        run = at.session_state["lesson"]
-        text = card(at)
-        assert not run.errors and not run.notes, (run.errors, run.notes)
-        assert "?" not in re.sub(r"`[^`]*`", "", text.split("\n", 1)[1]), text  # every placeholder filled
-        assert not re.search(r"\b(\w+) finished\W+\1 finished\b", text), text  # "A and B finished. B finished;"
-        assert observer.loop.paused if observer.hello and "loop" in observer.hello.features else True
-        data = rerun_until(at, lambda a: grid_data(a), what="the grid")
-        blocks = run.memo["words"][1].blocks
-        assert data["highlight"] == blocks
-        if stop.until:  # the engine stopped at an event of the stop's kinds, in the step shown
-            hit = run.reached[i].at
-            with observer.lock:
-                ev = observer.history.event(hit)
-            assert ev is not None and kind_of(ev) in stop.until
-            if kind_of(ev) not in ("finish", "cached", "step"):
-                assert blocks, f"{key} stop {i + 1} highlights nothing"
-        if blocks and data["live"]:
-            assert "lit" in html_with(at, 'class="bt"')  # the block tables ring them too
-        if stop.panel:  # the stop opens its history panel under the grid
-            rerun_until(at, lambda a: next(c for c in a.segmented_control if c.label == "History").value == stop.panel,
-                        what=f"the {stop.panel} panel")
-        check_claims(observer, key, i, run)  # what the caption says, against the pool at the stop
-    assert at.session_state["lesson"].done
-    assert "End of the lesson" in "\n".join(c.value for c in at.caption)
+    walk_lesson(at, observer, key)  # a lesson on a hybrid model: tests/integration/test_app_hybrid.py
 
 
 def test_back_travels_to_a_stop_already_reached_and_next_returns(at, observer):

@@ -35,10 +35,10 @@ def test_the_model_keeps_chains_branches_holders_and_eviction_order():
         f.hit(key)
     for key in ("d", "c", "b", "a"):  # released tail first, as the allocator frees
         f.hold(key, 0)
-    assert list(f.lru) == ["d", "c", "b", "a"] and f.victim == "d"
+    assert list(f.lru) == [("d", 0), ("c", 0), ("b", 0), ("a", 0)] and f.victim == "d"
     assert f.nodes["a"].state == CACHED_ONLY
     f.hold("c", 1)  # a prefix hit revives it: it leaves the eviction queue
-    assert f.victim == "d" and "c" not in f.lru and f.nodes["c"].state == IN_USE
+    assert f.victim == "d" and ("c", 0) not in f.lru and f.nodes["c"].state == IN_USE
     f.remove("b")  # evicting a middle block leaves its children as roots of their own
     assert [n.key for n in f.roots()] == ["a", "c", "d"]
     f.store("b", "a", " a tutor", holders=0, at=9)  # computed and cached again: re-attached, a new entry
@@ -46,8 +46,8 @@ def test_the_model_keeps_chains_branches_holders_and_eviction_order():
     f.hit("b")
     f.store("b", "a", " a tutor", holders=1, at=10)  # stored while present: a second copy, hits kept
     assert f.nodes["b"].hits == 1 and f.nodes["b"].stored == 10 and f.nodes["b"].copies == 2
-    assert f.stats() == {"blocks": 4, "copies": 5, "roots": 1, "in use": 2, "cached only": 2, "hits": 3,
-                         "leaves": 2}
+    assert f.stats() == {"blocks": 4, "copies": 5, "roots": 1, "groups": 0, "in use": 2, "cached only": 2,
+                         "hits": 3, "leaves": 2}
     html = render(f, highlight={7})
     assert "You are" in html and "next evicted" in html and "<b>3</b>" not in html
     assert '<span class="h">2 hits</span>' in html and '<span class="h">1 hit</span>' in html
@@ -70,7 +70,7 @@ def check_against(builder: ForestBuilder, lab: Lab) -> None:
         if node.parent is not None and node.parent in forest.nodes:  # the chained hash holds
             parent = bm.cache.hashes[forest.nodes[node.parent].block]
             assert hash_hex(hash((parent, *bm.cache.tokens[b]))) == key
-    assert list(forest.lru) == [hash_hex(bm.cache.hashes[b]) for b in bm.pool.evictable]
+    assert [key for key, _ in forest.lru] == [hash_hex(bm.cache.hashes[b]) for b in bm.pool.evictable]
     assert forest.victim == (hash_hex(bm.cache.hashes[next(iter(bm.pool.evictable))]) if bm.pool.evictable else None)
 
 
@@ -96,6 +96,54 @@ def test_built_from_events_it_is_the_block_managers_prefix_cache_at_every_step(p
         steps += 1
     assert steps > 100 and builder.forest.nodes
     assert any(n.hits for n in builder.forest.nodes.values())
+
+
+def check_hybrid(builder: ForestBuilder, lab: Lab) -> None:
+    """A node per hash, with each KV-cache group's block that caches it; in use while any is held;
+    the eviction order the pool's, entry by (hash, group)."""
+    bm, forest = lab.block_manager, builder.forest
+    cached = {}
+    for g, blocks in enumerate(bm.cache.maps):
+        for h, b in blocks.items():
+            cached.setdefault(hash_hex(h), {})[g] = b
+    assert {k: n.blocks for k, n in forest.nodes.items()} == cached
+    for node in forest.nodes.values():
+        assert node.held == {g: bm.pool.ref_counts[b] for g, b in node.blocks.items()}
+        assert node.holders == max(node.held.values()) and node.copies == len(node.blocks)
+    assert list(forest.lru) == [(hash_hex(bm.cache.hashes[b]), bm.cache.group_of[b]) for b in bm.pool.evictable]
+
+
+def test_on_a_hybrid_pool_a_node_is_a_hash_with_its_block_in_each_group():
+    """Gemma 3's shape (5 sliding-window groups, 1 full) with a small window, so that windows free
+    blocks (still cached), evictions take one group's block and leave the others, and a prompt's
+    hit needs every group: at every step the forest is the block manager's caches, grouped."""
+    from kvscope_contract.kv_groups import gemma3_groups
+    workload = load("chat")
+    workload.requests = sorted(workload.requests + load("parallel").requests, key=lambda r: r.arrival)
+    pool = p.PoolConfig(block_size=8, num_device_blocks=900, num_host_blocks=64, kv_groups=gemma3_groups(24))
+    lab = Lab(LabConfig(pool=pool), workload, keep_events=True)
+    builder = ForestBuilder.from_state(PoolState.from_snapshot(lab.snapshot()))
+    seen = {"window_free": 0, "evict": 0, "partial": 0, "hits": 0}
+    counted, admissions = [], set()
+    hit = builder.forest.hit
+    builder.forest.hit = lambda key: (counted.append(key), hit(key))
+    while lab.has_unfinished() or workload.requests:
+        while workload.requests and (workload.requests[0].arrival <= lab.log.step or not lab.has_unfinished()):
+            lab._add(workload.requests.pop(0))
+        lab.step()
+        for ev in lab.drain_events():
+            builder.apply(ev)
+            seen["window_free"] += isinstance(ev, p.WindowFree)
+            seen["evict"] += isinstance(ev, p.Evict)
+            if isinstance(ev, p.PrefixHit):
+                seen["hits"] += 1
+                admissions.add((ev.seq_id, ev.step, ev.hash))
+        check_hybrid(builder, lab)
+        seen["partial"] += any(len(n.blocks) < 6 for n in builder.forest.nodes.values())
+    assert all(seen.values()), seen
+    assert len(counted) == len(admissions) < seen["hits"]  # an admission's groups hit a hash once, not once each
+    html = render(builder.forest, groups=6)
+    assert "KV-cache groups" in html and "blocks by KV-cache group: group 0:" in html
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from kvscope_contract.kinds import KINDS, kind_of, touched_blocks
 from kvscope_contract.misses import reason_line, totals_of
 from kvscope_contract.state import held_tokens
 from app.data.key_events import KEY_KINDS, block_ranges, explain
+from app.data.lessons import hybrid
 from app.data.words import plural
 
 L = TypeVar("L")
@@ -52,6 +53,7 @@ class Stop(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     caption: str                          # markdown; {placeholders} from `context`
     title: str = ""                       # a few words, for the lesson's outline
     reset: p.ResetConfig | None = None    # reset the pool to this first
+    clear_prefix_cache: bool = False      # then evict every cached block no sequence holds
     submit: list[p.Submit] = []           # then submit these
     until: list[str] = []                 # then run until an event of these kinds ...
     steps: int = 0                        # ... or run this many steps
@@ -72,6 +74,9 @@ class Lesson(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     goal: str                   # what the lesson shows, in a sentence or two (shown before it starts)
     stops: list[Stop]
     columns: list[str] = []     # what {records} shows (default: the numbers that differ between records)
+    # a bundled model (engine.serve.server --model) with sliding-window layers that the lesson needs: on an
+    # engine whose pool has one KV-cache group, the Lessons mode starts an engine of it (one click)
+    model: str = ""
     key: str = ""               # the file's name, set by `load`
 
 
@@ -133,6 +138,7 @@ PLACEHOLDERS = {
     "blocks_per_gib": "blocks 1 GiB buys", "tokens_per_gib": "tokens 1 GiB holds",
     "seqs_per_gib": "sequences of 2,048 tokens 1 GiB holds", "pool_mib": "the device pool in MiB",
     "records": "the numbers kept by earlier stops, side by side",
+    **hybrid.PLACEHOLDERS,
 }
 RECORDED = ("bs", "total", "used", "slot_util", "waste", "entries", "paged_slots", "reserved_slots", "hit_rate",
             "preemptions", "recomputes", "swap_outs", "moved", "lost")
@@ -160,6 +166,8 @@ def focus(stop: Stop, step_events: list[p.AnyEvent], at: int | None, state) -> F
             who = {e.seq_id for e in events}
             blocks = list(dict.fromkeys(b for e in step_events if isinstance(e, (p.Free, p.SwapOut))
                                         and e.seq_id in who for b in touched_blocks(e)[0]))
+        if kind in ("status", "window_free"):  # a hybrid lesson's stops: an admission, a window that moved
+            return Focus(*hybrid.focus(kind, events, step_events), step_events)
         if key:
             what = key.text
         elif kind == "finish":
@@ -170,7 +178,8 @@ def focus(stop: Stop, step_events: list[p.AnyEvent], at: int | None, state) -> F
         return Focus(events, blocks or (key.blocks if key else []), what, step_events)
     ran = [e for e in step_events if isinstance(e, p.Append)]
     seqs = [s for i in dict.fromkeys(e.seq_id for e in ran) if (s := state.seqs.get(i)) and s.num_tokens]
-    blocks = [s.block_table[(s.num_tokens - 1) // state.config.block_size] for s in seqs]
+    blocks = [t[(s.num_tokens - 1) // state.config.block_size] for s in seqs for t in s.block_tables
+              if len(t) > (s.num_tokens - 1) // state.config.block_size]  # every KV-cache group's
     return Focus(ran, blocks, f"{plural(len(seqs), 'sequence')} computed tokens; the blocks holding their "
                  "newest token are highlighted", step_events)
 
@@ -240,6 +249,7 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
         last = mine[-1]
         out["why_seq"] = (f"{last.hit:,} of its {last.tokens:,} tokens hit; "
                           f"{reason_line(last.by_reason(), words=True) or 'nothing'} missed")
+    out |= hybrid.context(fx, mirror, u, seq)
     return out
 
 

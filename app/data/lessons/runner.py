@@ -78,6 +78,7 @@ class LessonRun(StopWalk):
     def _send_stop(self, client, pend: Pending) -> None:
         stop = self.lesson.stops[pend.index]
         cmds: list[p.Command] = [p.ResetCmd(config=stop.reset)] if stop.reset is not None else []
+        cmds += [p.ClearPrefixCache()] if stop.clear_prefix_cache else []
         cmds += [msgspec.structs.replace(s, id=None) for s in stop.submit]  # sending stamps ids on copies
         cmds.append(p.RunUntil(kinds=stop.until, max_steps=stop.max_steps) if stop.until
                     else p.RunUntil(kinds=[NEVER_IN_A_STEP], max_steps=stop.steps))
