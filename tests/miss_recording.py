@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from itertools import groupby
 from pathlib import Path
 
-from engine.lab.record import ENGINE, STEP_S
+from engine.lab import record
 from engine.lab.sim import Lab
 from engine.lab.workload import Request, Workload
 from kvscope_contract import protocol as p
@@ -66,13 +65,4 @@ def write(path: Path) -> int:
     after = lab.log.step
     lab.workload = Workload("hybrid", [replace(r, arrival=r.arrival + after) for r in hybrid_requests()])
     lab.run(fast=False)
-    events = lab.log.drain()
-    with open(path, "wb") as f:
-        for msg in [p.Hello(engine=ENGINE, config=off), start]:
-            f.write(p.encode(msg) + b"\n")
-        for _, batch in groupby(events, key=lambda e: e.step):
-            batch = list(batch)
-            for ev in batch:
-                ev.t = round(ev.step * STEP_S, 3)
-            f.write(p.encode(p.Events(events=batch)) + b"\n")
-    return len(events)
+    return record.write(path, off, start, lab.log.drain())

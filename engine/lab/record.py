@@ -20,9 +20,14 @@ def record(config: LabConfig, workload: Workload, path: Path) -> int:
     lab = Lab(config, workload, keep_events=True)
     start = lab.snapshot()
     lab.run(fast=False)
-    events = lab.log.drain()
+    return write(path, lab.pool, start, lab.log.drain())
+
+
+def write(path: Path, config: p.PoolConfig, start: p.Snapshot, events: list[p.AnyEvent]) -> int:
+    """A lab's `start` snapshot and `events` as a recording at `path`, a frame a step, each step
+    `STEP_S` seconds after the last; returns the events written."""
     with open(path, "wb") as f:
-        for msg in [p.Hello(engine=ENGINE, config=lab.pool), start]:
+        for msg in [p.Hello(engine=ENGINE, config=config), start]:
             f.write(p.encode(msg) + b"\n")
         for _, batch in groupby(events, key=lambda e: e.step):
             batch = list(batch)
