@@ -23,8 +23,12 @@ AVX-512 machine behaves as an AVX2 one (torch's and oneDNN's kernels; a real AVX
 in clock and memory). The report starts with the CPU's vector flags and, for the batch-1 job,
 the bytes of weights a decode step streams per second next to the machine's read bandwidth.
 
-    python -m bench.throughput [--dtypes bfloat16,float32] [--rounds 3] [--vllm-python PATH | --no-vllm]
-                               [--isa avx2]
+    python -m bench.throughput [--model smollm2|gemma3|PATH] [--dtypes bfloat16,float32] [--rounds 3]
+                               [--vllm-python PATH | --no-vllm] [--isa avx2]
+
+--model gemma3 runs Gemma 3 270M (a sliding window of 512 on 15 of its 18 layers; prompts of up
+to 256 tokens stay inside it): the same jobs, its 262k-token lm_head the larger part of what a
+decode step streams.
 """
 from __future__ import annotations
 
@@ -47,8 +51,9 @@ from bench.prompts import make_prompts
 from bench.rounds import interleave, ratios, settle, spread
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
+from kvscope_contract.kv_groups import group_layers
 from engine.model.engine import LLMEngine
-from engine.model.model_loader import SMOLLM2, default_cache_dir, load_model
+from engine.model.model_loader import BUNDLED, default_cache_dir, load_model
 from engine.core.sequence import SamplingParams
 from kernels import cpu_build
 
@@ -77,7 +82,8 @@ def make_jobs(tokenizer, requests: int, new_tokens: int) -> list[Job]:
 
 
 def make_engine(loaded, prompts, new_tokens: int, max_num_seqs: int) -> LLMEngine:
-    blocks = sum(-(-(len(x) + new_tokens) // 16) for x in prompts) + 16
+    groups = max(1, len(group_layers(loaded.layer_kinds)))  # a hybrid model's sequence holds blocks in every group
+    blocks = groups * (sum(-(-(len(x) + new_tokens) // 16) for x in prompts) + 16)
     return LLMEngine(EngineConfig(max_num_batched_tokens=2048, pool=p.PoolConfig(
         num_device_blocks=blocks, num_host_blocks=0, max_num_seqs=max_num_seqs)), loaded)
 
@@ -200,8 +206,8 @@ def default_vllm_python() -> Path | None:
 
 def model_folder(spec: str) -> Path | None:
     """The HF folder vLLM can load for an engine model spec (None for the random tiny model)."""
-    if spec == "smollm2":
-        return default_cache_dir() / SMOLLM2
+    if spec in BUNDLED:  # converted by load_model before vLLM starts
+        return default_cache_dir() / BUNDLED[spec].name
     return Path(spec).expanduser() if Path(spec).expanduser().is_dir() else None
 
 

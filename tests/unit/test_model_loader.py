@@ -245,7 +245,11 @@ def test_gemma3(monkeypatch: pytest.MonkeyPatch) -> None:
     assert shape == (18, 4, 1, 256, 262144)
     assert lm.layer_kinds == ([512] * 5 + [None]) * 3
     assert lm.eos_token_ids == lm.tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"]) == [1, 106]
-    assert lm.tokenizer.chat_template is None  # the GGUF (a base model) carries none: chat is plain text
+    chat = apply_chat_template(lm.tokenizer, [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi"}])
+    assert lm.tokenizer.decode(chat) == ("<bos><start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>user\nHi"
+                                         "<end_of_turn>\n<start_of_turn>model\n")  # the GGUF has none: ours
+    assert chat.count(lm.tokenizer.bos_token_id) == 1 and 106 in chat  # <end_of_turn>: special tokens, not text
     assert "quantization_config" not in json.loads((dest / "config.json").read_text())
     assert not list(default_cache_dir().rglob("*.gguf"))
     ids = lm.tokenizer("The capital of France is", return_tensors="pt")
