@@ -52,8 +52,26 @@ class BlockManager:
         self.watermark = watermark
         self._build(config)
 
+    def check(self, config: p.PoolConfig) -> None:
+        """Raise CommandError, naming the numbers, for a pool whose groups cannot work: a window
+        smaller than a block (its blocks would leave the window before they are full), or fewer
+        blocks than one per group."""
+        bs, groups = config.block_size, config.groups
+        for i, g in enumerate(groups):
+            if g.kind == "sliding_window" and (g.sliding_window or 0) < bs:
+                raise p.CommandError("invalid_argument", (
+                    f"KV-cache group {i} attends to a sliding window of {g.sliding_window} tokens, smaller "
+                    f"than a block of {bs}: use a block size of at most {g.sliding_window}"))
+        watermark = int(self.watermark * config.num_device_blocks)
+        usable = config.num_device_blocks - len(config.reserved_blocks) - watermark
+        if usable < len(groups):
+            raise p.CommandError("invalid_argument", (
+                f"{config.num_device_blocks} device blocks ({usable} above the watermark) cannot give a "
+                f"request one block in each of the model's {len(groups)} KV-cache groups: use at least "
+                f"{len(groups) + len(config.reserved_blocks) + watermark + 1} blocks"))
+
     def _build(self, config: p.PoolConfig) -> None:
-        _check(config, int(self.watermark * config.num_device_blocks))
+        self.check(config)
         n = config.num_device_blocks
         self.config, self.block_size, self.groups = config, config.block_size, config.groups
         self.windows = [g.window for g in self.groups]
@@ -532,23 +550,6 @@ class BlockManager:
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
         return self.capture(seqs).state()
-
-
-def _check(config: p.PoolConfig, watermark_blocks: int) -> None:
-    """Refuse a pool whose groups cannot work: a window smaller than a block (its blocks would
-    leave the window before they are full), or fewer blocks than one per group."""
-    bs, groups = config.block_size, config.groups
-    for i, g in enumerate(groups):
-        if g.kind == "sliding_window" and (g.sliding_window or 0) < bs:
-            raise p.CommandError("invalid_argument", (
-                f"KV-cache group {i} attends to a sliding window of {g.sliding_window} tokens, smaller than "
-                f"a block of {bs}: use a block size of at most {g.sliding_window}"))
-    usable = config.num_device_blocks - len(config.reserved_blocks) - watermark_blocks
-    if usable < len(groups):
-        raise p.CommandError("invalid_argument", (
-            f"{config.num_device_blocks} device blocks ({usable} above the watermark) cannot give a "
-            f"request one block in each of the model's {len(groups)} KV-cache groups: use at least "
-            f"{len(groups) + len(config.reserved_blocks) + watermark_blocks + 1} blocks"))
 
 
 def _fields(config: p.PoolConfig) -> dict:

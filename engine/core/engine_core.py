@@ -138,7 +138,9 @@ class EngineCore(ABC):
         return self.block_manager.clear_prefix_cache()
 
     def _reset_pools(self, pool: p.PoolConfig) -> None:
-        """Drop every request and rebuild both pools."""
+        """Drop every request and rebuild both pools; a pool the block manager refuses (its
+        CommandError says why) changes nothing."""
+        self.block_manager.check(pool)
         self.seqs.clear()
         self.live_requests.clear()
         self.scheduler = Scheduler(self.block_manager, self.log, self.max_num_batched_tokens)

@@ -8,7 +8,9 @@ from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
 from kvscope_contract.kv_groups import group_layers
 from kvscope_contract.state import PoolState, check_invariants
+from engine.core.sequence import SamplingParams
 from tests.pool_driver import PoolDriver
+from tests.synthetic import synthetic_engine
 
 NULL = p.NULL_BLOCK
 BS, W = 4, 9  # a window of 9 tokens reads the last ceil(8 / 4) = 2 blocks before a position
@@ -153,3 +155,15 @@ def test_swap_keeps_the_null_entries_and_brings_every_group_back():
 def test_a_pool_its_groups_cannot_use_is_refused_with_the_numbers(config, words):
     with pytest.raises(p.CommandError, match=words.replace("(", r"\(").replace(")", r"\)")):
         PoolDriver(p.PoolConfig(**config))
+
+
+def test_a_refused_reset_keeps_every_request():
+    """The engine core checks a reset's pool before it drops anything: a window smaller than the
+    new block size is refused, and the running request goes on."""
+    engine = synthetic_engine(512, live=0, block_size=4, kv_groups=GROUPS)
+    engine.add_tokens(list(range(30)), SamplingParams(max_tokens=8))
+    engine.step()
+    before = engine.snapshot()
+    with pytest.raises(p.CommandError, match="smaller than a block of 16"):
+        engine.reset(p.PoolConfig(block_size=16, num_device_blocks=512, kv_groups=GROUPS))
+    assert engine.snapshot() == before and engine.seqs
