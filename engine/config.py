@@ -11,7 +11,7 @@ from kvscope_contract.protocol import PoolConfig
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2"        # "smollm2" (bundled), "tiny" (random, for tests) or a local HF folder
+    model: str = "smollm2"        # "smollm2", "gemma3" (bundled), "tiny", "tiny-gemma3" (random, for tests) or a folder
     device: str | None = None     # None: cuda if available, else cpu
     dtype: str | None = None      # None: bfloat16 on cuda and on CPUs with AVX512-BF16 or AMX, else float32+bfloat16
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -24,7 +24,8 @@ def add_engine_args(ap) -> None:
     """The command-line flags that build an EngineConfig (shared by every entry point)."""
     d, pool = EngineConfig(), PoolConfig()
     ap.add_argument("--model", default=d.model,
-                    help="'smollm2' (bundled), 'tiny' (random, for tests) or a local HF Llama-family folder")
+                    help="'smollm2' or 'gemma3' (bundled: SmolLM2-135M, Gemma 3 270M), 'tiny' or 'tiny-gemma3' "
+                         "(random, for tests) or a local HF folder (Llama, Mistral, Qwen2/3, Gemma 3)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float32+bfloat16 (fp32 with "
                     "bf16 weights for the CPU GEMV); default: bfloat16 on cuda and on CPUs with AVX512-BF16 "
