@@ -42,7 +42,7 @@ def main() -> None:
         return kv_events_view.page(source)
     if client is None:
         return live.loading(source, hosted)
-    if client.view() is None:
+    if client.bounds() is None:
         return live.connecting(client, source, hosted)
     with st.sidebar:
         controls.unsupported_note(client)
@@ -56,7 +56,7 @@ def main() -> None:
             lessons_view.left_behind(client)
             st.subheader("Prompt")
             controls.prompt_form(client)
-            st.fragment(live.fragment_of(lambda c, s, h: controls.engine_panel(c, live.live_view(c))), run_every=1.0,
+            st.fragment(live.fragment_of(lambda c, s, h: controls.engine_panel(c, live.current_view(c))), run_every=1.0,
                         key="engine")(source)
         with st.expander("Display"):
             st.selectbox("Grid redraws", list(live.REFRESH), key="refresh", on_change=stale.mark)

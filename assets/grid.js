@@ -1,5 +1,6 @@
 // KVScope pool grid at any size. Python (app/panels/grid.py) sends binary frames: a whole frame or a
-// delta from the frame this browser holds. This keeps the columns, draws an overview of the
+// delta from the frame this browser holds, with the other live views' data (assets/live.js, the
+// first part of this component's script). This keeps the columns, draws an overview of the
 // whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
 // clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
 // token it holds and the block under the pointer). State lives on the root element between calls.
@@ -319,19 +320,20 @@ function el(tag, cls, parent, html) {
 function setup(root) {
   const s = { root, draws: 0, token: null, pulls: 0, lastPull: 0, lastMsg: 0, mode: "sequence", hover: null,
     range: null, queue: Promise.resolve(), hooks: "testHooks" in root.dataset };
-  s.head = el("div", "head", root);
-  s.bar = el("div", "bar", root);
-  s.over = el("canvas", "grid overview", root);
-  s.canvas = el("canvas", "grid main", root);
-  s.hostHead = el("div", "head host-head", root);
-  s.hostCanvas = el("canvas", "grid", root);
-  s.legend = el("div", "legend", root);
+  const box = (s.box = setupPanels(s, root));  // the live views around the grid: assets/live.js
+  s.head = el("div", "head", box);
+  s.bar = el("div", "bar", box);
+  s.over = el("canvas", "grid overview", box);
+  s.canvas = el("canvas", "grid main", box);
+  s.hostHead = el("div", "head host-head", box);
+  s.hostCanvas = el("canvas", "grid", box);
+  s.legend = el("div", "legend", box);
+  s.err = el("div", "err", box);
   s.tip = el("div", "tip", root);
-  s.err = el("div", "err", root);
   s.octx = s.over.getContext("2d");
   s.ctx = s.canvas.getContext("2d");
   s.hctx = s.hostCanvas.getContext("2d");
-  root.tabIndex = 0;
+  box.tabIndex = 0;
   s.bar.innerHTML = '<button data-z="all" title="Show the whole pool (Home)">Whole pool</button>' +
     '<button data-z="out" title="Zoom out (−, or the wheel)">−</button><button data-z="in" title="Zoom in (+, or the wheel)">+</button>' +
     '<span class="range"></span><span class="sp"></span>colour by <button data-m="sequence">sequence</button><button data-m="state">state</button><button data-m="group">group</button>' +
@@ -348,8 +350,8 @@ function setup(root) {
   wireOverview(s);
   s.hostCanvas.addEventListener("mousemove", (ev) => hoverAt(s, ev, s.hgeo, true));
   for (const c of [s.canvas, s.over, s.hostCanvas]) c.addEventListener("mouseleave", () => setHover(s, null));
-  root.addEventListener("keydown", (ev) => key(s, ev));
-  new ResizeObserver(() => s.data && draw(s)).observe(root);
+  box.addEventListener("keydown", (ev) => key(s, ev));
+  new ResizeObserver(() => s.data && draw(s)).observe(box);
   setInterval(() => {  // a lost answer never stops the redraws
     const now = performance.now();
     if (s.data && now - s.lastPull > 3000 && now - s.lastMsg > 3000) pull(s);
@@ -539,7 +541,7 @@ function draw(s) {
   const d = s.data;
   if (!d) return;
   const t0 = performance.now();
-  const width = Math.max(120, s.root.clientWidth), mainH = d.n > 2048 ? 520 : 400;
+  const width = Math.max(120, s.box.clientWidth), mainH = d.n > 2048 ? 520 : 400;
   const all = geometry(0, d.n, width, mainH);
   const small = all.k === 1 && all.c >= 8;  // the whole pool fits with room for detail
   if (!s.range || s.range.n !== d.n) {
@@ -577,7 +579,7 @@ function draw(s) {
   // for tests and the latency bench (the app's KVSCOPE_TEST_HOOKS=1): what was drawn, when (wall
   // clock) and how long it took
   const now = Date.now(), ms = performance.now() - t0;
-  window.__kvscope_grid = { seq: d.seq, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
+  window.__kvscope_grid = { seq: d.seq, step: d.step, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
     token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k,
     touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length,
     groups: d.groups ? d.groups.length : 1, mode: s.mode };
@@ -670,7 +672,8 @@ async function receive(s, bytes) {
   }
   try {
     const frame = await parse(bytes);
-    if (apply(s, frame)) {
+    if (apply(s, frame)) {  // every live view of this frame's redraw, then the grid: one step, one moment
+      renderPanels(s, frame.head);
       draw(s);
       s.err.style.display = "none";
     }

@@ -35,16 +35,42 @@ def grid_data(at: AppTest, name: str = "kvscope_grid") -> dict | None:
     return None
 
 
+def panels(at: AppTest) -> dict:
+    """The live views' data sent with the grid's last frame (app/modes/live.py: each panel of
+    the redraw; AppTest's browser holds no frame, so every panel comes whole)."""
+    return (grid_data(at) or {}).get("panels", {})
+
+
+def metric_card(at: AppTest, label: str) -> dict:
+    return next(m for m in panels(at)["metrics"]["cards"] if m["label"] == label)
+
+
 def metric(at: AppTest, label: str) -> str:
-    return next(m.value for m in at.metric if m.label == label)
+    return metric_card(at, label)["value"]
 
 
 def delta(at: AppTest, label: str) -> str:
-    return next(m.proto.delta for m in at.metric if m.label == label)
+    return metric_card(at, label)["delta"]
 
 
 def html_with(at: AppTest, marker: str) -> str:
-    return next(h.value for h in at.html if marker in h.value)
+    """An HTML element (or a live view's HTML) holding `marker`."""
+    p = panels(at)
+    live = [p.get("card", ""), p.get("banner", ""), *(p["tables"][k] for k in ("cards", "finished") if "tables" in p)]
+    return next(h for h in [*(h.value for h in at.html), *live] if marker in h)
+
+
+def travel_line(at: AppTest) -> str:
+    """The time-travel bar's line: live or travelled, the event, its step."""
+    return (panels(at).get("travel") or {}).get("caption") or ""
+
+
+def press(at: AppTest, c: EngineClient, move: str) -> None:
+    """A button of the time-travel bar, as its trigger's callback moves (app/ui/travel.py)."""
+    from app.ui import travel
+    t = panels(at)["travel"]
+    at.session_state["travel"] = travel.destination(move, t["value"], t["first"], t["last"], c.step_edge)
+    at.run()
 
 
 def rerun_until(at: AppTest, cond, timeout: float = 20.0, what: str = "the app to show it"):
@@ -52,8 +78,9 @@ def rerun_until(at: AppTest, cond, timeout: float = 20.0, what: str = "the app t
 
 
 def status_line(at: AppTest) -> str:
-    """The header's status line (state, source, address), found by its content."""
-    return next((m.value for m in at.markdown if "● **" in m.value), "")
+    """The header's status line (state, source, address): the live views', or the one the page
+    shows while it connects."""
+    return panels(at).get("status") or next((h.value for h in at.html if "● <b>" in h.value), "")
 
 
 def show_log(at: AppTest):
@@ -99,8 +126,10 @@ def embedded_tiny_512x8(monkeypatch):
 
 
 def card(at) -> str:
-    """The lesson card's text (its markdown blocks)."""
-    return "\n".join(m.value for m in at.markdown if "stop " in m.value or "**" in m.value)
+    """The lesson card's text: its title line and the stop's caption."""
+    md = [m.value for m in at.main.markdown]
+    i = next((i for i, m in enumerate(md) if m.startswith("**") and " · stop " in m), None)
+    return "" if i is None else "\n".join(md[i:i + 2])
 
 
 def reached(at, i: int, n: int):
@@ -153,7 +182,7 @@ def walk_lesson(at: AppTest, observer: EngineClient, key: str) -> None:
         run = at.session_state["lesson"]
         text = card(at)
         assert not run.errors and not run.notes, (run.errors, run.notes)
-        assert "?" not in re.sub(r"`[^`]*`", "", text.split("\n", 1)[1]), text  # every placeholder filled
+        assert "?" not in re.sub(r"`[^`]*`", "", text), text  # every placeholder filled
         assert not re.search(r"\b(\w+) finished\W+\1 finished\b", text), text  # "A and B finished. B finished;"
         assert observer.loop.paused if observer.hello and "loop" in observer.hello.features else True
         data = rerun_until(at, lambda a: grid_data(a), what="the grid")

@@ -5,6 +5,7 @@ It never calls st.*: Streamlit sessions read it through `view`, `status` and `re
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -56,6 +57,27 @@ class View:
     @property
     def event(self) -> int:
         return self.mirror.last_event
+
+
+@dataclass(frozen=True)
+class Redraw:
+    """What one redraw of the live page draws, read from the client in one instant: the state
+    at one event and what was known then (the retained events, the loop, the connection). Every
+    panel of a redraw gets this object and none reads the client, so no two panels can describe
+    different moments, however long the redraw takes while events keep arriving."""
+    view: View
+    first: int                  # the retained events: first..last (live: last is the view's event)
+    last: int
+    markers: tuple              # the retained timeline markers (Marker), oldest first
+    loop: p.LoopState
+    status: Status
+    hello: p.Hello | None
+    url: str
+    colors: dict[str, int]      # the client's own: append-only, so every sequence of the view has its colour
+
+    @property
+    def event(self) -> int:
+        return self.view.event
 
 
 class EngineClient:
@@ -271,6 +293,17 @@ class EngineClient:
                 while len(self._views) > MAX_VIEWS_CACHED:
                     self._views.popitem(last=False)
             return v
+
+    def redraw(self, n: int | None = None, live: bool | None = None) -> Redraw | None:
+        """One redraw's reading of the client (see Redraw): the view of `view(n, live)` with the
+        retained events, markers, loop and connection of the same instant."""
+        with self.lock:
+            view = self.view(n, live)
+            if view is None:
+                return None
+            h = self.history
+            return Redraw(view, h.first_event, h.last_event, tuple(h.markers), self.loop, copy.copy(self.status),
+                          self.hello, self.url, self.colors)
 
     def timeline(self, n: int | None = None) -> tuple[list, list]:
         """Step points and markers of the segment holding event n (None: live), up to n."""

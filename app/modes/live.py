@@ -1,21 +1,25 @@
-"""The live pool page that Explore and Lessons draw: a few fragments that redraw on their own
-timers from the shared client's state. The live views (status, metrics, what paging saves, time
-travel, the pool grid) redraw together, so their numbers always describe the same event; the
-block tables and the timeline or event log follow the event the live views last drew (or the one
-travelled to). An exception in one panel is shown in that panel and never removes the others.
-Also the pages before a pool exists: the engine loading, the client connecting.
+"""The live pool page that Explore and Lessons draw: two fragments that redraw on their own
+timers from the shared client's state. The live views (status, metrics, time travel, the pool
+grid, what paging saves, the block tables) are one redraw: one Redraw read from the client in
+one instant, handed to every panel, and drawn by the browser as one element in one step
+(app/panels/grid.py), so their numbers always describe the same event. The history panel (the
+timeline, the event log, ...) follows the event the live views last drew (or the one travelled
+to) on a slower timer, and names it. An exception in one panel is shown in that panel and never
+removes the others. Also the pages before a pool exists: the engine loading, the client connecting.
 """
 from __future__ import annotations
 
 import time
+from html import escape
 from typing import Callable
 
 import streamlit as st
 
-from app.ui import stale, travel
 from app.modes import lessons_view
-from app.panels import grid, header, history_panels, misses, tables
-from app.data.client import EngineClient, View
+from app.panels import grid, header, history_panels, misses, tables_panel
+from app.ui import icons, stale, travel
+from app.ui.icons import icon
+from app.data.client import EngineClient, Redraw, View
 from app.ui.commands import show_replies
 from app.ui.connection import Hosted, resolve, restart
 from app.data.key_events import explain
@@ -41,7 +45,7 @@ def fragment_of(draw: Callable[[EngineClient, Source, Hosted | None], None]) -> 
             st.rerun()  # the source changed under this fragment (a Connect click can ride its rerun)
         stale.redraw_if_stale()
         client, hosted = pick(source)
-        if client is None or client.view() is None:
+        if client is None or client.bounds() is None:
             st.rerun()  # starting again: the whole page shows the progress
         try:
             draw(client, source, hosted)
@@ -75,73 +79,101 @@ def before_restart(hosted: Hosted | None, client: EngineClient) -> None:
         c[0].warning(f"**The history before the restart** (events {first:,}–{last:,}): the engine has restarted "
                      "since; nothing here is live.", icon=":material/history:")
         if c[1].button("Back to the engine", key="browse_live", type="primary", width="stretch"):
-            st.session_state.update({BROWSE_BEFORE: False, "travel": None, "frame": None})
+            st.session_state.update({BROWSE_BEFORE: False, "travel": None, REDRAW: None})
             st.rerun(scope="app")
     elif st.button("Browse the history before the restart", key="browse_before", icon=":material/history:",
                    help="The engine that died: its events up to then, with time travel"):
-        st.session_state.update({BROWSE_BEFORE: True, "travel": None, "frame": None})
+        st.session_state.update({BROWSE_BEFORE: True, "travel": None, REDRAW: None})
         st.rerun(scope="app")
 
 
-def live_view(client: EngineClient) -> View | None:
-    """What the live views draw: the latest event, or the one travelled to."""
-    return client.view(travel.target())
+REDRAW = "redraw"  # session state: (the client, the Redraw) the live views last drew
 
 
-def frame_view(client: EngineClient) -> View | None:
-    """What the other panels draw: the event the live views last drew (or travelled to)."""
+def last_redraw(client: EngineClient) -> Redraw | None:
+    """The redraw the live views last drew from `client` (None before the first)."""
+    held = st.session_state.get(REDRAW)
+    return held[1] if held and held[0] is client else None
+
+
+def current_view(client: EngineClient) -> View | None:
+    """The state the page shows: the live views' last redraw's, or the event travelled to."""
     n = travel.target()
-    if n is not None:
-        return client.view(n)
-    frame = st.session_state.get("frame")
-    return client.view(frame[1], live=True) if frame and frame[0] == client.epoch else client.view()
+    r = last_redraw(client)
+    if r is not None and (r.view.live and n is None or not r.view.live and n == r.event):
+        return r.view
+    return client.view(n)
 
 
 # ---------------------------------------------------------------------------------- fragments
 def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     show_replies(client)
-    header.status_line(client, source, hosted)
     before_restart(hosted, client)
     dead = hosted is not None and hosted.process.died and client is not hosted.previous
     if dead:
         died(source, hosted)
-    connected = client.status.state == "connected" and not dead
-    view = live_view(client)
-    if view is None:
+    r = client.redraw(travel.target())  # every panel below draws this, and nothing else of the client
+    if r is None:
         return
-    st.session_state["frame"] = (view.epoch, view.event)
+    st.session_state[REDRAW] = (client, r)
+    connected = r.status.state == "connected" and not dead
     lesson = lessons_view.stage(client) if mode() == "Lessons" else None  # its caption, and its blocks
-    key = stopped_at(client, view) if lesson is None else None
-    if key:
-        at = client.loop.stopped_at
-        where = f"**Paused at event {view.event:,}**" + (
-            f", the end of the step of the key event ({at:,})" if view.event != at else ", the key event")
-        st.info(f"{where} · {key.text}", icon=":material/fast_forward:")
-    ringed = misses.ring(view) if lesson is None and not key else None
-    if ringed:
-        st.info(f"**Event {view.event:,}** · {ringed[1]}", icon=":material/troubleshoot:")
-    header.metrics(view, client)
-    travel.bar(client, view, connected)
-    grid.show(view, client.colors, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
-              on_block=history_panels.show_block_in_log, extra={
+    key = stopped_at(client, r) if lesson is None else None
+    ringed = misses.ring(r.view) if lesson is None and not key else None  # an eviction the miss panel travelled to
+    lit = set(lessons_view.highlight() if mode() == "Lessons" else [])
+    panels = drawn({"status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner(r, key, ringed),
+                    "metrics": lambda: header.metrics(r), "travel": lambda: travel.bar(r, connected),
+                    "card": lambda: header.reservation_card(r.view),
+                    "tables": lambda: tables_panel.data(r.view, r.colors, lit)})
+    on = {"block": history_panels.show_block_in_log, "travel": lambda: travel.moved(client, GRID),
+          "tables": lambda: tables_panel.changed(GRID), "pin": lambda: tables_panel.pinned(GRID),
+          "why": misses.open_panel}
+    grid.show(r.view, r.colors, key=GRID, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
+              panels=panels, on=on, extra={
                   "connected": connected,
                   "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
-    # in the same redraw as the header (their numbers agree), below the grid: the card comes and
-    # goes with the sequences, and the grid must not move under the pointer when it does
-    header.reservation_card(view)
 
 
-def stopped_at(client: EngineClient, view: View):
+GRID = "pool_grid"  # the live views' element
+
+
+def drawn(panels: dict[str, Callable[[], object]]) -> dict[str, object]:
+    """Each panel's data; a panel that fails says so in its place ({"error": ...}, and its
+    traceback above the views), and the others are drawn."""
+    out = {}
+    for name, draw in panels.items():
+        try:
+            out[name] = draw()
+        except Exception as e:  # st.rerun and st.stop are BaseExceptions: they pass
+            st.error(f"This panel ({name}) failed to draw: {type(e).__name__}: {e}")
+            st.exception(e)
+            out[name] = {"error": f"This panel failed to draw: {type(e).__name__}: {e}"}
+    return out
+
+
+def banner(r: Redraw, key, ringed: tuple[list[int], str] | None) -> str:
+    """Where a run to the next key event stopped, explained, or the eviction the miss panel
+    travelled to (HTML; empty when neither)."""
+    if ringed:
+        return f"{icon('troubleshoot')}<b>Event {r.event:,}</b> · {escape(ringed[1])}"
+    if not key:
+        return ""
+    at = r.loop.stopped_at
+    where = f"<b>Paused at event {r.event:,}</b>" + (
+        f", the end of the step of the key event ({at:,})" if r.event != at else ", the key event")
+    return f"{icon('fast_forward')}{where} · {escape(key.text)}"
+
+
+def stopped_at(client: EngineClient, r: Redraw):
     """The key event a run-to-next-key-event stopped at, explained, while the engine waits there."""
-    at = client.loop.stopped_at
-    if not client.loop.paused or at is None or not view.live and view.event < at:
+    at, view = r.loop.stopped_at, r.view
+    if not r.loop.paused or at is None or not view.live and view.event < at:
         return None
     h = client.history
     if h is None or h.segment_start(view.event + 1) >= at or at > view.event:  # a reset (or clean slate) since
         return None
     if "key" not in view.memo:
-        h = client.history
-        view.memo["key"] = explain(h.step_events(at), at, view.mirror.state) if h else None
+        view.memo["key"] = explain(h.step_events(at), at, view.mirror.state)
     return view.memo["key"]
 
 
@@ -158,20 +190,8 @@ def died(source: Source, hosted: Hosted) -> None:
             st.code("\n".join(proc.tail(30)) or "(no output)")
 
 
-def block_tables(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
-    view = frame_view(client)
-    if view is None:
-        return
-    live_tab, done_tab = st.tabs(["Block tables", "Finished requests"])
-    lit = lessons_view.highlight() if mode() == "Lessons" else []
-    with live_tab:
-        tables.panel(view, client.colors, highlight=set(lit))
-    with done_tab, st.container(height=640, border=False):
-        st.html(tables.render_finished(list(view.mirror.finished), client.colors))
-
-
 def timeline_or_log(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
-    view = frame_view(client)
+    view = current_view(client)
     if view is not None:
         history_panels.panel(client, view, lessons_view.highlight() if mode() == "Lessons" else [])
 
@@ -209,9 +229,10 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 
     @st.fragment(run_every=0.5)
     def wait() -> None:
-        if client.view() is not None or (hosted is not None and hosted.process.died):
+        if client.bounds() is not None or (hosted is not None and hosted.process.died):
             st.rerun()
-        header.status_line(client, source, hosted)
+        st.html(icons.CSS + header.status(client.status, client.hello, client.loop, client.url, source,
+                                          hosted is not None and hosted.process.died))
         st.info("Waiting for the engine's first snapshot. The client reconnects on its own; "
                 "check the URL and token in the sidebar if this lasts.")
 
@@ -219,11 +240,7 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 
 
 def page(source: Source) -> None:
-    """The pool grid and the live views beside the block tables, the history panel below."""
-    left, right = st.columns([3, 2], gap="medium")
-    with left:
-        # run by the grid: the browser asks for the next frame when it has drawn the last
-        st.fragment(fragment_of(live_views), run_every=HEARTBEAT_S, key="live")(source)
-    with right:
-        st.fragment(fragment_of(block_tables), run_every=0.5, key="tables")(source)
+    """The live views (the pool grid beside the block tables), the history panel below."""
+    # run by the grid: the browser asks for the next frame when it has drawn the last
+    st.fragment(fragment_of(live_views), run_every=HEARTBEAT_S, key="live")(source)
     st.fragment(fragment_of(timeline_or_log), run_every=2.0, key="panel")(source)

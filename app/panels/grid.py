@@ -216,7 +216,10 @@ def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: l
 
     bases = [base, *(a for a in also if a is not base)] if base is not None else []
     if bases and all(b.shape == frame.shape for b in bases):
-        head |= {"kind": "delta", "base": base.token, "bases": [b.token for b in bases],
+        # a browser that holds this very frame (sent before, not yet acknowledged) takes it too:
+        # the blocks and sequences it carries are the frame's own
+        head |= {"kind": "delta", "base": base.token,
+                 "bases": list(dict.fromkeys([b.token for b in bases] + [frame.token])),
                  "gone": sorted({k for b in bases for k in b.seqs if k not in frame.seqs}),
                  "seqs": [[k, *v] for k, v in frame.seqs.items() if any(b.seqs.get(k) != v for b in bases)]}
         if any(b is not frame for b in bases):
@@ -307,9 +310,13 @@ def _html() -> str:
 
 @lru_cache(maxsize=1)
 def _component():
+    # the live views around the grid (assets/live.js) and the grid (assets/grid.js): one script, one
+    # element, in the page itself (no shadow root: the browser's find and the page's text include it;
+    # the stylesheets hold to .kv)
     return st.components.v2.component(
-        "kvscope_grid", html=_html(),
-        css=css_vars(".kv") + (ASSETS / "grid.css").read_text(), js=(ASSETS / "grid.js").read_text())
+        "kvscope_grid", html=_html(), isolate_styles=False,
+        css=css_vars(".kv") + (ASSETS / "live.css").read_text() + (ASSETS / "grid.css").read_text(),
+        js=(ASSETS / "live.js").read_text() + (ASSETS / "grid.js").read_text())
 
 
 def _sync(key: str) -> dict:
@@ -323,14 +330,17 @@ def _sync(key: str) -> dict:
 
 
 def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval_s: float = 0.1,
-         on_block=None, extra: dict | None = None) -> None:
-    """Mount (or update) the grid with a delta from the frame the browser holds. `on_block`
-    runs when a block is clicked, with its id in st.session_state[key]["block"]. `extra`
-    goes to the canvas as is: `connected` (False: say the stream stopped), `highlight`
-    (blocks to ring)."""
+         panels: dict | None = None, extra: dict | None = None, on: dict | None = None) -> None:
+    """Mount (or update) the live views' element: the grid, with a delta from the frame the
+    browser holds, and `panels` (the other live views' data: assets/live.js draws them with the
+    grid, in one step, so the page never shows two redraws at once). `extra` goes to the canvas
+    as is: `connected` (False: say the stream stopped), `highlight` (blocks to ring). `on`: the
+    callbacks of the element's triggers and states by name (`block`: a block clicked, its id in
+    st.session_state[key]["block"]; `travel`, `tables`, `pin`, `why`)."""
     sync = _sync(key)
     frame = frame_of(view, colors)
-    also = unacknowledged(st.session_state.setdefault(f"{key}_sent", []), sync.get("have"), frame.token)
+    sent = st.session_state.setdefault(f"{key}_sent", [])
+    also = unacknowledged(sent, sync.get("have"), frame.token)
     extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
     if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
         extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
@@ -338,8 +348,26 @@ def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval
         extra["style"] = STYLE
     bases = [FRAMES.get(t) for t in also]
     known = None not in bases and len(bases) <= MAX_BASES  # else the canvas's frame is unknown: send it whole
-    data = message(frame, FRAMES.get(sync.get("have")) if known else None, extra, bases if known else [])
-    _component()(data=data, key=key, on_block_change=on_block or _nothing, on_sync_change=_nothing)
+    base = FRAMES.get(sync.get("have")) if known else None
+    if panels is not None:
+        held = [sync.get("have"), *also] if base is not None else None
+        extra["panels"] = unsent(panels, st.session_state.setdefault(f"{key}_panels", {}), held, frame.token, sent)
+    data = message(frame, base, extra, bases if known else [])
+    callbacks = {f"on_{name}_change": f for name, f in (on or {}).items()}
+    _component()(data=data, key=key, **{"on_block_change": _nothing, "on_sync_change": _nothing, **callbacks})
+
+
+def unsent(panels: dict, record: dict[int, dict[str, int]], held: list | None, token: int, sent: list[int]) -> dict:
+    """The panels whose content the browser may not hold: it holds the frame `held[0]` or one of
+    the others of `held` (sent, not yet acknowledged; None: not known), each with the panels
+    `record` says were sent with it. The panels sent with `token` are recorded."""
+    digests = {name: hash(json.dumps(value, separators=(",", ":"), sort_keys=True)) for name, value in panels.items()}
+    out = {name: value for name, value in panels.items()
+           if held is None or any(record.get(t, {}).get(name) != digests[name] for t in held)}
+    record[token] = {**record.get(token, {}), **digests}
+    for t in [t for t in record if t not in sent and t != token and (held is None or t not in held)]:
+        del record[t]
+    return out
 
 
 def unacknowledged(sent: list[int], have, token: int) -> list[int]:

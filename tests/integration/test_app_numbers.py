@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from tests.waiting import steady, until_elapsed, wait
 from app.data.words import rate
 from tests.apptest import (DEFAULT_POOL, MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric,
-                          rerun_until, show_log, start, submit)
+                          metric_card, panels, rerun_until, show_log, start, submit, travel_line)
 
 
 def quiet(c) -> int:
@@ -99,14 +99,14 @@ def test_run_to_the_next_key_event_names_the_event_shown_and_a_reset_ends_it(at,
     wait(lambda: events(observer, "fork") and observer.loop.paused and not observer.loop.until, what="the fork")
     last = quiet(observer)
     info = rerun_until(at, lambda a: grid_data(a)["seq"] == last and next(
-        (i.value for i in a.info if "Paused at event" in i.value), None), what="the explanation")
+        (b for b in [panels(a)["banner"]] if "Paused at event" in b), None), what="the explanation")
     assert f"Paused at event {grid_data(at)['seq']:,}" in info
     assert f"({observer.loop.stopped_at:,})" in info or grid_data(at)["seq"] == observer.loop.stopped_at
     from kvscope_contract import protocol as p
     observer.wait_reply(observer.send(p.ResetCmd(config=DEFAULT_POOL)))
     wait(lambda: events(observer, "reset", last), what="the reset")
     rerun_until(at, lambda a: grid_data(a)["seq"] > last, what="the reset drawn")
-    assert not [i for i in at.info if "Paused at event" in i.value]
+    assert "Paused at event" not in panels(at)["banner"]
 
 
 def test_the_event_logs_block_filter_is_empty_until_one_is_chosen(at, observer):
@@ -161,8 +161,8 @@ def test_every_view_of_a_redraw_under_load_shows_one_event(busy_app):
             at.run()
         data = grid_data(at)
         seen.add(data["seq"])
-        caption = next(c.value for c in at.caption if "event **" in c.value)
-        assert f"event **{data['seq']:,}**" in caption
+        caption = travel_line(at)
+        assert f"event <b>{data['seq']:,}</b>" in caption
         if " · step " in caption:
             assert f" · step {data['step']} · " in caption
         k = data["counts"]
@@ -182,7 +182,7 @@ def test_a_busy_pools_tokens_per_s_fits_its_card(busy_app):
     at = busy_app
     shown = rerun_until(at, lambda a: (v := metric(a, "Tokens/s")) != "0.0" and v, 60, "a rate")
     assert re.fullmatch(r"\d{1,3}(\.\d)? k", shown), shown  # the busy pool runs thousands of tokens/s
-    exact = next(m.proto.help for m in at.metric if m.label == "Tokens/s")
+    exact = metric_card(at, "Tokens/s")["help"]
     assert re.search(r"this event: [\d,]+\.\d \(", exact), exact
 
 
@@ -229,7 +229,7 @@ def test_a_stop_at_a_prefix_hit_names_and_rings_every_block_of_the_admission(at,
     blocks = [e.block_id for e in step if e.__struct_config__.tag == "prefix_hit" and e.seq_id == stop.seq_id]
     assert len(blocks) > 1, blocks
     info = rerun_until(at, lambda a: grid_data(a)["seq"] == last and next(
-        (i.value for i in a.info if "Paused at event" in i.value), None), what="the explanation")
+        (b for b in [panels(a)["banner"]] if "Paused at event" in b), None), what="the explanation")
     assert f"{stop.seq_id} reuses {len(blocks)} cached blocks ({block_ranges(blocks)})" in info, info
     assert f"{len(blocks) * observer.view().mirror.config.block_size:,} prompt tokens" in info
     assert sorted(grid_data(at)["highlight"]) == sorted(blocks)

@@ -20,7 +20,7 @@ def canvas(held: dict, data: bytes) -> tuple[dict, bool]:
     head, parts = grid.read(data)
     if head["kind"] == "full":
         return {"token": head["token"], "dev": parts["dev"].copy(), "host": parts["host"].copy(),
-                "seqs": {k: v for k, *v in head["seqs"]}}, True
+                "seqs": {k: v for k, *v in head["seqs"]}, "panels": head.get("panels", {})}, True
     if held.get("token") not in head.get("bases", [head["base"]]):
         return held, False
     dev, host = held["dev"].copy(), held["host"].copy()
@@ -28,7 +28,8 @@ def canvas(held: dict, data: bytes) -> tuple[dict, bool]:
         dev[parts["devIdx"]] = parts["dev"]
         host[parts["hostIdx"]] = parts["host"]
     seqs = {k: v for k, v in held["seqs"].items() if k not in head["gone"]} | {k: v for k, *v in head["seqs"]}
-    return {"token": head["token"], "dev": dev, "host": host, "seqs": seqs}, True
+    panels = {**held.get("panels", {}), **head.get("panels", {})}  # a panel left out: unchanged
+    return {"token": head["token"], "dev": dev, "host": host, "seqs": seqs, "panels": panels}, True
 
 
 def outgoing(frame: grid.Frame, have, sent: list[int], frames: dict[int, grid.Frame]) -> bytes:
@@ -56,6 +57,44 @@ def test_the_canvas_keeps_up_while_its_acknowledgements_lag():
         assert held["seqs"] == frame.seqs
         if rng.random() < 0.3:  # now and then the acknowledgement arrives, of a frame some redraws old
             acked = frames[max(0, i - rng.randrange(0, 4))].token
+
+
+def test_the_live_views_a_frame_leaves_out_are_those_the_browser_holds():
+    """A frame carries only the live views that changed since a frame the browser may hold; the
+    browser, acknowledging late (or the same frame twice, with other panels: a paused engine),
+    always ends up with every panel of the redraw it draws."""
+    h, _ = busy_history(seed=7, ops=300)
+    rng = random.Random(8)
+    points = sorted(rng.sample(range(h.first_event, h.last_event + 1), 40))
+    frames = [grid.build(view_at(h, n), {}) for n in points]
+    frames += [frames[-1]] * 5  # no new event: the same frame again, its panels changing
+    by_token = {f.token: f for f in frames}
+    sent: list[int] = []
+    record: dict = {}
+    held, acked, left_out = {}, None, 0
+    for i, frame in enumerate(frames):
+        panels = {"status": f"status {i // 7}", "metrics": {"used": i // 2}, "card": "same", "travel": [i]}
+        also = grid.unacknowledged(sent, acked, frame.token)
+        base = by_token.get(acked)
+        extra = {"panels": grid.unsent(panels, record, [acked, *also] if base is not None else None, frame.token, sent)}
+        left_out += len(panels) - len(extra["panels"])
+        held, applied = canvas(held, grid.message(frame, base, extra, [by_token[t] for t in also] if base else []))
+        assert applied and held["panels"] == panels, f"redraw {i}: the browser holds {held['panels']}"
+        if rng.random() < 0.4:
+            acked = held["token"]
+    assert left_out > len(frames)  # unchanged panels did stay home
+
+
+def test_the_time_travel_buttons_go_where_they_say():
+    edges = {100: (90, 110)}
+    edge = lambda n, forward: edges[n][forward]  # noqa: E731
+    from app.ui.travel import destination
+    assert destination("prev_step", 100, 50, 200, edge) == 90
+    assert destination("next_step", 100, 50, 200, edge) == 110
+    assert destination("prev", 100, 50, 200, edge) == 99 and destination("prev", 50, 50, 200, edge) == 50
+    assert destination("next", 100, 50, 200, edge) == 101
+    assert destination("next", 199, 50, 200, edge) is None  # the last event: live
+    assert destination("live", 100, 50, 200, edge) is None
 
 
 def test_a_block_tables_chips_say_what_the_hover_says_at_every_event():

@@ -258,15 +258,16 @@ def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate
     """Issue 17, items 8 and 12: the header names vLLM's OpenAI server; after the Overload preset
     (its re-admissions after recompute hit the cache, which vLLM's counter leaves out), the
     dashboard's numbers by vLLM's definition equal vLLM's own /metrics counters' deltas."""
-    from tests.apptest import rerun_until
+    from tests.apptest import metric_card, rerun_until, status_line
     from app.data.scenarios import SCENARIOS
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
-    rerun_until(at, lambda a: any(f"OpenAI API `{vllm.api}/v1`" in m.value for m in a.markdown), 60,
+    rerun_until(at, lambda a: f"OpenAI API <code>{vllm.api}/v1</code>" in status_line(a), 60,
                 "the header to name vLLM's OpenAI server")
 
     def shown() -> tuple[int, int]:
-        cap = next(x.value for x in at.caption if x.value.startswith("vLLM's definition"))
+        cap = metric_card(at, "Prefix hit rate")["note"]
+        assert cap.startswith("vLLM's definition")
         hits, queries = cap.split("·")[1].replace("tokens", "").replace(",", "").split("/")
         return int(hits), int(queries)
 
@@ -283,7 +284,7 @@ def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate
                      vllm.metric("vllm:prefix_cache_queries_total") - queries0)
     after = rerun_until(at, lambda a: (n := shown()) != before and n, 60, "the dashboard to count the preset")
     assert (after[0] - before[0], after[1] - before[1]) == (hits, queries)
-    ours = next(m for m in at.metric if m.label == "Prefix hit rate").delta  # every admission: re-admissions too
+    ours = metric_card(at, "Prefix hit rate")["delta"]  # every admission: re-admissions too
     assert int(ours.split("/")[0].replace(",", "")) >= after[0] and "first admission" in vllm_help(at)
 
 
@@ -336,7 +337,8 @@ def test_g3_every_token_vllm_missed_has_a_reason_that_adds_up_to_its_own_counter
 
 
 def vllm_help(at) -> str:
-    return next(x.proto.help for x in at.caption if x.value.startswith("vLLM's definition"))
+    from tests.apptest import metric_card
+    return metric_card(at, "Prefix hit rate")["noteHelp"]
 
 
 def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dashboard):
@@ -363,7 +365,8 @@ def test_i_make_run_vllm_starts_vllm_shows_its_progress_then_its_pool(dashboard)
     assert data["n"] == 40 and data["counts"]["free"] == 39 and not at.exception
     # the OpenAI server it started on a free port, named in the header, answers there (it listens
     # a little after the plugin's WebSocket)
-    api = next(m.group(1) for x in at.markdown if (m := re.search(r"OpenAI API `(http://[^`]+)`", x.value)))
+    from tests.apptest import status_line
+    api = re.search(r"OpenAI API <code>(http://[^<]+)</code>", status_line(at)).group(1)
 
     def models() -> list | None:
         try:
