@@ -653,8 +653,22 @@ function pull(s) {
   clearTimeout(s.pullTimer);
   s.pullTimer = null;
   s.lastPull = performance.now();
+  if (s.hooks) (s.pulledAt ||= new Map()).set(s.pulls + 1, Date.now());
   const h = s.hover;
   s.setState("sync", { have: s.token, pull: ++s.pulls, focus: h ? [h.b, h.host ? 1 : 0] : null, style: s.style ? 1 : 0 });
+}
+
+// For the bench (test hooks on): where this redraw's time went, from the ask to the drawn canvas
+// (bench/dashboard.py LEGS), and whether a live view named another event than the grid.
+function profile(s, head, received, browser) {
+  const p = head.prof, pulled = s.pulledAt && s.pulledAt.get(head.pull);
+  if (!p || !pulled) return;
+  s.pulledAt.delete(head.pull);
+  const stale = s.panels.travel && s.panels.travel.value !== head.seq ? 1 : 0;
+  const rows = (window.__kvscope_profile ||= []);
+  rows.push([pulled, p.start, p.view || 0, p.panels || 0, p.frame || 0, p.delta || 0, p.encode || 0, p.sent, received,
+    ...browser, Date.now(), head.seq, stale]);
+  if (rows.length > 20000) rows.splice(0, 10000);
 }
 
 function schedulePull(s, interval) {
@@ -671,10 +685,15 @@ async function receive(s, bytes) {
     if (msgs.length > 20000) msgs.splice(0, 10000);
   }
   try {
+    const t0 = performance.now(), received = Date.now();
     const frame = await parse(bytes);
+    const t1 = performance.now();
     if (apply(s, frame)) {  // every live view of this frame's redraw, then the grid: one step, one moment
+      const t2 = performance.now();
       renderPanels(s, frame.head);
+      const t3 = performance.now();
       draw(s);
+      if (s.hooks) profile(s, frame.head, received, [t1 - t0, t2 - t1, t3 - t2, performance.now() - t3]);
       s.err.style.display = "none";
     }
     schedulePull(s, frame.head.interval || 100);

@@ -107,12 +107,14 @@ def current_view(client: EngineClient) -> View | None:
 
 # ---------------------------------------------------------------------------------- fragments
 def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
+    prof = grid.Profile()
     show_replies(client)
     before_restart(hosted, client)
     dead = hosted is not None and hosted.process.died and client is not hosted.previous
     if dead:
         died(source, hosted)
-    r = client.redraw(travel.target())  # every panel below draws this, and nothing else of the client
+    # every panel below draws this, and nothing else of the client
+    r = prof.timed("view", lambda: client.redraw(travel.target()))
     if r is None:
         return
     st.session_state[REDRAW] = (client, r)
@@ -121,15 +123,15 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     key = stopped_at(client, r) if lesson is None else None
     ringed = misses.ring(r.view) if lesson is None and not key else None  # an eviction the miss panel travelled to
     lit = set(lessons_view.highlight() if mode() == "Lessons" else [])
-    panels = drawn({"status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner(r, key, ringed),
-                    "metrics": lambda: header.metrics(r), "travel": lambda: travel.bar(r, connected),
-                    "card": lambda: header.reservation_card(r.view),
-                    "tables": lambda: tables_panel.data(r.view, r.colors, lit)})
+    panels = prof.timed("panels", lambda: drawn({
+        "status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner(r, key, ringed),
+        "metrics": lambda: header.metrics(r), "travel": lambda: travel.bar(r, connected),
+        "card": lambda: header.reservation_card(r.view), "tables": lambda: tables_panel.data(r.view, r.colors, lit)}))
     on = {"block": history_panels.show_block_in_log, "travel": lambda: travel.moved(client, GRID),
           "tables": lambda: tables_panel.changed(GRID), "pin": lambda: tables_panel.pinned(GRID),
           "why": misses.open_panel}
     grid.show(r.view, r.colors, key=GRID, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
-              panels=panels, on=on, extra={
+              panels=panels, on=on, prof=prof, extra={
                   "connected": connected,
                   "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
 

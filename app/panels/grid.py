@@ -16,10 +16,12 @@ import itertools
 import json
 import os
 import threading
+import time
 import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, TypeVar
 
 import numpy as np
 import streamlit as st
@@ -33,6 +35,7 @@ from app.data.source import ASSETS
 from app.streamlit_argv import TEST_HOOKS
 from app.ui.palette import ACCENT, CACHED, FREE, INK, RESERVED, SEQ_COLORS, SHARED, css_vars, group_colors
 
+T = TypeVar("T")
 _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the canvas: 1 + index
 DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
                 ("state", "u1"), ("touch", "u1"), ("group", "u1"), ("pad", "u1")])
@@ -198,13 +201,30 @@ def _align(buf: bytearray, to: int = 16) -> None:
     buf.extend(b"\0" * (-len(buf) % to))
 
 
-def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: list[Frame] = ()) -> bytes:
+class Profile:
+    """Where a redraw's time goes on the server, for the bench (docs/benchmarks.md): milliseconds
+    per leg, sent in the frame's header (`prof`) when the app runs with its test hooks on."""
+
+    def __init__(self):
+        self.on = os.environ.get(TEST_HOOKS) == "1"
+        self.legs: dict[str, float] = {"start": time.time() * 1000}
+
+    def timed(self, leg: str, work: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        out = work()
+        self.legs[leg] = self.legs.get(leg, 0.0) + (time.perf_counter() - t0) * 1000
+        return out
+
+
+def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: list[Frame] = (),
+            prof: Profile | None = None) -> bytes:
     """The bytes the canvas gets: a delta from `base` when it has the frame's shape, else the
     whole frame. `also`: other frames the canvas may hold instead of `base` (sent after it, not
     yet acknowledged): the delta then carries every block that differs from any of them, so it
     applies to each (`bases`), and the grid never stays behind the views drawn with it.
     Layout: MAGIC, u32 header length, header JSON, then 16-byte aligned parts that the header
     locates ([offset, count] from the start of the body)."""
+    t_message = time.perf_counter()
     head = {**frame.info, **(extra or {}), "token": frame.token, "n": frame.shape[0],
             "m": frame.shape[1], "bs": frame.shape[2]}
     body, parts = bytearray(), {}
@@ -233,9 +253,15 @@ def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: l
         head |= {"kind": "full", "seqs": [[k, *v] for k, v in frame.seqs.items()]}
         part("dev", frame.dev)
         part("host", frame.host)
+    if prof is not None:
+        t_delta = time.perf_counter()
     if len(body) > COMPRESS_ABOVE:
         body, head["deflated"] = bytearray(zlib.compress(bytes(body), 1)), True
     head["parts"] = parts
+    if prof is not None and prof.on:
+        prof.legs["delta"] = (t_delta - t_message) * 1000
+        prof.legs["encode"] = (time.perf_counter() - t_delta) * 1000
+        head["prof"] = {**prof.legs, "sent": time.time() * 1000}
     header = json.dumps(head, separators=(",", ":")).encode()
     out = bytearray(MAGIC + len(header).to_bytes(4, "little") + header)
     _align(out)
@@ -330,15 +356,17 @@ def _sync(key: str) -> dict:
 
 
 def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval_s: float = 0.1,
-         panels: dict | None = None, extra: dict | None = None, on: dict | None = None) -> None:
+         panels: dict | None = None, extra: dict | None = None, on: dict | None = None,
+         prof: Profile | None = None) -> None:
     """Mount (or update) the live views' element: the grid, with a delta from the frame the
     browser holds, and `panels` (the other live views' data: assets/live.js draws them with the
     grid, in one step, so the page never shows two redraws at once). `extra` goes to the canvas
     as is: `connected` (False: say the stream stopped), `highlight` (blocks to ring). `on`: the
     callbacks of the element's triggers and states by name (`block`: a block clicked, its id in
     st.session_state[key]["block"]; `travel`, `tables`, `pin`, `why`)."""
+    prof = prof or Profile()
     sync = _sync(key)
-    frame = frame_of(view, colors)
+    frame = prof.timed("frame", lambda: frame_of(view, colors))
     sent = st.session_state.setdefault(f"{key}_sent", [])
     also = unacknowledged(sent, sync.get("have"), frame.token)
     extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
@@ -351,8 +379,9 @@ def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval
     base = FRAMES.get(sync.get("have")) if known else None
     if panels is not None:
         held = [sync.get("have"), *also] if base is not None else None
-        extra["panels"] = unsent(panels, st.session_state.setdefault(f"{key}_panels", {}), held, frame.token, sent)
-    data = message(frame, base, extra, bases if known else [])
+        record = st.session_state.setdefault(f"{key}_panels", {})
+        extra["panels"] = prof.timed("panels", lambda: unsent(panels, record, held, frame.token, sent))
+    data = message(frame, base, extra, bases if known else [], prof)
     callbacks = {f"on_{name}_change": f for name, f in (on or {}).items()}
     _component()(data=data, key=key, **{"on_block_change": _nothing, "on_sync_change": _nothing, **callbacks})
 
