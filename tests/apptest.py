@@ -13,7 +13,7 @@ from app import streamlit_argv
 from app.panels import grid
 from app.data.client import EngineClient
 from app.data.lessons.lesson import all_lessons
-from tests.lesson_claims import CLAIMS, AtStop
+from tests.lesson_claims import CLAIMS, GOALS, AtStop
 from tests.waiting import wait
 
 MAIN = str(streamlit_argv.MAIN)  # app/main.py
@@ -152,7 +152,7 @@ def start(at, key: str, stops: int) -> None:
         rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
 
 
-def check_claims(observer, key: str, i: int, run) -> None:
+def check_claims(observer, key: str, i: int, run) -> AtStop:
     """The stop's caption's claims (tests/lesson_claims.py) against the observer's pool at the stop."""
     r = run.reached[i]
     values, fx = run.memo["words"]
@@ -163,7 +163,10 @@ def check_claims(observer, key: str, i: int, run) -> None:
         step = h.last_step_events(r.end)
         hit = h.event(r.at) if r.at is not None else None
     reset = max((e.seq for e in upto if isinstance(e, p.Reset)), default=0)
-    CLAIMS[key, i](AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit))
+    at = AtStop(state, step, [e for e in upto if e.seq >= reset], values, list(fx.blocks), hit,
+                run.reached[i - 1].end if i else None)
+    CLAIMS[key, i](at)
+    return at
 
 
 def walk_lesson(at: AppTest, observer: EngineClient, key: str) -> None:
@@ -175,6 +178,7 @@ def walk_lesson(at: AppTest, observer: EngineClient, key: str) -> None:
     at.segmented_control(key="mode").set_value("Lessons").run()
     at.selectbox(key="lesson_pick").set_value(key).run()
     at.button(key="lesson_start").click().run()
+    stops = []
     for i, stop in enumerate(lesson.stops):
         if i:
             at.button(key="lesson_next").click().run()
@@ -200,6 +204,7 @@ def walk_lesson(at: AppTest, observer: EngineClient, key: str) -> None:
         if stop.panel:  # the stop opens its history panel under the grid
             rerun_until(at, lambda a: next(c for c in a.segmented_control if c.label == "History").value == stop.panel,
                         what=f"the {stop.panel} panel")
-        check_claims(observer, key, i, run)  # what the caption says, against the pool at the stop
+        stops.append(check_claims(observer, key, i, run))  # what the caption says, against the pool at the stop
+    GOALS[key](lesson, stops)  # what the goal line said the lesson would show
     assert at.session_state["lesson"].done
     assert "End of the lesson" in "\n".join(c.value for c in at.caption)

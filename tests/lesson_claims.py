@@ -1,12 +1,15 @@
 """What each lesson stop's caption claims, checked against the reducer's state at the stop and
 the events that led there (independently of the numbers the caption was filled with, which
-are checked against them too). One function per stop, keyed by (lesson, stop index); a stop
-without a function fails the test, so a new stop cannot go unchecked."""
+are checked against them too). One function per stop, keyed by (lesson, stop index), and one per
+lesson for its goal line (GOALS: checked against the lesson's own requests and every stop of the
+run); a stop or a lesson without a function fails the test, so a new one cannot go unchecked."""
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+
+import msgspec
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState, held_tokens
@@ -20,6 +23,7 @@ class AtStop:
     values: dict[str, str]  # the caption's placeholders, as filled
     blocks: list[int]       # the blocks the stop highlights
     hit: p.Event | None     # the event the run stopped at
+    previous: int | None = None  # the end of the stop before (None: the first stop)
 
     def seqs(self, request_id: str | None = None):
         return [s for s in self.state.seqs.values() if request_id is None or s.request_id == request_id]
@@ -155,10 +159,9 @@ def l3_admission(at: AtStop) -> None:
 
 
 def l3_generating(at: AtStop) -> None:
-    """After 24 steps; {saved_pct} less."""
+    """24 steps later; {saved_pct} less."""
     reservation(at)
-    start = next(e for e in at.events if isinstance(e, p.Alloc))
-    assert at.steps_since(start.seq) == 24 + 1  # the admission's step, then 24 more
+    assert at.steps_since(at.previous) == 24
     v = at.values
     assert v["saved_pct"] == f"{1 - num(v['paged_slots']) / num(v['reserved_slots']):.0%}"
 
@@ -175,6 +178,13 @@ def l3_short(at: AtStop) -> None:
     prompt_blocks = math.ceil(added.prompt_tokens / bs)
     assert len({e.step for e in taken[prompt_blocks:]}) == len(taken) - prompt_blocks
     assert fin.seq_id in at.values["what"]
+    allowed = next(e for e in at.events if isinstance(e, p.RequestAdded) and e.request_id == added.request_id)
+    if sampled < allowed.max_tokens:  # what {ended} says: stopped early, the slots it never touched
+        assert at.values["ended"].startswith(f"{fin.seq_id} stopped after {sampled:,} token")
+        assert f"{allowed.max_tokens - sampled:,} reserved slot" in at.values["ended"]
+    else:
+        assert at.values["ended"].startswith(f"{fin.seq_id} ran to its max of {allowed.max_tokens:,} token")
+    assert [s.status for s in at.seqs("q3")] == ["running"]  # still running: the numbers below are not 0
     reservation(at)
 
 
@@ -480,7 +490,7 @@ CLAIMS = {
     ("01_block_tables", 4): l1_finished,
     ("02_fragmentation", 0): l2_block_size, ("02_fragmentation", 1): l2_block_size,
     ("02_fragmentation", 2): l2_side_by_side,
-    ("03_reservation", 0): l3_admission, ("03_reservation", 1): l3_generating, ("03_reservation", 2): l3_short,
+    ("03_reservation", 0): l3_admission, ("03_reservation", 1): l3_short, ("03_reservation", 2): l3_generating,
     ("04_prefix_caching", 0): l4_chained, ("04_prefix_caching", 1): l4_prefix_hit,
     ("04_prefix_caching", 2): l4_finished, ("04_prefix_caching", 3): l4_eviction, ("04_prefix_caching", 4): l4_why,
     ("05_copy_on_write", 0): l5_fork, ("05_copy_on_write", 1): l5_cow, ("05_copy_on_write", 2): l5_still_shared,
@@ -490,3 +500,93 @@ CLAIMS = {
     ("08_sliding_windows", 2): l8_saved, ("08_sliding_windows", 3): l8_hit,
     ("08_sliding_windows", 4): l8_every_group,
 }
+
+
+# ---------------------------------------------------------------- the goal lines
+def _submits(lesson) -> list:
+    return [r for stop in lesson.stops for r in stop.submit]
+
+
+def _pools(lesson) -> list:
+    """Each stop's pool (a reset applies to the stops after it, until the next)."""
+    out, cfg = [], {}
+    for stop in lesson.stops:
+        if stop.reset is not None:
+            cfg = {**cfg, **{k: v for k, v in msgspec.structs.asdict(stop.reset).items() if v is not None}}
+        out.append(cfg)
+    return out
+
+
+def g1(lesson, stops: list[AtStop]) -> None:
+    """Two short prompts, blocks of 4 tokens; a block only when needed; logical blocks in order."""
+    assert len(lesson.stops[0].submit) == 2 and {c["block_size"] for c in _pools(lesson)} == {4}
+    for seq_id in {e.seq_id for e in stops[-1].events if isinstance(e, p.Alloc)}:
+        logical = [e.logical_index for e in stops[-1].events if isinstance(e, p.Alloc) and e.seq_id == seq_id]
+        assert logical == list(range(len(logical)))
+
+
+def g2(lesson, stops: list[AtStop]) -> None:
+    """The same four requests at 4, 16 and 64 (the same memory each time): waste per sequence grows
+    with the block size, the block tables get shorter."""
+    runs = [stop.submit for stop in lesson.stops if stop.submit]
+    assert len(runs) == 3 and all(len(r) == 4 and r == runs[0] for r in runs)
+    pools = [c for stop, c in zip(lesson.stops, _pools(lesson)) if stop.submit]
+    assert [c["block_size"] for c in pools] == [4, 16, 64]
+    assert len({c["block_size"] * c["num_device_blocks"] for c in pools}) == 1
+    waste = [num(at.values["waste"]) for at in stops]
+    entries = [num(at.values["entries"]) for at in stops]
+    assert waste == sorted(waste) and waste[0] < waste[-1] and entries == sorted(entries, reverse=True)
+
+
+def g3(lesson, stops: list[AtStop]) -> None:
+    """Four requests, three allowed up to 256 new tokens and one 48."""
+    subs = _submits(lesson)
+    assert len(subs) == 4 and sorted(r.max_tokens for r in subs) == [48, 256, 256, 256]
+    assert "three allowed up to 256 new tokens and one 48" in " ".join(lesson.goal.split())
+
+
+def g4(lesson, stops: list[AtStop]) -> None:
+    """Two requests share a system prompt; the second hits the first's blocks but the last prompt
+    token's; later prompts fill the pool and evict, least recently used first."""
+    a, b = (next(r for r in _submits(lesson) if r.request_id == k) for k in ("A", "B"))
+    assert a.messages[0].role == b.messages[0].role == "system" and a.messages[0].content == b.messages[0].content
+    assert any(isinstance(e, p.PrefixHit) and e.seq_id == "B" for e in stops[-1].events)
+    assert any(isinstance(e, p.Evict) for e in stops[-1].events)
+
+
+def g5(lesson, stops: list[AtStop]) -> None:
+    """One prompt, four samples (n = 4)."""
+    (sub,) = _submits(lesson)
+    assert sub.n == 4 and sum(isinstance(e, p.Fork) for e in stops[-1].events) == 3
+
+
+def g6(lesson, stops: list[AtStop]) -> None:
+    """Three requests that together need more blocks than the pool has; the newest gives way, by
+    swap, then by recompute."""
+    for stop, cfg in zip(lesson.stops, _pools(lesson)):
+        if stop.submit:
+            assert len(stop.submit) == 3
+            adds = [e for e in stops[lesson.stops.index(stop)].events if isinstance(e, p.RequestAdded)]
+            need = sum(math.ceil((e.prompt_tokens + e.max_tokens) / cfg["block_size"]) for e in adds)
+            assert need > cfg["num_device_blocks"], (need, cfg)
+    modes = [e.mode for at in stops for e in at.of(p.Preempt)]
+    assert modes[0] == "swap" and modes[-1] == "recompute"
+
+
+def g7(lesson, stops: list[AtStop]) -> None:
+    """The running model's own numbers (checked at each stop by l7_bytes)."""
+    assert all(num(at.values["bytes_per_block"]) == at.state.config.bytes_per_block for at in stops)
+
+
+def g8(lesson, stops: list[AtStop]) -> None:
+    """A hybrid model: sliding-window and full-attention groups in one pool, a table per group,
+    blocks freed as the window moves, a hit as long as every group serves it, what the windows save."""
+    sliding, full = _groups(stops[0])
+    events = stops[-1].events
+    assert any(isinstance(e, p.WindowFree) for e in events)  # freed as the window moved on
+    assert any(isinstance(e, p.PrefixHit) for e in events)
+    assert all(len(s.block_tables) == len(sliding) + len(full) for at in stops for s in at.seqs())
+
+
+GOALS = {"01_block_tables": g1, "02_fragmentation": g2, "03_reservation": g3, "04_prefix_caching": g4,
+         "05_copy_on_write": g5, "06_preemption": g6, "07_sizing": g7, "08_sliding_windows": g8}

@@ -106,7 +106,8 @@ CSS = """<style>
 
 HIT_RATES = {  # the card's two hit rates: label, what it counts (the single-engine header's definitions)
     "hit_rate": ("hit rate, KVScope's", "prefix-cache hit tokens over tokens looked up at every admission, "
-                 "re-admissions after a preemption included, since this page attached"),
+                 "re-admissions after a preemption included, since this page attached or the engine's last "
+                 "reset, whichever came later"),
     "first_hit_rate": ("hit rate, vLLM's", "the same at each request's first admission only: vLLM's own "
                        "prefix_cache_hits / prefix_cache_queries over these requests"),
 }
@@ -214,6 +215,7 @@ class PrefixCacheView:
     names: list[str]
     forest_html: str
     left_out: str  # the engines down, whose last seen caches these numbers leave out ("" if none)
+    cached: dict[str, int]  # each live engine's cached blocks when this was merged (the cards say them now)
 
 
 def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
@@ -236,7 +238,18 @@ def prefix_cache_view(fleet: Fleet) -> PrefixCacheView:
     holders = ix.holders
     forest = prefix_tree.render(ix.forest(), max_nodes=300, text=lambda n: ",".join(sorted(holders.get(n.key, {}))),
                                 color=lambda n: engine_color(names, set(holders.get(n.key, {}))))
-    return PrefixCacheView(ix, numbers, ix.identity(), bool(ix.hash_disagreements()), names, forest, left_out)
+    return PrefixCacheView(ix, numbers, ix.identity(), bool(ix.hash_disagreements()), names, forest, left_out,
+                           {r.name: r.cached for r in rows if r.seen_s_ago is None})
+
+
+def behind(v: PrefixCacheView, rows: list[EngineRow], age_s: float) -> str:
+    """What the merged view says, if the engines' caches moved since it was merged: their cards' cached
+    blocks now against the view's ("" when they agree)."""
+    now = {r.name: r.cached for r in rows if r.seen_s_ago is None}
+    if now == v.cached:
+        return ""
+    return (f"As of {age_s:.0f} s ago: the engines' caches have changed since (their cards now say "
+            f"{sum(now.values()):,} cached blocks, merged here {sum(v.cached.values()):,}); merging again.")
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -255,6 +268,8 @@ def prefix_cache(fleet: Fleet, path: str) -> None:
                    + (f" (the last try failed: {shared.error})" if shared.error else ""))
         return
     v = fresh.value
+    if note := behind(v, st.session_state.get("fleet_rows") or fleet.rows(), max(0.0, time.time() - fresh.at)):
+        st.warning(note, icon=":material/update:")  # never the past told as now
     for col, (label, value, help_) in zip(st.columns(len(v.numbers)), v.numbers):
         col.metric(label, value, help=help_)
     if v.left_out:

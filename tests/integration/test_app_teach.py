@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvscope_contract import protocol as p
-from tests.lesson_claims import CLAIMS
+from tests.lesson_claims import CLAIMS, GOALS
 from tests.apptest import LESSONS, card, events, grid_data, html_with, reached, rerun_until, start, walk_lesson
 
 
@@ -32,6 +32,7 @@ def test_a_stop_opens_only_history_panels_the_dashboard_has():
 
 def test_every_stop_of_every_lesson_has_its_claims_checked():
     assert set(CLAIMS) == {(key, i) for key, lesson in LESSONS.items() for i in range(len(lesson.stops))}
+    assert set(GOALS) == set(LESSONS)  # and every goal line
 
 
 @pytest.mark.parametrize("key", [k for k, lesson in LESSONS.items() if not lesson.model])

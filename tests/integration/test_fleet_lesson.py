@@ -115,10 +115,10 @@ def systems(got: dict[str, list]) -> dict[str, str]:
     return {r.request_id: r.system for r in fleet_load.workload(12, 3, run)}
 
 
-def hit_claims(at: AtStop, got: dict[str, list]) -> None:
+def hit_claims(at: AtStop, got: dict[str, list]) -> dict[str, int]:
     """A request hit exactly when an earlier request of its system prompt ran on its engine; the hit
-    tokens each engine's rate quotes are its requests' prefix hits."""
-    system = systems(got)
+    tokens each engine's rate quotes are its requests' prefix hits (returned, by engine)."""
+    system, out = systems(got), {}
     for e in at.engines:
         seen, hit_tokens = set(), 0
         for req in got[e.name]:
@@ -128,6 +128,8 @@ def hit_claims(at: AtStop, got: dict[str, list]) -> None:
             hit_tokens += n * 16
         assert re.search(rf"{e.name} \d+% \({hit_tokens:,} of [\d,]+ tokens\)",
                          at.words["hit_rates"]), at.words["hit_rates"]
+        out[e.name] = hit_tokens
+    return out
 
 
 def rr(at: AtStop) -> None:
@@ -148,7 +150,13 @@ def affinity(at: AtStop) -> None:
     """Affinity: no duplicates, each system prompt on one engine; hit rates higher than round-robin's."""
     got = sent(at, "affinity")
     assert duplicates(at) == 0 and at.words["duplicated"] == "0"
-    hit_claims(at, got)
+    this_run = hit_claims(at, got)
+    # what a card's hit rate counts, as the caption says: each engine's own counters since the reset
+    # the lesson's clear made (a client attached before it counts from there too)
+    only_this_run = "count this run's requests only" in at.words["cards_count"]
+    for e in at.engines:
+        tl = e.observer.view().mirror.tally
+        assert (tl.hit_tokens == this_run[e.name]) == only_this_run, (e.name, tl.since, at.words["cards_count"])
     rates = {k: int(re.match(r"(\d+)%", v["hit_rate"]).group(1)) for k, v in at.run.records.items()}
     assert rates["affinity"] > rates["round-robin"]
     assert "| round-robin |" in at.words["records"] and "| affinity |" in at.words["records"]
@@ -178,8 +186,26 @@ CLAIMS = {("routing", 0): empty, ("routing", 1): rr, ("routing", 2): empty, ("ro
           ("routing", 4): probe}
 
 
+def routing_goal(lesson, at: AtStop) -> None:
+    """Two engines, one chat workload with three shared system prompts; round-robin duplicates them,
+    affinity leaves none and more of each prompt is found; a prefix-aware router scores a prompt."""
+    goal = " ".join(lesson.goal.split())
+    assert "Two engines, one chat workload with three shared system prompts" in goal
+    sends = [st for st in lesson.stops if st.do == "send"]
+    assert [st.policy for st in sends] == ["round-robin", "affinity"] and all(st.systems == 3 for st in sends)
+    assert len(at.engines) == 2 and at.run.probe is not None
+    r = at.run.records
+    assert num(r["round-robin"]["duplicated"]) > 0 == num(r["affinity"]["duplicated"])
+    hits = {k: int(re.match(r"(\d+)%", v["hit_rate"]).group(1)) for k, v in r.items()}
+    assert hits["affinity"] > hits["round-robin"]
+
+
+GOALS = {"routing": routing_goal}
+
+
 def test_every_stop_of_the_fleet_lessons_has_its_claims_checked():
     assert set(CLAIMS) == {(key, i) for key, lesson in LESSONS.items() for i in range(len(lesson.stops))}
+    assert set(GOALS) == set(LESSONS)  # and every goal line
 
 
 def card(at: AppTest) -> str:
@@ -218,6 +244,7 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
             assert caption(stop, run.words()) in text and "?" not in caption(stop, run.words())
             CLAIMS["routing", i](AtStop(run.words(), engines, run))
         assert run.done and "End of the lesson" in "\n".join(c.value for c in at.caption)
+        GOALS["routing"](lesson, AtStop(run.words(), engines, run))
         # Back shows an earlier stop's words as they were, Next returns without running anything
         at.button(key="fleet_lesson_back").click().run()
         assert "stop 4 of 5" in card(at) and "reached earlier" in card(at)

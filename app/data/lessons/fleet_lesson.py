@@ -79,6 +79,7 @@ PLACEHOLDERS = {
     "probe": "the conversation scored", "probe_system": "its system prompt's first words",
     "probe_tokens": "its prompt tokens", "scores": "cached tokens per engine", "picked": "the engine picked",
     "reused": "prompt tokens it then found cached", "records": "the numbers kept by earlier stops",
+    "cards_count": "what a card's hit rate counts (this run only, or since the page attached)",
 }
 RECORDED = ("requests", "per_engine", "duplicated", "dup_mib", "on_both", "hit_rate")
 
@@ -344,7 +345,8 @@ class FleetLessonRun(StopWalk):
                      per_engine=", ".join(f"{n}: {sum(e == n for e, _ in phase.plan)}" for n in self.engines),
                      dup_names=", ".join(first_words(s) for s in dup) or "(none)",
                      hit_rates=", ".join(f"{n} {_rate(*hits[n])}" for n in self.engines),
-                     hit_rate=_rate(sum(h for h, _ in hits.values()), sum(n for _, n in hits.values())))
+                     hit_rate=_rate(sum(h for h, _ in hits.values()), sum(n for _, n in hits.values())),
+                     cards_count=self._cards_count(phase))
         if stop.do == "probe":
             pr = self.probe
             w.update(probe=f"`{pr['request'].request_id}`", probe_system=first_words(pr["request"].system),
@@ -352,6 +354,17 @@ class FleetLessonRun(StopWalk):
                      scores=", ".join(f"{s.engine} {plural(s.cached_tokens, 'token')} ({plural(s.blocks, 'block')})"
                                       for s in sorted(pr["scores"], key=lambda s: self.engines.index(s.engine))))
         return w
+
+
+    def _cards_count(self, phase: Phase) -> str:
+        """What the cards' hit rates count: an engine the lesson reset counts this run only, one it
+        could only clear (a vLLM) every request since the page attached."""
+        fresh = [n for n in self.engines if phase.before[n] == (0, 0)]
+        if len(fresh) == len(self.engines):
+            return "(The cards' hit rates below count this run's requests only.)"
+        since = "; ".join(f"{n}'s every request since {self._client(n).view().mirror.tally.since}"
+                          + (", both runs together" if n not in fresh else "") for n in self.engines)
+        return f"(The cards' hit rates below count {since}.)"
 
 
 def _rate(hit: int, looked: int) -> str:

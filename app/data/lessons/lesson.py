@@ -123,7 +123,9 @@ PLACEHOLDERS = {
     "used": "blocks in use", "free": "free blocks", "cached": "cached blocks (no holder)", "shared": "shared blocks",
     "slot_util": "slot utilisation", "waste": "empty slots in used blocks", "entries": "block-table entries",
     "reserved_slots": "slots a contiguous prompt + max-tokens reservation holds", "paged_slots": "slots paging holds",
-    "saved_pct": "how much less paging holds", "reserved_mib": "the reservation in MiB", "paged_mib": "paging in MiB",
+    "saved_pct": "how much less paging holds",
+    "ended": "how the finished sequence's answer ended: before its max tokens (the reservation it never touched) "
+             "or at them", "reserved_mib": "the reservation in MiB", "paged_mib": "paging in MiB",
     "hit_tokens": "prompt tokens served by the cache", "hit_rate": "prefix hit rate",
     "looked_up": "tokens looked up in the prefix cache",
     "why": "why the others missed, by reason, since the lesson last reset the pool (the panel's words)",
@@ -240,6 +242,7 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
         "seqs_per_gib": f"{GIB // bpb * bs // 2048:,}" if bpb else "?",
         "pool_mib": _mib(bpb * cfg.num_device_blocks),
     }
+    out["ended"] = _ended(fx, mirror, before)
     out["records"] = records_table(records, columns)
     out["looked_up"] = f"{tl.looked_up_tokens:,}"
     out["why"] = reason_line(totals_of(admissions).by_reason, words=True) or "nothing missed"
@@ -251,6 +254,21 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
                           f"{reason_line(last.by_reason(), words=True) or 'nothing'} missed")
     out |= hybrid.context(fx, mirror, u, seq)
     return out
+
+
+def _ended(fx: Focus, mirror, before) -> str:
+    """How the answer of the first sequence that finished in the stop's step ended."""
+    fin = next((e for e in fx.events if isinstance(e, p.Finish)), None)
+    done = next((f for f in reversed(mirror.finished) if fin and f.seq_id == fin.seq_id), None)
+    seq = before.state.seqs.get(fin.seq_id) if fin and before is not None else None
+    if done is None or seq is None:
+        return "?"
+    out, most = done.output_tokens, seq.max_tokens
+    if out < most:
+        return (f"{fin.seq_id} stopped after {plural(out, 'token')} of the {most:,} it was allowed, so "
+                f"{plural(most - out, 'reserved slot')} were never touched")
+    return (f"{fin.seq_id} ran to its max of {plural(most, 'token')}, so its whole reservation was used, "
+            "the last of it only at the last step")
 
 
 def _table(seq) -> str:
