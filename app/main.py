@@ -11,7 +11,7 @@ from streamlit import config as st_config
 
 from app.ui import controls, quiet_log, stale, travel
 from app.modes import fleet_view, kv_events_view, lab_view, lessons_view, live
-from app.data.source import Source, from_command_line
+from app.data.source import ASSETS, Source, from_command_line
 
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
 # that costs ~60 ms, ten times a second. Python's own generational GC still runs.
@@ -21,13 +21,21 @@ MODES = {"Explore": ":material/explore: Explore", "Lessons": ":material/school: 
          "Lab": ":material/science: Lab"}
 
 
+MODE_BEFORE = "mode_before"  # session state: the mode selected last (a second click on it deselects it)
+
+
 def _mode_changed() -> None:
+    if st.session_state.get("mode") is None:  # the selected mode clicked again: it stays selected
+        st.session_state["mode"] = st.session_state.get(MODE_BEFORE, "Explore")
+        return
+    st.session_state[MODE_BEFORE] = st.session_state["mode"]
     travel.go_live()
     stale.mark()
 
 
 def main() -> None:
-    st.set_page_config(page_title="KVScope", page_icon=":material/grid_view:", layout="wide",
+    # the tab icon is a file of ours (a data URL): a Material icon's is fetched from fonts.gstatic.com
+    st.set_page_config(page_title="KVScope", page_icon=ASSETS / "favicon.svg", layout="wide",
                        initial_sidebar_state="expanded")
     stale.full_run()
     source: Source = st.session_state.setdefault("source", from_command_line())

@@ -336,7 +336,8 @@ function setup(root) {
   box.tabIndex = 0;
   s.bar.innerHTML = '<button data-z="all" title="Show the whole pool (Home)">Whole pool</button>' +
     '<button data-z="out" title="Zoom out (−, or the wheel)">−</button><button data-z="in" title="Zoom in (+, or the wheel)">+</button>' +
-    '<span class="range"></span><span class="sp"></span>colour by <button data-m="sequence">sequence</button><button data-m="state">state</button><button data-m="group">group</button>' +
+    '<span class="range"></span><span class="sp"></span><span class="cb">colour by <button data-m="sequence">sequence</button>' +
+    '<button data-m="state">state</button><button data-m="group">group</button></span>' +
     '<span class="hint">wheel zooms · drag pans · keys + − ↑ ↓ PgUp PgDn Home</span>';
   s.bar.addEventListener("click", (ev) => {
     const b = ev.target.closest("button");

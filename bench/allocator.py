@@ -84,7 +84,7 @@ def run(trace, block_size: int, num_blocks: int, max_running: int = 64) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=8192)

@@ -111,7 +111,7 @@ def run_case(name, specs, layers, repeats, block_size, dtype):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--block-size", type=int, default=16)

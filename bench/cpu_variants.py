@@ -58,7 +58,7 @@ class VariantSide(KVScopeSide):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sides", required=True, help="comma-separated variant:dtype, e.g. avx2:float32,avx2:bfloat16")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=3)

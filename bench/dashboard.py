@@ -419,7 +419,7 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="8192,131072,1048576")
     ap.add_argument("--browser-sizes", default=None, help="default: --sizes ('' skips the browser)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -92,7 +92,7 @@ def greedy_check(model: str, device: str, out_dir: Path, new_tokens: int) -> int
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a local Hugging Face model folder (Llama family), or the SmolLM2 GGUF file")
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda", help="cuda (the point); cpu only to try the script")

@@ -119,7 +119,7 @@ def metrics_cost(engine, prompts, new_tokens: int, rounds: int) -> tuple[list[fl
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--reader":
         return reader(sys.argv[2], float(sys.argv[3]))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -241,7 +241,7 @@ def report(args, results: list[dict], engines_rss: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     ap.add_argument("--blocks", type=int, default=32768)
     ap.add_argument("--seconds", type=float, default=30.0)

@@ -63,7 +63,7 @@ def timed_pass(call: Callable, weights: list[torch.Tensor], x: torch.Tensor, out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sides", default=None, help="comma-separated variants, torch, read (default: every "
                                                   "variant this CPU runs, torch and read)")
     ap.add_argument("--baseline", default=None, help="git revision whose kernels also run, as <isa>@REV")

@@ -143,7 +143,7 @@ def copy_rows(dtype):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="skip the largest attention case")
     args = ap.parse_args()
     if not torch.cuda.is_available():

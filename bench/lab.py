@@ -41,7 +41,7 @@ def spread(xs: list[float]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scale", type=int, default=20, help="preset repeats")
     args = ap.parse_args()

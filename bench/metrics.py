@@ -41,7 +41,7 @@ def filled(num_blocks: int) -> tuple[EngineMetrics, list[p.Event]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     print(f"pools {FILL:.0%} used, {args.rounds} rounds; median (min..max)")

@@ -36,7 +36,7 @@ def server_ready(spec: str, *flags: str, timeout: float = 300) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     for spec in MODELS:  # the first load converts or caches what later loads reuse

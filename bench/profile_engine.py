@@ -95,7 +95,7 @@ def profile_vllm(args, prompts, dtype: torch.dtype) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--requests", type=int, default=32)

@@ -331,7 +331,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated; each a section")

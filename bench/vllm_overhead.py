@@ -68,7 +68,7 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(BUNDLED))
     ap.add_argument("--rounds", type=int, default=4, help="timed runs per side")
     ap.add_argument("--requests", type=int, default=32)

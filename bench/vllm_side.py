@@ -25,7 +25,7 @@ import time
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a local Hugging Face model folder")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile")

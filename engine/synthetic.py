@@ -142,7 +142,7 @@ class SyntheticEngine(EngineCore):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_listen_args(ap)
     ap.add_argument("--num-device-blocks", type=int, default=131072)
     ap.add_argument("--num-host-blocks", type=int, default=8192)

@@ -32,7 +32,7 @@ def start_engine(model: str, record: Path) -> ServerProcess:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("assets/demo_recording.jsonl"))
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()

@@ -93,7 +93,7 @@ SHOTS = ("screenshot", "lesson", "lab", "misses")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", type=Path, default=ROOT / "assets")
     ap.add_argument("--only", default=",".join(SHOTS), help=f"the shots to take, of {', '.join(SHOTS)}")

@@ -83,7 +83,7 @@ slices, instants and counters ui.perfetto.dev shows.</p></body></html>"""
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "assets" / "perfetto.png")
     ap.add_argument("--at", type=int, default=2300, help="the demo's event to pause at (or just after)")
     args = ap.parse_args()

@@ -186,9 +186,8 @@ def died(source: Source, hosted: Hosted) -> None:
                  "below, and after a restart too (*Browse the history before the restart*); Restart starts it "
                  "again with the pool config and pace it last had.",
                  icon=":material/heart_broken:")
-        c = st.columns([1, 4])
-        c[0].button("Restart engine", type="primary", key="restart_dead", on_click=restart, args=(source, proc))
-        with c[1].expander("Its last lines"):
+        st.button("Restart engine", type="primary", key="restart_dead", on_click=restart, args=(source, proc))
+        with st.expander("Its last lines"):
             st.code("\n".join(proc.tail(30)) or "(no output)")
 
 

@@ -136,7 +136,7 @@ def metrics(r: Redraw) -> dict:
                f"Tokens generated per second of the engine's own step time (the steps' durations, "
                f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event: "
                f"{tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all)."),
-        metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks} forks", "violet" if tl.cows else "gray",
+        metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks:,} forks", "violet" if tl.cows else "gray",
                "Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
                f"copy each (the grid outlines both the original and the copy). Since {tl.since}."),
         metric("Swaps out / in", f"{tl.swap_outs:,} / {tl.swap_ins:,}",
@@ -144,12 +144,13 @@ def metrics(r: Redraw) -> dict:
                "orange" if host >= HOST_ORANGE else "violet" if tl.swap_outs else "gray",
                "Sequences moved to the host pool and back. Frequent swapping means the pool is too "
                f"small. Orange when the host pool is {HOST_ORANGE:.0%} full. Since {tl.since}."),
-        metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes} recomputed", "red" if tl.preemptions else "gray",
+        metric("Preemptions", f"{tl.preemptions:,}", f"{tl.recomputes:,} recomputed",
+               "red" if tl.preemptions else "gray",
                f"Sequences stopped because the pool ran out of blocks (swapped out or recomputed). Since {tl.since}."),
         metric("Running", f"{run:,}", f"{wait:,} wait" + (f" · {swap:,} swap" if swap else ""),
                "orange" if wait or swap else "gray",
                f"Live sequences: running, waiting for blocks, swapped out to the host pool. At most "
-               f"{cfg.max_num_seqs} run at once; {tl.finished} have finished."),
+               f"{cfg.max_num_seqs:,} run at once; {tl.finished:,} have finished."),
     ]
     since = "" if tl.since == "engine start" else (  # counters cover only what this client saw
         f"Counters since {escape(tl.since)}; pool usage and sequences are the whole engine's.")

@@ -90,19 +90,20 @@ STEP_AXIS = {"format": "d", "tickMinStep": 1}  # steps are whole numbers: no 151
 
 
 def _histogram(values: np.ndarray) -> dict:
-    """Bins of whole steps (at most 20), so that one value alone is one bar from n to n + 1."""
+    """Bins of whole steps (at most 20), each bar labelled by the steps it counts ("0", "5–9"): a bar
+    drawn from n to n + 1 read as the values between them."""
     lo, hi = int(values.min()), int(values.max())
     width = -(-(hi - lo + 1) // 20)
     edges = np.arange(lo, hi + width + 1, width)
     counts, _ = np.histogram(values, bins=edges)
-    data = [{"from": int(a), "to": int(b), "blocks": int(c)} for a, b, c in zip(edges, edges[1:], counts)]
+    data = [{"from": int(a), "to": int(b), "steps": str(a) if b - a == 1 else f"{a}–{b - 1}", "blocks": int(c)}
+            for a, b, c in zip(edges, edges[1:], counts)]
     return {"data": {"values": data}, "height": 150, "mark": {"type": "bar", "color": USED},
-            "encoding": {"x": {"field": "from", "type": "quantitative", "bin": {"binned": True}, "title": "steps",
-                               "axis": STEP_AXIS},
-                         "x2": {"field": "to"},
+            "encoding": {"x": {"field": "steps", "type": "ordinal", "sort": None, "title": "steps",
+                               "axis": {"labelAngle": 0}},
                          "y": {"field": "blocks", "type": "quantitative", "title": "samples",
                                "axis": {"tickMinStep": 1}},
-                         "tooltip": [{"field": "from"}, {"field": "to"}, {"field": "blocks"}]}}
+                         "tooltip": [{"field": "steps"}, {"field": "blocks", "title": "samples"}]}}
 
 
 def show_block_in_log() -> None:

@@ -282,8 +282,10 @@ def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = Non
     blocks to ring (a lesson's stop points at them); `every_group`: a row per KV-cache group."""
     seqs = chosen(view) if seqs is None else seqs
     if not seqs:
-        return CSS + ('<div class="bt"><div class="meta">No live sequence: submit a prompt or run a scenario.'
-                      '</div></div>')
+        live = len(view.mirror.state.seqs)
+        say = (f"None of the {live:,} live sequences matches the search." if live else
+               "No live sequence: submit a prompt or run a scenario.")
+        return CSS + f'<div class="bt"><div class="meta">{say}</div></div>'
     pin = view.mirror.state.seqs.get(pinned) if pinned else None
     cards = ([card(view, pin, colors, True, open_runs, highlight, every_group)] if pin else []) + [
         card(view, s, colors, False, open_runs, highlight, every_group) for s in seqs if s is not pin]

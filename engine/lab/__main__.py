@@ -54,7 +54,7 @@ def _window(text: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.lab", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m engine.lab", description=__doc__.split("\n\n")[0],
                                  epilog="\n".join(__doc__.splitlines()[2:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", help=f"a preset ({', '.join(PRESETS)}) or a recording (.jsonl)")

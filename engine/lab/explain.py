@@ -96,7 +96,7 @@ def print_report(name: str, x: MissExplainer, rebuilt: int, top: int, out=sys.st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvscope-explain", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="kvscope-explain", description=__doc__.split("\n\n")[0],
                                  epilog="\n".join(__doc__.splitlines()[2:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recording", type=Path, help="a recording (engine.serve.server --record, or the dashboard's)")

@@ -16,7 +16,7 @@ from engine.core.sequence import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = SamplingParams()
     ap.add_argument("prompt")
     ap.add_argument("--n", type=int, default=d.n, help="parallel samples sharing the prompt's blocks")

@@ -441,3 +441,14 @@ def test_a_killed_engine_is_said_and_restarts_with_its_pool_only_when_asked(monk
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, 90, "the restarted engine")
     assert (data["n"], data["bs"]) == (512, 8)
     st.cache_resource.clear()
+
+
+def test_clicking_the_mode_already_selected_keeps_it_selected(at):
+    """Issue 28: a second click on the selected mode left no mode highlighted."""
+    mode = lambda: at.segmented_control(key="mode")  # noqa: E731
+    mode().set_value("Lessons").run()
+    mode().set_value(None).run()  # what a click on the selected option sends
+    assert mode().value == "Lessons" and not at.exception
+    mode().set_value("Explore").run()
+    mode().set_value(None).run()
+    assert mode().value == "Explore"

@@ -83,7 +83,8 @@ def test_the_wheel_carries_what_a_user_needs(venv):
     assert {n.split("/")[0] for n in names} == {"kvscope", "kvscope-0.2.0.dist-info"}
     for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml",
                  "assets/grid.js", "assets/grid.css",
-                 "assets/live.js", "assets/live.css", "assets/demo_recording.jsonl", "kernels/cpu/kvscope_cpu.cpp",
+                 "assets/live.js", "assets/live.css", "assets/favicon.svg", "assets/demo_recording.jsonl",
+                 "kernels/cpu/kvscope_cpu.cpp",
                  "kvscope_contract/state.py", "engine/model/model_loader.py", "app/data/export_perfetto.py",
                  "integrations/vllm/plugin.py", "cli.py"):
         assert f"kvscope/{need}" in names, need

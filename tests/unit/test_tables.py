@@ -111,3 +111,15 @@ def test_a_waiting_or_recomputed_sequence_shows_the_tokens_it_has_and_needs():
                                      "no blocks, needs 8 blocks of 16")
     assert texts[running.seq_id] == ("0 of 96 tokens in the cache (80 prompt + 16 output, max 40) · 96 to recompute · "
                                      "no blocks, needs 6 blocks of 16")
+
+
+def test_a_search_that_matches_nothing_says_so_not_that_nothing_runs():
+    """Issue 28: with 512 sequences live, a search that matched none said "No live sequence: submit a prompt"."""
+    from tests.histories import busy_history, view_at
+    from app.panels import tables
+    h, _ = busy_history(seed=4, ops=300)
+    view = view_at(h, h.last_event)
+    live = len(view.mirror.state.seqs)
+    assert live
+    shown = tables.render(view, {}, tables.chosen(view, "no such sequence"))
+    assert "submit a prompt" not in shown and f"None of the {live:,} live sequences matches" in shown

@@ -87,7 +87,8 @@ def test_timeline_charts_hold_no_empty_layer():
 
 def test_lifetime_histograms_bin_whole_steps():
     """Walk of issue 17: seven reuse gaps of 152 steps (vLLM, Overload) drew one bar from 151.5 to
-    152.5 under ticks 151.5, 151.7, ...: bins are whole steps, ticks too."""
+    152.5 under ticks 151.5, 151.7, ...: bins are whole steps, ticks too. Issue 28: reuse gaps of 0
+    steps drew one bar across 0-1: each bar is labelled by the steps it counts ("0", "5–9")."""
     import numpy as np
     from app.panels.history_panels import _histogram
     for values in ([152] * 7, [0, 1, 1, 5], list(range(3, 250, 7)), [7, 1000]):
@@ -96,9 +97,12 @@ def test_lifetime_histograms_bin_whole_steps():
         assert all(isinstance(b["from"], int) and isinstance(b["to"], int) for b in bins), bins
         assert len(bins) <= 20 and sum(b["blocks"] for b in bins) == len(values)
         assert bins[0]["from"] <= min(values) and max(values) < bins[-1]["to"]
-        axis = spec["encoding"]["x"]["axis"]
-        assert axis["format"] == "d" and axis["tickMinStep"] == 1
-    assert _histogram(np.array([152] * 7))["data"]["values"] == [{"from": 152, "to": 153, "blocks": 7}]
+        assert all(b["steps"] == (str(b["from"]) if b["to"] - b["from"] == 1 else f"{b['from']}–{b['to'] - 1}")
+                   for b in bins), bins
+        x = spec["encoding"]["x"]
+        assert x["field"] == "steps" and x["type"] == "ordinal" and "x2" not in spec["encoding"]
+    assert _histogram(np.array([152] * 7))["data"]["values"] == [{"from": 152, "to": 153, "steps": "152", "blocks": 7}]
+    assert [b["steps"] for b in _histogram(np.array([0, 0, 0]))["data"]["values"]] == ["0"]
 
 
 def test_big_numbers_carry_thousands_separators():
@@ -140,3 +144,18 @@ def test_every_event_kind_is_said_in_words():
         assert words(ev), f"{kind_of(ev)} has no words"
         said.add(kind_of(ev))
     assert said == set(p.EVENT_KINDS)
+
+
+def test_every_count_in_the_metrics_has_its_thousands_separator():
+    """Issue 28: "8,241 copies · 8790 forks"."""
+    from app.data.client import Redraw, Status
+    from tests.histories import busy_history, view_at
+    h, _ = busy_history(seed=2, ops=200)
+    view = view_at(h, h.last_event)
+    tl = view.mirror.tally
+    tl.cows, tl.forks, tl.preemptions, tl.recomputes, tl.finished = 8241, 8790, 12_345, 1234, 56_789
+    r = Redraw(view, h.first_event, h.last_event, (), p.LoopState(paused=False, step_delay_ms=0.0), Status(), None,
+               "ws://x", {})
+    said = " ".join(f"{m['value']} {m['delta']} {m['help']}" for m in header.metrics(r)["cards"])
+    assert "8,790 forks" in said and "1,234 recomputed" in said and "56,789 have finished" in said
+    assert not re.findall(r"(?<![\d,.])\d{4,}(?![\d,])", said.replace("1.05 M", "")), said
