@@ -12,8 +12,8 @@ import re
 import pytest
 
 from app.data.launcher import ServerProcess
-from tests.browser.pages import open_grid
-from tools.launch import CHROMIUM, FLAGS
+from tools.launch import CHROMIUM, FLAGS, open_grid
+from tools.shoot_docs import walk_hybrid_lesson
 
 BLOCKS, WINDOW = 2048, 64
 # Read in one go (the canvas applies no frame meanwhile): the event the block tables and the grid
@@ -97,7 +97,7 @@ def test_hybrid_tables_stay_right_live_and_in_time_travel(start_app, hybrid_engi
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
-        page = open_grid(browser, url, BLOCKS, errors, height=1600)
+        page = open_grid(browser, url, errors, BLOCKS, height=1600)
         page.wait_for_function("window.__kvscope_grid.groups === 6", timeout=30_000)
         page.wait_for_function("window.__kvscope_grid.draws > 20 && window.__kvscope_grid.kind === 'delta'",
                                timeout=90_000)  # a while live, on deltas
@@ -139,5 +139,34 @@ def test_hybrid_tables_stay_right_live_and_in_time_travel(start_app, hybrid_engi
         page.wait_for_function("window.__kvscope_grid.live === true", timeout=20_000)
         seq = page.evaluate("window.__kvscope_grid.seq")
         page.wait_for_function(f"window.__kvscope_grid.seq > {seq}", timeout=30_000)  # the engine ran on meanwhile
+        assert not errors, errors
+        browser.close()
+
+
+@pytest.mark.slow
+def test_the_sliding_windows_lesson_starts_its_own_gemma3_engine_in_one_click(start_app):
+    """From the tiny model's embedded engine (one KV-cache group): one click starts a Gemma 3 270M
+    engine and the lesson on it; Next to its end, every stop's caption shown with the grid on the
+    six groups; Back to a stop reached before; then back to the engine before, as it was."""
+    from playwright.sync_api import expect, sync_playwright
+
+    url, _ = start_app(["--model", "tiny"])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        errors: list[str] = []
+        page = open_grid(browser, url, errors, 256, height=1400)
+        walk_hybrid_lesson(page, 5)
+        assert "End of the lesson" in page.inner_text("body")
+        page.wait_for_function("window.__kvscope_grid.groups === 6 && window.__kvscope_grid.highlight > 0",
+                               timeout=30_000)
+        assert "gemma-3-270m" in page.inner_text("body")
+        side = page.get_by_test_id("stSidebar")
+        side.get_by_role("button", name="Back", exact=True).click()
+        page.wait_for_function("() => { const t = document.body.innerText; "
+                               "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }",
+                               timeout=30_000)
+        side.get_by_role("button", name="Back to the embedded engine (tiny)").click()
+        page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.groups === 1", timeout=60_000)
+        expect(page.get_by_text("embedded engine (tiny)").first).to_be_visible()
         assert not errors, errors
         browser.close()
