@@ -553,7 +553,7 @@ function draw(s) {
   if (s.range.start + s.range.count > d.n) s.range.start = Math.max(0, d.n - s.range.count);
   const whole = s.range.count >= d.n;
   s.over.style.display = whole ? "none" : "";
-  s.bar.style.display = small && whole ? "none" : "";
+  s.bar.style.display = small && whole && !d.groups ? "none" : "";  // a hybrid pool: "colour by group" stays in reach
   if (!whole) {
     s.ogeo = geometry(0, d.n, width, d.n > 65536 ? 160 : 110);
     paint(s.over, s.octx, s, s.ogeo, false);
@@ -716,6 +716,7 @@ function testApi(s) {
       return out;
     },
     group(i) { return group(s.dev, i); },
+    state(i) { return state(s.dev, i); },
     tip() { return s.tip.style.display === "block" ? s.tip.innerText : ""; },
     locate(i) {
       if (i < s.range.start || i >= s.range.start + s.range.count) setRange(s, i - s.range.count / 2, s.range.count);

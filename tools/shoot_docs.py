@@ -5,8 +5,10 @@ embedded engine, Debian's chromium through playwright.
 
 Writes screenshot.png (the README's: a shared system prompt, then parallel sampling up to its
 first copy-on-write), lesson.png (the prefix caching lesson at its prefix hit, with the prefix
-tree open), lab.png (the long and short mixed preset at block sizes 4, 16 and 64) and misses.png
-(the "Why not more?" panel at the prefix caching lesson's last stop, its what-ifs computed).
+tree open), lab.png (the long and short mixed preset at block sizes 4, 16 and 64), misses.png
+(the "Why not more?" panel at the prefix caching lesson's last stop, its what-ifs computed) and
+hybrid.png (Gemma 3 270M in the sliding windows lesson, started with its one click: a prefix hit
+per KV-cache group).
 """
 from __future__ import annotations
 
@@ -75,6 +77,37 @@ def shoot_explore(page, path: Path) -> None:
     page.screenshot(path=str(path))
 
 
+def walk_hybrid_lesson(page, stops: int, timeout_ms: int = 900_000) -> None:
+    """Lessons mode, the sliding windows lesson started with its one click (on an engine without
+    sliding windows it starts a Gemma 3 engine of its own, then the lesson on it), then Next until
+    `stops` stops were reached."""
+    side = page.get_by_test_id("stSidebar")
+    side.get_by_text("Lessons", exact=True).click()
+    side.get_by_label("Lesson").click()
+    page.get_by_role("option", name="8. Sliding windows and hybrid models").click()
+    side.get_by_role("button", name="Start gemma3 and the lesson").click()
+    for i in range(stops):
+        if i:
+            page.get_by_test_id("stSidebar").get_by_role("button", name="Next").click()
+        try:
+            page.wait_for_function("n => { const t = document.body.innerText; "
+                                   "return t.includes(`stop ${n} of 5`) && !t.includes('running until'); }",
+                                   arg=i + 1, timeout=timeout_ms)
+        except Exception as e:
+            raise AssertionError(f"stop {i + 1} not reached; the page says: {page.inner_text('body')[:2500]}") from e
+
+
+def shoot_hybrid(page, path: Path) -> None:
+    """Gemma 3 270M at the sliding windows lesson's fourth stop: B's prefix hit in every KV-cache
+    group (the full-attention group from the start, each sliding-window group only its window's
+    blocks), the tables' row per kind of group, the header's groups."""
+    walk_hybrid_lesson(page, 4)
+    page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.groups === 6", timeout=60_000)
+    time.sleep(3)
+    page.evaluate(TOP)
+    page.screenshot(path=str(path))
+
+
 def shoot_misses(page, path: Path) -> None:
     """The prefix caching lesson run to its last stop, which opens "Why not more?": the panel,
     once the lab's replay of the session has said what would have hit, from the panel picker down."""
@@ -89,7 +122,7 @@ def shoot_misses(page, path: Path) -> None:
     page.screenshot(path=str(path), clip={"x": 260, "y": top, "width": 1240, "height": bottom - top})
 
 
-SHOTS = ("screenshot", "lesson", "lab", "misses")
+SHOTS = ("screenshot", "lesson", "lab", "misses", "hybrid")
 
 
 def main() -> int:
@@ -130,6 +163,10 @@ def main() -> int:
             if "misses" in only:
                 browser, page, _ = open_dashboard(pw, url, height=1700)
                 shoot_misses(page, args.out / "misses.png")
+                browser.close()
+            if "hybrid" in only:  # last: this session leaves the app's engine for a Gemma 3 one
+                browser, page, _ = open_dashboard(pw, url, height=1250)
+                shoot_hybrid(page, args.out / "hybrid.png")
                 browser.close()
     finally:
         os.killpg(app.pid, signal.SIGTERM)

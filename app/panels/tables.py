@@ -290,7 +290,7 @@ def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = Non
     cards = ([card(view, pin, colors, True, open_runs, highlight, every_group)] if pin else []) + [
         card(view, s, colors, False, open_runs, highlight, every_group) for s in seqs if s is not pin]
     key = KEY + (KEY_GROUPS if len(view.mirror.config.groups) > 1 else "")
-    return CSS + f'<div class="bt">{key}{"".join(cards)}</div>'
+    return CSS + f'<div class="bt" data-event="{view.event}">{key}{"".join(cards)}</div>'
 
 
 def listing(view: View, seqs: list[SeqState]) -> pd.DataFrame:

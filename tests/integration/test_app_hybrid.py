@@ -2,7 +2,8 @@
 architecture, small: two sliding-window layers of 32 tokens and one full-attention layer, so three
 KV-cache groups), the lesson on sliding windows run from Start to its end with Next alone (every
 caption's claims checked against the pool), and the views' hybrid parts while it runs: a
-block-table row per group, the header's groups, what the windows save."""
+block-table row per group, the header's groups, what the windows save, the prefix tree's blocks
+per group."""
 from __future__ import annotations
 
 import re
@@ -12,7 +13,7 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.kv_groups import group_layers
 from app.data.launcher import ServerProcess
-from tests.apptest import LESSONS, html_with, walk_lesson
+from tests.apptest import LESSONS, html_with, rerun_until, walk_lesson
 
 HYBRID = [k for k, lesson in LESSONS.items() if lesson.model]
 
@@ -46,6 +47,9 @@ def test_the_hybrid_lesson_runs_to_its_end_with_next_alone(at, observer, key):
     assert any("KV-cache groups · **sliding 32 ×2** (groups 0, 1)" in c.value for c in at.caption)
     card = html_with(at, "What paging saves")
     assert "Full attention on every layer would hold" in card and "they save" in card
+    next(c for c in at.segmented_control if c.label == "History").set_value("Prefix tree").run()
+    tree = rerun_until(at, lambda a: next((h.value for h in a.html if 'class="pt"' in h.value), None), what="the tree")
+    assert "physical blocks in 3 KV-cache groups" in tree and "blocks by KV-cache group: group 0:" in tree
     at.toggle(key="bt_groups").set_value(True).run()
     tables = html_with(at, 'class="bt"')
     assert {"group 0 · sliding 32", "group 1 · sliding 32", "group 2 · full"} <= {

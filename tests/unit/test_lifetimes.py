@@ -52,3 +52,32 @@ def test_every_block_returned_to_the_free_list_has_one_lifetime():
     assert row.swap_outs > 0 and len(lt.samples["lifetime"]) == born and not lt.samples["idle"]
     # a block born and gone in the same step counts zero block-steps, as it does at step ends
     assert sum(lt.values("lifetime")) == round(row.mean_used * row.steps)
+
+
+def test_on_a_hybrid_pool_a_window_free_ends_a_holding_like_a_free():
+    """Gemma 3's six KV-cache groups, no prefix cache: a block a window frees goes back to the free
+    list there and then (one lifetime each, as many as allocations, block-steps as the pool held
+    them), and a request holds its blocks of every group."""
+    from kvscope_contract.kv_groups import gemma3_groups
+    pool = p.PoolConfig(block_size=8, num_device_blocks=400, enable_prefix_caching=False, num_host_blocks=64,
+                        kv_groups=gemma3_groups(24))
+    lab = Lab(LabConfig(pool=pool), load("chat"), keep_events=True)
+    lt = Lifetimes.from_state(PoolState.from_snapshot(lab.snapshot()))
+    state = PoolState.from_snapshot(lab.snapshot())
+    row = lab.run(fast=False)
+    events = lab.drain_events()
+    held_by: dict[str, int] = {}
+    for ev in events:
+        lt.apply(ev)
+        state.apply(ev)
+        if isinstance(ev, p.StepDone):  # every group's blocks, a shared one once
+            held_by = {}
+            for s in state.seqs.values():
+                held_by.setdefault(s.request_id, set()).update(b for t in s.block_tables for b in t if b >= 0)
+            for rid, blocks in held_by.items():
+                assert lt.held[rid][-1][1] == len(blocks)
+    freed = sum(isinstance(e, p.WindowFree) and e.ref_count == 0 for e in events)
+    born = sum(1 for e in events if isinstance(e, (p.Alloc, p.Cow))) + sum(
+        len(e.mapping) for e in events if isinstance(e, p.SwapIn))
+    assert freed > 100 and len(lt.samples["lifetime"]) == born and not lt.samples["idle"]
+    assert sum(lt.values("lifetime")) == round(row.mean_used * row.steps)
