@@ -74,8 +74,8 @@ def test_hit_rate_counts_every_admission_and_never_passes_100_percent(monkeypatc
     looked_up, hits = [], []
     allocate = BlockManager.allocate
 
-    def spy(self, seq):
-        cached = allocate(self, seq)
+    def spy(self, seq, budget=None):
+        cached = allocate(self, seq, budget)
         looked_up.append(len(seq))
         hits.append(cached)
         return cached
