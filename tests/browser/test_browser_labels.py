@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.browser.pages import open_grid
+from tools.launch import open_grid
 from tests.processes import children
 from tools.launch import CHROMIUM, FLAGS
 
@@ -50,7 +50,7 @@ def test_no_label_is_cut_and_colour_by_stays_with_its_buttons(app_url):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         errors: list[str] = []
-        page = open_grid(browser, url, 4096, errors, width=1000, height=1200)
+        page = open_grid(browser, url, errors, 4096, width=1000, height=1200)
         page.wait_for_timeout(2000)
         assert page.evaluate(COLOUR_BY_JS), "the grid's 'colour by' wrapped away from its buttons"
         assert page.evaluate(CUT_JS) == []

@@ -16,7 +16,7 @@ import pytest
 
 from app.data.client import EngineClient
 from app.data.launcher import ServerProcess
-from tests.browser.pages import open_grid
+from tools.launch import open_grid
 from tests.waiting import wait
 from tools.launch import CHROMIUM, FLAGS
 
@@ -131,7 +131,7 @@ def test_every_panel_of_a_redraw_names_one_event_on_a_busy_million_block_pool(bu
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
             errors: list[str] = []
-            page = open_grid(browser, url, BLOCKS, errors, height=1400)
+            page = open_grid(browser, url, errors, BLOCKS, height=1400)
             page.wait_for_function("window.__kvscope_grid.draws > 3 && window.__kvscope_grid.live", timeout=120_000)
             rng = random.Random(28)
             seen, known = [], 0
