@@ -13,7 +13,7 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.kv_groups import group_layers
 from app.data.launcher import ServerProcess
-from tests.apptest import LESSONS, html_with, rerun_until, walk_lesson
+from tests.apptest import LESSONS, html_with, panels, rerun_until, walk_lesson
 
 HYBRID = [k for k, lesson in LESSONS.items() if lesson.model]
 
@@ -44,13 +44,14 @@ def test_the_hybrid_lesson_runs_to_its_end_with_next_alone(at, observer, key):
     labels = [x.replace("<br>", " · ") for x in re.findall(r'<span class="gl" title="[^"]*">(.+?)</span>', tables)]
     assert "groups 0, 1 · sliding 32 ×2" in labels or "group 0 · sliding 32" in labels, labels
     assert "group 2 · full" in labels and 'class="ch null"' in tables  # the windows' empty entries
-    assert any("KV-cache groups · **sliding 32 ×2** (groups 0, 1)" in c.value for c in at.caption)
+    assert "KV-cache groups · <b>sliding 32 ×2</b> (groups 0, 1)" in panels(at)["metrics"]["groups"]
     card = html_with(at, "What paging saves")
     assert "Full attention on every layer would hold" in card and "they save" in card
     next(c for c in at.segmented_control if c.label == "History").set_value("Prefix tree").run()
     tree = rerun_until(at, lambda a: next((h.value for h in a.html if 'class="pt"' in h.value), None), what="the tree")
     assert "physical blocks in 3 KV-cache groups" in tree and "blocks by KV-cache group: group 0:" in tree
-    at.toggle(key="bt_groups").set_value(True).run()
+    at.session_state["bt_controls"] = {**at.session_state["bt_controls"], "groups": True}  # as its checkbox does
+    at.run()
     tables = html_with(at, 'class="bt"')
     assert {"group 0 · sliding 32", "group 1 · sliding 32", "group 2 · full"} <= {
         x.replace("<br>", " · ") for x in re.findall(r'<span class="gl" title="[^"]*">(.+?)</span>', tables)}

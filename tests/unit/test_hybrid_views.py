@@ -161,8 +161,8 @@ def test_the_header_counts_each_kind_of_group_and_what_the_windows_save(history)
         assert u["reserved_slots"] == sliding.reserved + full.reserved
         assert u["full_everywhere"] == 6 * full.used  # every group holding what the full one does
         line = header.groups_line(u, st.config)
-        assert f"**sliding {W} ×5** (groups 0–4): {sliding.used:,} used" in line
-        assert f"**full** (group 5): {full.used:,} used" in line
+        assert f"<b>sliding {W} ×5</b> (groups 0–4): {sliding.used:,} used" in line
+        assert f"<b>full</b> (group 5): {full.used:,} used" in line
         if u["holding"] and 6 * full.used > u["used"]:
             card = header.by_group(u, st.config)
             assert f"would hold <b>{6 * full.used:,} blocks</b>" in card
