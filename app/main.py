@@ -29,6 +29,8 @@ def _mode_changed() -> None:
         st.session_state["mode"] = st.session_state.get(MODE_BEFORE, "Explore")
         return
     st.session_state[MODE_BEFORE] = st.session_state["mode"]
+    if st.session_state["mode"] == "Lessons":  # a lesson resets the pool: the scenario's requests go
+        st.session_state.pop(controls.LAST_SCENARIO, None)
     travel.go_live()
     stale.mark()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts, hit_rate
@@ -55,6 +55,22 @@ class Tally(EventCounts):
 
     def clone(self) -> Tally:
         return replace(self, steps=deque(self.steps, maxlen=RATE_STEPS), preempted=set(self.preempted))
+
+    def after(self, base: Tally, since: str) -> Tally:
+        """What these counters counted after `base` (the same counters read at an earlier event
+        of the same slate), labelled `since`; the rate and the last step are this one's."""
+        out = replace(self.clone(), since=since)
+        for name in COUNTERS:
+            setattr(out, name, getattr(self, name) - getattr(base, name))
+        return out
+
+    def counted_nothing(self) -> bool:
+        return not any(getattr(self, name) for name in COUNTERS)
+
+
+# the fields that count events (the rest: the rate's window, the last step, who was preempted)
+COUNTERS = tuple(f.name for f in fields(EventCounts)) + (
+    "requests", "first_looked_up_tokens", "first_hit_tokens", "generated", "cows", "forks", "finished")
 
 
 @dataclass

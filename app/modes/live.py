@@ -20,6 +20,7 @@ from app.panels import grid, header, history_panels, misses, tables_panel
 from app.ui import icons, stale, travel
 from app.ui.icons import icon
 from app.data.client import EngineClient, Redraw, View
+from app.data.mirror import Tally
 from app.ui.commands import show_replies
 from app.ui.connection import Hosted, resolve, restart
 from app.data.key_events import explain
@@ -88,6 +89,7 @@ def before_restart(hosted: Hosted | None, client: EngineClient) -> None:
 
 
 REDRAW = "redraw"  # session state: (the client, the Redraw) the live views last drew
+IN_LESSON = "in_lesson"  # session state: (the client, the event) the live views last drew in Lessons
 
 
 def last_redraw(client: EngineClient) -> Redraw | None:
@@ -118,14 +120,17 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     if r is None:
         return
     st.session_state[REDRAW] = (client, r)
+    if mode() == "Lessons":
+        st.session_state[IN_LESSON] = (client, r.event)
     connected = r.status.state == "connected" and not dead
+    old = hosted is not None and client is hosted.previous  # the history before a restart
     lesson = lessons_view.stage(client) if mode() == "Lessons" else None  # its caption, and its blocks
     key = stopped_at(client, r) if lesson is None else None
     ringed = misses.ring(r.view) if lesson is None and not key else None  # an eviction the miss panel travelled to
     lit = set(lessons_view.highlight() if mode() == "Lessons" else [])
     panels = prof.timed("panels", lambda: drawn({
         "status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner(r, key, ringed),
-        "metrics": lambda: header.metrics(r), "travel": lambda: travel.bar(r, connected),
+        "metrics": lambda: header.metrics(r, own_tally(client, r)), "travel": lambda: travel.bar(r, connected, old),
         "card": lambda: header.reservation_card(r.view), "tables": lambda: tables_panel.data(r.view, r.colors, lit)}))
     on = {"block": history_panels.show_block_in_log, "travel": lambda: travel.moved(client, GRID),
           "tables": lambda: tables_panel.changed(GRID), "pin": lambda: tables_panel.pinned(GRID),
@@ -137,6 +142,23 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 
 
 GRID = "pool_grid"  # the live views' element
+ATTACHED = "attached"  # session state: (the client, its epoch, the event, the counters) at its first live draw
+
+
+def own_tally(client: EngineClient, r: Redraw) -> Tally:
+    """The counters since this session attached. Every session shares the client, whose own
+    counters start where the first session attached it: a later one counts from its own first
+    live redraw (earlier events and a reset or clean slate since keep the client's)."""
+    tl = r.view.mirror.tally
+    held = st.session_state.get(ATTACHED)
+    if held is None or held[0] is not client or held[1] != r.view.epoch:
+        if not r.view.live:
+            return tl
+        held = st.session_state[ATTACHED] = (client, r.view.epoch, r.event, tl.clone())
+    _, _, at, base = held
+    if r.event < at or base.since != tl.since or base.counted_nothing():
+        return tl
+    return tl.after(base, f"you attached (event {at:,})")
 
 
 def drawn(panels: dict[str, Callable[[], object]]) -> dict[str, object]:
@@ -170,6 +192,9 @@ def stopped_at(client: EngineClient, r: Redraw):
     """The key event a run-to-next-key-event stopped at, explained, while the engine waits there."""
     at, view = r.loop.stopped_at, r.view
     if not r.loop.paused or at is None or not view.live and view.event < at:
+        return None
+    lesson = st.session_state.get(IN_LESSON)
+    if lesson and lesson[0] is client and at <= lesson[1]:  # a lesson's stop, left behind in Explore
         return None
     h = client.history
     if h is None or h.segment_start(view.event + 1) >= at or at > view.event:  # a reset (or clean slate) since

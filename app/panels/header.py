@@ -10,7 +10,7 @@ from kvscope_contract import protocol as p
 from app.data.client import Redraw, Status, View
 from app.ui.connection import Hosted
 from app.ui.icons import icon
-from app.data.mirror import RATE_STEPS
+from app.data.mirror import RATE_STEPS, Tally
 from app.ui.palette import RESERVED_BAR, USED
 from app.data.groups import span
 from app.data.words import count, plural, rate
@@ -99,11 +99,13 @@ WHY = ("Why not more?", "Why the prefix cache missed, token by token, and what w
        "under the grid")
 
 
-def metrics(r: Redraw) -> dict:
+def metrics(r: Redraw, tl: Tally | None = None) -> dict:
     """Two rows of four metrics, each with a colour that turns when a threshold is crossed, and
-    the line that says what the counters cover."""
+    the line that says what the counters cover (`tl`: the session's own counters, by default the
+    client's)."""
     view = r.view
-    m, tl, cfg = view.mirror, view.mirror.tally, view.mirror.config
+    m, cfg = view.mirror, view.mirror.config
+    tl = tl or m.tally
     u = usage(view)
     pool = u["used"] / u["total"] if u["total"] else 0.0
     host = u["host_used"] / u["host_total"] if u["host_total"] else 0.0
@@ -131,11 +133,13 @@ def metrics(r: Redraw) -> dict:
                note=(f"vLLM's definition: <b>{tl.first_hit_rate:.0%}</b> · {tl.first_hit_tokens:,} / "
                      f"{tl.first_looked_up_tokens:,} tokens" if vllm else ""),
                note_help=VLLM_HIT_RATE if vllm else "", button=WHY),
-        metric("Tokens/s", rate(tl.tokens_per_s()), f"{last.duration_ms:.0f} ms/step" if last else "no step yet",
+        metric("Tokens/s", rate(tl.tokens_per_s()),
+               f"over {plural(len(tl.steps), 'step')} · last {last.duration_ms:.0f} ms" if last else "no step yet",
                "gray",
                f"Tokens generated per second of the engine's own step time (the steps' durations, "
-               f"pauses and pace not counted), over the last {RATE_STEPS} steps up to this event: "
-               f"{tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all)."),
+               f"pauses and pace not counted), over the last {RATE_STEPS} steps (those since a reset, when "
+               f"fewer) up to this event: {tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all). A prefill "
+               "step computes a whole prompt for its one token, so the rate falls when prompts arrive."),
         metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks:,} forks", "violet" if tl.cows else "gray",
                "Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
                f"copy each (the grid outlines both the original and the copy). Since {tl.since}."),

@@ -196,6 +196,9 @@ def clean_slate(client: EngineClient) -> None:
     st.session_state["travel"] = None
 
 
+LAST_SCENARIO = "last_scenario"  # session state: the scenario started last, whose caption says what to watch
+
+
 def scenarios(client: EngineClient, view: View) -> None:
     cfg = view.mirror.config
     st.toggle("Start from a clean slate", True, key="scenario_clean",
@@ -204,7 +207,7 @@ def scenarios(client: EngineClient, view: View) -> None:
     for sc in SCENARIOS:
         st.button(sc.title, key=f"scenario_{sc.key}", help=sc.watch(cfg), width="stretch",
                   disabled=not client.supports("submit"), on_click=_run_scenario, args=(client, sc, cfg))
-    if (key := st.session_state.get("last_scenario")) is not None:
+    if (key := st.session_state.get(LAST_SCENARIO)) is not None:
         sc = next(s for s in SCENARIOS if s.key == key)
         st.caption(f"**Watch:** {sc.watch(cfg)}.")
 
@@ -219,7 +222,7 @@ def _run_scenario(client: EngineClient, sc: Scenario, cfg: p.PoolConfig) -> None
     if ids := [c.request_id for c in sent if isinstance(c, p.Submit)]:
         st.toast(f"{sc.title}: {', '.join(ids)}", icon=":material/play_circle:")
     st.session_state["travel"] = None
-    st.session_state["last_scenario"] = sc.key
+    st.session_state[LAST_SCENARIO] = sc.key
 
 
 def _follow(key: str, engine_value) -> None:

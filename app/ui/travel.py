@@ -63,8 +63,9 @@ def moved(client: EngineClient, key: str) -> None:
         go(destination(value["move"], int(value.get("at", last)), first, last, client.step_edge))
 
 
-def bar(r: Redraw, connected: bool) -> dict | None:
-    """What the bar draws for this redraw (None: too few events to travel yet)."""
+def bar(r: Redraw, connected: bool, before_restart: bool = False) -> dict | None:
+    """What the bar draws for this redraw (None: too few events to travel yet); `before_restart`:
+    the history of the engine before a restart, where nothing runs on."""
     first, last, n, view = r.first, r.last, r.event, r.view
     if last - first < 1:
         return None
@@ -74,7 +75,10 @@ def bar(r: Redraw, connected: bool) -> dict | None:
     where = f"event <b>{n:,}</b> of {last:,}" + (
         f" · step {ev.step:,} · {ev.__struct_config__.tag}: {escape(words(ev))}" if ev and ev.seq == n else "")
     mode = ('<span class="past">' + icon("history") + '<b>Time travel</b></span> · ' if not view.live else
+            '<span class="dead">● <b>Before the restart</b>: its last event</span> · ' if before_restart else
             '<span class="live">● <b>Live</b></span> · ' if connected else
             '<span class="dead">● <b>Not connected</b>: the last state received</span> · ')
+    back = ("" if view.live else " · press <b>Live</b> for its last event" if before_restart or not connected
+            else " · the engine keeps running: press <b>Live</b> to return")
     return {"first": first, "last": last, "value": n, "live": view.live, "markers": ticks,
-            "caption": mode + where + ("" if view.live else " · the engine keeps running: press <b>Live</b> to return")}
+            "caption": mode + where + back}

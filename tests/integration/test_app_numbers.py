@@ -71,13 +71,20 @@ def test_a_lesson_stop_with_decoding_sequences_shows_its_rate(at, observer):
 
 def test_leaving_a_lesson_says_the_engine_is_on_its_pool_and_restores_the_one_before(at, observer):
     """Item 11: back in Explore after a lesson, the page says the engine is on the lesson's pool
-    (paused), and one click restores the pool Explore had, running."""
-    start(at, "01_block_tables", 1)
+    (paused), and one click restores the pool Explore had, running. Issue 28, item 4: the lesson's
+    'Paused at event' banner and the scenario started before it stay behind in the lesson."""
+    at.toggle(key="scenario_clean").set_value(False)
+    at.button(key="scenario_parallel").click().run()
+    assert any(c.value.startswith("**Watch:**") for c in at.sidebar.caption)
+    start(at, "01_block_tables", 1)  # its first stop: the engine paused at an alloc
     cfg = observer.view().mirror.config
     assert (cfg.num_device_blocks, cfg.block_size) != (256, 16) and observer.loop.paused
+    assert observer.loop.stopped_at is not None
     at.session_state["travel"] = observer.history.last_event - 2  # as Back leaves it
     at.segmented_control(key="mode").set_value("Explore").run()
     assert grid_data(at)["live"]  # Explore starts live
+    assert "Paused at event" not in panels(at)["banner"]
+    assert not any(c.value.startswith("**Watch:**") for c in at.sidebar.caption)
     note = next(m.value for m in at.sidebar.markdown if "still on the lesson's pool" in m.value)
     assert f"{cfg.num_device_blocks} blocks of {cfg.block_size}" in note and "paused" in note
     assert "256 blocks of 16" in note and "prefix caching on" in note
@@ -206,6 +213,11 @@ def test_the_history_before_a_restart_stays_browsable(monkeypatch):
     at.session_state["travel"] = first + (last - first) // 2  # time travel in the old history
     at.run()
     assert grid_data(at)["seq"] == first + (last - first) // 2 and not grid_data(at)["live"]
+    caption = panels(at)["travel"]["caption"]  # nothing runs on there (issue 28, item 4)
+    assert "keeps running" not in caption and "press <b>Live</b> for its last event" in caption
+    at.session_state["travel"] = None
+    at.run()
+    assert "Before the restart" in panels(at)["travel"]["caption"]
     at.button(key="browse_live").click().run()
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["connected"] and d, what="the live engine again")
     assert h.client.bounds()[0] <= data["seq"] and not any("history before the restart" in w.value for w in at.warning)
@@ -233,3 +245,26 @@ def test_a_stop_at_a_prefix_hit_names_and_rings_every_block_of_the_admission(at,
     assert f"{stop.seq_id} reuses {len(blocks)} cached blocks ({block_ranges(blocks)})" in info, info
     assert f"{len(blocks) * observer.view().mirror.config.block_size:,} prompt tokens" in info
     assert sorted(grid_data(at)["highlight"]) == sorted(blocks)
+
+
+def test_a_second_tab_counts_from_its_own_attach(at, observer):
+    """Issue 28, item 4: a tab opened later was told 'Counters since you attached (event N)' with the
+    first tab's N and counts: the client is shared, the counters 'since you attached' are each tab's."""
+    begin = observer.history.last_event
+    submit(at, "The first tab's request", prompt_max=6)
+    wait(lambda: events(observer, "finish", begin), what="the first request")
+    second = AppTest.from_file(MAIN, default_timeout=30)  # a new tab on the same client (cache kept)
+    rerun_until(second, lambda a: grid_data(a), what="the second tab's grid")
+    attached = grid_data(second)["seq"]
+    assert f"Counters since you attached (event {attached:,})" in panels(second)["metrics"]["since"]
+    assert f"(event {attached:,})" not in panels(at)["metrics"]["since"]  # the first tab: since its own
+    mid = observer.history.last_event
+    submit(at, "A request both tabs see", prompt_max=6)
+    wait(lambda: events(observer, "finish", mid), what="the second request")
+    last = quiet(observer)
+    for tab in (at, second):
+        rerun_until(tab, lambda a: grid_data(a)["seq"] == last, what="the last event")
+    whole, before = observer.view().mirror.tally, observer.view(attached).mirror.tally
+    for tab, looked_up in ((at, whole.looked_up_tokens), (second, whole.looked_up_tokens - before.looked_up_tokens)):
+        assert f"/ {looked_up:,}." in metric_card(tab, "Prefix hit rate")["help"]
+    assert whole.looked_up_tokens > whole.looked_up_tokens - before.looked_up_tokens > 0

@@ -16,11 +16,13 @@ from tests.apptest import LESSONS, card, events, grid_data, html_with, reached, 
 
 def test_captions_name_only_views_the_dashboard_has():
     """A caption that sends the reader to a view, panel or card names one the dashboard draws."""
-    ui = "\n".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "app").rglob("*.py"))
+    root = Path(__file__).resolve().parents[2]  # the app's Python and the page's own script (its tabs)
+    ui = "\n".join(f.read_text() for f in [*(root / "app").rglob("*.py"), *(root / "assets").glob("*.js")])
     for key, lesson in LESSONS.items():
         for i, stop in enumerate(lesson.stops):
             for name, _ in re.findall(r'(?:\*\*|")([A-Z][\w ]+?)(?:\*\*|")\s+(view|panel|card|tab)\b', stop.caption):
-                assert f'"{name}"' in ui or f"<b>{name}</b>" in ui, f"{key} stop {i + 1}: no view named {name!r}"
+                assert f'"{name}"' in ui or f"<b>{name}</b>" in ui or f">{name}</button>" in ui, \
+                    f"{key} stop {i + 1}: no view named {name!r}"
             assert not re.search(r"\(\w+ panel\)", stop.caption), f"{key} stop {i + 1}: {stop.caption}"
 
 

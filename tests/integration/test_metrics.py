@@ -31,8 +31,8 @@ def serve(tiny, serve_engine):
         admissions: list[tuple[int, int, str]] = []  # (tokens looked up, found cached, seq_id) per admission
         allocate = engine.block_manager.allocate
 
-        def recording_allocate(seq):
-            cached = allocate(seq)
+        def recording_allocate(seq, budget=None):
+            cached = allocate(seq, budget)
             admissions.append((len(seq), cached, seq.seq_id))
             return cached
 

@@ -18,7 +18,7 @@ from engine.core.sequence import SamplingParams
 from kvscope_contract.state import PoolState
 from app.panels import eventlog, grid
 from app.data.event_history import EventHistory
-from app.data.mirror import Mirror
+from app.data.mirror import COUNTERS, Mirror
 from app.data.scenarios import SCENARIOS
 from app.data.source import Source, from_command_line, python_for
 
@@ -111,6 +111,26 @@ def test_counters_of_a_client_that_attached_late_say_since_when(recorded):
     assert late.tally.since == f"you attached (event {events[len(events) // 2 - 1].seq:,})"
     assert late.tally.hit_tokens <= late.tally.looked_up_tokens
     assert Mirror.from_snapshot(first).tally.since == "engine start"
+
+
+def test_counters_after_an_earlier_reading_are_what_was_counted_since(recorded):
+    """What a tab attached later shows: the counters after its attach equal those of a mirror that
+    attached there itself, and the rate stays the whole stream's."""
+    first, events, _ = recorded
+    m = Mirror.from_snapshot(first)
+    half = len(events) // 2
+    for ev in events[:half]:
+        m.apply(ev)
+    base, late = m.tally.clone(), Mirror.from_snapshot(m.state.snapshot())
+    for ev in events[half:]:
+        m.apply(ev)
+        late.apply(ev)
+    since = m.tally.after(base, "you attached")
+    assert since.since == "you attached" and since.tokens_per_s() == m.tally.tokens_per_s()
+    for name in COUNTERS:
+        assert getattr(since, name) == getattr(late.tally, name), name
+    assert since.looked_up_tokens < m.tally.looked_up_tokens and not since.counted_nothing()
+    assert m.tally.after(m.tally, "now").counted_nothing()
 
 
 def test_usage_compares_contiguous_reservation_with_paging(recorded):
