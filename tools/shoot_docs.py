@@ -2,13 +2,15 @@
 embedded engine, Debian's chromium through playwright.
 
     python -m tools.shoot_docs [--model smollm2] [--out assets] [--only misses,...]
+    python -m tools.shoot_docs --vllm gemma3 --only vllm     # vLLM (make vllm-venv vllm-gemma3)
 
 Writes screenshot.png (the README's: a shared system prompt, then parallel sampling up to its
 first copy-on-write), lesson.png (the prefix caching lesson at its prefix hit, with the prefix
 tree open), lab.png (the long and short mixed preset at block sizes 4, 16 and 64), misses.png
-(the "Why not more?" panel at the prefix caching lesson's last stop, its what-ifs computed) and
+(the "Why not more?" panel at the prefix caching lesson's last stop, its what-ifs computed),
 hybrid.png (Gemma 3 270M in the sliding windows lesson, started with its one click: a prefix hit
-per KV-cache group).
+per KV-cache group) and, with --vllm, vllm.png (vLLM serving that model with the plugin: the
+shared system prompt scenario's tables in each of its six KV-cache groups).
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid, start_streamlit
 TOP = "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })"
 
 
-def start_app(model: str) -> tuple[subprocess.Popen, str]:
+def start_app(model: str, vllm: str | None = None, blocks: int = 384) -> tuple[subprocess.Popen, str]:
+    if vllm:  # vLLM loads for a minute or more before the dashboard's page has a pool
+        return start_streamlit(["--vllm", vllm, "--num-blocks", str(blocks)])
     return start_streamlit(["--model", model])
 
 
@@ -122,21 +126,38 @@ def shoot_misses(page, path: Path) -> None:
     page.screenshot(path=str(path), clip={"x": 260, "y": top, "width": 1240, "height": bottom - top})
 
 
-SHOTS = ("screenshot", "lesson", "lab", "misses", "hybrid")
+def shoot_vllm(page, path: Path) -> None:
+    """vLLM with the plugin: the shared system prompt scenario run to its end, every KV-cache
+    group's table shown (a sliding window's passed blocks are the empty chips)."""
+    side = page.get_by_test_id("stSidebar")
+    side.get_by_role("button", name="Shared system prompt", exact=True).click()
+    page.wait_for_function("document.body.innerText.includes('sys1-4')", timeout=120_000)
+    page.get_by_text("Every KV-cache group", exact=True).click()
+    page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.groups === 6", timeout=60_000)
+    time.sleep(8)
+    page.evaluate(TOP)
+    page.screenshot(path=str(path))
+
+
+SHOTS = ("screenshot", "lesson", "lab", "misses", "hybrid", "vllm")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--vllm", metavar="MODEL", help="the dashboard on vLLM serving MODEL (the vllm shot)")
     ap.add_argument("--out", type=Path, default=ROOT / "assets")
-    ap.add_argument("--only", default=",".join(SHOTS), help=f"the shots to take, of {', '.join(SHOTS)}")
+    ap.add_argument("--only", help=f"the shots to take, of {', '.join(SHOTS)} (default: all but vllm; "
+                    "with --vllm: vllm)")
     args = ap.parse_args()
-    only = set(args.only.split(","))
+    only = set(args.only.split(",")) if args.only else {"vllm"} if args.vllm else set(SHOTS) - {"vllm"}
     if bad := only - set(SHOTS):
         ap.error(f"unknown shots {sorted(bad)}")
+    if ("vllm" in only or bool(args.vllm)) and only != {"vllm"} or "vllm" in only and not args.vllm:
+        ap.error("the vllm shot needs --vllm MODEL, and --vllm takes that shot alone")
     from playwright.sync_api import sync_playwright
 
-    app, url = start_app(args.model)
+    app, url = start_app(args.model, args.vllm)
     try:
         with sync_playwright() as pw:
             if "screenshot" in only:
@@ -163,6 +184,10 @@ def main() -> int:
             if "misses" in only:
                 browser, page, _ = open_dashboard(pw, url, height=1700)
                 shoot_misses(page, args.out / "misses.png")
+                browser.close()
+            if "vllm" in only:
+                browser, page, _ = open_dashboard(pw, url, height=1400, timeout_ms=900_000)
+                shoot_vllm(page, args.out / "vllm.png")
                 browser.close()
             if "hybrid" in only:  # last: this session leaves the app's engine for a Gemma 3 one
                 browser, page, _ = open_dashboard(pw, url, height=1250)

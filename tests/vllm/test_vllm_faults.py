@@ -16,7 +16,7 @@ from tests.protocol_client import Client
 from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer
 from tests.waiting import wait
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM)]
 
 SYSTEM = ("You are a careful assistant for a paged KV cache demo. Answer in one short sentence, "
           "name the block you would reuse, and never invent numbers you were not given. ") * 3
