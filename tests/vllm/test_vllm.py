@@ -325,15 +325,21 @@ def test_g3_every_token_vllm_missed_has_a_reason_that_adds_up_to_its_own_counter
     assert again and t.by_reason["recomputed"] == sum(a.missed for a in again) > 0
     assert t.by_reason["unknown"] == 0 and t.by_reason["cold"] > 0 and t.by_reason["partial_block"] > 0
     assert all(e.by_seq for a in pool.explainer.admissions for s in a.spans for e in s.evictions)
-    # the panel, attached before the run: vLLM's counters as the header shows them, the reasons beside
-    at.button(key="why_not_more").click().run()
+    # the panel, attached before the run: vLLM's counters as the header shows them, the reasons beside;
+    # opened as the hit-rate card's button does (its trigger calls misses.open_panel)
+    from app.panels.misses import PANEL
+    from tests.apptest import metric_card
+    assert metric_card(at, "Prefix hit rate")["button"][0] == PANEL
+    at.session_state["panel_shown"] = PANEL
+    at.session_state["log_version"] = (at.session_state["log_version"] if "log_version" in at.session_state else 0) + 1
+    at.run()
     def caption(a):
         return next((x.value for x in a.caption if x.value.startswith("vLLM's own counters")), "")
     text = rerun_until(at, lambda a: f"of {t.first_looked_up:,}**" in caption(a) and caption(a), 60, "the panel")
     assert f"**{t.first_hit:,} of {t.first_looked_up:,}**" in text
     assert f"whose {t.by_reason['recomputed']:,} missed" in text
-    header = next(x.value for x in at.caption if x.value.startswith("vLLM's definition"))
-    assert f"{t.first_hit:,} / {t.first_looked_up:,} tokens" in header
+    header = metric_card(at, "Prefix hit rate")["note"]
+    assert header.startswith("vLLM's definition") and f"{t.first_hit:,} / {t.first_looked_up:,} tokens" in header
 
 
 def vllm_help(at) -> str:
