@@ -437,7 +437,8 @@ def main() -> None:
     server = server_side(sizes, args.rounds)
     print(report(server, None, [], args.rounds), flush=True)
     hist = history(events=args.history_events) if args.history_events else None
-    print(hist, flush=True)
+    if hist is not None:
+        print(hist, flush=True)
     hogs = {"off": (0,), "on": (args.hog_procs,), "both": (0, args.hog_procs)}[args.hog]
     browser = browser_rounds(bsizes, args.rounds, args.seconds, args.compare, hogs) if bsizes else []
     text = report(server, hist, browser, args.rounds)
