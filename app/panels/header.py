@@ -134,12 +134,13 @@ def metrics(r: Redraw, tl: Tally | None = None) -> dict:
                      f"{tl.first_looked_up_tokens:,} tokens" if vllm else ""),
                note_help=VLLM_HIT_RATE if vllm else "", button=WHY),
         metric("Tokens/s", rate(tl.tokens_per_s()),
-               f"over {plural(len(tl.steps), 'step')} · last {last.duration_ms:.0f} ms" if last else "no step yet",
+               f"avg of {plural(len(tl.steps), 'step')}" if last else "no step yet",
                "gray",
                f"Tokens generated per second of the engine's own step time (the steps' durations, "
                f"pauses and pace not counted), over the last {RATE_STEPS} steps (those since a reset, when "
                f"fewer) up to this event: {tl.tokens_per_s():,.1f} ({tl.generated:,} tokens in all). A prefill "
-               "step computes a whole prompt for its one token, so the rate falls when prompts arrive."),
+               "step computes a whole prompt for its one token, so the rate falls when prompts arrive."
+               + (f" The last step took {last.duration_ms:,.0f} ms." if last else "")),
         metric("Copy-on-write", f"{tl.cows:,}", f"copies · {tl.forks:,} forks", "violet" if tl.cows else "gray",
                "Blocks copied because a sequence wrote into a block it shared (parallel samples): one "
                f"copy each (the grid outlines both the original and the copy). Since {tl.since}."),

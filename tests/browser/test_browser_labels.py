@@ -1,6 +1,8 @@
 """What a user reads is never cut (issue 28: "Open r...", "Restart e...", the grid's "colour by"
 buttons wrapping away from their label): the page on the tiny model's embedded engine in a narrow
-window, then with that engine killed (its Restart button), every button and label whole."""
+window, idle, then running a scenario (the metric cards' lines that need engine steps: at 1,000
+pixels four cards a row cut every label and most lines under the numbers), then with that engine
+killed (its Restart button), every button, label and metric card whole."""
 from __future__ import annotations
 
 import os
@@ -16,7 +18,8 @@ from tools.launch import CHROMIUM, FLAGS
 # icon ligatures ("restart_alt") are wider than the icon they draw and are left out.
 CUT_JS = """() => {
   const cut = [];
-  for (const el of document.querySelectorAll('button, label, [data-testid="stWidgetLabel"], .kv .controls label')) {
+  for (const el of document.querySelectorAll('button, label, [data-testid="stWidgetLabel"], .kv .controls label, '
+                                             + '.kv .mlabel, .kv .mvalue, .kv .mdelta')) {
     if (!el.offsetParent) continue;
     for (const t of [el, ...el.querySelectorAll('*')]) {
       if (getComputedStyle(t).fontFamily.includes('Material')) continue;
@@ -53,6 +56,10 @@ def test_no_label_is_cut_and_colour_by_stays_with_its_buttons(app_url):
         page = open_grid(browser, url, errors, 4096, width=1000, height=1200)
         page.wait_for_timeout(2000)
         assert page.evaluate(COLOUR_BY_JS), "the grid's 'colour by' wrapped away from its buttons"
+        assert page.evaluate(CUT_JS) == []
+        side = page.get_by_test_id("stSidebar")  # a request: the metric cards' lines that need steps
+        side.get_by_role("button", name="Shared system prompt", exact=True).click()
+        page.wait_for_function("document.body.innerText.includes('avg of 16 steps')", timeout=120_000)
         assert page.evaluate(CUT_JS) == []
         for pid in children(streamlit.pid):  # the embedded engine dies
             os.kill(pid, signal.SIGKILL)
