@@ -308,7 +308,8 @@ def test_the_routing_lesson_in_a_browser(tmp_path):
                 lead = stop.caption.split("**")[1]  # the caption's bold opening
                 assert lead in text and "Error" not in text, text
                 if stop.do == "send":  # the page's own index, redrawn every 2 s, says what the caption says
-                    said = re.search(r"the two hold (\d+) duplicated blocks|Duplicated blocks between the two: (\d+)", text)
+                    said = re.search(r"the two hold (\d+) duplicated blocks|"
+                                     r"Duplicated blocks between the two: (\d+)", text)
                     assert said, text
                     n = next(g for g in said.groups() if g is not None)
                     page.wait_for_function("(n) => [...document.querySelectorAll('[data-testid=stMetric]')].some("
