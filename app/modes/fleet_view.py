@@ -291,13 +291,15 @@ def prefix_cache(fleet: Fleet, path: str) -> None:
         route_panel(fleet, v.ix, st.session_state.get("fleet_rows") or fleet.rows())
 
 
-SCORE_AS = {"chat": "a chat, as the load generator sends it", "plain": "a plain prompt (a completion request)"}
+SCORE_AS = {"chat": "a chat", "plain": "a plain prompt"}
 
 
 def route_panel(fleet: Fleet, ix: FleetIndex, rows: list[EngineRow]) -> None:
     st.markdown("**Type a prompt**: how much of it each engine has cached")
     how = st.segmented_control("Score it as", list(SCORE_AS), format_func=SCORE_AS.get, default="chat",
-                               key="fleet_prompt_as") or "chat"
+                               key="fleet_prompt_as", help="A chat: as the load generator sends it (the text as "
+                               "the system prompt, then the question, in each engine's chat template). A plain "
+                               "prompt: the text as a completion request sends it.") or "chat"
     chat = how == "chat"
     text = st.text_area("System prompt" if chat else "Prompt", key="fleet_prompt", height=90,
                         placeholder="a system prompt: the chat template wraps it, then the question, as a chat "
