@@ -10,9 +10,8 @@ import signal
 
 import pytest
 
-from tools.launch import open_grid
 from tests.processes import children
-from tools.launch import CHROMIUM, FLAGS
+from tools.launch import CHROMIUM, FLAGS, open_grid
 
 # Buttons and labels whose text is wider than their box (cut, usually with an ellipsis); Streamlit's
 # icon ligatures ("restart_alt") are wider than the icon they draw and are left out.

@@ -16,9 +16,8 @@ import pytest
 
 from app.data.client import EngineClient
 from app.data.launcher import ServerProcess
-from tools.launch import open_grid
 from tests.waiting import wait
-from tools.launch import CHROMIUM, FLAGS
+from tools.launch import CHROMIUM, FLAGS, open_grid
 
 BLOCKS = 1 << 20
 SNAPSHOTS = 24
