@@ -157,8 +157,11 @@ def test_numbers_on_a_card_do_not_go_stale(pair, monkeypatch):
     client = fleet.engines["a"].client
     finished = client.view().mirror.tally.finished
     long = " ".join(w.strip() for w in WORDS[3000:3200])  # 200 tokens: 13 blocks each, 8 of them in 64 blocks
-    for i in range(8):
-        client.send(p.Submit(prompt=f"{i} {long}", max_tokens=120, ignore_eos=True))
+    assert isinstance(client.wait_reply(client.send(p.Pause())), p.Ack)  # all eight queued before any runs:
+    for i in range(8):  # one at a time (a loaded machine sends slowly) none would wait for blocks
+        assert isinstance(client.wait_reply(client.send(p.Submit(prompt=f"{i} {long}", max_tokens=120,
+                                                                 ignore_eos=True))), p.Ack)
+    assert isinstance(client.wait_reply(client.send(p.Resume())), p.Ack)
     row = wait(lambda: (r := {x.name: x for x in fleet.rows()}["a"]).preemptions and r, 60, "a preempting")
     assert row.alarm == "preempting" and row.tokens_per_s > 0
     wait(lambda: client.view().mirror.tally.finished >= finished + 8, 120, "a finished")
