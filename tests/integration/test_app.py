@@ -116,7 +116,9 @@ def test_reset_to_another_block_size(at, observer):
         96, 32, "recompute", False)
     data = rerun_until(at, lambda a: (d := grid_data(a)) and d["bs"] == 8 and d)
     assert (data["n"], data["m"]) == (96, 32)
-    assert any("Pool: 96 blocks × 8 tokens" in c.value for c in at.sidebar.caption)
+    # the sidebar draws before the live views, from the state they drew last: a run later
+    rerun_until(at, lambda a: any("Pool: 96 blocks × 8 tokens" in c.value for c in a.sidebar.caption),
+                what="the sidebar's pool line")
     start = observer.history.last_event
     submit(at, "A prompt on the new pool", prompt_max=12)
     wait(lambda: events(observer, "finish", start), what="a request on the new pool")
