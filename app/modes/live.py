@@ -148,7 +148,8 @@ ATTACHED = "attached"  # session state: (the client, its epoch, the event, the c
 def own_tally(client: EngineClient, r: Redraw) -> Tally:
     """The counters since this session attached. Every session shares the client, whose own
     counters start where the first session attached it: a later one counts from its own first
-    live redraw (earlier events and a reset or clean slate since keep the client's)."""
+    live redraw (earlier events and a reset or clean slate since keep the client's); one opened
+    before the client's first snapshot counts all of it."""
     tl = r.view.mirror.tally
     held = st.session_state.get(ATTACHED)
     if held is None or held[0] is not client or held[1] != r.view.epoch:
@@ -252,6 +253,9 @@ def loading(source: Source, hosted: Hosted) -> None:
 
 def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> None:
     st.title("KVScope")
+    held = st.session_state.get(ATTACHED)
+    if held is None or held[0] is not client:  # here before the client's first snapshot: its counts are ours
+        st.session_state[ATTACHED] = (client, client.epoch + 1, 0, Tally())
 
     @st.fragment(run_every=0.5)
     def wait() -> None:

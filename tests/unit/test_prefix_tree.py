@@ -74,24 +74,33 @@ def check_against(builder: ForestBuilder, lab: Lab) -> None:
     assert forest.victim == (hash_hex(bm.cache.hashes[next(iter(bm.pool.evictable))]) if bm.pool.evictable else None)
 
 
+def stepped(pool: p.PoolConfig, *chat_args):
+    """(lab, forest builder, the step's events) before the first step (no events) and after each
+    step of the chat workload mixed with the parallel one (forks and copy-on-write), the builder
+    fed every event."""
+    workload = load("chat", *chat_args)
+    workload.requests = sorted(workload.requests + load("parallel").requests, key=lambda r: r.arrival)
+    lab = Lab(LabConfig(pool=pool), workload, keep_events=True)
+    builder = ForestBuilder.from_state(PoolState.from_snapshot(lab.snapshot()))
+    yield lab, builder, []
+    while lab.has_unfinished() or workload.requests:
+        while workload.requests and (workload.requests[0].arrival <= lab.log.step or not lab.has_unfinished()):
+            lab._add(workload.requests.pop(0))
+        lab.step()
+        events = lab.drain_events()
+        for ev in events:
+            builder.apply(ev)
+        yield lab, builder, events
+
+
 @pytest.mark.parametrize("pool", [
     p.PoolConfig(block_size=16, num_device_blocks=120, num_host_blocks=64),               # evictions, swaps
     p.PoolConfig(block_size=4, num_device_blocks=200, preemption_mode="recompute"),       # recompute re-hits
     p.PoolConfig(block_size=8, num_device_blocks=2048),                                   # everything stays
 ])
 def test_built_from_events_it_is_the_block_managers_prefix_cache_at_every_step(pool):
-    workload = load("chat", 2)
-    workload.requests = sorted(workload.requests + load("parallel").requests,  # forks and copy-on-write
-                               key=lambda r: r.arrival)
-    lab = Lab(LabConfig(pool=pool), workload, keep_events=True)
-    builder = ForestBuilder.from_state(PoolState.from_snapshot(lab.snapshot()))
     steps = 0
-    while lab.has_unfinished() or workload.requests:
-        while workload.requests and (workload.requests[0].arrival <= lab.log.step or not lab.has_unfinished()):
-            lab._add(workload.requests.pop(0))
-        lab.step()
-        for ev in lab.drain_events():
-            builder.apply(ev)
+    for lab, builder, _ in stepped(pool, 2):
         check_against(builder, lab)
         steps += 1
     assert steps > 100 and builder.forest.nodes
@@ -118,21 +127,14 @@ def test_on_a_hybrid_pool_a_node_is_a_hash_with_its_block_in_each_group():
     blocks (still cached), evictions take one group's block and leave the others, and a prompt's
     hit needs every group: at every step the forest is the block manager's caches, grouped."""
     from kvscope_contract.kv_groups import gemma3_groups
-    workload = load("chat")
-    workload.requests = sorted(workload.requests + load("parallel").requests, key=lambda r: r.arrival)
     pool = p.PoolConfig(block_size=8, num_device_blocks=900, num_host_blocks=64, kv_groups=gemma3_groups(24))
-    lab = Lab(LabConfig(pool=pool), workload, keep_events=True)
-    builder = ForestBuilder.from_state(PoolState.from_snapshot(lab.snapshot()))
     seen = {"window_free": 0, "evict": 0, "partial": 0, "hits": 0}
     counted, admissions = [], set()
-    hit = builder.forest.hit
-    builder.forest.hit = lambda key: (counted.append(key), hit(key))
-    while lab.has_unfinished() or workload.requests:
-        while workload.requests and (workload.requests[0].arrival <= lab.log.step or not lab.has_unfinished()):
-            lab._add(workload.requests.pop(0))
-        lab.step()
-        for ev in lab.drain_events():
-            builder.apply(ev)
+    for i, (lab, builder, events) in enumerate(stepped(pool)):
+        if i == 0:  # before the first step: count the forest's hits
+            hit = builder.forest.hit
+            builder.forest.hit = lambda key: (counted.append(key), hit(key))
+        for ev in events:
             seen["window_free"] += isinstance(ev, p.WindowFree)
             seen["evict"] += isinstance(ev, p.Evict)
             if isinstance(ev, p.PrefixHit):

@@ -295,14 +295,15 @@ def test_g3_every_token_vllm_missed_has_a_reason_that_adds_up_to_its_own_counter
     re-admissions' misses are `recomputed` (outside vLLM's counters), and every eviction before a
     reuse names the allocation that made it; the dashboard's panel shows the same."""
     from kvscope_contract.misses import ExplainedPool
-    from tests.apptest import rerun_until
+    from tests.apptest import panels, rerun_until
     from app.data.scenarios import SCENARIOS
 
     finishes(c, 0)
     mine = Client(vllm.ws)
     start = mine.state.clone()
     hits0, queries0 = vllm.metric("vllm:prefix_cache_hits_total"), vllm.metric("vllm:prefix_cache_queries_total")
-    at = dashboard(KVSCOPE_ENGINE=vllm.ws)
+    at = dashboard(KVSCOPE_ENGINE=vllm.ws)  # its first run shows "connecting": it counts all its client sees
+    rerun_until(at, lambda a: "metrics" in panels(a), 60, "the dashboard's client to connect before the run")
     cfg = p.decode_server_message(json.dumps(mine.hello)).config
     seqs = [mine.request(op="submit", prompt=SYSTEMS[i % 2] + " " + q, max_tokens=8, ignore_eos=True)["seq_ids"][0]
             for i, q in enumerate(QUESTIONS * 2)]
