@@ -23,7 +23,7 @@ from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
 from integrations.vllm.serve import BUNDLED
 from tests.vllm.checks import compare_live_snapshot, finishes
-from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer, vllm_version
+from tests.vllm.vllm_server import NO_VLLM, SAME_HASHES, VLLM_PYTHON, VllmServer, vllm_version
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -37,11 +37,6 @@ SYSTEMS = ("You are a terse assistant for a ship's engine room. Report gauges, p
 QUESTIONS = ("What is boiler pressure?", "Is the coolant warm?", "What about the oil?")
 FILLER = ("the pool holds fixed size blocks of keys and values and each sequence maps its logical "
           "blocks through a block table to physical blocks anywhere in the pool").split()
-
-
-# the same hash seed on every server here, so that their block hashes agree (docs/fleet.md); dev
-# mode for /reset_prefix_cache
-SAME_HASHES = {"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -545,10 +540,18 @@ def test_l_a_killed_vllm_is_shown_down_within_seconds_and_the_other_stays_live(v
 
 def test_m_find_ranks_reads_vllms_kv_event_sources(vllm):
     """vLLM 0.32's GET /kv_event_sources (a config per data-parallel rank) gives the fleet this
-    server's KV-event endpoint, the same the test started it with."""
+    server's KV-event endpoint, the same the test started it with; a vLLM without that route (0.27.1,
+    by its own OpenAPI schema) gives None, which the sidebar's Find ranks says."""
     from app.data.fleet.engines import kv_event_sources
 
+    with urllib.request.urlopen(vllm.api + "/openapi.json", timeout=30) as r:
+        routes = json.load(r)["paths"]
     found = kv_event_sources(vllm.api)
+    if tuple(int(x) for x in vllm_version().split(".")[:2]) >= (0, 32):
+        assert "/kv_event_sources" in routes
+    if "/kv_event_sources" not in routes:
+        assert found is None
+        return
     assert found is not None and [(e.url, e.kind, e.rank) for e in found] == [(vllm.kv_events, "kv-events", 0)]
 
 

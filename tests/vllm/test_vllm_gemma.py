@@ -22,7 +22,7 @@ from kvscope_contract.state import check_invariants
 from tests.protocol_client import Client
 from tests.vllm.checks import compare_live_snapshot, finishes
 from integrations.vllm.serve import GEMMA3
-from tests.vllm.vllm_server import NO_VLLM, VLLM_PYTHON, VllmServer
+from tests.vllm.vllm_server import NO_VLLM, SAME_HASHES, VLLM_PYTHON, VllmServer
 from tests.waiting import wait
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM),
@@ -41,7 +41,7 @@ def text(i: int, words: int) -> str:
 
 @pytest.fixture(scope="module")
 def gemma():
-    server = VllmServer(BLOCKS, model="gemma3", env={"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}).start()
+    server = VllmServer(BLOCKS, model="gemma3", env=SAME_HASHES).start()
     yield server
     server.stop()
 
@@ -211,7 +211,7 @@ def test_g_the_dashboard_attached_to_gemma_draws_its_pool_frame_after_frame(gemm
 # ---------------------------------------------------------------------------- a fleet: SmolLM2 and Gemma 3
 @pytest.fixture(scope="module")
 def smol(gemma):
-    server = VllmServer(48, env={"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}).start()
+    server = VllmServer(48, env=SAME_HASHES).start()
     yield server
     server.stop()
 

@@ -20,6 +20,9 @@ from app.data.source import ROOT, VLLM_PYTHON
 from kvscope_contract.ready import free_ports
 from kvscope_contract.ready import ready_url
 
+# the same hash seed on every server here, so that their block hashes agree (docs/fleet.md); dev
+# mode for /reset_prefix_cache
+SAME_HASHES = {"PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
 NO_VLLM = f"no {VLLM_PYTHON.parent.parent.name} here: `make test-vllm` builds vLLM 0.32 (CPU) and runs these tests"
 
 
