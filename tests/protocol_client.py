@@ -24,6 +24,7 @@ class Client:
         self.snapshot: dict | None = None   # the last snapshot, as sent
         self.types: list[str] = []          # the type of every message read, in order
         self.events: list[p.AnyEvent] = []  # every event applied, in order
+        self.left_unseen = 0                # sequences that ended in events a snapshot superseded
         self.sync(lambda m: m["type"] == "snapshot")
 
     @property
