@@ -3,7 +3,7 @@
 // first part of this component's script). This keeps the columns, draws an overview of the
 // whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
 // clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
-// token it holds and the block under the pointer). State lives on the root element between calls.
+// frame token it holds, the message whose panels it holds, and the block under the pointer). State lives on the root element between calls.
 
 // The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and
 // `states`), set by `layout` when the style comes with a frame: this file has no copy of them.
@@ -73,6 +73,7 @@ function apply(s, { head, part }) {
     for (const [k, ...v] of head.seqs) s.seqs.set(k, v);
   }
   s.token = head.token;
+  s.msg = head.msg;  // the message whose panels it now holds (grid.show records panels by message)
   s.data = head;
   if (head.focus) s.focus = head.focus;
   s.touchList = [];
@@ -656,7 +657,7 @@ function pull(s) {
   s.lastPull = performance.now();
   if (s.hooks) (s.pulledAt ||= new Map()).set(s.pulls + 1, Date.now());
   const h = s.hover;
-  s.setState("sync", { have: s.token, pull: ++s.pulls, focus: h ? [h.b, h.host ? 1 : 0] : null, style: s.style ? 1 : 0 });
+  s.setState("sync", { have: s.token, msg: s.msg, pull: ++s.pulls, focus: h ? [h.b, h.host ? 1 : 0] : null, style: s.style ? 1 : 0 });
 }
 
 // For the bench (test hooks on): where this redraw's time went, from the ask to the drawn canvas

@@ -19,7 +19,7 @@ import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, TypeVar
 
@@ -346,7 +346,7 @@ def _component():
 
 
 def _sync(key: str) -> dict:
-    """What the browser said it holds: {"have": token, "pull": n, "focus": [block, host]}."""
+    """What the browser said it holds: {"have": frame token, "msg": message, "pull": n, "focus": [block, host]}."""
     try:
         state = st.session_state[key]
     except KeyError:
@@ -378,18 +378,37 @@ def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval
     known = None not in bases and len(bases) <= MAX_BASES  # else the canvas's frame is unknown: send it whole
     base = FRAMES.get(sync.get("have")) if known else None
     if panels is not None:
-        held = [sync.get("have"), *also] if base is not None else None
-        record = st.session_state.setdefault(f"{key}_panels", {})
-        extra["panels"] = prof.timed("panels", lambda: unsent(panels, record, held, frame.token, sent))
+        ledger = st.session_state.setdefault(f"{key}_panels", PanelLedger())
+        extra["msg"], extra["panels"] = prof.timed("panels", lambda: ledger.out(panels, sync.get("msg"),
+                                                                                 base is not None))
     data = message(frame, base, extra, bases if known else [], prof)
     callbacks = {f"on_{name}_change": f for name, f in (on or {}).items()}
     _component()(data=data, key=key, **{"on_block_change": _nothing, "on_sync_change": _nothing, **callbacks})
 
 
+@dataclass
+class PanelLedger:
+    """Which live views went to one browser element with which message, so that a message
+    carries only those the browser may not hold. Kept by message, not by frame: the same frame
+    goes out again with other panels (a paused or travelled view), and a message that a newer
+    rerun cut off never arrives (a panel recorded under its frame was then never sent again)."""
+    record: dict[int, dict[str, int]] = field(default_factory=dict)  # message -> each panel's digest
+    sent: list[int] = field(default_factory=list)  # messages after the last one acknowledged
+    last: int = 0
+
+    def out(self, panels: dict, have: int | None, known: bool) -> tuple[int, dict]:
+        """(the next message's number, the panels it carries) when the browser last said it holds
+        message `have` (`known`: with a frame this server still knows)."""
+        self.last += 1
+        later = unacknowledged(self.sent, have, self.last)
+        held = [have, *later] if known and have in self.record else None
+        return self.last, unsent(panels, self.record, held, self.last, self.sent)
+
+
 def unsent(panels: dict, record: dict[int, dict[str, int]], held: list | None, token: int, sent: list[int]) -> dict:
-    """The panels whose content the browser may not hold: it holds the frame `held[0]` or one of
-    the others of `held` (sent, not yet acknowledged; None: not known), each with the panels
-    `record` says were sent with it. The panels sent with `token` are recorded."""
+    """The panels whose content the browser may not hold: it holds the message `held[0]` or one
+    of the others of `held` (sent, not yet acknowledged; None: not known), each with the panels
+    `record` says were sent with it. The panels sent with message `token` are recorded."""
     digests = {name: hash(json.dumps(value, separators=(",", ":"), sort_keys=True)) for name, value in panels.items()}
     out = {name: value for name, value in panels.items()
            if held is None or any(record.get(t, {}).get(name) != digests[name] for t in held)}
