@@ -132,12 +132,18 @@ def card(at) -> str:
     return "" if i is None else "\n".join(md[i:i + 2])
 
 
+def lesson_button(at, name: str, view: str = "lesson"):
+    """A lesson's Next or Back (`view` "fleet_lesson": the fleet lesson's), keyed by the stop it is
+    drawn for (app/modes/lessons_view.py)."""
+    return next(b for b in at.button if (b.key or "").startswith(f"{view}_{name}@"))
+
+
 def reached(at, i: int, n: int):
     """Stop i reached, shown, and Next drawn for it (the sidebar draws before the card, so a run
     in which the stop arrives in between shows it reached with Next still disabled)."""
     run = at.session_state["lesson"]
     return (run.pending is None and len(run.reached) == i + 1 and f"stop {i + 1} of {n}" in card(at)
-            and (i == n - 1 or not at.button(key="lesson_next").disabled))
+            and (i == n - 1 or not lesson_button(at, "next").disabled))
 
 
 def start(at, key: str, stops: int) -> None:
@@ -148,7 +154,7 @@ def start(at, key: str, stops: int) -> None:
     at.button(key="lesson_start").click().run()
     for i in range(stops):
         if i:
-            at.button(key="lesson_next").click().run()
+            lesson_button(at, "next").click().run()
         rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
 
 
@@ -181,7 +187,7 @@ def walk_lesson(at: AppTest, observer: EngineClient, key: str) -> None:
     stops = []
     for i, stop in enumerate(lesson.stops):
         if i:
-            at.button(key="lesson_next").click().run()
+            lesson_button(at, "next").click().run()
         rerun_until(at, lambda a: reached(a, i, n), 120, f"{key}: stop {i + 1}")
         run = at.session_state["lesson"]
         text = card(at)

@@ -49,11 +49,13 @@ def _card(fleet: Fleet, source: Source, run: FleetLessonRun | None, lesson) -> N
         return
     total = len(run.lesson.stops)
     c = st.columns([1, 1, 1, 4])
-    c[0].button("Next", icon=":material/arrow_forward:", key="fleet_lesson_next", type="primary", width="stretch",
+    # keyed by the stop shown, as the engine lesson's (app/modes/lessons_view.py says why)
+    c[0].button("Next", icon=":material/arrow_forward:", key=f"fleet_lesson_next@{run.viewing}", type="primary",
+                width="stretch",
                 disabled=run.pending is not None or bool(run.errors) or run.at_end,
                 on_click=run.next, args=(run.viewing,),
                 help="Run to the next stop (or show the next one reached before)")
-    c[1].button("Back", icon=":material/arrow_back:", key="fleet_lesson_back", width="stretch",
+    c[1].button("Back", icon=":material/arrow_back:", key=f"fleet_lesson_back@{run.viewing}", width="stretch",
                 disabled=run.pending is not None or run.viewing <= 0, on_click=run.back,
                 args=(run.viewing,))
     c[2].button("Restart", icon=":material/replay:", key="fleet_lesson_restart", width="stretch",

@@ -99,12 +99,15 @@ def sidebar(client: EngineClient) -> None:
                   help="Resets the engine to the lesson's pool and submits its requests")
         back_from_own_engine()
         return
-    st.button("Next", icon=":material/arrow_forward:", key="lesson_next", type="primary", width="stretch",
+    # keyed by the stop shown: Streamlit delivers a click again in the run after one a newer rerun cut
+    # off, with the arguments that cut-off run drew; the stop's key keeps the click on the stop it was for
+    st.button("Next", icon=":material/arrow_forward:", key=f"lesson_next@{run.viewing}", type="primary",
+              width="stretch",
               disabled=run.pending is not None or run.at_end,
               on_click=_next, args=(client, run.viewing),
               help="Run to the next stop (or show the next one reached before)")
     c = st.columns(2)
-    c[0].button("Back", icon=":material/arrow_back:", key="lesson_back", width="stretch",
+    c[0].button("Back", icon=":material/arrow_back:", key=f"lesson_back@{run.viewing}", width="stretch",
                 disabled=run.pending is not None or run.viewing <= 0, on_click=_back, args=(run.viewing,),
                 help="Show the previous stop as it was (time travel)")
     c[1].button("Restart", icon=":material/replay:", key="lesson_restart", width="stretch",

@@ -11,7 +11,8 @@ import pytest
 
 from kvscope_contract import protocol as p
 from tests.lesson_claims import CLAIMS, GOALS
-from tests.apptest import LESSONS, card, events, grid_data, html_with, reached, rerun_until, start, walk_lesson
+from tests.apptest import (LESSONS, card, events, grid_data, html_with, lesson_button, reached, rerun_until, start,
+                           walk_lesson)
 
 
 def test_captions_name_only_views_the_dashboard_has():
@@ -45,13 +46,13 @@ def test_every_lesson_runs_to_its_end_with_next_alone(at, observer, key):
 def test_back_travels_to_a_stop_already_reached_and_next_returns(at, observer):
     start(at, "01_block_tables", 2)
     first_end = at.session_state["lesson"].reached[0].end
-    at.button(key="lesson_back").click().run()
+    lesson_button(at, "back").click().run()
     data = rerun_until(at, lambda a: (d := grid_data(a)) and not d["live"] and d, what="time travel")
     assert data["seq"] == first_end and "stop 1 of 5" in card(at) and "reached earlier" in card(at)
     run = at.session_state["lesson"]  # the same click delivered again (a fragment's run and the page's)
     assert run.back(seen=1) == first_end and run.next(None, seen=1) == first_end and run.viewing == 0
     before = observer.history.last_event
-    at.button(key="lesson_next").click().run()  # back to the stop reached last: nothing runs again
+    lesson_button(at, "next").click().run()  # back to the stop reached last: nothing runs again
     rerun_until(at, lambda a: "stop 2 of 5" in card(a), what="stop 2 again")
     assert observer.history.last_event == before and len(at.session_state["lesson"].reached) == 2
     at.button(key="lesson_restart").click().run()  # starts over: reset, submit, stop 1

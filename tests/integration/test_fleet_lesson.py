@@ -17,6 +17,7 @@ from app.data.fleet import load as fleet_load
 from app.data.client import EngineClient
 from app.data.lessons.fleet_lesson import all_fleet_lessons, caption, stop_launched
 from kvscope_contract import protocol as p
+from tests.apptest import lesson_button
 from tests.protocol_client import Client
 from tests.waiting import wait
 from tests.synthetic import synthetic_server
@@ -227,7 +228,7 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
     try:
         for i, stop in enumerate(lesson.stops):
             if i:
-                at.button(key="fleet_lesson_next").click().run()
+                lesson_button(at, "next", "fleet_lesson").click().run()
             wait(lambda: at.run() and (run.pending is None and len(run.reached) == i + 1 or run.errors), 600,
                  f"stop {i + 1}")
             assert not run.errors, run.errors
@@ -246,9 +247,9 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
         assert run.done and "End of the lesson" in "\n".join(c.value for c in at.caption)
         GOALS["routing"](lesson, AtStop(run.words(), engines, run))
         # Back shows an earlier stop's words as they were, Next returns without running anything
-        at.button(key="fleet_lesson_back").click().run()
+        lesson_button(at, "back", "fleet_lesson").click().run()
         assert "stop 4 of 5" in card(at) and "reached earlier" in card(at)
-        at.button(key="fleet_lesson_next").click().run()
+        lesson_button(at, "next", "fleet_lesson").click().run()
         assert "stop 5 of 5" in card(at) and len(run.reached) == n
     finally:
         for e in engines:
