@@ -3,7 +3,8 @@
 // first part of this component's script). This keeps the columns, draws an overview of the
 // whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
 // clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
-// frame token it holds, the message whose panels it holds, and the block under the pointer). State lives on the root element between calls.
+// frame token it holds, the message whose panels it holds, and the block under the pointer).
+// State lives on the root element between calls.
 
 // The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and
 // `states`), set by `layout` when the style comes with a frame: this file has no copy of them.
