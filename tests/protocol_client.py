@@ -7,6 +7,7 @@ import json
 import time
 
 from kvscope_contract import protocol as p
+from app.data.mirror import Mirror
 from app.data.wire import WireClient
 
 
@@ -37,7 +38,10 @@ class Client:
 
     def recv(self, timeout: float = 30) -> dict:
         """The next message, as sent, once the mirror has applied it and `take` has seen it."""
+        before = set(self.state.seqs) if self.state is not None else set()
         msg = self.wire.read(timeout=timeout)
+        if isinstance(msg, p.Snapshot) and self.wire.mirrors:
+            self._superseded(before, msg)
         if isinstance(msg, p.Events):
             self.events += msg.events
             if msg.events:
@@ -45,6 +49,16 @@ class Client:
         raw = json.loads(self.wire.frame)
         self.take(raw)
         return raw
+
+    def adopt(self, snap: p.Snapshot) -> None:
+        """Take a snapshot read with the mirror off (a test compared it first) as the mirror."""
+        self._superseded(set(self.state.seqs), snap)
+        self.wire.mirror = Mirror.from_snapshot(snap)
+
+    def _superseded(self, before: set[str], snap: p.Snapshot) -> None:
+        """A snapshot supersedes the events still queued for this client, which are never sent: a
+        sequence that ended among them ended unseen."""
+        self.left_unseen += len(before - {s.seq_id for s in snap.seqs})
 
     def take(self, msg: dict) -> None:
         """Note a message as sent (a test may wrap this to see every one)."""

@@ -16,8 +16,6 @@ def compare_live_snapshot(c: Client, attempts: int = 20) -> int:
     cannot be compared: it is taken and asked for again. The mirror is compared before the
     snapshot replaces it (the client's reader would apply it on arrival). Returns how many
     snapshots it asked for."""
-    from app.data.mirror import Mirror
-
     for asked in range(1, attempts + 1):
         c.send(op="snapshot", id=f"s{time.monotonic_ns()}")
         c.wire.mirrors = False  # events still apply; the snapshot is compared, then taken
@@ -33,9 +31,7 @@ def compare_live_snapshot(c: Client, attempts: int = 20) -> int:
             for a, b in zip(live.device_blocks, mirror.device_blocks):
                 assert a == b, f"block {a.id}: vLLM says {a}, the events say {b}"
             assert live.seqs == mirror.seqs and live == mirror
-        if not same:  # the events it superseded are never sent: a sequence that ended there ended unseen
-            c.left_unseen += len(set(c.state.seqs) - {s.seq_id for s in live.seqs})
-        c.wire.mirror = Mirror.from_snapshot(live)
+        c.adopt(live)
         if same:
             return asked
     raise AssertionError(f"every one of {attempts} snapshots was ahead of the events received")
@@ -43,5 +39,5 @@ def compare_live_snapshot(c: Client, attempts: int = 20) -> int:
 
 def finishes(c: Client, n: int, timeout: float = 300) -> None:
     """Until `n` sequences finished (their `finish` events, or unseen in events a snapshot the
-    test asked for superseded) and none runs (an earlier test's request may still run)."""
+    client took superseded) and none runs (an earlier test's request may still run)."""
     c.until(lambda: c.kinds["finish"] + c.left_unseen >= n and not c.state.seqs, timeout)
