@@ -2,8 +2,9 @@
 // delta from the frame this browser holds, with the other live views' data (assets/live.js, the
 // first part of this component's script). This keeps the columns, draws an overview of the
 // whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
-// clicked block, and asks for the next frame once it has drawn (setStateValue "sync": the
-// frame token it holds, the message whose panels it holds, and the block under the pointer).
+// clicked block, and asks for the next frame as soon as it holds this one, before drawing it, so
+// that Python's redraw and the browser's drawing overlap (setStateValue "sync": the frame token
+// it holds, the message whose panels it holds, and the block under the pointer).
 // State lives on the root element between calls.
 
 // The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and
@@ -59,29 +60,64 @@ async function parse(bytes) {
 }
 
 function apply(s, { head, part }) {
-  if (head.style) { s.style = head.style; layout(s.style); }
+  if (head.style) { s.style = head.style; s.styles = (s.styles || 0) + 1; layout(s.style); }
   if (!s.style) return false;  // a grid mounted afresh while Python thought it had the style: ask again, with it
+  s.version = (s.version || 0) + 1;
   if (head.kind === "full") {
     s.dev = columnsDev(part("dev", DEV));
     s.host = columnsDev(part("host", HOST));
     s.seqs = new Map(head.seqs.map(([k, ...v]) => [k, v]));
+    s.changes = { since: s.version, list: [] };  // every pixel is new
+    s.touchList = scanTouched(head.n, (i) => touch(s.dev, i));
+    s.hostTouchList = scanTouched(head.m, (i) => hTouch(s.host, i));
   } else {
     // a delta applies to any frame it names (those sent after the last one acknowledged)
     if (!(head.bases || [head.base]).includes(s.token) || !s.dev) return false;  // not from here: ask again
-    patch(s.dev.u32, new Uint32Array(part("devIdx", 4)), new Uint32Array(part("dev", DEV)), DEV / 4, head.n);
-    patch(s.host.u32, new Uint32Array(part("hostIdx", 4)), new Uint32Array(part("host", HOST)), HOST / 4, head.m);
+    const devIdx = new Uint32Array(part("devIdx", 4)), hostIdx = new Uint32Array(part("hostIdx", 4));
+    patch(s.dev.u32, devIdx, new Uint32Array(part("dev", DEV)), DEV / 4, head.n);
+    patch(s.host.u32, hostIdx, new Uint32Array(part("host", HOST)), HOST / 4, head.m);
     for (const k of head.gone) s.seqs.delete(k);
-    for (const [k, ...v] of head.seqs) s.seqs.set(k, v);
+    let recolored = false;  // a sequence's colour is its own for life: never, but then repaint all
+    for (const [k, ...v] of head.seqs) {
+      const old = s.seqs.get(k);
+      recolored ||= old !== undefined && old[1] !== v[1];
+      s.seqs.set(k, v);
+    }
+    const c = s.changes;
+    if (recolored) { c.since = s.version; c.list = []; }
+    c.list.push({ version: s.version, dev: devIdx, host: hostIdx });
+    if (c.list.length > MAX_CHANGES) c.since = c.list.shift().version;  // older caches repaint all
+    // a block's touch mark changes only with its record: the blocks touched are those of the
+    // last list and of this delta that still are
+    s.touchList = stillTouched(s.touchList, devIdx, (i) => touch(s.dev, i));
+    s.hostTouchList = stillTouched(s.hostTouchList, hostIdx, (i) => hTouch(s.host, i));
   }
   s.token = head.token;
   s.msg = head.msg;  // the message whose panels it now holds (grid.show records panels by message)
   s.data = head;
   if (head.focus) s.focus = head.focus;
-  s.touchList = [];
-  for (let i = 0; i < head.n; i++) if (touch(s.dev, i)) s.touchList.push(i);
-  s.hostTouchList = [];
-  for (let i = 0; i < head.m; i++) if (hTouch(s.host, i)) s.hostTouchList.push(i);
   return true;
+}
+
+const MAX_CHANGES = 32;  // deltas remembered for the canvases' pixel caches
+
+function changedSince(s, version, host) {
+  const c = s.changes;
+  if (!c || version < c.since) return null;
+  return c.list.filter((x) => x.version > version).map((x) => (host ? x.host : x.dev));
+}
+
+function scanTouched(size, code) {
+  const out = [];
+  for (let i = 0; i < size; i++) if (code(i)) out.push(i);
+  return out;
+}
+
+function stillTouched(last, changed, code) {
+  const out = new Set();
+  for (const i of last) if (code(i)) out.add(i);
+  for (const i of changed) if (code(i)) out.add(i);
+  return [...out];
 }
 
 function patch(dst, idx, rows, words, size) {
@@ -170,29 +206,46 @@ function prepare(canvas, ctx, w, h) {
 }
 
 // Pixels: each block a c x c square, or k blocks averaged into one pixel (a density heat).
-function paintPixels(canvas, ctx, g, colour) {
+// The canvas keeps its pixels: a redraw recolours only those of the blocks changed since, so
+// a million-block overview costs what changed (`changed(v)`: the lists of blocks changed since
+// version v, or null when v is too old to say; `key`: what else the pixels depend on).
+function paintPixels(canvas, ctx, g, colour, changed, key, version) {
   const dpr = prepare(canvas, ctx, g.w, g.h);
-  const img = ctx.createImageData(g.w, g.h), px = img.data;
   const end = g.start + g.count;
-  if (g.k === 1) {
-    for (let i = g.start; i < end; i++) {
-      const [r, gr, b] = colour(i), j = i - g.start;
-      const x0 = (j % g.cols) * g.c, y0 = Math.floor(j / g.cols) * g.c;
-      for (let y = y0; y < y0 + g.c; y++) {
-        let o = (y * g.w + x0) * 4;
-        for (let x = 0; x < g.c; x++, o += 4) { px[o] = r; px[o + 1] = gr; px[o + 2] = b; px[o + 3] = 255; }
+  const square = (i) => {  // block i's c x c square (k = 1)
+    const [r, gr, b] = colour(i), j = i - g.start;
+    const x0 = (j % g.cols) * g.c, y0 = Math.floor(j / g.cols) * g.c;
+    for (let y = y0; y < y0 + g.c; y++) {
+      let o = (y * g.w + x0) * 4;
+      for (let x = 0; x < g.c; x++, o += 4) { px[o] = r; px[o + 1] = gr; px[o + 2] = b; px[o + 3] = 255; }
+    }
+  };
+  const pixel = (p) => {  // the blocks of pixel p, averaged (k > 1)
+    let r = 0, gr = 0, b = 0, n = 0;
+    for (let i = g.start + p * g.k, stop = Math.min(end, i + g.k); i < stop; i++, n++) {
+      const c = colour(i); r += c[0]; gr += c[1]; b += c[2];
+    }
+    const o = p * 4;
+    px[o] = r / n; px[o + 1] = gr / n; px[o + 2] = b / n; px[o + 3] = 255;
+  };
+  const keep = canvas.__pixels, same = keep && keep.key === key;
+  const since = same ? changed(keep.version) : null;
+  const img = since ? keep.img : ctx.createImageData(g.w, g.h), px = img.data;
+  if (since) {
+    const seen = new Set();
+    for (const blocks of since) {
+      for (const i of blocks) {
+        if (i < g.start || i >= end) continue;
+        if (g.k === 1) square(i);
+        else { const p = Math.floor((i - g.start) / g.k); if (!seen.has(p)) { seen.add(p); pixel(p); } }
       }
     }
+  } else if (g.k === 1) {
+    for (let i = g.start; i < end; i++) square(i);
   } else {
-    for (let p = 0, i = g.start; i < end; p++) {
-      let r = 0, gr = 0, b = 0, n = 0;
-      for (const stop = Math.min(end, i + g.k); i < stop; i++, n++) {
-        const c = colour(i); r += c[0]; gr += c[1]; b += c[2];
-      }
-      const o = p * 4;
-      px[o] = r / n; px[o + 1] = gr / n; px[o + 2] = b / n; px[o + 3] = 255;
-    }
+    for (let p = 0; p * g.k < g.count; p++) pixel(p);
   }
+  canvas.__pixels = { key, img, version };
   ctx.putImageData(img, 0, 0);
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);  // what is drawn next is in CSS pixels
   // ImageData ignores the transform: stretch what was put to the CSS size
@@ -306,7 +359,12 @@ function paintHighlight(ctx, g, list, ink) {
 function paint(canvas, ctx, s, g, host) {
   const pal = palette(s);
   if (g.k === 1 && g.c >= DETAIL) paintCells(canvas, ctx, s, g, host);
-  else paintPixels(canvas, ctx, g, host ? (i) => hostRGB(s, i, pal) : (i) => devRGB(s, i, pal));
+  else {
+    // the pixels stay right while the geometry, the colouring and the palettes do
+    const key = [g.start, g.count, g.w, g.h, g.k, g.c, s.mode, s.styles, groupRGB(s).join()].join();
+    paintPixels(canvas, ctx, g, host ? (i) => hostRGB(s, i, pal) : (i) => devRGB(s, i, pal),
+      (version) => changedSince(s, version, host), key, s.version);
+  }
   paintTouched(ctx, s, g, host ? s.hostTouchList : s.touchList, host);
 }
 
@@ -354,7 +412,14 @@ function setup(root) {
   s.hostCanvas.addEventListener("mousemove", (ev) => hoverAt(s, ev, s.hgeo, true));
   for (const c of [s.canvas, s.over, s.hostCanvas]) c.addEventListener("mouseleave", () => setHover(s, null));
   box.addEventListener("keydown", (ev) => key(s, ev));
-  new ResizeObserver(() => s.data && draw(s)).observe(box);
+  // the width read here, where layout is fresh, not in draw (a read there would lay the page out
+  // again after the panels' new HTML); only the width changes what is drawn
+  new ResizeObserver(() => {
+    const width = box.clientWidth;
+    if (width === s.width) return;
+    s.width = width;
+    if (s.data) draw(s);
+  }).observe(box);
   setInterval(() => {  // a lost answer never stops the redraws
     const now = performance.now();
     if (s.data && now - s.lastPull > 3000 && now - s.lastMsg > 3000) pull(s);
@@ -544,7 +609,7 @@ function draw(s) {
   const d = s.data;
   if (!d) return;
   const t0 = performance.now();
-  const width = Math.max(120, s.box.clientWidth), mainH = d.n > 2048 ? 520 : 400;
+  const width = Math.max(120, s.width ?? s.box.clientWidth), mainH = d.n > 2048 ? 520 : 400;
   const all = geometry(0, d.n, width, mainH);
   const small = all.k === 1 && all.c >= 8;  // the whole pool fits with room for detail
   if (!s.range || s.range.n !== d.n) {
@@ -583,7 +648,7 @@ function draw(s) {
   // clock) and how long it took
   const now = Date.now(), ms = performance.now() - t0;
   window.__kvscope_grid = { seq: d.seq, step: d.step, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
-    token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k,
+    token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k, overviewPerPixel: whole ? 0 : s.ogeo.k,
     touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length,
     groups: d.groups ? d.groups.length : 1, mode: s.mode };
   const log = (window.__kvscope_draws ||= []);
@@ -663,24 +728,25 @@ function pull(s) {
 
 // For the bench (test hooks on): where this redraw's time went, from the ask to the drawn canvas
 // (bench/dashboard.py LEGS), and whether a live view named another event than the grid.
-function profile(s, head, received, browser) {
+function profile(s, head, arrived, received, browser) {
   const p = head.prof, pulled = s.pulledAt && s.pulledAt.get(head.pull);
   if (!p || !pulled) return;
   s.pulledAt.delete(head.pull);
   const stale = s.panels.travel && s.panels.travel.value !== head.seq ? 1 : 0;
   const rows = (window.__kvscope_profile ||= []);
-  rows.push([pulled, p.start, p.view || 0, p.panels || 0, p.frame || 0, p.delta || 0, p.encode || 0, p.sent, received,
+  rows.push([pulled, p.start, p.view || 0, p.panels || 0, p.frame || 0, p.delta || 0, p.encode || 0, p.sent, arrived, received,
     ...browser, Date.now(), head.seq, stale]);
   if (rows.length > 20000) rows.splice(0, 10000);
 }
 
 function schedulePull(s, interval) {
   if (s.pullTimer) return;
-  const wait = Math.max(0, s.lastPull + interval - performance.now());
-  s.pullTimer = setTimeout(() => pull(s), wait);
+  const wait = s.lastPull + interval - performance.now();
+  if (wait <= 0) pull(s);  // now: Python makes the next frame while this one is drawn
+  else s.pullTimer = setTimeout(() => pull(s), wait);
 }
 
-async function receive(s, bytes) {
+async function receive(s, bytes, arrived) {
   s.lastMsg = performance.now();
   if (s.hooks) {  // for the bench: when each frame came, and its size
     const msgs = (window.__kvscope_msgs ||= []);
@@ -691,15 +757,18 @@ async function receive(s, bytes) {
     const t0 = performance.now(), received = Date.now();
     const frame = await parse(bytes);
     const t1 = performance.now();
-    if (apply(s, frame)) {  // every live view of this frame's redraw, then the grid: one step, one moment
+    const applied = apply(s, frame);
+    // ask for the next frame before drawing this one (the ask names this frame, which it holds
+    // now): Python's redraw and the browser's drawing overlap
+    schedulePull(s, frame.head.interval || 100);
+    if (applied) {  // every live view of this frame's redraw, then the grid: one step, one moment
       const t2 = performance.now();
       renderPanels(s, frame.head);
       const t3 = performance.now();
       draw(s);
-      if (s.hooks) profile(s, frame.head, received, [t1 - t0, t2 - t1, t3 - t2, performance.now() - t3]);
+      if (s.hooks) profile(s, frame.head, arrived, received, [t1 - t0, t2 - t1, t3 - t2, performance.now() - t3]);
       s.err.style.display = "none";
     }
-    schedulePull(s, frame.head.interval || 100);
   } catch (e) {
     s.err.textContent = `The grid could not draw this frame: ${e}`;
     s.err.style.display = "block";
@@ -720,6 +789,19 @@ function testApi(s) {
     group(i) { return group(s.dev, i); },
     state(i) { return state(s.dev, i); },
     tip() { return s.tip.style.display === "block" ? s.tip.innerText : ""; },
+    // pixels differing between what the canvases show and a paint from scratch (overview, main, host)
+    keptPixelsDiffer() {
+      const canvases = [s.over, s.canvas, s.hostCanvas];
+      const grab = () => canvases.map((c) => (c.width && c.height ? c.getContext("2d").getImageData(0, 0, c.width, c.height).data : null));
+      const kept = grab();
+      for (const c of canvases) c.__pixels = null;
+      draw(s);
+      return grab().map((fresh, k) => {
+        let n = 0;
+        if (fresh) for (let i = 0; i < fresh.length; i += 4) n += fresh[i] !== kept[k][i] || fresh[i + 1] !== kept[k][i + 1] || fresh[i + 2] !== kept[k][i + 2];
+        return n;
+      });
+    },
     locate(i) {
       if (i < s.range.start || i >= s.range.start + s.range.count) setRange(s, i - s.range.count / 2, s.range.count);
       const [x, y, c] = place(s.geo, i), r = s.canvas.getBoundingClientRect();
@@ -740,5 +822,6 @@ export default function (component) {
   if (data === s.lastBytes) return;
   s.lastBytes = data;
   const bytes = data instanceof Uint8Array ? data : new Uint8Array(data);
-  s.queue = s.queue.then(() => receive(s, bytes));  // frames apply in the order they came
+  const arrived = Date.now();  // Streamlit hands it over (for the bench: then it waits its turn)
+  s.queue = s.queue.then(() => receive(s, bytes, arrived));  // frames apply in the order they came
 }

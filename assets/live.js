@@ -177,7 +177,9 @@ function setupTables(s, box) {
     showTab(t);
     say();
   });
-  t.lbody.addEventListener("scroll", () => paintRows(t));
+  // the list's scroll and height, read where layout is fresh, not when the rows are painted
+  t.lbody.addEventListener("scroll", () => { t.top = t.lbody.scrollTop; paintRows(t); });
+  new ResizeObserver(() => { t.height = t.lbody.clientHeight; paintRows(t); }).observe(t.lbody);
   t.lrows.addEventListener("click", (ev) => {
     const row = ev.target.closest("[data-seq]");
     if (row) s.setTrigger("pin", row.dataset.seq);
@@ -219,8 +221,8 @@ function renderTables(s, d) {
 function paintRows(t) {  // only the rows in sight: the list may hold a thousand
   const d = t.data;
   if (!d || !d.rows) return;
-  const first = Math.max(0, Math.floor(t.lbody.scrollTop / ROW_H) - 5);
-  const last = Math.min(d.rows.length, first + Math.ceil(t.lbody.clientHeight / ROW_H) + 10);
+  const first = Math.max(0, Math.floor((t.top || 0) / ROW_H) - 5);
+  const last = Math.min(d.rows.length, first + Math.ceil((t.height ?? t.lbody.clientHeight) / ROW_H) + 10);
   let html = "";
   for (let i = first; i < last; i++) {
     const r = d.rows[i];

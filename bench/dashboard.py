@@ -224,7 +224,7 @@ WATCH_JS = """() => {
   window.__kvscope_draws = []; window.__kvscope_msgs = []; window.__kvscope_profile = [];
 }"""
 # window.__kvscope_profile rows (assets/grid.js `receive`): where a redraw's time went
-LEGS = ("pull", "start", "view", "panels", "frame", "delta", "encode", "sent", "received", "parse", "apply",
+LEGS = ("pull", "start", "view", "panels", "frame", "delta", "encode", "sent", "arrived", "received", "parse", "apply",
         "paint_panels", "draw", "drawn", "seq", "stale")
 
 
@@ -236,7 +236,8 @@ def legs(rows: list[list]) -> dict[str, float]:
             "view": med([x["view"] for x in r]), "panels": med([x["panels"] for x in r]),
             "frame": med([x["frame"] for x in r]), "delta": med([x["delta"] for x in r]),
             "encode": med([x["encode"] for x in r]),
-            "server → browser": med([x["received"] - x["sent"] for x in r]),
+            "server → browser": med([x["arrived"] - x["sent"] for x in r]),
+            "waits its turn": med([x["received"] - x["arrived"] for x in r]),
             "parse": med([x["parse"] for x in r]), "apply": med([x["apply"] for x in r]),
             "panels drawn": med([x["paint_panels"] for x in r]), "canvas": med([x["draw"] for x in r]),
             "ask → drawn": med([x["drawn"] - x["pull"] for x in r])}
@@ -326,8 +327,8 @@ def load_average() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-LEGS_SHOWN = ("ask → server starts", "view", "panels", "frame", "delta", "encode", "server → browser", "parse",
-              "apply", "panels drawn", "canvas", "ask → drawn")
+LEGS_SHOWN = ("ask → server starts", "view", "panels", "frame", "delta", "encode", "server → browser",
+              "waits its turn", "parse", "apply", "panels drawn", "canvas", "ask → drawn")
 TARGET = dict(blocks=1 << 20, redraws_per_s=10.0, latency_p50_ms=150.0)
 
 
@@ -407,8 +408,9 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
                   "the next frame to the server starting its redraw (Streamlit's round trip), the server's work "
                   "(the view: a copy of the mirror; the panels: every live view's data; the frame: every block's "
                   "drawing, shared by every session; the delta from the frame the browser holds; the encoding), the "
-                  "frame's way to the page's script (Streamlit's send, React), and the browser's (parse, apply, the "
-                  "panels' HTML, the canvas):", "",
+                  "frame's way to the page's script (the rest of Streamlit's rerun, its send, React), its wait "
+                  "there for the frame before it to be drawn, and the browser's (parse, apply, the panels' HTML, the "
+                  "canvas):", "",
                   "| blocks | CPU hog | " + " | ".join(LEGS_SHOWN) + " |", "|---:|---|" + "---:|" * len(LEGS_SHOWN)]
         for r in browser:
             row = {k: statistics.median(x[k] for x in r["legs"]) for k in LEGS_SHOWN}

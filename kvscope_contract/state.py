@@ -296,7 +296,8 @@ class PoolState:
     def counts(self, states: np.ndarray | None = None) -> BlockCounts:
         """`states`: this state's `block_states()`, when the caller has them already."""
         states = self.block_states() if states is None else states
-        n = np.bincount(states, minlength=RESERVED + 1).tolist()  # one pass: FREE..RESERVED
+        # a pass per state: bincount would first copy a million states into 64-bit integers
+        n = [int(np.count_nonzero(states == code)) for code in range(RESERVED + 1)]
         return BlockCounts(n[FREE], n[CACHED], n[USED] + n[SHARED], n[SHARED],
                            int(np.count_nonzero(self.host_ref_counts)))
 
@@ -305,10 +306,12 @@ class PoolState:
         shared block shows the most among its holders, a cached block with no holder is full."""
         return self.tokens.astype(np.int64), self.host_tokens.astype(np.int64)
 
-    def tokens_in_used_blocks(self) -> int:
+    def tokens_in_used_blocks(self, states: np.ndarray | None = None) -> int:
         """Tokens stored in the device blocks some sequence holds, a shared block once: over
-        `used * block_size` slots, the slot utilisation (1 - internal fragmentation)."""
-        return int(self.tokens[self.block_states() >= USED].sum(dtype=np.int64))
+        `used * block_size` slots, the slot utilisation (1 - internal fragmentation). `states`:
+        this state's `block_states()`, when the caller has them already."""
+        states = self.block_states() if states is None else states
+        return int(self.tokens[states >= USED].sum(dtype=np.int64))
 
     def prefix_lookup(self, ev: p.AnyEvent) -> int:
         """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the

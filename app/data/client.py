@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
+import numpy as np
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection
 
@@ -57,6 +58,12 @@ class View:
     @property
     def event(self) -> int:
         return self.mirror.last_event
+
+    def block_states(self) -> np.ndarray:
+        """Every device block's state (PoolState.block_states), computed once for every panel."""
+        if (states := self.memo.get("block_states")) is None:
+            states = self.memo["block_states"] = self.mirror.state.block_states()
+        return states
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import copy
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
+
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts, hit_rate
 from kvscope_contract.state import PoolState
@@ -171,19 +173,20 @@ class Mirror:
                 self.tally, self.origins = Tally(since=f"the reset (event {ev.seq:,})"), {}
 
     # ------------------------------------------------------------------ derived numbers
-    def usage(self) -> dict:
+    def usage(self, states: np.ndarray | None = None) -> dict:
         """The numbers the header shows: pool and host usage, slot utilisation (internal
         fragmentation), and a contiguous prompt + max-tokens reservation next to paging; on a
         hybrid pool also the blocks by kind of KV-cache group (`kinds`) and what full attention
-        on every layer would hold (`full_everywhere`, blocks)."""
+        on every layer would hold (`full_everywhere`, blocks). `states`: the state's
+        `block_states()`, when the caller has them already."""
         st, cfg = self.state, self.state.config
-        states = st.block_states()
+        states = st.block_states() if states is None else states
         free, cached, used, shared, host_used = st.counts(states)
         bs, bpb = cfg.block_size, cfg.bytes_per_block
         holding = [s for s in st.seqs.values() if s.holds_blocks()]
         # Paging holds each physical block once, however many sequences share it.
         paged_slots = used * bs
-        tokens_in_blocks = st.tokens_in_used_blocks()
+        tokens_in_blocks = st.tokens_in_used_blocks(states)
         kinds = groups.by_kind(st, states)  # a hybrid pool: a reservation per group, a window's never more than W
         if kinds:
             reserved, stored = sum(k.reserved for k in kinds), sum(k.reserved_tokens for k in kinds)

@@ -26,8 +26,8 @@ from app.ui.connection import Hosted, resolve, restart
 from app.data.key_events import explain
 from app.data.source import Source
 
-# Live views redraw when the browser has drawn the last grid frame and asks for the next (app/panels/grid.py):
-# this long after it asked for the last one, or once it has drawn it when that takes longer; 80 ms,
+# Live views redraw when the browser holds the last grid frame and asks for the next (app/panels/grid.py):
+# this long after it asked for the last one, or once that frame came when it took longer; 80 ms,
 # so that round trips that vary still give 10 per second.
 REFRESH = {"10 per second": 0.08, "5 per second": 0.2, "2 per second": 0.5}
 HEARTBEAT_S = 2.0  # the live views redraw at least this often, should the browser not ask
@@ -271,6 +271,6 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 
 def page(source: Source) -> None:
     """The live views (the pool grid beside the block tables), the history panel below."""
-    # run by the grid: the browser asks for the next frame when it has drawn the last
+    # run by the grid: the browser asks for the next frame when it holds the last
     st.fragment(fragment_of(live_views), run_every=HEARTBEAT_S, key="live")(source)
     st.fragment(fragment_of(timeline_or_log), run_every=2.0, key="panel")(source)

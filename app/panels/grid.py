@@ -1,14 +1,15 @@
 """The pool grid at any size: an overview of every block and a zoomed region with the full
 per-block detail, drawn on canvases by a components.v2 component (assets/grid.js).
 
-The server builds a *frame* per view: 16 bytes per device block (holder key when the block
-has one holder, the first 32 bits of its hash, ref count, tokens held, state, latest-step
-touch, KV-cache group) and 8 per host block, plus the live sequences by key. Frames are kept, by token, in a
-store shared by every session. The browser holds the last frame it drew and asks for the next
-(its `sync` state: the token it holds and the block under the pointer) once it has drawn;
-the answer is a delta from exactly that frame (the blocks whose drawing changed), or the
-whole frame, compressed, when the server no longer knows it. So a redraw costs what changed,
-not the size of the pool.
+The server builds a *frame* per view: a column per field of a block's drawing (holder key
+when the block has one holder, the first 32 bits of its hash, ref count, tokens held, state,
+latest-step touch, KV-cache group; 15 bytes per device block, 8 per host block), plus the live
+sequences by key; the wire carries them as records (16 bytes per device block). Frames are
+kept, by token, in a store shared by every session. The browser holds the last frame it got
+and asks for the next (its `sync` state: the token it holds and the block under the pointer)
+before drawing it; the answer is a delta from exactly that frame (the blocks whose drawing
+changed), or the whole frame, compressed, when the server no longer knows it. So a redraw
+costs what changed, not the size of the pool, on the server and in the browser alike.
 """
 from __future__ import annotations
 
@@ -87,13 +88,41 @@ def _touch_column(size: int, touch: dict[int, int]) -> np.ndarray:
     return col
 
 
+class Columns(dict):
+    """A frame's blocks as contiguous columns by field of `record`: built, compared and kept
+    column by column (a million records' strided fields cost several times more), made
+    records only for what goes on the wire."""
+
+    def __init__(self, record: np.dtype, **columns: np.ndarray):
+        super().__init__(columns)
+        self.record = record
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.values())
+
+    def records(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """The blocks `ids` (None: all) as `record`s, as the canvas reads them."""
+        out = np.zeros(len(next(iter(self.values()))) if ids is None else len(ids), self.record)
+        for name, column in self.items():
+            out[name] = column if ids is None else column[ids]
+        return out
+
+    def changed(self, old: Columns) -> np.ndarray:
+        """The blocks whose drawing differs from `old`'s (a pool may have none)."""
+        diff = np.zeros(len(next(iter(self.values()))), bool)
+        for name, column in self.items():
+            diff |= column != old[name]
+        return np.flatnonzero(diff).astype("<u4")
+
+
 @dataclass(eq=False)
 class Frame:
     """What the canvas draws for one view."""
     token: int
     shape: tuple[int, int, int]  # device blocks, host blocks, block size
-    dev: np.ndarray              # DEV per device block
-    host: np.ndarray             # HOST per host block
+    dev: Columns                 # DEV's fields per device block
+    host: Columns                # HOST's fields per host block
     seqs: dict[int, list]        # key -> [seq_id, colour index, status]
     info: dict                   # event number, live, step, counts, what the step touched
 
@@ -109,22 +138,14 @@ def build(view: View, colors: dict[str, int]) -> Frame:
     """The frame of `view`: every block's drawing, vectorised over the reducer's columns."""
     st_, cfg = view.mirror.state, view.mirror.config
     n, m = len(st_.ref_counts), len(st_.host_ref_counts)
-    ref = st_.ref_counts
-    dev = np.zeros(n, DEV)
-    dev["owner"] = np.where(ref == 1, st_.holder, 0)
-    dev["hash"] = st_.hash32
-    dev["ref"] = np.minimum(ref, 0xFFFF)
-    dev["tokens"] = st_.tokens
-    dev["state"] = states = st_.block_states()
+    ref, host_ref, states = st_.ref_counts, st_.host_ref_counts, view.block_states()
     dev_touch, host_touch, events = step_touches(view.step_events)
-    dev["touch"] = _touch_column(n, dev_touch)
-    dev["group"] = st_.kv_group
-    host = np.zeros(m, HOST)
-    host_ref = st_.host_ref_counts
-    host["owner"] = np.where(host_ref == 1, st_.host_holder, 0)  # shared: no single owner
-    host["ref"] = np.minimum(host_ref, 0xFF)
-    host["tokens"] = st_.host_tokens
-    host["touch"] = _touch_column(m, host_touch)
+    dev = Columns(DEV, owner=np.where(ref == 1, st_.holder, 0).view("<u4"), hash=st_.hash32.copy(),
+                  ref=np.minimum(ref, 0xFFFF).astype("<u2"), tokens=st_.tokens.copy(), state=states,
+                  touch=_touch_column(n, dev_touch), group=st_.kv_group.copy())
+    host = Columns(HOST, owner=np.where(host_ref == 1, st_.host_holder, 0).view("<u4"),  # shared: no single owner
+                   tokens=st_.host_tokens.copy(), touch=_touch_column(m, host_touch),
+                   ref=np.minimum(host_ref, 0xFF).astype("u1"))
     palette = len(SEQ_COLORS)
     seqs = {s.key: [s.seq_id, colors.get(s.seq_id, s.key) % palette, s.status] for s in st_.seqs.values()}
     blocks = Counter(TOUCH_KINDS[c - 1] for c in itertools.chain(dev_touch.values(), host_touch.values()))
@@ -182,16 +203,6 @@ def frame_of(view: View, colors: dict[str, int]) -> Frame:
     return f
 
 
-def _changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """Indices whose records differ (records compared as 64-bit words; a pool may have none)."""
-    words = new.dtype.itemsize // 8
-    a, b = new.view("<u8").reshape(len(new), words), old.view("<u8").reshape(len(old), words)
-    diff = a[:, 0] != b[:, 0]
-    for k in range(1, a.shape[1]):
-        diff |= a[:, k] != b[:, k]
-    return np.flatnonzero(diff).astype("<u4")
-
-
 def _union(parts) -> np.ndarray:
     parts = list(parts)
     return parts[0] if len(parts) == 1 else np.union1d(parts[0], np.concatenate(parts[1:])).astype("<u4")
@@ -243,16 +254,16 @@ def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: l
                  "gone": sorted({k for b in bases for k in b.seqs if k not in frame.seqs}),
                  "seqs": [[k, *v] for k, v in frame.seqs.items() if any(b.seqs.get(k) != v for b in bases)]}
         if any(b is not frame for b in bases):
-            d = _union(_changed(frame.dev, b.dev) for b in bases)
-            h = _union(_changed(frame.host, b.host) for b in bases)
+            d = _union(frame.dev.changed(b.dev) for b in bases)
+            h = _union(frame.host.changed(b.host) for b in bases)
             part("devIdx", d)
-            part("dev", frame.dev[d])
+            part("dev", frame.dev.records(d))
             part("hostIdx", h)
-            part("host", frame.host[h])
+            part("host", frame.host.records(h))
     else:
         head |= {"kind": "full", "seqs": [[k, *v] for k, v in frame.seqs.items()]}
-        part("dev", frame.dev)
-        part("host", frame.host)
+        part("dev", frame.dev.records())
+        part("host", frame.host.records())
     if prof is not None:
         t_delta = time.perf_counter()
     if len(body) > COMPRESS_ABOVE:

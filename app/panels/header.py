@@ -66,7 +66,7 @@ def status_of(r: Redraw, source: Source, hosted: Hosted | None) -> str:
 def usage(view: View) -> dict[str, float]:
     """The view's usage numbers, computed once per view (every session shares them)."""
     if "usage" not in view.memo:
-        view.memo["usage"] = view.mirror.usage()
+        view.memo["usage"] = view.mirror.usage(view.block_states())
     return view.memo["usage"]
 
 

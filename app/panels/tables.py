@@ -13,7 +13,6 @@ from __future__ import annotations
 from html import escape
 
 import numpy as np
-import pandas as pd
 
 from app.data.client import View
 from app.data.groups import Row, held_blocks, host_blocks, span, table_rows
@@ -293,13 +292,14 @@ def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = Non
     return CSS + f'<div class="bt" data-event="{view.event}">{key}{"".join(cards)}</div>'
 
 
-def listing(view: View, seqs: list[SeqState]) -> pd.DataFrame:
-    """One row per sequence, for the scrolled list."""
+LIST_COLUMNS = ["sequence", "status", "blocks", "host blocks", "tokens", "prompt", "output", "age (s)"]
+
+
+def listing(view: View, seqs: list[SeqState]) -> list[list]:
+    """One row per sequence, for the scrolled list (its columns: LIST_COLUMNS)."""
     now = view.mirror.t
-    return pd.DataFrame(
-        [(s.seq_id, s.status, held_blocks(s), host_blocks(s), s.num_tokens, s.prompt_tokens,
-          s.output_tokens, None if s.added is None else round(now - s.added, 1)) for s in seqs],
-        columns=["sequence", "status", "blocks", "host blocks", "tokens", "prompt", "output", "age (s)"])
+    return [[s.seq_id, s.status, held_blocks(s), host_blocks(s), s.num_tokens, s.prompt_tokens,
+             s.output_tokens, None if s.added is None else round(now - s.added, 1)] for s in seqs]
 
 
 def render_finished(finished: list[Finished], colors: dict[str, int]) -> str:

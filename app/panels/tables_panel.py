@@ -4,8 +4,6 @@ with many sequences the list of every match (a click pins that sequence's card: 
 trigger), and the finished requests."""
 from __future__ import annotations
 
-import json
-
 import streamlit as st
 
 from app.data.client import View
@@ -53,8 +51,7 @@ def data(view: View, colors: dict[str, int], highlight: set[int] = frozenset()) 
               f" · the first {tables.CARDS} as cards, all in the list below (click one to pin its card)")
     columns = rows = None
     if not few:
-        listing = tables.listing(view, seqs[:LIST_ROWS])
-        columns, rows = list(listing.columns), json.loads(listing.to_json(orient="values"))
+        columns, rows = tables.LIST_COLUMNS, tables.listing(view, seqs[:LIST_ROWS])
     hybrid = len(view.mirror.config.groups) > 1  # a row per KV-cache group, or one per kind alike
     return {"controls": c, "sorts": list(tables.SORTS), "caption": caption, "pinned": pin, "hybrid": hybrid,
             "cards": tables.render(view, colors, seqs if few else seqs[:tables.CARDS], pin, c["open"], highlight,
