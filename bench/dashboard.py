@@ -230,7 +230,9 @@ LEGS = ("pull", "start", "view", "panels", "frame", "delta", "encode", "sent", "
 
 def legs(rows: list[list]) -> dict[str, float]:
     """Median milliseconds of each leg of a redraw, from the browser's ask to the drawn canvas."""
-    r = [dict(zip(LEGS, row)) for row in rows if row[0] and row[1]]
+    # a checkout from before the `arrived` stamp (--compare): its frames arrived when received
+    r = [dict(zip(LEGS, row if len(row) == len(LEGS) else [*row[:8], row[8], *row[8:]])) for row in rows
+         if row[0] and row[1]]
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     return {"ask → server starts": med([x["start"] - x["pull"] for x in r]),
             "view": med([x["view"] for x in r]), "panels": med([x["panels"] for x in r]),
@@ -303,13 +305,13 @@ def browser_rounds(sizes: list[int], rounds: int, seconds: float, compare: Path 
                    hogs: tuple[int, ...] = (0,)) -> list[dict]:
     """Sizes interleaved, round after round, each without and with the CPU taken (`hogs`: the
     spinning processes of each run); with `compare`, that checkout's dashboard too, right after
-    this one's, at the sizes its protocol allows."""
+    this one's (A B A B: the machine's drift hits both alike)."""
     runs = []
     for _ in range(rounds):
         for n in sizes:
             for hog in hogs:
                 runs.append(in_browser(n, seconds, hog=hog))
-                if compare and n <= 65536:
+                if compare:
                     runs.append(in_browser(n, seconds, app_dir=compare, hog=hog))
     out = []
     for app in dict.fromkeys(r["app"] for r in runs):
@@ -428,7 +430,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--history-events", type=int, default=1_000_000, help="0 skips the history part")
     ap.add_argument("--compare", type=Path, default=None,
-                    help="another checkout (with its .venv) whose dashboard is measured beside this one")
+                    help="another checkout (with its .venv) whose dashboard is measured beside this one, "
+                         "at every size: one whose protocol takes them")
     ap.add_argument("--hog", choices=("both", "off", "on"), default="both",
                     help="measure the browser without (off), with (on) or without and with (both) the CPU taken "
                          "by other work: --hog-procs processes spinning")
