@@ -229,7 +229,8 @@ function paintPixels(canvas, ctx, g, colour, changed, key, version) {
     px[o] = r / n; px[o + 1] = gr / n; px[o + 2] = b / n; px[o + 3] = 255;
   };
   const keep = canvas.__pixels, same = keep && keep.key === key;
-  const since = same ? changed(keep.version) : null;
+  let since = same ? changed(keep.version) : null;
+  if (since && since.reduce((n, blocks) => n + blocks.length, 0) > g.count / 4) since = null;  // a jump: all afresh
   const img = since ? keep.img : ctx.createImageData(g.w, g.h), px = img.data;
   if (since) {
     const seen = new Set();
