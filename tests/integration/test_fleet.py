@@ -163,7 +163,8 @@ def test_numbers_on_a_card_do_not_go_stale(pair, monkeypatch):
                                                                  ignore_eos=True))), p.Ack)
     assert isinstance(client.wait_reply(client.send(p.Resume())), p.Ack)
     row = wait(lambda: (r := {x.name: x for x in fleet.rows()}["a"]).preemptions and r, 60, "a preempting")
-    assert row.alarm == "preempting" and row.tokens_per_s > 0
+    # flagged; the card's alarm says "no free blocks" first while the pool is full at that instant
+    assert row.preempting and row.alarm in ("preempting", "no free blocks") and row.tokens_per_s > 0
     wait(lambda: client.view().mirror.tally.finished >= finished + 8, 120, "a finished")
     idle = wait(lambda: (r := {x.name: x for x in fleet.rows()}["a"]).alarm == "" and r, 10, "preempting cleared")
     assert idle.preemptions > 0  # still counted, no longer flagged
