@@ -3,8 +3,10 @@
 // first part of this component's script). This keeps the columns, draws an overview of the
 // whole pool and a zoomed region with per-block detail, explains a block on hover, reports a
 // clicked block, and asks for the next frame as soon as it holds this one, before drawing it, so
-// that Python's redraw and the browser's drawing overlap (setStateValue "sync": the frame token
-// it holds, the message whose panels it holds, and the block under the pointer).
+// that Python's redraw and the browser's drawing overlap (the ask, "sync": the frame token it
+// holds, the message whose panels it holds, and the block under the pointer). It asks by its
+// lane (app/ui/lane.py: a WebSocket of the dashboard's process, no Streamlit rerun) while Python
+// keeps the lane open, else by setStateValue, a Streamlit rerun.
 // State lives on the root element between calls.
 
 // The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and
@@ -380,7 +382,8 @@ function el(tag, cls, parent, html) {
 
 function setup(root) {
   const s = { root, draws: 0, token: null, pulls: 0, lastPull: 0, lastMsg: 0, mode: "sequence", hover: null,
-    range: null, queue: Promise.resolve(), hooks: "testHooks" in root.dataset };
+    range: null, queue: Promise.resolve(), hooks: "testHooks" in root.dataset, gen: 0,
+    id: Math.random().toString(36).slice(2), lane: null };
   const box = (s.box = setupPanels(s, root));  // the live views around the grid: assets/live.js
   s.head = el("div", "head", box);
   s.bar = el("div", "bar", box);
@@ -421,9 +424,11 @@ function setup(root) {
     s.width = width;
     if (s.data) draw(s);
   }).observe(box);
-  setInterval(() => {  // a lost answer never stops the redraws
+  const beat = setInterval(() => {  // a lost answer never stops the redraws
+    if (!root.isConnected) { clearInterval(beat); if (s.lane) s.lane.ws.close(); return; }  // a page drawn afresh
     const now = performance.now();
-    if (s.data && now - s.lastPull > 3000 && now - s.lastMsg > 3000) pull(s);
+    if (s.lane && s.lane.asked && now - s.lastPull > 3000) { s.lane.asked = false; s.lane.ws.close(); }  // stuck: Streamlit's way
+    if (s.data && now - s.lastPull > 3000 && now - s.lastMsg > 3000) pull(s, true);
   }, 1000);
   return s;
 }
@@ -718,13 +723,43 @@ function legend(s) {
 }
 
 // ------------------------------------------------------------------ the exchange with Python
-function pull(s) {
+function pull(s, streamlit = false) {
   clearTimeout(s.pullTimer);
   s.pullTimer = null;
+  const lane = !streamlit && s.lane && s.lane.open && s.lane.ws.readyState === WebSocket.OPEN ? s.lane : null;
+  if (lane && lane.asked) return;  // one ask at a time: its answer asks again
   s.lastPull = performance.now();
   if (s.hooks) (s.pulledAt ||= new Map()).set(s.pulls + 1, Date.now());
   const h = s.hover;
-  s.setState("sync", { have: s.token, msg: s.msg, pull: ++s.pulls, focus: h ? [h.b, h.host ? 1 : 0] : null, style: s.style ? 1 : 0 });
+  const sync = { el: s.id, have: s.token, msg: s.msg, pull: ++s.pulls, focus: h ? [h.b, h.host ? 1 : 0] : null, style: s.style ? 1 : 0 };
+  if (lane) { lane.asked = true; lane.ws.send(JSON.stringify(sync)); } else s.setState("sync", sync);
+}
+
+// The lane (Python says where, in a rerun's frame): a frame by it needs no Streamlit rerun. It
+// answers "streamlit" when the redraw needs one (then this asks that way until a rerun opens it
+// again); one that cannot be reached, or closes, is left for a minute: asks go by Streamlit.
+function useLane(s, where) {
+  const url = where && location.protocol === "http:" ? `ws://${location.hostname}:${where.port}/` : null;
+  if (s.lane && s.lane.url === url && s.lane.token === where.token) { s.lane.open = where.open; return; }
+  if (s.lane) s.lane.ws.close();
+  s.lane = null;
+  if (!url || performance.now() - (s.laneFailed || -1e9) < 60000) return;
+  const ws = new WebSocket(url), lane = { url, token: where.token, open: where.open, ws, asked: false };
+  ws.binaryType = "arraybuffer";
+  ws.onopen = () => ws.send(where.token);
+  ws.onmessage = (ev) => {
+    lane.asked = false;
+    if (typeof ev.data === "string") { lane.open = false; pull(s, true); return; }
+    const bytes = new Uint8Array(ev.data), arrived = Date.now();
+    s.queue = s.queue.then(() => receive(s, bytes, arrived));
+  };
+  ws.onclose = () => {
+    if (s.lane !== lane) return;
+    s.lane = null;
+    s.laneFailed = performance.now();
+    if (lane.asked) pull(s, true);
+  };
+  s.lane = lane;
 }
 
 // For the bench (test hooks on): where this redraw's time went, from the ask to the drawn canvas
@@ -756,9 +791,14 @@ async function receive(s, bytes, arrived) {
   }
   try {
     const t0 = performance.now(), received = Date.now();
-    const frame = await parse(bytes);
+    const frame = await parse(bytes), head = frame.head;
+    if ("lane" in head) useLane(s, head.lane);  // a rerun's frame says where the lane is, and if it redraws
+    // a frame of an older rerun's lane, or one of the live engine older than the frame held (a
+    // rerun's, overtaken by the lane's), is not drawn: the page never steps back
+    const old = head.gen < s.gen || (head.gen === s.gen && head.live && s.data && s.data.live && head.seq < s.data.seq);
+    s.gen = Math.max(s.gen, head.gen || 0);
     const t1 = performance.now();
-    const applied = apply(s, frame);
+    const applied = !old && apply(s, frame);
     // ask for the next frame before drawing this one (the ask names this frame, which it holds
     // now): Python's redraw and the browser's drawing overlap
     schedulePull(s, frame.head.interval || 100);
@@ -790,6 +830,7 @@ function testApi(s) {
     group(i) { return group(s.dev, i); },
     state(i) { return state(s.dev, i); },
     tip() { return s.tip.style.display === "block" ? s.tip.innerText : ""; },
+    lane() { return s.lane ? { open: s.lane.open, ready: s.lane.ws.readyState === WebSocket.OPEN } : null; },
     // pixels differing between what the canvases show and a paint from scratch (overview, main, host)
     keptPixelsDiffer() {
       const canvases = [s.over, s.canvas, s.hostCanvas];

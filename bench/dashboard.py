@@ -407,12 +407,12 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
                   "whole pool; the max column is that one. Stale panels: draws at which a live view named another "
                   "event than the grid (none, by construction: they come in one frame).", "",
                   "Where a redraw's time goes (median ms over every redraw of the runs): from the browser asking for "
-                  "the next frame to the server starting its redraw (Streamlit's round trip), the server's work "
-                  "(the view: a copy of the mirror; the panels: every live view's data; the frame: every block's "
-                  "drawing, shared by every session; the delta from the frame the browser holds; the encoding), the "
-                  "frame's way to the page's script (the rest of Streamlit's rerun, its send, React), its wait "
-                  "there for the frame before it to be drawn, and the browser's (parse, apply, the panels' HTML, the "
-                  "canvas):", "",
+                  "the next frame to the server starting its redraw (by the lane, app/ui/lane.py, or by a Streamlit "
+                  "rerun: the heartbeat's every 2 s), the server's work (the view: a copy of the mirror; the panels: "
+                  "every live view's data; the frame: every block's drawing, shared by every session; the delta from "
+                  "the frame the browser holds; the encoding), the frame's way to the page's script (the lane's send; "
+                  "a rerun's: the rest of it, its send, React), its wait there for the frame before it to be drawn, "
+                  "and the browser's (parse, apply, the panels' HTML, the canvas):", "",
                   "| blocks | CPU hog | " + " | ".join(LEGS_SHOWN) + " |", "|---:|---|" + "---:|" * len(LEGS_SHOWN)]
         for r in browser:
             row = {k: statistics.median(x[k] for x in r["legs"]) for k in LEGS_SHOWN}

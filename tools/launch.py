@@ -41,11 +41,13 @@ def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.
 
 
 def open_grid(browser, url: str, errors: list[str], blocks: int | None = None, *, width: int = 1500,
-              height: int = 1400, timeout_ms: int = 300_000):
+              height: int = 1400, timeout_ms: int = 300_000, prepare=None):
     """A page of the app at `url` once its grid has drawn (a pool of `blocks`, or any pool); the
-    page's errors go to `errors`."""
+    page's errors go to `errors`; `prepare(page)` runs before it loads (routes, listeners)."""
     page = browser.new_page(viewport={"width": width, "height": height})
     page.on("pageerror", lambda e: errors.append(str(e)))
+    if prepare is not None:
+        prepare(page)
     page.goto(url)
     drawn = f"=== {blocks}" if blocks is not None else "> 0"
     page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n {drawn}", timeout=timeout_ms)

@@ -10,6 +10,7 @@ removes the others. Also the pages before a pool exists: the engine loading, the
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from html import escape
 from typing import Callable
 
@@ -17,7 +18,7 @@ import streamlit as st
 
 from app.modes import lessons_view
 from app.panels import grid, header, history_panels, misses, tables_panel
-from app.ui import icons, stale, travel
+from app.ui import icons, lane, stale, travel
 from app.ui.icons import icon
 from app.data.client import EngineClient, Redraw, View
 from app.data.mirror import Tally
@@ -27,9 +28,9 @@ from app.data.key_events import explain
 from app.data.source import Source
 
 # Live views redraw when the browser holds the last grid frame and asks for the next (app/panels/grid.py):
-# this long after it asked for the last one, or once that frame came when it took longer; 80 ms,
-# so that round trips that vary still give 10 per second.
-REFRESH = {"10 per second": 0.08, "5 per second": 0.2, "2 per second": 0.5}
+# this long after it asked for the last one, or once that frame came when it took longer; 70 ms,
+# so that round trips and timers that vary still give 10 per second.
+REFRESH = {"10 per second": 0.07, "5 per second": 0.2, "2 per second": 0.5}
 HEARTBEAT_S = 2.0  # the live views redraw at least this often, should the browser not ask
 
 
@@ -88,14 +89,21 @@ def before_restart(hosted: Hosted | None, client: EngineClient) -> None:
         st.rerun(scope="app")
 
 
-REDRAW = "redraw"  # session state: (the client, the Redraw) the live views last drew
+REDRAW = "redraw"  # session state: the Drawn the live views last drew, by a rerun or their lane
 IN_LESSON = "in_lesson"  # session state: (the client, the event) the live views last drew in Lessons
+
+
+@dataclass(eq=False)
+class Drawn:
+    """What the live views last drew: updated in place by their lane too (app/ui/lane.py)."""
+    client: EngineClient | None = None
+    redraw: Redraw | None = None
 
 
 def last_redraw(client: EngineClient) -> Redraw | None:
     """The redraw the live views last drew from `client` (None before the first)."""
     held = st.session_state.get(REDRAW)
-    return held[1] if held and held[0] is client else None
+    return held.redraw if held and held.client is client else None
 
 
 def current_view(client: EngineClient) -> View | None:
@@ -119,7 +127,7 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     r = prof.timed("view", lambda: client.redraw(travel.target()))
     if r is None:
         return
-    st.session_state[REDRAW] = (client, r)
+    drawn_now = st.session_state[REDRAW] = Drawn(client, r)
     if mode() == "Lessons":
         st.session_state[IN_LESSON] = (client, r.event)
     connected = r.status.state == "connected" and not dead
@@ -128,17 +136,58 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     key = stopped_at(client, r) if lesson is None else None
     ringed = misses.ring(r.view) if lesson is None and not key else None  # an eviction the miss panel travelled to
     lit = set(lessons_view.highlight() if mode() == "Lessons" else [])
-    panels = prof.timed("panels", lambda: drawn({
-        "status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner(r, key, ringed),
-        "metrics": lambda: header.metrics(r, own_tally(client, r)), "travel": lambda: travel.bar(r, connected, old),
-        "card": lambda: header.reservation_card(r.view), "tables": lambda: tables_panel.data(r.view, r.colors, lit)}))
+    tables = tables_panel.controls(), st.session_state.get(tables_panel.PIN)
+    attached = own_tally(client, r)
+    panels = prof.timed("panels", lambda: drawn(panels_of(r, source, hosted, attached, connected, old,
+                                                         banner(r, key, ringed), lit, tables)))
     on = {"block": history_panels.show_block_in_log, "travel": lambda: travel.moved(client, GRID),
           "tables": lambda: tables_panel.changed(GRID), "pin": lambda: tables_panel.pinned(GRID),
           "why": misses.open_panel}
-    grid.show(r.view, r.colors, key=GRID, interval_s=REFRESH[st.session_state.get("refresh", "10 per second")],
-              panels=panels, on=on, prof=prof, extra={
-                  "connected": connected,
-                  "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
+    el = grid.element(GRID)
+    with el.lock:  # from here on the lane redraws as this rerun would, or not at all
+        el.gen += 1
+        el.interval_ms = round(REFRESH[st.session_state.get("refresh", "10 per second")] * 1000)
+        plain = (mode() == "Explore" and r.view.live and connected and not old and not r.loop.paused
+                 and not st.session_state.get("pending") and not ringed)
+        el.follow = lane_redraw(el, client, source, hosted, drawn_now, st.session_state[ATTACHED], tables,
+                                st.session_state["pending"]) if plain else None
+    grid.show(r.view, r.colors, key=GRID, panels=panels, on=on, prof=prof, extra={
+        "connected": connected, "lane": lane.address(el, plain),
+        "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
+
+
+def panels_of(r: Redraw, source: Source, hosted: Hosted | None, tally: Tally, connected: bool, old: bool,
+              banner_html: str, lit: set[int], tables: tuple[dict, str | None]) -> dict[str, Callable[[], object]]:
+    """The live views' panels of one redraw, to be drawn."""
+    return {"status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner_html,
+            "metrics": lambda: header.metrics(r, tally), "travel": lambda: travel.bar(r, connected, old),
+            "card": lambda: header.reservation_card(r.view),
+            "tables": lambda: tables_panel.data(r.view, r.colors, lit, *tables)}
+
+
+def lane_redraw(el: grid.Element, client: EngineClient, source: Source, hosted: Hosted | None, drawn_to: Drawn,
+                attached: tuple, tables: tuple[dict, str | None], pending: dict) -> Callable[[dict], bytes | None]:
+    """The live views' next message, composed off Streamlit's script thread for their lane, with
+    what this rerun read of the session; None once the redraw needs the session again (the
+    engine paused, stopped or restarted, a command's answer to show, a panel that failed: a
+    rerun says why in its place)."""
+    def follow(sync: dict) -> bytes | None:
+        prof = grid.Profile()
+        r = prof.timed("view", lambda: client.redraw())
+        if (r is None or pending or r.loop.paused or r.status.state != "connected" or hosted is not None
+                and (hosted.process.died or hosted.client is not client)):
+            return None
+        tally = tally_since(attached, client, r)
+        if tally is None:
+            return None
+        try:
+            panels = prof.timed("panels", lambda: {name: draw() for name, draw in panels_of(
+                r, source, hosted, tally, True, False, "", set(), tables).items()})
+        except Exception:
+            return None
+        drawn_to.client, drawn_to.redraw = client, r
+        return el.message(r.view, r.colors, sync, panels, {"connected": True, "highlight": []}, prof)
+    return follow
 
 
 GRID = "pool_grid"  # the live views' element
@@ -150,13 +199,21 @@ def own_tally(client: EngineClient, r: Redraw) -> Tally:
     counters start where the first session attached it: a later one counts from its own first
     live redraw (earlier events and a reset or clean slate since keep the client's); one opened
     before the client's first snapshot counts all of it."""
-    tl = r.view.mirror.tally
     held = st.session_state.get(ATTACHED)
     if held is None or held[0] is not client or held[1] != r.view.epoch:
         if not r.view.live:
-            return tl
-        held = st.session_state[ATTACHED] = (client, r.view.epoch, r.event, tl.clone())
-    _, _, at, base = held
+            return r.view.mirror.tally
+        held = st.session_state[ATTACHED] = (client, r.view.epoch, r.event, r.view.mirror.tally.clone())
+    return tally_since(held, client, r)
+
+
+def tally_since(held: tuple, client: EngineClient, r: Redraw) -> Tally | None:
+    """`own_tally` once the session has attached (`held`); None: it attached to another client or
+    epoch (a rerun attaches it afresh)."""
+    held_client, epoch, at, base = held
+    if held_client is not client or epoch != r.view.epoch:
+        return None
+    tl = r.view.mirror.tally
     if r.event < at or base.since != tl.since or base.counted_nothing():
         return tl
     return tl.after(base, f"you attached (event {at:,})")

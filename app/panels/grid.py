@@ -6,8 +6,8 @@ when the block has one holder, the first 32 bits of its hash, ref count, tokens 
 latest-step touch, KV-cache group; 15 bytes per device block, 8 per host block), plus the live
 sequences by key; the wire carries them as records (16 bytes per device block). Frames are
 kept, by token, in a store shared by every session. The browser holds the last frame it got
-and asks for the next (its `sync` state: the token it holds and the block under the pointer)
-before drawing it; the answer is a delta from exactly that frame (the blocks whose drawing
+and asks for the next (its `sync`: the token it holds and the block under the pointer) before
+drawing it, by the element's lane (app/ui/lane.py) or through a Streamlit rerun; the answer is a delta from exactly that frame (the blocks whose drawing
 changed), or the whole frame, compressed, when the server no longer knows it. So a redraw
 costs what changed, not the size of the pool, on the server and in the browser alike.
 """
@@ -357,7 +357,8 @@ def _component():
 
 
 def _sync(key: str) -> dict:
-    """What the browser said it holds: {"have": frame token, "msg": message, "pull": n, "focus": [block, host]}."""
+    """What the browser last said through Streamlit: {"have": frame token, "msg": message, "pull": n,
+    "focus": [block, host], "el": the element's id}."""
     try:
         state = st.session_state[key]
     except KeyError:
@@ -366,33 +367,71 @@ def _sync(key: str) -> dict:
     return sync if isinstance(sync, dict) else {}
 
 
-def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", interval_s: float = 0.1,
-         panels: dict | None = None, extra: dict | None = None, on: dict | None = None,
-         prof: Profile | None = None) -> None:
+@dataclass(eq=False)
+class Element:
+    """One browser element's exchange with this server, whichever way its asks come (a Streamlit
+    rerun, or its lane: app/ui/lane.py): the frames sent and not yet acknowledged, the panels by
+    message, and what its lane redraws (`follow`, None: the lane is closed, asks go through
+    Streamlit). A lane frame is composed under the same lock as a rerun's, from the same records."""
+    sent: list[int] = field(default_factory=list)
+    ledger: PanelLedger = field(default_factory=lambda: PanelLedger())
+    follow: Callable[[dict], bytes | None] | None = None
+    gen: int = 0  # bumped whenever a rerun hands the lane a new `follow`: frames of an older one are dropped
+    interval_ms: int = 100  # the browser asks at most this often (the session's refresh setting)
+    lane_sync: dict = field(default_factory=dict)  # the last ask that came by the lane
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def newest(self, sync: dict) -> dict:
+        """The ask to answer: Streamlit's (`sync`), or the lane's when it is the same element's
+        and later (Streamlit keeps the last ask it carried, which a heartbeat rerun would
+        otherwise answer with a frame the browser no longer holds)."""
+        lane = self.lane_sync
+        later = lane.get("el") == sync.get("el") and lane.get("pull", 0) > sync.get("pull", 0)
+        return lane if later else sync
+
+    def serve(self, sync: dict) -> bytes | None:
+        """The lane's answer to an ask: the next message, or None (go through Streamlit)."""
+        with self.lock:
+            self.lane_sync = sync
+            return self.follow(sync) if self.follow is not None else None
+
+    def message(self, view: View, colors: dict[str, int], sync: dict, panels: dict | None, extra: dict,
+                prof: Profile) -> bytes:
+        """The next message to this element: a delta from the frame it said it holds (or from
+        any sent since, not yet acknowledged), with the panels it may not hold."""
+        with self.lock:
+            frame = prof.timed("frame", lambda: frame_of(view, colors))
+            also = unacknowledged(self.sent, sync.get("have"), frame.token)
+            extra = {**extra, "pull": sync.get("pull", 0), "gen": self.gen, "interval": self.interval_ms}
+            if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
+                extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
+            if not sync.get("style"):  # a grid mounted afresh (a full rerun) has none yet, whatever the old one said
+                extra["style"] = STYLE
+            bases = [FRAMES.get(t) for t in also]
+            known = None not in bases and len(bases) <= MAX_BASES  # else the canvas's frame is unknown: send it whole
+            base = FRAMES.get(sync.get("have")) if known else None
+            if panels is not None:
+                extra["msg"], extra["panels"] = prof.timed("panels", lambda: self.ledger.out(
+                    panels, sync.get("msg"), base is not None))
+            return message(frame, base, extra, bases if known else [], prof)
+
+
+def element(key: str) -> Element:
+    """The session's exchange with the element `key`."""
+    return st.session_state.setdefault(f"{key}_element", Element())
+
+
+def show(view: View, colors: dict[str, int], *, key: str = "pool_grid", panels: dict | None = None,
+         extra: dict | None = None, on: dict | None = None, prof: Profile | None = None) -> None:
     """Mount (or update) the live views' element: the grid, with a delta from the frame the
     browser holds, and `panels` (the other live views' data: assets/live.js draws them with the
     grid, in one step, so the page never shows two redraws at once). `extra` goes to the canvas
-    as is: `connected` (False: say the stream stopped), `highlight` (blocks to ring). `on`: the
-    callbacks of the element's triggers and states by name (`block`: a block clicked, its id in
-    st.session_state[key]["block"]; `travel`, `tables`, `pin`, `why`)."""
-    prof = prof or Profile()
-    sync = _sync(key)
-    frame = prof.timed("frame", lambda: frame_of(view, colors))
-    sent = st.session_state.setdefault(f"{key}_sent", [])
-    also = unacknowledged(sent, sync.get("have"), frame.token)
-    extra = {**(extra or {}), "interval": round(interval_s * 1000), "pull": sync.get("pull", 0)}
-    if (want := sync.get("focus")) and isinstance(want, list) and len(want) == 2:
-        extra["focus"] = focus(view, int(want[0]), bool(want[1]), colors)
-    if not sync.get("style"):  # a grid mounted afresh (a full rerun) has none yet, whatever the old one said
-        extra["style"] = STYLE
-    bases = [FRAMES.get(t) for t in also]
-    known = None not in bases and len(bases) <= MAX_BASES  # else the canvas's frame is unknown: send it whole
-    base = FRAMES.get(sync.get("have")) if known else None
-    if panels is not None:
-        ledger = st.session_state.setdefault(f"{key}_panels", PanelLedger())
-        extra["msg"], extra["panels"] = prof.timed("panels", lambda: ledger.out(panels, sync.get("msg"),
-                                                                                 base is not None))
-    data = message(frame, base, extra, bases if known else [], prof)
+    as is: `connected` (False: say the stream stopped), `highlight` (blocks to ring), `lane`
+    (where the element's lane is, and whether it redraws). `on`: the callbacks of the element's
+    triggers and states by name (`block`: a block clicked, its id in st.session_state[key]["block"];
+    `travel`, `tables`, `pin`, `why`)."""
+    el = element(key)
+    data = el.message(view, colors, el.newest(_sync(key)), panels, extra or {}, prof or Profile())
     callbacks = {f"on_{name}_change": f for name, f in (on or {}).items()}
     _component()(data=data, key=key, **{"on_block_change": _nothing, "on_sync_change": _nothing, **callbacks})
 

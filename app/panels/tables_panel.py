@@ -36,14 +36,13 @@ def pinned(key: str) -> None:
         st.session_state[PIN] = seq_id
 
 
-def data(view: View, colors: dict[str, int], highlight: set[int] = frozenset()) -> dict:
-    c = controls()
+def data(view: View, colors: dict[str, int], highlight: set[int], c: dict, pin: str | None) -> dict:
+    """The panel's data for `view`, with the session's controls `c` and pinned sequence."""
     key = ("tables", c["query"], c["sort"])
     if key not in view.memo:
         view.memo[key] = tables.chosen(view, c["query"], c["sort"])
     seqs = view.memo[key]
     total = len(view.mirror.state.seqs)
-    pin = st.session_state.get(PIN)
     if pin not in view.mirror.state.seqs:
         pin = None
     few = len(seqs) <= tables.ALL_CARDS
