@@ -7,9 +7,10 @@ latest-step touch, KV-cache group; 15 bytes per device block, 8 per host block),
 sequences by key; the wire carries them as records (16 bytes per device block). Frames are
 kept, by token, in a store shared by every session. The browser holds the last frame it got
 and asks for the next (its `sync`: the token it holds and the block under the pointer) before
-drawing it, by the element's lane (app/ui/lane.py) or through a Streamlit rerun; the answer is a delta from exactly that frame (the blocks whose drawing
-changed), or the whole frame, compressed, when the server no longer knows it. So a redraw
-costs what changed, not the size of the pool, on the server and in the browser alike.
+drawing it, by the element's lane (app/ui/lane.py) or through a Streamlit rerun; the answer
+is a delta from exactly that frame (the blocks whose drawing changed), or the whole frame,
+compressed, when the server no longer knows it. So a redraw costs what changed, not the size
+of the pool, on the server and in the browser alike.
 """
 from __future__ import annotations
 
