@@ -6,7 +6,8 @@
 // that Python's redraw and the browser's drawing overlap (the ask, "sync": the frame token it
 // holds, the message whose panels it holds, and the block under the pointer). It asks by its
 // lane (app/ui/lane.py: a WebSocket of the dashboard's process, no Streamlit rerun) while Python
-// keeps the lane open, else by setStateValue, a Streamlit rerun.
+// keeps the lane open, else by setStateValue, a Streamlit rerun. Whether it is open is Python's
+// answer (Redraw.lane_may_draw: a rerun's `lane.open`, the lane's "streamlit"), never decided here.
 // State lives on the root element between calls.
 
 // The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and

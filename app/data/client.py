@@ -86,6 +86,21 @@ class Redraw:
     def event(self) -> int:
         return self.view.event
 
+    def lane_may_draw(self, *, mode: str, pending: bool, died: bool, restarted: bool) -> bool:
+        """The one rule for whether the live views may redraw by their lane (app/ui/lane.py: frames
+        composed without a Streamlit rerun, so without the session) after this redraw: only the
+        live engine (no time travel), connected and running, in Explore (not a lesson), with no
+        command's answer to show, of the process the source runs now. Anything else needs the
+        session in its redraw (time travel, a lesson's stops, a paused engine's banner, a command's
+        answer, a death or a restart said), which a rerun draws. The rerun that opens the lane, each
+        frame the lane composes and the browser (whose `open` is the server's answer) go by this.
+
+        `mode`: the page's mode (Explore, Lessons); `pending`: whether the session has commands sent
+        and not yet answered; `died`: whether the engine's process died; `restarted`: whether the
+        client drawn is no longer the source's (a restart since, or the history from before one)."""
+        return (mode == "Explore" and self.view.live and self.status.state == "connected"
+                and not self.loop.paused and not pending and not died and not restarted)
+
 
 class EngineClient:
     PING_INTERVAL_S: float | None = 20.0  # WebSocket keepalive: an engine that answers no ping within

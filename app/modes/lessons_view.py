@@ -191,12 +191,25 @@ def _open_fleet() -> None:
     st.session_state.update({"source": fleet, fleet_lesson_view.OPEN: True, "travel": None})
 
 
-def stage(client: EngineClient) -> list[int]:
-    """Above the grid: the viewed stop's caption (or the lesson's goal, or what it waits for).
-    Returns the blocks to highlight."""
+def drive(client: EngineClient) -> None:
+    """Before a redraw of the live views (which redraw many times a second; the sidebar's fragment
+    polls too): the lesson's run goes on (its `RunUntil` answered, a stop reached, the next run
+    sent) and the viewed stop's words are worked out, so that `stage` reads no client: every
+    panel of a redraw describes the Redraw it is given (app/data/client.Redraw)."""
     run = current()
-    if run is not None:
-        run.poll(client)  # here too: this view redraws many times a second
+    if run is None:
+        return
+    run.poll(client)
+    if run.pending is None and run.viewing >= 0:
+        memo_key = (client.epoch, run.viewing, len(run.reached))
+        if run.memo.get("key") != memo_key:  # the stop's words change only when it does
+            run.memo.update(key=memo_key, words=run.words(client))
+
+
+def stage() -> list[int]:
+    """Above the grid: the viewed stop's caption (or the lesson's goal, or what it waits for), as
+    `drive` left them. Returns the blocks to highlight."""
+    run = current()
     if run is None:
         st.session_state["lesson_blocks"] = []
         st.info("Pick a lesson in the sidebar and press **Start**: it resets the engine to its own pool, "
@@ -213,9 +226,7 @@ def stage(client: EngineClient) -> list[int]:
         if run.viewing < 0:
             st.markdown(f"**{run.lesson.title}**\n\n{run.lesson.goal}")
             return []
-        memo_key = (client.epoch, run.viewing, len(run.reached))
-        if run.memo.get("key") != memo_key:  # the stop's words change only when it does
-            run.memo.update(key=memo_key, words=run.words(client))
+        memo_key = run.memo["key"]
         values, fx = run.memo["words"]
         stop = run.stop
         st.markdown(f"**{run.lesson.title}** · stop {run.viewing + 1} of {total}"

@@ -123,6 +123,8 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     dead = hosted is not None and hosted.process.died and client is not hosted.previous
     if dead:
         died(source, hosted)
+    if mode() == "Lessons":
+        lessons_view.drive(client)  # before the redraw: a lesson's run reads (and commands) the client
     # every panel below draws this, and nothing else of the client
     r = prof.timed("view", lambda: client.redraw(travel.target()))
     if r is None:
@@ -132,7 +134,7 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
         st.session_state[IN_LESSON] = (client, r.event)
     connected = r.status.state == "connected" and not dead
     old = hosted is not None and client is hosted.previous  # the history before a restart
-    lesson = lessons_view.stage(client) if mode() == "Lessons" else None  # its caption, and its blocks
+    lesson = lessons_view.stage() if mode() == "Lessons" else None  # its caption, and its blocks
     key = stopped_at(client, r) if lesson is None else None
     ringed = misses.ring(r.view) if lesson is None and not key else None  # an eviction the miss panel travelled to
     lit = set(lessons_view.highlight() if mode() == "Lessons" else [])
@@ -144,15 +146,14 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
           "tables": lambda: tables_panel.changed(GRID), "pin": lambda: tables_panel.pinned(GRID),
           "why": misses.open_panel}
     el = grid.element(GRID)
+    page_mode, pending = mode(), st.session_state["pending"]
     with el.lock:  # from here on the lane redraws as this rerun would, or not at all
         el.gen += 1
         el.interval_ms = round(REFRESH[st.session_state.get("refresh", "10 per second")] * 1000)
-        plain = (mode() == "Explore" and r.view.live and connected and not old and not r.loop.paused
-                 and not st.session_state.get("pending") and not ringed)
-        el.follow = lane_redraw(el, client, source, hosted, drawn_now, st.session_state[ATTACHED], tables,
-                                st.session_state["pending"]) if plain else None
+        el.compose_lane = lane_composer(el, client, source, hosted, drawn_now, st.session_state[ATTACHED], tables,
+                                        page_mode, pending) if may_lane(r, client, hosted, page_mode, pending) else None
     grid.show(r.view, r.colors, key=GRID, panels=panels, on=on, prof=prof, extra={
-        "connected": connected, "lane": lane.address(el, plain),
+        "connected": connected, "lane": lane.address(el),
         "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
 
 
@@ -165,17 +166,24 @@ def panels_of(r: Redraw, source: Source, hosted: Hosted | None, tally: Tally, co
             "tables": lambda: tables_panel.data(r.view, r.colors, lit, *tables)}
 
 
-def lane_redraw(el: grid.Element, client: EngineClient, source: Source, hosted: Hosted | None, drawn_to: Drawn,
-                attached: tuple, tables: tuple[dict, str | None], pending: dict) -> Callable[[dict], bytes | None]:
-    """The live views' next message, composed off Streamlit's script thread for their lane, with
-    what this rerun read of the session; None once the redraw needs the session again (the
-    engine paused, stopped or restarted, a command's answer to show, a panel that failed: a
-    rerun says why in its place)."""
-    def follow(sync: dict) -> bytes | None:
+def may_lane(r: Redraw | None, client: EngineClient, hosted: Hosted | None, page_mode: str, pending: dict) -> bool:
+    """Redraw.lane_may_draw, the one rule, with the facts of this page and of its engine's process."""
+    return r is not None and r.lane_may_draw(
+        mode=page_mode, pending=bool(pending), died=hosted is not None and hosted.process.died,
+        restarted=hosted is not None and hosted.client is not client)
+
+
+def lane_composer(el: grid.Element, client: EngineClient, source: Source, hosted: Hosted | None, drawn_to: Drawn,
+                  attached: tuple, tables: tuple[dict, str | None], page_mode: str,
+                  pending: dict) -> Callable[[dict], bytes | None]:
+    """What composes the live views' next message off Streamlit's script thread, for their lane,
+    with what this rerun read of the session; it gives None once the redraw needs the session
+    again (by `may_lane`: the engine paused, stopped or restarted, a command's answer to show; or a
+    panel that failed: a rerun says why in its place)."""
+    def next_message(sync: dict) -> bytes | None:
         prof = grid.Profile()
         r = prof.timed("view", lambda: client.redraw())
-        if (r is None or pending or r.loop.paused or r.status.state != "connected" or hosted is not None
-                and (hosted.process.died or hosted.client is not client)):
+        if not may_lane(r, client, hosted, page_mode, pending):
             return None
         tally = tally_since(attached, client, r)
         if tally is None:
@@ -187,7 +195,7 @@ def lane_redraw(el: grid.Element, client: EngineClient, source: Source, hosted: 
             return None
         drawn_to.client, drawn_to.redraw = client, r
         return el.message(r.view, r.colors, sync, panels, {"connected": True, "highlight": []}, prof)
-    return follow
+    return next_message
 
 
 GRID = "pool_grid"  # the live views' element

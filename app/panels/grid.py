@@ -372,12 +372,13 @@ def _sync(key: str) -> dict:
 class Element:
     """One browser element's exchange with this server, whichever way its asks come (a Streamlit
     rerun, or its lane: app/ui/lane.py): the frames sent and not yet acknowledged, the panels by
-    message, and what its lane redraws (`follow`, None: the lane is closed, asks go through
-    Streamlit). A lane frame is composed under the same lock as a rerun's, from the same records."""
+    message, and what composes its lane's messages (`compose_lane`, None: the lane is closed, asks
+    go through Streamlit). A lane frame is composed under the same lock as a rerun's, from the same
+    records."""
     sent: list[int] = field(default_factory=list)
     ledger: PanelLedger = field(default_factory=lambda: PanelLedger())
-    follow: Callable[[dict], bytes | None] | None = None
-    gen: int = 0  # bumped whenever a rerun hands the lane a new `follow`: frames of an older one are dropped
+    compose_lane: Callable[[dict], bytes | None] | None = None
+    gen: int = 0  # bumped whenever a rerun hands the lane a new `compose_lane`: frames of an older one are dropped
     interval_ms: int = 100  # the browser asks at most this often (the session's refresh setting)
     lane_sync: dict = field(default_factory=dict)  # the last ask that came by the lane
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -390,11 +391,16 @@ class Element:
         later = lane.get("el") == sync.get("el") and lane.get("pull", 0) > sync.get("pull", 0)
         return lane if later else sync
 
+    @property
+    def lane_open(self) -> bool:
+        """Whether the lane redraws now (what the browser is told), or asks go through Streamlit."""
+        return self.compose_lane is not None
+
     def serve(self, sync: dict) -> bytes | None:
         """The lane's answer to an ask: the next message, or None (go through Streamlit)."""
         with self.lock:
             self.lane_sync = sync
-            return self.follow(sync) if self.follow is not None else None
+            return self.compose_lane(sync) if self.compose_lane is not None else None
 
     def message(self, view: View, colors: dict[str, int], sync: dict, panels: dict | None, extra: dict,
                 prof: Profile) -> bytes:

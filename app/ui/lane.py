@@ -6,8 +6,9 @@ rerun's messages and the page's React work for them, about 100 ms at a million b
 lane carries only the frame, composed by the code a rerun runs (app/panels/grid.Element), so
 every live view of it still comes from one redraw. A rerun opens the lane with what to redraw
 (the session's search, pin, tallies are the rerun's), or closes it when a redraw needs the
-session (a lesson, time travel, a paused engine, a command's answer): the browser then asks
-through Streamlit again. A browser that cannot reach the lane's port (a proxy that forwards
+session (a lesson, time travel, a paused engine, a command's answer: one rule,
+`Redraw.lane_may_draw`, that the rerun and each of the lane's frames follow): the browser then
+asks through Streamlit again. A browser that cannot reach the lane's port (a proxy that forwards
 only Streamlit's) asks through Streamlit, as before, and sees the same views, less often.
 
 Elements are registered weakly, by an unguessable token: a session that ends takes its lane
@@ -32,6 +33,9 @@ MAX_ASK = 4096  # bytes: an ask is a small JSON object; anything larger is not o
 
 
 class Served(Protocol):
+    @property
+    def lane_open(self) -> bool: ...
+
     def serve(self, sync: dict) -> bytes | None: ...
 
 
@@ -108,8 +112,9 @@ def server() -> LaneServer:
         return _server
 
 
-def address(element: Served, open_: bool) -> dict | None:
-    """What the browser needs to reach the element's lane (None: there is none); `open_`: whether
-    the lane redraws now, or the browser asks through Streamlit."""
+def address(element: Served) -> dict | None:
+    """What the browser needs to reach the element's lane (None: there is none), and whether the
+    lane redraws now (`open`: the element's own answer, the one its `serve` gives), or the browser
+    asks through Streamlit."""
     s = server()
-    return None if s.port is None else {"port": s.port, "token": s.token(element), "open": open_}
+    return None if s.port is None else {"port": s.port, "token": s.token(element), "open": element.lane_open}

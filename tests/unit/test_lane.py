@@ -1,5 +1,6 @@
-"""The live views' lane (app/ui/lane.py): a real WebSocket server and client, and the element's
-exchange (app/panels/grid.Element) when asks come by the lane and by Streamlit reruns alike."""
+"""The live views' lane (app/ui/lane.py): a real WebSocket server and client, the element's
+exchange (app/panels/grid.Element) when asks come by the lane and by Streamlit reruns alike, and
+the one rule for when the lane may draw (Redraw.lane_may_draw), condition by condition."""
 from __future__ import annotations
 
 import gc
@@ -9,10 +10,12 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from kvscope_contract import protocol as p
+from app.data.client import Redraw, Status
 from app.panels import grid
 from app.ui.lane import LaneServer
-from tests.histories import busy_history, view_at
 from tests.unit.test_views_agree import canvas
+from tests.histories import busy_history, view_at
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def test_an_element_answers_by_its_lane_and_says_when_a_rerun_must(lane_server):
     h, _ = busy_history(seed=5, ops=200)
     views = iter([view_at(h, n) for n in range(h.first_event + 20, h.last_event + 1, 10)])
     el = grid.Element()
-    el.follow = lambda sync: el.message(next(views), {}, sync, None, {}, grid.Profile())
+    el.compose_lane = lambda sync: el.message(next(views), {}, sync, None, {}, grid.Profile())
     token = lane_server.token(el)
     assert lane_server.token(el) == token  # one token for the element's life
     with connect(f"ws://127.0.0.1:{lane_server.port}/") as ws:
@@ -37,7 +40,7 @@ def test_an_element_answers_by_its_lane_and_says_when_a_rerun_must(lane_server):
             held, applied = canvas(held, ws.recv(timeout=10))
             assert applied
             have = held["token"]
-        el.follow = None  # a rerun closed the lane (time travel, a lesson, a paused engine)
+        el.compose_lane = None  # a rerun closed the lane (time travel, a lesson, a paused engine)
         ws.send(json.dumps({"el": "a", "have": have, "pull": 6}))
         assert ws.recv(timeout=10) == "streamlit"
     assert el.lane_sync["pull"] == 6
@@ -95,3 +98,32 @@ def test_a_heartbeat_rerun_answers_the_lanes_last_ask_not_streamlits_old_one():
         assert applied and held["dev"].tobytes() == grid.frame_of(view, {}).dev.records().tobytes()
     other_element = {"el": "b", "have": None, "pull": 1, "style": 0}  # a page drawn afresh asks by Streamlit first
     assert el.newest(other_element) is other_element
+
+
+def a_redraw(*, travelled: bool = False, paused: bool = False, state: str = "connected") -> Redraw:
+    """A redraw of a busy pool: the live event, or (`travelled`) one travelled to."""
+    h, _ = busy_history(seed=8, ops=120)
+    n = h.last_event - 10 if travelled else h.last_event
+    return Redraw(view_at(h, n), h.first_event, h.last_event, (), p.LoopState(paused=paused, step_delay_ms=0.0),
+                  Status(state=state), None, "ws://engine", {})
+
+
+MAY = {"mode": "Explore", "pending": False, "died": False, "restarted": False}  # the session and process facts
+
+
+def test_the_lane_draws_the_live_engine_running_and_connected_in_explore():
+    assert a_redraw().lane_may_draw(**MAY)
+
+
+@pytest.mark.parametrize("redraw, facts", [
+    pytest.param({"paused": True}, {}, id="paused"),
+    pytest.param({"state": "reconnecting"}, {}, id="disconnected"),
+    pytest.param({}, {"died": True}, id="died"),
+    pytest.param({}, {"restarted": True}, id="restarted"),
+    pytest.param({}, {"pending": True}, id="pending command"),
+    pytest.param({"travelled": True}, {}, id="travel"),
+    pytest.param({}, {"mode": "Lessons"}, id="lesson"),
+])
+def test_the_lane_closes_when_a_redraw_needs_the_session(redraw, facts):
+    """Each condition alone closes it (the rest as in the test above, which the lane draws)."""
+    assert not a_redraw(**redraw).lane_may_draw(**{**MAY, **facts})
