@@ -5,10 +5,11 @@ on it; browser: the app started for chromium; unit: each C++ kernel variant).
 Tests share helpers through modules here that are not test files, never by importing another
 test module: protocol_client.py (the one protocol client, over app/data/wire.py), waiting.py,
 apptest.py (driving the app under AppTest), synthetic.py (synthetic engines, in process or as
-servers), tiny_engine.py, pool_driver.py and histories.py (pools under pressure),
-attention_cases.py and cpu_variants.py (kernels), kv_event_stream.py (a ZMQ KV-event stream),
-grafana_board.py, perfetto_trace.py, prompts.py, processes.py, lesson_claims.py; tools/launch.py opens
-the app's page for a browser test as for the screenshots."""
+servers), tiny_engine.py, pool_driver.py and histories.py (pools under pressure), grid_canvas.py
+(what the grid's canvas does with a message), attention_cases.py and cpu_variants.py (kernels),
+kv_event_stream.py (a ZMQ KV-event stream), grafana_board.py, perfetto_trace.py, prompts.py,
+processes.py, lesson_claims.py; tools/launch.py opens the app's page for a browser test as for the
+screenshots."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

@@ -14,7 +14,7 @@ from kvscope_contract import protocol as p
 from app.data.client import Redraw, Status
 from app.panels import grid
 from app.ui.lane import LaneServer
-from tests.unit.test_views_agree import canvas
+from tests.grid_canvas import canvas
 from tests.histories import busy_history, view_at
 
 
