@@ -179,15 +179,15 @@ class Mirror:
         hybrid pool also the blocks by kind of KV-cache group (`kinds`) and what full attention
         on every layer would hold (`full_everywhere`, blocks). `states`: the state's
         `block_states()`, when the caller has them already."""
-        st, cfg = self.state, self.state.config
-        states = st.block_states() if states is None else states
-        free, cached, used, shared, host_used = st.counts(states)
+        pool, cfg = self.state, self.state.config
+        states = pool.block_states() if states is None else states
+        free, cached, used, shared, host_used = pool.counts(states)
         bs, bpb = cfg.block_size, cfg.bytes_per_block
-        holding = [s for s in st.seqs.values() if s.holds_blocks()]
+        holding = [s for s in pool.seqs.values() if s.holds_blocks()]
         # Paging holds each physical block once, however many sequences share it.
         paged_slots = used * bs
-        tokens_in_blocks = st.tokens_in_used_blocks(states)
-        kinds = groups.by_kind(st, states)  # a hybrid pool: a reservation per group, a window's never more than W
+        tokens_in_blocks = pool.tokens_in_used_blocks(states)
+        kinds = groups.by_kind(pool, states)  # a hybrid pool: a reservation per group, a window's never more than W
         if kinds:
             reserved, stored = sum(k.reserved for k in kinds), sum(k.reserved_tokens for k in kinds)
         else:
@@ -201,5 +201,5 @@ class Mirror:
             reserved_util=stored / reserved if reserved else 1.0,
             waste_per_seq=(paged_slots - tokens_in_blocks) / len(holding) if holding else 0.0,
             holding=len(holding), kinds=kinds,
-            full_everywhere=groups.full_attention_everywhere(st, kinds) if kinds else used,
+            full_everywhere=groups.full_attention_everywhere(pool, kinds) if kinds else used,
         )

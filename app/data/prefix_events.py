@@ -43,16 +43,16 @@ class ForestBuilder:
         return self.state.last_event
 
     def apply(self, ev: p.AnyEvent) -> None:
-        st, forest = self.state, self.forest
+        pool, forest = self.state, self.forest
         if isinstance(ev, p.SwapOut):  # released tail first, as the allocator does (docs/protocol.md)
-            order = list(dict.fromkeys(b for s in ev.group if s in st.seqs for t in st.seqs[s].block_tables
+            order = list(dict.fromkeys(b for s in ev.group if s in pool.seqs for t in pool.seqs[s].block_tables
                                        for b in t if b != NULL))
-            st.apply(ev)
+            pool.apply(ev)
             for d in reversed(order):
                 self._hold(d)
             return
-        st.apply(ev)
-        self.texts.apply(ev, st)
+        pool.apply(ev)
+        self.texts.apply(ev, pool)
         match ev:
             case p.Fork():
                 for t in ev.block_tables or [ev.block_ids]:
@@ -61,7 +61,7 @@ class ForestBuilder:
                             self._hold(b)
             case p.Cached():
                 forest.store(ev.hash, ev.parent_hash, self._label(ev), block=ev.block_id,
-                             holders=int(st.ref_counts[ev.block_id]), at=ev.seq, group=self._group(ev.block_id))
+                             holders=int(pool.ref_counts[ev.block_id]), at=ev.seq, group=self._group(ev.block_id))
             case p.PrefixHit():
                 if self.hits.get(ev.hash) != (ev.seq_id, ev.step):  # one admission's groups hit it once
                     forest.hit(ev.hash)

@@ -137,35 +137,35 @@ _tokens = itertools.count(1)
 
 def build(view: View, colors: dict[str, int]) -> Frame:
     """The frame of `view`: every block's drawing, vectorised over the reducer's columns."""
-    st_, cfg = view.mirror.state, view.mirror.config
-    n, m = len(st_.ref_counts), len(st_.host_ref_counts)
-    ref, host_ref, states = st_.ref_counts, st_.host_ref_counts, view.block_states()
+    pool, cfg = view.mirror.state, view.mirror.config
+    n, m = len(pool.ref_counts), len(pool.host_ref_counts)
+    ref, host_ref, states = pool.ref_counts, pool.host_ref_counts, view.block_states()
     dev_touch, host_touch, events = step_touches(view.step_events)
-    dev = Columns(DEV, owner=np.where(ref == 1, st_.holder, 0).view("<u4"), hash=st_.hash32.copy(),
-                  ref=np.minimum(ref, 0xFFFF).astype("<u2"), tokens=st_.tokens.copy(), state=states,
-                  touch=_touch_column(n, dev_touch), group=st_.kv_group.copy())
-    host = Columns(HOST, owner=np.where(host_ref == 1, st_.host_holder, 0).view("<u4"),  # shared: no single owner
-                   tokens=st_.host_tokens.copy(), touch=_touch_column(m, host_touch),
+    dev = Columns(DEV, owner=np.where(ref == 1, pool.holder, 0).view("<u4"), hash=pool.hash32.copy(),
+                  ref=np.minimum(ref, 0xFFFF).astype("<u2"), tokens=pool.tokens.copy(), state=states,
+                  touch=_touch_column(n, dev_touch), group=pool.kv_group.copy())
+    host = Columns(HOST, owner=np.where(host_ref == 1, pool.host_holder, 0).view("<u4"),  # shared: no single owner
+                   tokens=pool.host_tokens.copy(), touch=_touch_column(m, host_touch),
                    ref=np.minimum(host_ref, 0xFF).astype("u1"))
     palette = len(SEQ_COLORS)
-    seqs = {s.key: [s.seq_id, colors.get(s.seq_id, s.key) % palette, s.status] for s in st_.seqs.values()}
+    seqs = {s.key: [s.seq_id, colors.get(s.seq_id, s.key) % palette, s.status] for s in pool.seqs.values()}
     blocks = Counter(TOUCH_KINDS[c - 1] for c in itertools.chain(dev_touch.values(), host_touch.values()))
     last = view.step_events[-1] if view.step_events else None
     info = {"seq": view.event, "live": view.live, "step": last.step if last else 0,
-            "counts": st_.counts(states)._asdict(),
+            "counts": pool.counts(states)._asdict(),
             "touched": {k: [events[k], blocks[k]] for k in TOUCH_KINDS if blocks[k] or events[k]}}
     if len(cfg.groups) > 1:  # a hybrid pool: each group's name, colour and blocks, for the hover and "colour by group"
-        info["groups"] = group_legend(st_, states)
+        info["groups"] = group_legend(pool, states)
     return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info)
 
 
-def group_legend(st_, states: np.ndarray) -> list[list]:
+def group_legend(pool, states: np.ndarray) -> list[list]:
     """[name, colour, used blocks, cached blocks] per KV-cache group."""
-    n = len(st_.config.groups)
-    used = np.bincount(st_.kv_group[(states == USED) | (states == SHARED_STATE)], minlength=n)
-    cached = np.bincount(st_.kv_group[states == CACHED_STATE], minlength=n)
-    colors = group_colors(st_.config.groups)
-    return [[group_label(g, st_.config.groups), colors[g], int(used[g]), int(cached[g])] for g in range(n)]
+    n = len(pool.config.groups)
+    used = np.bincount(pool.kv_group[(states == USED) | (states == SHARED_STATE)], minlength=n)
+    cached = np.bincount(pool.kv_group[states == CACHED_STATE], minlength=n)
+    colors = group_colors(pool.config.groups)
+    return [[group_label(g, pool.config.groups), colors[g], int(used[g]), int(cached[g])] for g in range(n)]
 
 
 class FrameStore:
@@ -300,21 +300,21 @@ def focus(view: View, block: int, host: bool, colors: dict[str, int]) -> dict | 
     key = ("grid_focus", block, host)
     if key in view.memo:
         return view.memo[key]
-    st_, palette = view.mirror.state, len(SEQ_COLORS)
-    size = len(st_.host_ref_counts) if host else len(st_.ref_counts)
+    pool, palette = view.mirror.state, len(SEQ_COLORS)
+    size = len(pool.host_ref_counts) if host else len(pool.ref_counts)
     if not 0 <= block < size:
         return None
     if host:  # a host block mirrors a device block of one group: find which
-        found = [(s.seq_id, g, t.index(block)) for s in st_.seqs.values()
+        found = [(s.seq_id, g, t.index(block)) for s in pool.seqs.values()
                  for g, t in enumerate(s.host_tables) if block in t]
         group = found[0][1] if found else 0
         holders = [(sid, i) for sid, g, i in found if g == group]
     else:
-        group = int(st_.kv_group[block])
-        holders = [(s.seq_id, t.index(block)) for s in st_.seqs.values()
+        group = int(pool.kv_group[block])
+        holders = [(s.seq_id, t.index(block)) for s in pool.seqs.values()
                    if group < len(s.block_tables) and block in (t := s.block_tables[group])]
     texts = view.mirror.texts
-    text = (texts.text(*holders[0]) if holders else None) if host else texts.of_block(st_, block, holders)
+    text = (texts.text(*holders[0]) if holders else None) if host else texts.of_block(pool, block, holders)
     out = {"b": block, "host": host, "text": text,
            "holders": [[sid, colors.get(sid, 0) % palette, i] for sid, i in holders[:64]],
            "more": max(0, len(holders) - 64), "group": group}

@@ -117,7 +117,7 @@ class _Card:
 
     def __init__(self, view: View, s: SeqState, color: str, open_runs: bool = False,
                  highlight: set[int] = frozenset(), row: Row = Row((0,), "")):
-        self.st, self.s, self.color, self.open_runs = view.mirror.state, s, color, open_runs
+        self.pool, self.s, self.color, self.open_runs = view.mirror.state, s, color, open_runs
         self.highlight = highlight
         self.bs = view.mirror.config.block_size
         self.g, self.alike = row.groups[0], row.groups[1:]
@@ -133,7 +133,7 @@ class _Card:
     def held(self, i: int, n: int = 1) -> int:
         """Tokens in blocks i..i+n of the table, as the pool state holds them (the grid's hover
         reads the same column)."""
-        column = self.st.host_tokens if self.host else self.st.tokens
+        column = self.pool.host_tokens if self.host else self.pool.tokens
         return int(column[self.table[i:i + n]].sum(dtype=np.int64))
 
     def others(self, i: int) -> str:
@@ -148,7 +148,7 @@ class _Card:
         if self.host:
             return _chip(self.color, f"H{b}", i, 0, prompt, f"logical {i} → host block {b} · {held}/{bs} tokens, "
                          "swapped out" + self.others(i), "host")
-        ref, origin = int(self.st.ref_counts[b]), self.origins.get(i, "")
+        ref, origin = int(self.pool.ref_counts[b]), self.origins.get(i, "")
         title = (f"logical {i} → physical block {b} · {held}/{bs} tokens · {part}"
                  + (f" · shared by {ref}" if ref > 1 else "")
                  + {"prefix_hit": " · from the prefix cache", "cow": " · copied on write"}.get(origin, "")
@@ -176,7 +176,7 @@ class _Card:
             return "".join(self.block(j) for j in range(i, i + n))
         first, last = self.table[i], self.table[i + n - 1]
         lo, hi = min(first, last), max(first, last)
-        shared = 0 if self.host else int((self.st.ref_counts[lo:hi + 1] > 1).sum())
+        shared = 0 if self.host else int((self.pool.ref_counts[lo:hi + 1] > 1).sum())
         origins = {self.origins[j] for j in range(i, i + n) if j in self.origins}
         mark = KINDS["prefix_hit"].color if "prefix_hit" in origins else KINDS["cow"].color if origins else ""
         label = ("H" if self.host else "") + f"{first}–{last}"  # ×n means a ref count elsewhere: not here

@@ -363,16 +363,17 @@ class FleetEngine:
             return self._kv_events_row(row, now)
         c = self.client
         with c.lock:  # the live state itself, read under the client's lock: no copy of the pool per redraw
-            st, m, content = c.status, c.live(), c.content
-            row.state = {"connected": "live", "reconnecting": "down", "failed": "down"}.get(st.state, st.state)
-            if row.state == "down" and c.hello is None and st.state == "reconnecting":
+            status, m, content = c.status, c.live(), c.content
+            row.state = {"connected": "live", "reconnecting": "down", "failed": "down"}.get(status.state, status.state)
+            if row.state == "down" and c.hello is None and status.state == "reconnecting":
                 row.state = "connecting"  # never reached yet: coming up (a vLLM loading its model refuses meanwhile)
             if row.state == "connecting":
-                row.error = f"not answering yet ({st.attempts} attempts, {now - st.since:.0f} s)" if st.attempts else ""
+                row.error = (f"not answering yet ({status.attempts} attempts, {now - status.since:.0f} s)"
+                             if status.attempts else "")
             elif row.state != "live":  # why it went down, then what the retries meet
-                row.error = " · retrying: ".join(dict.fromkeys(x for x in (st.cause, st.last_error) if x))
-                row.seen_s_ago = now - st.since
-            row.gaps = st.resyncs
+                row.error = " · retrying: ".join(dict.fromkeys(x for x in (status.cause, status.last_error) if x))
+                row.seen_s_ago = now - status.since
+            row.gaps = status.resyncs
             if c.hello:
                 row.model = c.hello.engine.model
                 row.api = row.api or c.hello.api_url or ""
@@ -402,14 +403,14 @@ class FleetEngine:
     def _kv_events_row(self, row: EngineRow, now: float) -> EngineRow:
         s = self.subscriber
         with s.lock:
-            st = s.state
-            row.cached = st.num_cached()
-            row.gaps = st.missed
+            stream = s.state
+            row.cached = stream.num_cached()
+            row.gaps = stream.missed
             row.last_event_age_s = now - s.received_at if s.received_at else None
             quiet = now - (s.received_at or s.connected_at)
-            row.state = "live" if st.batches and quiet < SILENT_S else "silent" if st.batches else "connecting"
-            row.error = st.errors[-1] if st.errors else ""
-            sizes = (n.tokens and len(n.tokens) for groups in st.caches.values() for f in groups.values()
+            row.state = "live" if stream.batches and quiet < SILENT_S else "silent" if stream.batches else "connecting"
+            row.error = stream.errors[-1] if stream.errors else ""
+            sizes = (n.tokens and len(n.tokens) for groups in stream.caches.values() for f in groups.values()
                      for n in f.nodes.values())
             row.block_size = next(sizes, 0) or 0
             row.unknown_content = sum(1 for c in self._kv_contents() if c.cid.startswith(HASH_PREFIX))

@@ -54,7 +54,7 @@ def _mib(b: float) -> str:
 def context(fx, mirror, usage: dict, seq) -> dict[str, str]:
     """The hybrid placeholders' values at a stop (`usage`: the mirror's usage numbers, `seq`: the
     sequence the stop is about, or None)."""
-    st, cfg = mirror.state, mirror.config
+    pool, cfg = mirror.state, mirror.config
     groups, bs, bpb = cfg.groups, cfg.block_size, cfg.bytes_per_block or 0
     sliding = [g for g, x in enumerate(groups) if x.window is not None]
     full = [g for g, x in enumerate(groups) if x.window is None]
@@ -75,15 +75,15 @@ def context(fx, mirror, usage: dict, seq) -> dict[str, str]:
     first = [e.logical_index for e in hits if sliding and e.kv_group == sliding[0]]
     out |= {"hit_full": str(sum(e.kv_group in full for e in hits)),
             "hit_sliding": str(len(first)), "hit_from": str(min(first)) if first else "none",
-            "full_only": str(_full_only(fx.step_events, st, sid, sliding, full))}
+            "full_only": str(_full_only(fx.step_events, pool, sid, sliding, full))}
     return out
 
 
-def _full_only(step_events, st, sid, sliding: list[int], full: list[int]) -> int:
+def _full_only(step_events, pool, sid, sliding: list[int], full: list[int]) -> int:
     """Blocks `sid` registered in a sliding-window group in this step whose content (hash) the
     full-attention group had cached already: a hit the full group alone could have served."""
     if not sliding or not full:
         return 0
-    held = set(st.hash64[st.has_hash & np.isin(st.kv_group, full)].tolist())
+    held = set(pool.hash64[pool.has_hash & np.isin(pool.kv_group, full)].tolist())
     mine = [e.hash for e in step_events if isinstance(e, p.Cached) and e.seq_id == sid and e.kv_group == sliding[0]]
     return sum(hash_value(h)[0] in held for h in mine)

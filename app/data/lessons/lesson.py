@@ -201,11 +201,11 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
     """Every placeholder's value at a stop. `mirror` is the pool after the stop's step, `before`
     the pool just before it (or None); `admissions` the admissions explained
     (kvscope_contract/misses.py) since the lesson last reset the pool, up to the stop."""
-    st, cfg, tl = mirror.state, mirror.config, mirror.tally
+    pool, cfg, tl = mirror.state, mirror.config, mirror.tally
     u = mirror.usage()
     bs = cfg.block_size
     seq_id = next((getattr(e, "seq_id", "") for e in fx.events if getattr(e, "seq_id", "")), "")
-    seq = st.seqs.get(seq_id) if seq_id else next(iter(st.seqs.values()), None)
+    seq = pool.seqs.get(seq_id) if seq_id else next(iter(pool.seqs.values()), None)
     seq_id = seq_id or (seq.seq_id if seq else "-")
     ev = fx.events[-1] if fx.events else None
     hits = sum(1 for e in fx.events if isinstance(e, p.PrefixHit) and e.seq_id == seq_id)
@@ -214,14 +214,14 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
     out = {
         "what": fx.what, "blocks": block_ranges(fx.blocks) or "none", "nblocks": str(len(fx.blocks)),
         "seq": seq_id, "table": _table(seq), "tables": " · ".join(
-            f"{s.seq_id}: {_table(s)}" for s in st.seqs.values() if s.block_table) or "no sequence holds blocks",
+            f"{s.seq_id}: {_table(s)}" for s in pool.seqs.values() if s.block_table) or "no sequence holds blocks",
         "tokens": str(seq.num_tokens if seq else 0), "prompt": str(seq.prompt_tokens if seq else 0),
         "pblocks": str(math.ceil((seq.prompt_tokens if seq else 0) / bs)), "hits": str(hits),
         "last_fill": str(held_tokens(seq.num_tokens, len(seq.block_table) - 1, bs) if seq and seq.block_table else 0),
         "bs": str(bs), "total": str(cfg.num_device_blocks), "used": str(u["used"]), "free": str(u["free"]),
         "cached": str(u["cached"]), "shared": str(u["shared"]), "slot_util": _pct(u["slot_util"]),
-        "waste": str(round(u["waste_per_seq"] * sum(1 for s in st.seqs.values() if s.block_table))),
-        "entries": str(sum(len(s.block_table) for s in st.seqs.values())),
+        "waste": str(round(u["waste_per_seq"] * sum(1 for s in pool.seqs.values() if s.block_table))),
+        "entries": str(sum(len(s.block_table) for s in pool.seqs.values())),
         "reserved_slots": f"{u['reserved_slots']:,}", "paged_slots": f"{u['paged_slots']:,}",
         "saved_pct": _pct(1 - u["paged_slots"] / u["reserved_slots"]) if u["reserved_slots"] else "0%",
         "reserved_mib": _mib(u["reserved_bytes"]), "paged_mib": _mib(u["paged_bytes"]),
