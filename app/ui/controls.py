@@ -225,7 +225,7 @@ def _run_scenario(client: EngineClient, sc: Scenario, cfg: p.PoolConfig) -> None
     st.session_state[LAST_SCENARIO] = sc.key
 
 
-def _follow(key: str, engine_value) -> None:
+def _track_engine(key: str, engine_value) -> None:
     """Keep a widget on the engine's value when the engine changes it (another tab, a reset),
     without fighting the user's own edits in between."""
     seen = f"{key}__engine"
@@ -246,7 +246,7 @@ def pacing(client: EngineClient) -> None:
     c[1].button("Step", icon=":material/redo:", key="step", width="stretch", disabled=not loop.paused,
                 help="Run engine steps (pause first)", on_click=_step, args=(client,))
     st.number_input("steps per Step", 1, 1000, 1, key="step_count")
-    _follow("pace", min(PACES, key=lambda v: abs(v - loop.step_delay_ms)))
+    _track_engine("pace", min(PACES, key=lambda v: abs(v - loop.step_delay_ms)))
     st.select_slider("Pace (ms between steps)", PACES, key="pace",
                      on_change=lambda: send(client, p.Pace(step_delay_ms=st.session_state["pace"]),
                                             f"Pace {st.session_state['pace']} ms", quiet=True),
