@@ -129,10 +129,12 @@ class TraceIndex:
     ceiling_hit_tokens: int = 0
     first_timestamp: float = 0.0
     last_timestamp: float = 0.0
-    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))      # sorted distinct hash ids
-    depth: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))    # each id's position in its chain
-    starts: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))   # uses of ids[k]: uses[starts[k]:starts[k+1]]
-    uses: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))     # request indices, ascending per id
+    # when each id is used: the sorted distinct ids, each one's place in its chain, and the
+    # request indices using ids[k] (ascending) at uses[starts[k]:starts[k + 1]]
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    depth: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    uses: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def ceiling(self) -> float:
