@@ -81,11 +81,18 @@ class _Arrival:
 
 
 class _Arrivals:
-    """The trace's requests as the lab's pending queue, read one line ahead."""
+    """The trace's requests as the lab's pending queue, read one line ahead.
 
-    def __init__(self, index: TraceIndex, step_ms: float, one_at_a_time: bool, limit: int | None):
-        self.lines = enumerate(read_trace(index.path, limit))
-        self.t0, self.step_ms, self.one = index.first_timestamp, step_ms, one_at_a_time
+    A request that has arrived while more than `hold` sequences already wait stays a line here
+    (its `arrival` reads as never) until the queue is shorter: admission is first come first
+    served and takes at most `max_num_seqs` sequences a step, so with `hold` at least that it is
+    admitted at the same step either way, and memory holds `hold` prompts' tokens, not every
+    request that waits (a small pool under the whole trace)."""
+
+    def __init__(self, lab: TraceLab, hold: int):
+        self.lines = enumerate(read_trace(lab.index.path, lab.limit))
+        self.t0, self.step_ms, self.one = lab.index.first_timestamp, lab.step_ms, lab.one_at_a_time
+        self.waiting, self.hold = lab.scheduler.waiting, hold
         self.head: _Arrival | None = None
         self._advance()
 
@@ -99,12 +106,16 @@ class _Arrivals:
         step = math.inf if self.one else int((r.timestamp - self.t0) // self.step_ms)
         self.head = _Arrival(i, step, r)
 
+    @property
+    def arrival(self) -> float:
+        return math.inf if len(self.waiting) > self.hold else self.head.arrival
+
     def __bool__(self) -> bool:
         return self.head is not None
 
-    def __getitem__(self, k: int) -> _Arrival:
+    def __getitem__(self, k: int) -> _Arrivals:
         assert k == 0 and self.head is not None
-        return self.head
+        return self  # its `arrival` is the head's, or never while the queue is long
 
     def popleft(self) -> _Arrival:
         head = self.head
@@ -226,5 +237,8 @@ class TraceLab(Lab):
             table.pop(seq, None)
         return out
 
-    def run(self, fast: bool = True) -> LabRow:
-        return super().run(fast, _Arrivals(self.index, self.step_ms, self.one_at_a_time, self.limit))
+    def run(self, fast: bool = True, hold: int | None = None) -> LabRow:
+        """Replay the trace to its end; `hold`: sequences that may wait before further arrivals
+        stay lines of the file (default twice max_num_seqs, which changes no decision)."""
+        hold = 2 * self.block_manager.config.max_num_seqs if hold is None else hold
+        return super().run(fast, _Arrivals(self, hold))
