@@ -41,20 +41,25 @@ def main(argv: list[str] | None = None) -> int:
         index = trace_sweep.scan(path, args.block_size, args.requests)
         caps = trace_sweep.default_capacities(index, points=args.points)
 
+    cpu = [time.process_time()]  # CPU seconds of this process: on a shared machine the steadier figure
+
     def progress(pt) -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        now = time.process_time()
+        cpu.append(now)
         print(f"{pt.policy:>4} {pt.blocks:>9,} blocks ({pt.tokens / 1e6:7.2f}M tokens): hit {pt.hit_rate:6.1%}  "
-              f"{pt.seconds:6.1f} s  peak RSS {rss:.2f} GiB", flush=True)
+              f"{pt.seconds:6.1f} s wall, {cpu[-1] - cpu[-2]:6.1f} s CPU  peak RSS {rss:.2f} GiB", flush=True)
 
     t0 = time.perf_counter()
     s = trace_sweep.sweep(path, caps, args.policy.split(","), block_size=args.block_size, requests=args.requests,
                           one_at_a_time=args.one_at_a_time, bytes_per_token=327680, progress=progress)
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    per = [pt.seconds for pt in s.points]
-    print(f"{path.name}: {s.requests:,} requests, {len(s.points)} points in {wall:.1f} s "
-          f"(per point: max {max(per):.1f} s, mean {sum(per) / len(per):.1f} s); ceiling {s.ceiling:.1%}; "
-          f"peak RSS {rss:.2f} GiB; {os.cpu_count()} CPUs")
+    per = [b - a for a, b in zip(cpu, cpu[1:])]
+    print(f"{path.name}: {s.requests:,} requests, {len(s.points)} points in {wall:.1f} s wall, "
+          f"{time.process_time() - cpu[0]:.1f} s CPU (per point, CPU: max {max(per):.1f} s, mean "
+          f"{sum(per) / len(per):.1f} s); ceiling {s.ceiling:.1%}; peak RSS {rss:.2f} GiB; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if args.json:
         args.json.write_bytes(encode_sweep(s))
     return 0
