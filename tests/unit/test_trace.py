@@ -67,3 +67,14 @@ def test_the_scan_ceiling_is_the_hash_ids_own(name):
     ix = scan(path, 512, 2000)
     assert (ix.ceiling_hit_tokens, ix.prompt_tokens) == ceiling_512(path, 2000)
     assert ix.requests == 2000 and 0 < ix.ceiling < 1
+
+
+def test_the_ceiling_never_covers_a_prompts_last_token(tmp_path):
+    """A prompt of exactly 2 blocks repeated hits 1 (its last block holds the last token); one of
+    1,100 tokens repeated hits 2; a third prompt sharing only the first id hits 1."""
+    path = write(tmp_path, [req(0, [0, 1]), req(1, [0, 1]), req(2, [2, 3, 4], 1100), req(3, [2, 3, 4], 1100),
+                            req(4, [0, 9])])
+    ix = scan(path, 512)
+    assert ix.ceiling_hit_tokens == 512 + 1024 + 512
+    assert scan(path, 256).ceiling_hit_tokens == 768 + 1024 + 512  # (1024 - 1) // 256 = 3 blocks of 256
+    assert ix.blocks_needed == 5 * 3 and ix.largest_request == 3  # prompt + 4 outputs: 3 blocks each
