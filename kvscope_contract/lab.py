@@ -145,3 +145,60 @@ def what_if_lines(report: LabReport) -> list[str]:
         out.append(f"{'+' if gain >= 0 else '−'}{abs(gain):,} tokens with {change}: "
                    f"hit rate {rate(base):.1%} → {rate(row):.1%}")
     return out
+
+
+# ------------------------------------------------------------------------------ trace sweeps
+# `python -m engine.lab trace:PATH --sweep ... --json` prints a `TraceSweep` (engine/lab/trace_sweep.py);
+# the dashboard decodes it here without importing the engine.
+TRACE_REASONS = ("cold", "evicted", "in_flight", "partial_block", "recomputed")
+
+
+class TracePoint(Struct, kw_only=True):
+    """One replay of a trace: one eviction policy at one pool capacity."""
+    policy: str
+    blocks: int                 # device blocks of the pool
+    tokens: int                 # blocks x block size
+    bytes: int | None           # tokens x the model's KV bytes per token (None: no model named)
+    hit_tokens: int             # prompt tokens served by the prefix cache
+    looked_up_tokens: int       # tokens looked up at every admission (re-admissions after recompute too)
+    missed: dict[str, int] = {}  # missed tokens by reason (TRACE_REASONS; they add up to looked_up - hit)
+    evictions: int = 0          # cached blocks evicted
+    preemptions: int = 0
+    rejected: int = 0           # requests this pool can never hold (prompt + output longer than it)
+    finished: int = 0
+    steps: int = 0              # engine steps the replay took
+    seconds: float = 0.0        # wall time of this replay
+
+    @property
+    def hit_rate(self) -> float:
+        return counters.hit_rate(self.hit_tokens, self.looked_up_tokens)
+
+
+class TraceSweep(Struct, kw_only=True):
+    """Hit rate against pool capacity, per eviction policy, with the trace's reuse ceiling."""
+    trace: str
+    requests: int               # requests replayed (the first N of the file)
+    prompt_tokens: int
+    output_tokens: int
+    block_size: int
+    one_at_a_time: bool         # True: each request admitted once the one before finished
+    step_ms: float              # wall time of one engine step (arrivals: timestamp / step_ms)
+    max_num_batched_tokens: int
+    model: str | None = None    # whose KV bytes per token size `bytes`
+    bytes_per_token: int | None = None
+    ceiling_hit_tokens: int = 0  # the exact reuse ceiling (an unlimited pool, one request at a time)
+    unlimited_blocks: int = 0    # a pool that never evicts on this trace
+    points: list[TracePoint] = []
+    seconds: float = 0.0
+
+    @property
+    def ceiling(self) -> float:
+        return counters.hit_rate(self.ceiling_hit_tokens, self.prompt_tokens)
+
+
+def encode_sweep(sweep: TraceSweep) -> bytes:
+    return msgspec.json.encode(sweep)
+
+
+def decode_sweep(data: str | bytes) -> TraceSweep:
+    return msgspec.json.decode(data, type=TraceSweep)

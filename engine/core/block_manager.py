@@ -224,12 +224,12 @@ class BlockManager:
         hs, bs = seq.block_hashes, self.block_size
         while len(hs) <= i:
             j = len(hs)
-            hs.append(chain_hash(hs[-1] if hs else None, seq.token_ids[j * bs:(j + 1) * bs]))
+            hs.append(chain_hash(hs[-1] if hs else None, seq.block_tokens(j, bs)))
         return hs[i]
 
     def _cached(self, seq: Sequence, i: int, groups: list[int]) -> list[int] | None:
         """The blocks of `groups` caching full block i of `seq`, or None unless every one does."""
-        h, tokens = self._block_hash(seq, i), seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        h, tokens = self._block_hash(seq, i), seq.block_tokens(i, self.block_size)
         found = [self.cache.find(g, h, tokens) for g in groups]
         return None if None in found else found
 
@@ -309,7 +309,7 @@ class BlockManager:
         for i in range(seq.num_registered_blocks, full):
             h = self._block_hash(seq, i)
             parent = seq.block_hashes[i - 1] if i else None
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            tokens = seq.block_tokens(i, bs)
             for g, table in enumerate(seq.block_tables):
                 if table[i] != NULL:
                     self.cache.register(table[i], g, h, tokens, parent, seq.seq_id)

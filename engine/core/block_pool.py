@@ -1,14 +1,16 @@
 """The device block pool: how many block tables hold each block, and which block goes next.
 
-Each operation is O(1): never-hashed free blocks sit in a FIFO, cached blocks that no table
-holds in an LRU (an OrderedDict, least recently freed first), as vLLM v1's BlockPool keeps its
-free queue: a block found again in the prefix cache leaves the LRU, and a block taken from the
-LRU leaves the prefix cache (`evict`) before its new owner gets it.
+Never-hashed free blocks sit in a FIFO, cached blocks that no table holds in an eviction policy
+(engine/core/eviction.py): by default an LRU (an OrderedDict, least recently freed first, O(1)
+each), as vLLM v1's BlockPool keeps its free queue. A block found again in the prefix cache
+leaves the policy, and a block the policy gives up leaves the prefix cache (`evict`) before its
+new owner gets it.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 
+from engine.core.eviction import LRU, EvictionPolicy, Future
 from engine.core.prefix_cache import PrefixCache
 
 
@@ -24,14 +26,26 @@ class BlockPool:
     - `ref_counts[b]` is the number of block-table entries (of live sequences, every KV-cache
       group) that name device block b.
     - A block with ref count 0 is in exactly one of `free_ids` (not in the prefix cache: reused
-      first, FIFO) or `evictable` (in the prefix cache: LRU first); a held block is in neither.
+      first, FIFO) or `evictable` (in the prefix cache: the policy's order); a held block is in
+      neither.
     """
 
     def __init__(self, num_blocks: int, cache: PrefixCache):
         self.cache = cache
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictable: EvictionPolicy = LRU()
+        self._hit = None  # the policy's `hit`, where it counts hits (LRU does not: no call)
+
+    def use(self, policy: EvictionPolicy, future: Future | None = None) -> None:
+        """Evict by `policy` from now on; only before any block is cached (a fresh pool)."""
+        if len(self.evictable) or any(h is not None for h in self.cache.hashes):
+            raise RuntimeError("an eviction policy is chosen before any block is cached")
+        if callable(bind := getattr(policy, "bind", None)):
+            bind(self.cache, future)
+        self.evictable = policy
+        hit = getattr(policy, "hit", None)
+        self._hit = None if hit is None or getattr(type(policy), "hit", None) is EvictionPolicy.hit else hit
 
     @property
     def num_allocatable(self) -> int:
@@ -43,8 +57,8 @@ class BlockPool:
         used cached one (evicted first). Raises NoFreeBlocks."""
         if self.free_ids:
             b = self.free_ids.popleft()
-        elif self.evictable:
-            b, _ = self.evictable.popitem(last=False)
+        elif len(self.evictable):
+            b = self.evictable.pop()
             self.cache.drop(b)
         else:
             raise NoFreeBlocks("the device pool has no free or evictable block")
@@ -52,21 +66,24 @@ class BlockPool:
         return b
 
     def hold(self, b: int) -> None:
-        """One more holder of b; a cached block that no one held leaves the LRU."""
+        """One more holder of b (a prefix hit, or a swap-in finding its content); a cached block
+        that no one held leaves the eviction policy."""
         if not self.ref_counts[b]:
-            del self.evictable[b]
+            self.evictable.remove(b)
         self.ref_counts[b] += 1
+        if self._hit is not None:
+            self._hit(b)
 
     def release(self, b: int) -> bool:
         """One holder of b less; at none it goes to the free FIFO, or, cached, to the LRU's most
-        recently used end (still hit-able until evicted). Returns whether none holds it now."""
+        recently used end (the policy's: still hit-able until evicted). Returns whether none holds it now."""
         self.ref_counts[b] -= 1
         if self.ref_counts[b]:
             return False
         if self.cache.hashes[b] is None:
             self.free_ids.append(b)
         else:
-            self.evictable[b] = None
+            self.evictable.push(b)
         return True
 
     def clear_cache(self) -> int:

@@ -45,6 +45,9 @@ class Sequence(GroupTables):
     text: str = ""    # decoded output so far
     detokenizer: Detokenizer | None = None
     generator: object = None  # a seeded torch.Generator, or None for the global one
+    # what names a full block's content where its token ids do not (a trace replay's hash ids,
+    # engine/lab/trace_replay.py): `content(i, block_size)` -> a tuple, or None for the tokens
+    content: object = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -53,6 +56,13 @@ class Sequence(GroupTables):
     def __len__(self) -> int:
         return len(self.token_ids)
 
+
+    def block_tokens(self, i: int, block_size: int) -> tuple[int, ...] | list[int]:
+        """What the prefix cache keys and compares full block i by: its token ids, unless
+        `content` names the block otherwise."""
+        if self.content is not None and (key := self.content(i, block_size)) is not None:
+            return key
+        return self.token_ids[i * block_size:(i + 1) * block_size]
 
     @property
     def num_output_tokens(self) -> int:

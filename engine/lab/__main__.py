@@ -3,6 +3,7 @@
     python -m engine.lab mixed --block-sizes 4,8,16,32,64            # a preset: chat, parallel, mixed
     python -m engine.lab assets/demo_recording.jsonl --blocks 64,128,256 --preemption swap,recompute
     python -m engine.lab chat --scale 10 --caching on,off --csv out.csv --grid
+    python -m engine.lab trace:conversation_trace.jsonl --policy lru,lfu,opt   # a trace's capacity sweep
 
 Each axis given takes every value listed (the configs are all their combinations); the rest come
 from the recording's pool (presets: 256 blocks of 16). A block size given without --blocks keeps
@@ -17,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from kvscope_contract.lab import encode_report, to_csv, what_if_lines
-from engine.lab import report as lab
+from engine.lab import report as lab, trace_sweep
 from engine.lab.record import record
 from engine.lab.workload import PRESETS, load
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.lab", description=__doc__.split("\n\n")[0],
                                  epilog="\n".join(__doc__.splitlines()[2:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workload", help=f"a preset ({', '.join(PRESETS)}) or a recording (.jsonl)")
+    ap.add_argument("workload", help=f"a preset ({', '.join(PRESETS)}), a recording (.jsonl), or trace:PATH "
+                                     "(a request trace: see python -m engine.lab trace:PATH --help)")
     ap.add_argument("--scale", type=int, default=1, help="presets: repeat the mix this many times")
     ap.add_argument("--block-sizes", type=_list(int), default=[], metavar="B,...")
     ap.add_argument("--blocks", type=_list(int), default=[], metavar="N,...", help="device blocks")
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", action="store_true", help="draw each config's pool at its peak")
     ap.add_argument("--record", type=Path, metavar="FILE",
                     help="also write the first config's run as a recording the dashboard can replay")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("trace:"):  # a request trace: hit rate against capacity (docs/traces.md)
+        return trace_sweep.main(argv)
     args = ap.parse_args(argv)
     try:
         workload = load(args.workload, args.scale)

@@ -37,10 +37,12 @@ def _arrival(seq: Sequence) -> int:
 
 
 class Lab(EngineCore):
+    meter_class: type[Meter] = Meter  # what counts a full-attention pool's events (a trace replay adds its own)
+
     def __init__(self, config: LabConfig, workload: Workload, keep_events: bool = False):
         groups = config.pool.groups
         self.windowed = len(groups) > 1 or groups[0].window is not None  # several tables, or a window
-        self.meter = (HybridMeter if self.windowed else Meter)(keep=keep_events)
+        self.meter = (HybridMeter if self.windowed else self.meter_class)(keep=keep_events)
         super().__init__(config.pool, config.max_num_batched_tokens, config.watermark, log=self.meter)
         self.meter.bind(self)
         self.config, self.workload = config, workload
@@ -86,8 +88,12 @@ class Lab(EngineCore):
             self.rejected.append(req.request_id)
 
     # ------------------------------------------------------------------ running
-    def run(self, fast: bool = True) -> LabRow:
-        pending = deque(sorted(self.workload.requests, key=lambda r: r.arrival))
+    def run(self, fast: bool = True, pending=None) -> LabRow:
+        """Run the workload to its end. `pending`: the requests instead, in arrival order, as
+        anything with `popleft()`, `[0]` and truthiness whose items have `.arrival` and go to
+        `_add` (a trace streams its requests this way, engine/lab/trace_replay.py)."""
+        if pending is None:
+            pending = deque(sorted(self.workload.requests, key=lambda r: r.arrival))
         fast = fast and not self.windowed
         if fast:
             self.meter.lag = self._lag

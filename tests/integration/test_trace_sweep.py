@@ -1,0 +1,157 @@
+"""Trace replay and capacity sweep through the real scheduler and block manager (issue 35):
+the ceiling reached exactly, the policies' order, the miss reasons adding up, a user's policy,
+the command line's table, CSV and JSON. Slices of both Mooncake traces keep it fast."""
+from __future__ import annotations
+
+import io
+import textwrap
+from contextlib import redirect_stdout
+
+import msgspec
+import pytest
+
+from kvscope_contract.lab import TRACE_REASONS, decode_sweep
+from engine.core.eviction import LRU
+from engine.lab.__main__ import main as lab_main
+from engine.lab.trace import scan
+from engine.lab.trace_replay import TraceLab
+from engine.lab.trace_sweep import default_capacities, lab_config, model_bytes_per_token, sweep, unlimited_blocks
+from tests.traces import ceiling_512, mooncake, req, write
+
+SLICE = 300
+
+
+@pytest.mark.parametrize("name", ["conversation", "synthetic"])
+def test_an_unlimited_pool_one_at_a_time_reaches_the_ceiling_exactly(name):
+    path = mooncake(name)
+    hit, total = ceiling_512(path, SLICE)
+    assert hit > 0
+    s = sweep(path, [10**6], ["lru", "lfu", "opt"], requests=SLICE, one_at_a_time=True)
+    for pt in s.points:
+        assert (pt.hit_tokens, pt.looked_up_tokens) == (hit, total), pt.policy
+        assert pt.evictions == 0 and pt.rejected == 0 and pt.finished == SLICE
+    assert s.ceiling_hit_tokens == hit
+
+
+def test_the_ceiling_at_a_smaller_block_size(tmp_path):
+    """At 128-token blocks a repeated prompt also reuses the full 128-token blocks of its partial
+    last 512-token block: 5 blocks of 128 where 512-token blocks reuse one."""
+    path = write(tmp_path, [req(0, [0, 1], 700), req(1, [0, 1], 700), req(2, [0, 2])])
+    for bs, hit in ((512, 512 + 512), (128, 640 + 512)):
+        s = sweep(path, [10**4], ["lru"], one_at_a_time=True, block_size=bs)
+        assert s.points[0].hit_tokens == s.ceiling_hit_tokens == hit, bs
+    path = mooncake("conversation")
+    s = sweep(path, [10**6], ["lru"], requests=100, one_at_a_time=True, block_size=128)
+    assert s.points[0].hit_tokens == s.ceiling_hit_tokens >= ceiling_512(path, 100)[0]
+
+
+@pytest.mark.parametrize("name", ["conversation", "synthetic"])
+def test_opt_bounds_every_policy_and_grows_with_the_pool(name):
+    path = mooncake(name)
+    ix = scan(path, 512, SLICE)
+    caps = [2 * ix.largest_request + 2, ix.blocks_needed // 8, ix.blocks_needed // 3, unlimited_blocks(ix)]
+    s = sweep(path, caps, ["lru", "lfu", "opt"], requests=SLICE, one_at_a_time=True)
+    rate = {(pt.policy, pt.blocks): pt.hit_tokens for pt in s.points}
+    for cap in caps:
+        assert rate["opt", cap] >= rate["lru", cap] and rate["opt", cap] >= rate["lfu", cap], cap
+        assert max(rate[p, cap] for p in ("lru", "lfu", "opt")) <= s.ceiling_hit_tokens
+    opt = [rate["opt", c] for c in caps]
+    assert opt == sorted(opt) and opt[-1] == s.ceiling_hit_tokens
+    assert rate["opt", caps[1]] > rate["lru", caps[1]]  # the gap the clairvoyant policy closes
+
+
+def test_the_misses_add_up_by_reason():
+    path = mooncake("conversation")
+    s = sweep(path, [600, 10**6], ["lru"], requests=SLICE)  # arrivals at their timestamps
+    for pt in s.points:
+        assert sum(pt.missed.values()) == pt.looked_up_tokens - pt.hit_tokens
+        assert set(pt.missed) == set(TRACE_REASONS)
+        assert pt.missed["partial_block"] > 0 and pt.missed["cold"] > 0
+    small, big = s.points
+    assert small.missed["evicted"] > 0 == big.missed["evicted"] and small.evictions > 0
+
+
+def test_waiting_arrivals_kept_as_lines_change_nothing():
+    """With a few seats the queue grows long: holding arrivals back as file lines while it does
+    makes the same decisions as queueing every one."""
+    path = mooncake("conversation")
+    ix = scan(path, 512, 400)
+    rows = [TraceLab(lab_config(300, 512, max_num_seqs=4), ix, LRU(), step_ms=50, limit=400).run(hold=hold)
+            for hold in (8, 10**9)]
+    assert msgspec.to_builtins(rows[0]) == msgspec.to_builtins(rows[1])
+
+
+def test_a_request_longer_than_the_pool_is_rejected(tmp_path):
+    path = write(tmp_path, [req(0, [0, 1]), req(1, list(range(2, 30))), req(2, [0, 1, 40])])
+    s = sweep(path, [12], ["lru"])
+    assert s.points[0].rejected == 1 and s.points[0].finished == 2
+
+
+def test_a_policy_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "mypolicies.py").write_text(textwrap.dedent('''
+        from engine.core.eviction import EvictionPolicy
+
+        class MRU(EvictionPolicy):
+            """Most recently freed first."""
+            popped = 0
+
+            def __init__(self):
+                self.stack = {}
+
+            def push(self, block):
+                self.stack[block] = None
+
+            def remove(self, block):
+                del self.stack[block]
+
+            def pop(self):
+                MRU.popped += 1
+                return self.stack.popitem()[0]
+
+            def __len__(self):
+                return len(self.stack)
+
+            def __iter__(self):
+                return iter(reversed(self.stack))
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = mooncake("conversation")
+    s = sweep(path, [400], ["lru", "mypolicies:MRU"], requests=200, one_at_a_time=True)
+    import mypolicies
+    assert mypolicies.MRU.popped == s.points[1].evictions > 0
+    assert s.points[1].policy == "MRU" and s.points[0].hit_tokens != s.points[1].hit_tokens
+    with pytest.raises(ValueError, match="nosuch"):
+        sweep(path, [400], ["nosuch.module:X"], requests=10)
+
+
+def test_the_command_line_table_csv_and_json(tmp_path):
+    path = mooncake("synthetic")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert lab_main([f"trace:{path}", "--requests", "150", "--sweep", "400,5000", "--policy", "lru,opt",
+                         "--one-at-a-time", "--bytes-per-token", "327680", "--csv", str(tmp_path / "s.csv")]) == 0
+    text = out.getvalue()
+    assert "ceiling" in text and "one request at a time" in text
+    lines = [line for line in text.splitlines() if line.startswith(("lru ", "opt "))]
+    assert len(lines) == 4 and "5,000" in lines[-1] and "GiB" in lines[-1]
+    csv_rows = (tmp_path / "s.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("policy,blocks,tokens,bytes,hit_rate") and len(csv_rows) == 5
+    assert csv_rows[1].split(",")[3] == str(400 * 512 * 327680)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert lab_main([f"trace:{path}", "--requests", "50", "--sweep", "400", "--json", "--model", "smollm2"]) == 0
+    s = decode_sweep(out.getvalue())
+    assert s.requests == 50 and s.points[0].bytes == 400 * 512 * model_bytes_per_token("smollm2") == 400 * 512 * 23040
+    err = io.StringIO()
+    bad = write(tmp_path, [req(0, [0]), "{"])
+    from contextlib import redirect_stderr
+    with redirect_stderr(err):
+        assert lab_main([f"trace:{bad}"]) == 2
+    assert f"{bad}:2:" in err.getvalue()
+
+
+def test_default_capacities_are_log_spaced_up_to_never_evicting():
+    ix = scan(mooncake("conversation"), 512, 1000)
+    caps = default_capacities(ix)
+    assert len(caps) == 12 and caps == sorted(caps) and caps[-1] == unlimited_blocks(ix)
+    assert caps[0] >= 2 * ix.largest_request
