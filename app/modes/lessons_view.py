@@ -195,7 +195,7 @@ def drive(client: EngineClient) -> None:
     """Before a redraw of the live views (which redraw many times a second; the sidebar's fragment
     polls too): the lesson's run goes on (its `RunUntil` answered, a stop reached, the next run
     sent) and the viewed stop's words are worked out, so that `stage` reads no client: every
-    panel of a redraw describes the Redraw it is given (app/data/client.Redraw)."""
+    panel of a redraw describes the Redraw it is given (app/data/client.py, Redraw)."""
     run = current()
     if run is None:
         return
