@@ -1,6 +1,6 @@
 """`kvscope [ARGS]` (or `python -m app`): the dashboard, as `streamlit run app/main.py -- ARGS`.
 
-ARGS are the dashboard's own (app/data/source.py): `--engine ws://...`, `--replay FILE`, or flags
+ARGS are the dashboard's own (app/link/source.py): `--engine ws://...`, `--replay FILE`, or flags
 for the embedded engine. Streamlit's options come from the environment (STREAMLIT_SERVER_PORT=...).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from app.streamlit_argv import streamlit_argv
 
 def main() -> None:
     if {"-h", "--help"} & set(sys.argv[1:]):  # say how to use it, start nothing
-        from app.data.source import parser
+        from app.link.source import parser
         parser(prog="kvscope").print_help()
         return
     os.execv(sys.executable, streamlit_argv(sys.executable, sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/data/source.py).
+"""KVScope dashboard: a paged KV cache, live. `streamlit run app/main.py` (options: app/link/source.py).
 
 Routing only: the source picks the page (the fleet, a KV-event stream, the engine loading or
 connecting), the sidebar's mode picks among Explore and Lessons (the live pool page,
@@ -11,7 +11,7 @@ from streamlit import config as st_config
 
 from app.ui import controls, quiet_log, stale, travel
 from app.modes import fleet_view, kv_events_view, lab_view, lessons_view, live
-from app.data.source import ASSETS, Source, from_command_line
+from app.link.source import ASSETS, Source, from_command_line
 
 # Streamlit runs a full gc.collect(2) after every script run; with ~100k events in the history
 # that costs ~60 ms, ten times a second. Python's own generational GC still runs.

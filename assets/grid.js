@@ -5,7 +5,7 @@
 // clicked block, and asks for the next frame as soon as it holds this one, before drawing it, so
 // that Python's redraw and the browser's drawing overlap (the ask, "sync": the frame token it
 // holds, the message whose panels it holds, and the block under the pointer). It asks by its
-// lane (app/ui/lane.py: a WebSocket of the dashboard's process, no Streamlit rerun) while Python
+// lane (app/panels/lane.py: a WebSocket of the dashboard's process, no Streamlit rerun) while Python
 // keeps the lane open, else by setStateValue, a Streamlit rerun. Whether it is open is Python's
 // answer (Redraw.lane_may_draw: a rerun's `lane.open`, the lane's "streamlit"), never decided here.
 // State lives on the root element between calls.
@@ -27,7 +27,7 @@ const DETAIL = 5;                 // cells at least this wide get per-block deta
 const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 const fmt = (x) => Number(x).toLocaleString("en-US");
 const noun = (n, word, many) => (n === 1 ? word : many || word + "s");
-const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/data/words.py
+const plural = (n, word, many) => `${fmt(n)} ${noun(n, word, many)}`;  // as app/derived/words.py
 
 // ------------------------------------------------------------------ frames
 function columnsDev(buf) {

@@ -38,10 +38,10 @@ from pathlib import Path
 from engine.config import EngineConfig
 from kvscope_contract import protocol as p
 from app.panels import grid
-from app.data.client import View
-from app.data.event_history import EventHistory
-from app.data.launcher import ServerProcess
-from app.data.wire import WireClient
+from app.link.client import View
+from app.history.event_history import EventHistory
+from app.link.launcher import ServerProcess
+from app.link.wire import WireClient
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
 from engine.synthetic import SyntheticEngine
 
@@ -407,7 +407,7 @@ def report(server: list[dict], hist: dict | None, browser: list[dict], rounds: i
                   "whole pool; the max column is that one. Stale panels: draws at which a live view named another "
                   "event than the grid (none, by construction: they come in one frame).", "",
                   "Where a redraw's time goes (median ms over every redraw of the runs): from the browser asking for "
-                  "the next frame to the server starting its redraw (by the lane, app/ui/lane.py, or by a Streamlit "
+                  "the next frame to the server starting its redraw (by the lane, app/panels/lane.py, or a Streamlit "
                   "rerun: the heartbeat's every 2 s), the server's work (the view: a copy of the mirror; the panels: "
                   "every live view's data; the frame: every block's drawing, shared by every session; the delta from "
                   "the frame the browser holds; the encoding), the frame's way to the page's script (the lane's send; "

@@ -26,7 +26,7 @@ from kvscope_contract import protocol as p
 
 def reader(url: str, t0: float) -> None:
     """Client process: mirror the pool, note each event's delay; print stats when the server goes."""
-    from app.data.wire import WireClient
+    from app.link.wire import WireClient
 
     step_lat, all_lat = [], []
     try:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import time
 
 from bench.rounds import interleave, spread
 from engine.model.model_loader import load_model
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 
 MODELS = ("tiny", "smollm2")
 
@@ -24,7 +24,7 @@ def in_process(spec: str) -> float:
 
 def server_ready(spec: str, *flags: str, timeout: float = 300) -> float:
     """Seconds from starting `python -m engine.serve.server --model SPEC FLAGS` as the dashboard
-    starts its embedded engine (app/data/launcher.py) to its `ready: ws://` line."""
+    starts its embedded engine (app/link/launcher.py) to its `ready: ws://` line."""
     proc = ServerProcess("engine.serve.server", ["--port", "0", "--model", spec, *flags]).start()
     try:
         if not proc.wait_ready(timeout):

@@ -40,7 +40,7 @@ class Reader:
     """A KVScope client that reads (and decodes) every message, as a dashboard would."""
 
     def __init__(self, url: str):
-        from app.data.wire import WireClient
+        from app.link.wire import WireClient
 
         self.wire = WireClient(url, mirror=False)
         threading.Thread(target=self._run, daemon=True).start()

@@ -24,7 +24,7 @@ def generate() -> int:
 
 
 def export() -> int:
-    from app.data.export_perfetto import main
+    from app.export.perfetto import main
     return main()
 
 

@@ -5,7 +5,7 @@ A server's block hash is only comparable within that server (vLLM's depends on i
 algorithm and seed, a request's `cache_salt` and its LoRA; KVScope's engine hashes with
 Python's tuple hash). The content id is the same everywhere: `content_id(parent's content id,
 this block's token ids)`, a 64-bit BLAKE2b as 16 hex digits, with ROOT (the empty string) as
-the parent of a sequence's first block. The fleet's index (app/data/fleet_content.py) and the
+the parent of a sequence's first block. The fleet's index (app/fleet/content.py) and the
 miss explainer (kvscope_contract/misses.py) both name content this way.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The counters every consumer of the event stream folds the same way: prefix-cache hits and
-lookups, preemptions, recomputes, swaps. The dashboard's tally (app/data/mirror.py), the engine's
+lookups, preemptions, recomputes, swaps. The dashboard's tally (app/history/mirror.py), the engine's
 /metrics (engine/serve/metrics.py), the lab's fast meter and its reference (engine/lab/) all fold
 events through `EventCounts.count`, so their numbers agree by construction.
 """

@@ -1,7 +1,7 @@
 """The prefix cache as a forest: each cached block a node under its parent's hash.
 
 The model knows nothing of where its blocks come from. KVScope's events feed it through
-`app/data/prefix_events.py`, a vLLM / SGLang / TensorRT-LLM KV-event stream (BlockStored /
+`app/derived/prefix_events.py`, a vLLM / SGLang / TensorRT-LLM KV-event stream (BlockStored /
 BlockRemoved / AllBlocksCleared) through `integrations/kv_events/model.py`, with the same calls:
 `store`, `remove`, `clear`, and, where the source knows them, `hold` (how many sequences hold a
 block) and `hit`. A source that does not de-duplicate (vLLM) stores the same content once per

@@ -1,6 +1,6 @@
 """Block residency read off the event stream: when a block's lifetime, its idle time before
 eviction and its reuse gaps begin and end. One rule for every consumer: the dashboard's
-lifetimes view counts them in engine steps (app/data/lifetimes.py), the engine's /metrics in
+lifetimes view counts them in engine steps (app/derived/lifetimes.py), the engine's /metrics in
 seconds under vLLM's names (engine/serve/metrics.py).
 
 - lifetime: from the event a block leaves the free list (alloc, copy-on-write or swap-in) to the

@@ -11,8 +11,8 @@ from kvscope_contract import protocol as p
 from kvscope_contract.kinds import kind_of
 from app import streamlit_argv
 from app.panels import grid
-from app.data.client import EngineClient
-from app.data.lessons.lesson import all_lessons
+from app.link.client import EngineClient
+from app.lessons.lesson import all_lessons
 from tests.lesson_claims import CLAIMS, GOALS, AtStop
 from tests.waiting import wait
 

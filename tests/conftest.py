@@ -3,7 +3,7 @@ Each folder's conftest.py adds its own (integration: an engine server and the ap
 on it; browser: the app started for chromium; unit: each C++ kernel variant).
 
 Tests share helpers through modules here that are not test files, never by importing another
-test module: protocol_client.py (the one protocol client, over app/data/wire.py), waiting.py,
+test module: protocol_client.py (the one protocol client, over app/link/wire.py), waiting.py,
 apptest.py (driving the app under AppTest), synthetic.py (synthetic engines, in process or as
 servers), tiny_engine.py, pool_driver.py and histories.py (pools under pressure), grid_canvas.py
 (what the grid's canvas does with a message), attention_cases.py and cpu_variants.py (kernels),

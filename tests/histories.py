@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from kvscope_contract import protocol as p
-from app.data.client import View
-from app.data.event_history import EventHistory
+from app.link.client import View
+from app.history.event_history import EventHistory
 from tests.pool_driver import PoolDriver
 
 

@@ -1,4 +1,4 @@
-"""The tests' protocol client: the one reader of the wire (app/data/wire.py's WireClient, which
+"""The tests' protocol client: the one reader of the wire (app/link/wire.py's WireClient, which
 mirrors the pool as the dashboard does) with each message also as the JSON the server sent, so
 the tests check the wire format itself."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 import time
 
 from kvscope_contract import protocol as p
-from app.data.mirror import Mirror
-from app.data.wire import WireClient
+from app.history.mirror import Mirror
+from app.link.wire import WireClient
 
 
 class Client:

@@ -2,7 +2,7 @@
 model) as the tests start it: in this process (torch is not imported), or as a server process."""
 from __future__ import annotations
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from engine.config import EngineConfig
 from engine.synthetic import SyntheticEngine
 from kvscope_contract import protocol as p

@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app.data.launcher import ServerProcess
-from app.data.source import ROOT, VLLM_PYTHON
+from app.link.launcher import ServerProcess
+from app.link.source import ROOT, VLLM_PYTHON
 from app.streamlit_argv import streamlit_argv
 from kvscope_contract.ready import free_ports
 

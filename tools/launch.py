@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.data.source import ROOT
+from app.link.source import ROOT
 from app.streamlit_argv import TEST_HOOKS, streamlit_argv
 from kvscope_contract.ready import free_port
 

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from app.data.launcher import ServerProcess
-from app.data.scenarios import SCENARIOS
-from app.data.wire import WireClient
+from app.link.launcher import ServerProcess
+from app.derived.scenarios import SCENARIOS
+from app.link.wire import WireClient
 from kvscope_contract import protocol as p
 
 

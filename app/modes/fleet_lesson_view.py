@@ -1,13 +1,13 @@
 """The routing lesson on the fleet page: a card above the engines' cards with the lesson's
 controls (Start, Next, Back, Restart) and the viewed stop's caption, filled with the fleet's
-numbers when the stop was reached (app/data/lessons/fleet_lesson.py runs it)."""
+numbers when the stop was reached (app/lessons/fleet_lesson.py runs it)."""
 from __future__ import annotations
 
 import streamlit as st
 
-from app.data.fleet.engines import Fleet
-from app.data.source import Source
-from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption, can_drive
+from app.fleet.engines import Fleet
+from app.link.source import Source
+from app.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption, can_drive
 
 KEY = "fleet_lesson"  # session state: the FleetLessonRun in progress
 REDRAW_S = 0.5

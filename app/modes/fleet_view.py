@@ -19,18 +19,18 @@ import numpy as np
 import streamlit as st
 
 from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
-from app.data.fleet import load as fleet_load
+from app.fleet import load as fleet_load
 from app.ui import stale
 from app.panels import prefix_tree
-from app.data.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources,
+from app.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources,
                                     load_fleet, tokenize)
-from app.data.fleet.index import FleetIndex, pick, why, why_words
-from app.data.client import NotConnected
-from app.data.refreshed import Refreshed
-from app.data.words import plural
+from app.fleet.index import FleetIndex, pick, why, why_words
+from app.link.client import NotConnected
+from app.fleet.refreshed import Refreshed
+from app.derived.words import plural
 from app.ui.palette import SEQ_COLORS
 from app.ui.palette import SHARED as SHARED_COLOR
-from app.data.source import Source
+from app.link.source import Source
 from app.modes import fleet_lesson_view
 
 REDRAW_S = 0.3          # the engines' cards: 3.3 a second, so that late ones still leave 2

@@ -13,7 +13,7 @@ from pathlib import Path
 import streamlit as st
 
 from app.panels.prefix_tree import render
-from app.data.source import Source
+from app.link.source import Source
 from kvscope_contract.prefix_forest import Node
 from integrations.kv_events.model import Extra, GroupSpec, KVEventsState
 from integrations.kv_events.subscriber import KVEventsSubscriber

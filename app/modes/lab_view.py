@@ -1,7 +1,7 @@
 """The Lab: one workload under several allocator configs, side by side, in seconds.
 
 The dashboard never imports the engine (it may run apart from it): the lab runs as
-`python -m engine.lab ... --json` (app/data/lab_run.py) and its report comes back through the
+`python -m engine.lab ... --json` (app/link/lab_run.py) and its report comes back through the
 contract (kvscope_contract/lab.py). The current session's requests go to it as a recording.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import streamlit as st
 from kvscope_contract import protocol as p
 from kvscope_contract.lab import COLUMNS, PRESETS, LabReport, LabRow, row_values, to_csv
 from kvscope_contract.state import SHARED, USED as USED_STATE
-from app.data.client import EngineClient
-from app.data.lab_run import run_lab, session_recording
+from app.link.client import EngineClient
+from app.link.lab_run import run_lab, session_recording
 from app.ui.palette import USED, block_color
-from app.data.source import recordings
+from app.link.source import recordings
 
 # what a preset runs on (engine/lab/workload.py)
 PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)

@@ -8,13 +8,13 @@ from functools import lru_cache
 import streamlit as st
 
 from kvscope_contract import protocol as p
-from app.data.client import EngineClient
+from app.link.client import EngineClient
 from app.ui.commands import send
-from app.data.lessons.lesson import Lesson, all_lessons, caption
-from app.data.lessons.runner import LessonRun
+from app.lessons.lesson import Lesson, all_lessons, caption
+from app.lessons.runner import LessonRun
 from app.modes import fleet_lesson_view
-from app.data.source import Source
-from app.data.words import plural
+from app.link.source import Source
+from app.derived.words import plural
 
 KEY = "lesson"  # session state: the LessonRun in progress
 BEFORE = "pool_before_lesson"  # session state: (ResetConfig, paused, pace) the engine had before a lesson
@@ -195,7 +195,7 @@ def drive(client: EngineClient) -> None:
     """Before a redraw of the live views (which redraw many times a second; the sidebar's fragment
     polls too): the lesson's run goes on (its `RunUntil` answered, a stop reached, the next run
     sent) and the viewed stop's words are worked out, so that `stage` reads no client: every
-    panel of a redraw describes the Redraw it is given (app/data/client.py, Redraw)."""
+    panel of a redraw describes the Redraw it is given (app/link/client.py, Redraw)."""
     run = current()
     if run is None:
         return

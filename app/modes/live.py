@@ -17,15 +17,15 @@ from typing import Callable
 import streamlit as st
 
 from app.modes import lessons_view
-from app.panels import grid, header, history_panels, misses, tables_panel
-from app.ui import icons, lane, stale, travel
+from app.panels import grid, header, history_panels, lane, misses, tables_panel
+from app.ui import icons, stale, travel
 from app.ui.icons import icon
-from app.data.client import EngineClient, Redraw, View
-from app.data.mirror import Tally
+from app.link.client import EngineClient, Redraw, View
+from app.history.mirror import Tally
 from app.ui.commands import show_replies
 from app.ui.connection import Hosted, resolve, restart
-from app.data.key_events import explain
-from app.data.source import Source
+from app.derived.key_events import explain
+from app.link.source import Source
 
 # Live views redraw when the browser holds the last grid frame and asks for the next (app/panels/grid.py):
 # this long after it asked for the last one, or once that frame came when it took longer; 70 ms,
@@ -95,7 +95,7 @@ IN_LESSON = "in_lesson"  # session state: (the client, the event) the live views
 
 @dataclass(eq=False)
 class Drawn:
-    """What the live views last drew: updated in place by their lane too (app/ui/lane.py)."""
+    """What the live views last drew: updated in place by their lane too (app/panels/lane.py)."""
     client: EngineClient | None = None
     redraw: Redraw | None = None
 

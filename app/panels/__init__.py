@@ -1,2 +1,2 @@
-"""What the dashboard draws: the grid, the tables, the header, the timeline, the event log
+"""What the dashboard draws: the grid and its lane, the tables, the header, the timeline, the event log
 and the history's panels."""

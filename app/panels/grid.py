@@ -7,7 +7,7 @@ latest-step touch, KV-cache group; 15 bytes per device block, 8 per host block),
 sequences by key; the wire carries them as records (16 bytes per device block). Frames are
 kept, by token, in a store shared by every session. The browser holds the last frame it got
 and asks for the next (its `sync`: the token it holds and the block under the pointer) before
-drawing it, by the element's lane (app/ui/lane.py) or through a Streamlit rerun; the answer
+drawing it, by the element's lane (app/panels/lane.py) or through a Streamlit rerun; the answer
 is a delta from exactly that frame (the blocks whose drawing changed), or the whole frame,
 compressed, when the server no longer knows it. So a redraw costs what changed, not the size
 of the pool, on the server and in the browser alike.
@@ -31,9 +31,9 @@ import streamlit as st
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, TOUCH_KINDS, touched_blocks
 from kvscope_contract.state import CACHED as CACHED_STATE, SHARED as SHARED_STATE, STATE_NAMES, USED
-from app.data.client import View
-from app.data.groups import group_label
-from app.data.source import ASSETS
+from app.link.client import View
+from app.history.groups import group_label
+from app.link.source import ASSETS
 from app.streamlit_argv import TEST_HOOKS
 from app.ui.palette import ACCENT, CACHED, FREE, INK, RESERVED, SEQ_COLORS, SHARED, css_vars, group_colors
 
@@ -371,7 +371,7 @@ def _sync(key: str) -> dict:
 @dataclass(eq=False)
 class Element:
     """One browser element's exchange with this server, whichever way its asks come (a Streamlit
-    rerun, or its lane: app/ui/lane.py): the frames sent and not yet acknowledged, the panels by
+    rerun, or its lane: app/panels/lane.py): the frames sent and not yet acknowledged, the panels by
     message, and what composes its lane's messages (`compose_lane`, None: the lane is closed, asks
     go through Streamlit). A lane frame is composed under the same lock as a rerun's, from the same
     records."""

@@ -7,14 +7,14 @@ from __future__ import annotations
 from html import escape
 
 from kvscope_contract import protocol as p
-from app.data.client import Redraw, Status, View
+from app.link.client import Redraw, Status, View
 from app.ui.connection import Hosted
 from app.ui.icons import icon
-from app.data.mirror import RATE_STEPS, Tally
+from app.history.mirror import RATE_STEPS, Tally
 from app.ui.palette import RESERVED_BAR, USED
-from app.data.groups import span
-from app.data.words import count, plural, rate
-from app.data.source import Source
+from app.history.groups import span
+from app.derived.words import count, plural, rate
+from app.link.source import Source
 
 CONNECTION_COLORS = {"connected": "green", "connecting": "orange", "reconnecting": "orange", "failed": "red",
                      "closed": "red"}

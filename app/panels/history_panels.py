@@ -1,6 +1,6 @@
 """The history panel under the grid, at the event the other views show: the timeline, the event
 log, the prefix cache as a tree and block lifetimes. The tree and the lifetimes follow the
-client's event stream (app/data/follow.py)."""
+client's event stream (app/history/follow.py)."""
 from __future__ import annotations
 
 import weakref
@@ -8,11 +8,11 @@ import weakref
 import numpy as np
 import streamlit as st
 
-from app.data.client import EngineClient, View
-from app.data.follow import Follower
-from app.data.lifetimes import METRICS, Lifetimes
+from app.link.client import EngineClient, View
+from app.history.follow import Follower
+from app.derived.lifetimes import METRICS, Lifetimes
 from app.ui.palette import USED, seq_color
-from app.data.prefix_events import ForestBuilder
+from app.derived.prefix_events import ForestBuilder
 from app.panels.prefix_tree import render
 from app.panels import eventlog
 from app.panels import misses

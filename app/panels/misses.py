@@ -12,8 +12,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from app.data.client import EngineClient, View
-from app.data.session_misses import admissions_between, explained, what_if
+from app.link.client import EngineClient, View
+from app.derived.session_misses import admissions_between, explained, what_if
 from app.ui import travel
 from app.ui.palette import ACCENT
 from kvscope_contract.counters import hit_rate

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from html import escape
 
 from app.ui.palette import CACHED, LIT, UNKNOWN_HASH, USED
-from app.data.words import plural
+from app.derived.words import plural
 from kvscope_contract.kinds import KINDS
 from kvscope_contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, Node, PrefixForest
 

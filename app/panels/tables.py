@@ -14,11 +14,11 @@ from html import escape
 
 import numpy as np
 
-from app.data.client import View
-from app.data.groups import Row, held_blocks, host_blocks, span, table_rows
-from app.data.mirror import Finished
+from app.link.client import View
+from app.history.groups import Row, held_blocks, host_blocks, span, table_rows
+from app.history.mirror import Finished
 from app.ui.palette import ACCENT, INK, LIT, RESERVED, STATUS_COLORS, seq_color
-from app.data.words import plural
+from app.derived.words import plural
 from kvscope_contract.kinds import KINDS
 from kvscope_contract.state import NULL, SeqState
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app.data.client import View
+from app.link.client import View
 from app.panels import tables
 
 LIST_ROWS = 1_000  # rows of the list sent with a redraw; a search narrows the rest

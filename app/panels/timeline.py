@@ -13,7 +13,7 @@ from functools import lru_cache
 import altair as alt
 
 from kvscope_contract.kinds import KINDS, MARKER_KINDS
-from app.data.event_history import Marker, StepPoint
+from app.history.event_history import Marker, StepPoint
 from app.ui.palette import ACCENT, BLOCK_STATE_COLORS, LIVE
 
 MAX_POINTS, MAX_MARKERS = 400, 150

@@ -1,5 +1,5 @@
 """The event log's download button: the history this dashboard holds (live or replayed) as a
-Perfetto trace (app/data/export_perfetto.py), made only when clicked."""
+Perfetto trace (app/export/perfetto.py), made only when clicked."""
 from __future__ import annotations
 
 import streamlit as st
@@ -7,8 +7,8 @@ import streamlit as st
 from kvscope_contract import protocol as p
 from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.state import PoolState
-from app.data.export_perfetto import TraceExport
-from app.data.event_history import EventHistory
+from app.export.perfetto import TraceExport
+from app.history.event_history import EventHistory
 
 
 def take(history: EventHistory) -> tuple[PoolState, list[p.AnyEvent], dict[int, PoolState]]:

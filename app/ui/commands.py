@@ -7,7 +7,7 @@ import time
 import streamlit as st
 
 from kvscope_contract import protocol as p
-from app.data.client import EngineClient, NotConnected
+from app.link.client import EngineClient, NotConnected
 
 REPLY_TIMEOUT_S = 15.0
 ERROR_SHOWN_S = 60.0  # the sidebar's "last error" line fades after this long (or the next success)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import streamlit as st
 
 from kvscope_contract import protocol as p
-from app.data.client import EngineClient
-from app.data.launcher import ServerProcess
-from app.data.source import Source, python_for
+from app.link.client import EngineClient
+from app.link.launcher import ServerProcess
+from app.link.source import Source, python_for
 
 
 @dataclass(eq=False)

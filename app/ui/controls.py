@@ -11,14 +11,14 @@ import streamlit as st
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS
-from app.data.client import EngineClient, View
+from app.link.client import EngineClient, View
 from app.ui import stale
 from app.ui.commands import last_error, send
 from app.ui.connection import Hosted, restart
-from app.data.key_events import KEY_KINDS
-from app.data.scenarios import SCENARIOS, Scenario
-from app.data.source import VLLM_PYTHON, Source, recordings
-from app.data.words import plural
+from app.derived.key_events import KEY_KINDS
+from app.derived.scenarios import SCENARIOS, Scenario
+from app.link.source import VLLM_PYTHON, Source, recordings
+from app.derived.words import plural
 
 SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)",

@@ -14,7 +14,7 @@ from typing import Callable
 
 import streamlit as st
 
-from app.data.client import EngineClient, Redraw
+from app.link.client import EngineClient, Redraw
 from app.ui.icons import icon
 from kvscope_contract.kinds import KINDS, words
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from tools.launch import CHROMIUM, FLAGS, open_grid
 from tools.shoot_docs import walk_hybrid_lesson
 

@@ -1,4 +1,4 @@
-"""The live views' lane (app/ui/lane.py) in Chromium, on a busy engine: the live views redraw by
+"""The live views' lane (app/panels/lane.py) in Chromium, on a busy engine: the live views redraw by
 it, without a Streamlit rerun; time travel closes it and no live frame then overwrites the
 event travelled to; Live opens it again; and a page that cannot reach it (a proxy that forwards
 only Streamlit's port) redraws through Streamlit, as before. Frames are counted on the wire."""
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from tools.launch import CHROMIUM, FLAGS, open_grid
 
 BLOCKS = 8192

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from tools.launch import CHROMIUM, FLAGS, open_grid
 
 BLOCKS = 1 << 18

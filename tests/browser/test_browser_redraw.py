@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from app.data.client import EngineClient
-from app.data.launcher import ServerProcess
+from app.link.client import EngineClient
+from app.link.launcher import ServerProcess
 from tests.waiting import wait
 from tools.launch import CHROMIUM, FLAGS, open_grid
 

@@ -10,8 +10,8 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from kvscope_contract import protocol as p
-from app.data.client import EngineClient
-from app.data.launcher import ServerProcess
+from app.link.client import EngineClient
+from app.link.launcher import ServerProcess
 from tests.apptest import DEFAULT_POOL, MAIN, grid_data
 from tests.waiting import wait
 

@@ -14,7 +14,7 @@ from streamlit import dataframe_util
 from streamlit.testing.v1 import AppTest
 
 from kvscope_contract import protocol as p
-from app.data.client import EngineClient
+from app.link.client import EngineClient
 from tests.waiting import wait
 from tests.apptest import (MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric, metric_card,
                           panels, press, rerun_until, reset_pool, reset_widget, show_log, status_line, submit,

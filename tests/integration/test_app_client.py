@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvscope_contract import protocol as p
-from app.data.client import EngineClient
-from app.data.launcher import ServerProcess
+from app.link.client import EngineClient
+from app.link.launcher import ServerProcess
 from kvscope_contract.ready import free_port
 from tests.waiting import wait
 

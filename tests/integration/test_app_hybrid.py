@@ -12,7 +12,7 @@ import pytest
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kv_groups import group_layers
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from tests.apptest import LESSONS, html_with, panels, rerun_until, walk_lesson
 
 HYBRID = [k for k, lesson in LESSONS.items() if lesson.model]

@@ -11,7 +11,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from tests.waiting import steady, until_elapsed, wait
-from app.data.words import rate
+from app.derived.words import rate
 from tests.apptest import (DEFAULT_POOL, MAIN, delta, embedded_tiny_512x8, events, grid_data, html_with, metric,
                           metric_card, panels, rerun_until, show_log, start, submit, travel_line)
 
@@ -24,7 +24,7 @@ def quiet(c) -> int:
 def rate_at(c, since: int, n: int) -> str:
     """Tokens/s at event n from the raw events: the tokens of the last RATE_STEPS steps after
     `since`, over their `duration_ms`, as the header formats it."""
-    from app.data.mirror import RATE_STEPS
+    from app.history.mirror import RATE_STEPS
     evs = [e for e in c.history.events if since < e.seq <= n]
     steps = [e for e in evs if e.__struct_config__.tag == "step"][-RATE_STEPS:]
     numbers = {e.step for e in steps}
@@ -143,7 +143,7 @@ def test_the_lab_says_which_memory_a_block_size_keeps(at, observer):
 @pytest.fixture
 def busy_app(monkeypatch):
     """The app attached to a busy synthetic pool (the real engine core, random tokens)."""
-    from app.data.launcher import ServerProcess
+    from app.link.launcher import ServerProcess
     eng = ServerProcess("engine.synthetic", ["--port", "0", "--num-device-blocks", "65536", "--num-host-blocks", "1024",
                                             "--fill", "0.3", "--warm-steps", "0", "--live", "64", "--max-tokens", "64",
                                             "--step-delay-ms", "10"]).start()
@@ -227,7 +227,7 @@ def test_the_history_before_a_restart_stays_browsable(monkeypatch):
 def test_a_stop_at_a_prefix_hit_names_and_rings_every_block_of_the_admission(at, observer):
     """Issue 26, item 5: 'Run to the next key event' stopped at a shared system prompt's hit named
     and ringed its first block only, while the step held a prefix_hit for each of its blocks."""
-    from app.data.key_events import block_ranges
+    from app.derived.key_events import block_ranges
     at.button(key="pause").click().run()
     at.toggle(key="scenario_clean").set_value(False)
     at.button(key="scenario_shared").click().run()

@@ -14,7 +14,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState
-from app.data.export_perfetto import COUNTERS, MISS_COUNTERS, export, ns
+from app.export.perfetto import COUNTERS, MISS_COUNTERS, export, ns
 from kvscope_contract.misses import REASONS, ExplainedPool
 from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.recording import Recording
@@ -184,14 +184,14 @@ def test_each_admission_says_why_it_missed_and_each_eviction_flows_to_its_reuse(
 
 def test_cli_writes_the_trace(tmp_path):
     out = tmp_path / "run.pftrace"
-    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", str(DEMO), "-o", str(out)],
+    r = subprocess.run([sys.executable, "-m", "app.export.perfetto", str(DEMO), "-o", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     names, _, events = decode(out.read_bytes())
     assert "load3-8" in names.values() and len(events) > 1000
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"type": "hello"\n')
-    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", str(bad), "-o", str(tmp_path / "x")],
+    r = subprocess.run([sys.executable, "-m", "app.export.perfetto", str(bad), "-o", str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a KVScope recording" in r.stderr and not (tmp_path / "x").exists()
 
@@ -204,23 +204,23 @@ def test_cli_finds_a_bundled_recording_by_name_and_writes_beside_the_input_or_he
     env = {**os.environ, "PYTHONPATH": str(root)}
     here = tmp_path / "here"
     here.mkdir()
-    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", DEMO.name], cwd=here, env=env,
+    r = subprocess.run([sys.executable, "-m", "app.export.perfetto", DEMO.name], cwd=here, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (here / "demo_recording.pftrace").exists() and not (DEMO.parent / "demo_recording.pftrace").exists()
     mine = tmp_path / "mine" / "run.jsonl"
     mine.parent.mkdir()
     mine.write_bytes(DEMO.read_bytes())
-    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", str(mine)], cwd=here, env=env,
+    r = subprocess.run([sys.executable, "-m", "app.export.perfetto", str(mine)], cwd=here, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (mine.parent / "run.pftrace").exists(), r.stderr
-    r = subprocess.run([sys.executable, "-m", "app.data.export_perfetto", "no_such.jsonl"], cwd=here, env=env,
+    r = subprocess.run([sys.executable, "-m", "app.export.perfetto", "no_such.jsonl"], cwd=here, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no_such.jsonl" in r.stderr and "bundled" in r.stderr
 
 
 def test_the_dashboards_download_is_the_same_trace_and_survives_a_gap(demo):
-    from app.data.event_history import EventHistory
+    from app.history.event_history import EventHistory
     from app.panels.trace_download import history_trace, take
 
     rec, events, (names, parents, tevents) = demo

@@ -12,11 +12,11 @@ import pytest
 
 import time
 
-from app.data.fleet import engines as fleet_engines
-from app.data.fleet import load as fleet_load
-from app.data.fleet.engines import RATE_S, STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
-from app.data.fleet.content import chain_ids
-from app.data.launcher import ServerProcess
+from app.fleet import engines as fleet_engines
+from app.fleet import load as fleet_load
+from app.fleet.engines import RATE_S, STALL_S, Endpoint, Fleet, FleetFileError, load_fleet, tokenize
+from app.fleet.content import chain_ids
+from app.link.launcher import ServerProcess
 from engine.synthetic import INDEX, WORDS
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
@@ -190,7 +190,7 @@ def test_the_routing_lessons_numbers_say_they_are_its_two_engines(pair):
     """A fleet of three: the lesson runs on two, and its captions say their numbers are those two's
     alone, naming the engine the fleet-wide panel counts besides (it showed 0 duplicated blocks
     over a panel that counted 42)."""
-    from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption
+    from app.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons, caption
 
     fleet, _ = pair
     third = synthetic_server()
@@ -327,7 +327,7 @@ def test_fleet_files(tmp_path):
                     '"kv-events"\n')
     a, b = load_fleet(good)
     assert a.address == "ws://127.0.0.1:8766" and b.kind == "kv-events"
-    from app.data.source import Source, from_command_line
+    from app.link.source import Source, from_command_line
     assert from_command_line(["--fleet", str(good)], {}) == Source("fleet", path=str(good.resolve()))
     assert from_command_line(["--fleet"], {}) == Source("fleet", path="")  # an empty fleet, filled from the sidebar
     for text, says in [('[[engine]]\nname = "a"\n', "no url"),
@@ -372,7 +372,7 @@ def test_a_typed_prompt_is_explained_on_each_engine_hit_evicted_elsewhere_nowher
     rest: a KV-event stream that stored the system prompt's three blocks and removed the third
     (evicted, with the batch's time), a KVScope engine that holds them (hit), one that holds nothing
     (the system prompt is on the others), the question on no engine, the last block partial."""
-    from app.data.fleet.index import why, why_words
+    from app.fleet.index import why, why_words
     from tests.kv_event_stream import Publisher, frames, stored_map
 
     fleet, _ = pair

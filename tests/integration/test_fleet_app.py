@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app.data.client import EngineClient
+from app.link.client import EngineClient
 from tools.launch import CHROMIUM, FLAGS, start_streamlit
 from tests.apptest import panels
 from tests.waiting import wait
@@ -71,7 +71,7 @@ def test_the_fleet_page_cards_load_open_and_back(engines, monkeypatch):
          and int(next(m.value for m in at.metric if m.label == "cached contents").replace(",", "")) > 0,
          60, "the fleet index fills")
     # a system prompt scored as the load generator's chats run (the template), with what each engine would reuse
-    from app.data.fleet.load import SYSTEM_PROMPTS
+    from app.fleet.load import SYSTEM_PROMPTS
     at.text_area(key="fleet_prompt").set_value(SYSTEM_PROMPTS[0]).run()
     table = next(d.value for d in at.dataframe if "would reuse" in d.value.columns)
     assert list(table["engine"]) == ["pod-a", "pod-b"] and (table["cached tokens"] >= table["would reuse"]).all()

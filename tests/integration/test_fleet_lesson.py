@@ -1,4 +1,4 @@
-"""The routing lesson (app/data/lessons/fleet/routing.toml) on the fleet page under AppTest: Start
+"""The routing lesson (app/lessons/fleet/routing.toml) on the fleet page under AppTest: Start
 on an empty fleet starts two real KVScope engines (SmolLM2, their own processes), Next runs each
 stop, and what each caption says is checked against the engines themselves: their own snapshots
 (the blocks they cache, by their own hashes) and the events an observer of each engine saw (the
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app.data.fleet import load as fleet_load
-from app.data.client import EngineClient
-from app.data.lessons.fleet_lesson import all_fleet_lessons, caption, stop_launched
+from app.fleet import load as fleet_load
+from app.link.client import EngineClient
+from app.lessons.fleet_lesson import all_fleet_lessons, caption, stop_launched
 from kvscope_contract import protocol as p
 from tests.apptest import lesson_button
 from tests.protocol_client import Client
@@ -335,8 +335,8 @@ def test_an_engine_killed_during_the_lesson_is_said_at_once():
     import signal
     import time
 
-    from app.data.fleet.engines import Endpoint, Fleet
-    from app.data.lessons.fleet_lesson import FleetLessonRun
+    from app.fleet.engines import Endpoint, Fleet
+    from app.lessons.fleet_lesson import FleetLessonRun
 
     procs = [synthetic_server(), synthetic_server()]
     fleet = Fleet.of([Endpoint("a", procs[0].url), Endpoint("b", procs[1].url)])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 from tests.protocol_client import Client
 from tests.grafana_board import board
 from kvscope_contract.ready import free_port

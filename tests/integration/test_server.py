@@ -152,7 +152,7 @@ def test_the_token_is_enforced_at_the_handshake(make_server):
 
 
 def test_get_tokenize_answers_the_engines_own_token_ids_behind_its_token(make_server, tiny):
-    """The fleet page scores a typed prompt with these ids (app.data.fleet.engines.tokenize)."""
+    """The fleet page scores a typed prompt with these ids (app.fleet.engines.tokenize)."""
     srv = make_server(token="s3cret")
     http = srv.url.replace("ws://", "http://").rstrip("/")
     text = "A prompt, typed: with punctuation and ünïcode."
@@ -388,7 +388,7 @@ def test_replay_loops_keep_event_numbers_steps_and_times_rising(tmp_path, make_s
 
 
 def test_a_recording_cut_short_replays_every_whole_event_and_says_what_it_skipped(tmp_path):
-    from app.data.launcher import ServerProcess
+    from app.link.launcher import ServerProcess
     from pathlib import Path
     data = (Path(__file__).resolve().parents[2] / "assets" / "demo_recording.jsonl").read_bytes()
     cut = tmp_path / "cut.jsonl"

@@ -81,11 +81,11 @@ def test_the_wheel_carries_what_a_user_needs(venv):
     names = set(zipfile.ZipFile(wheel).namelist())
     # one top-level name of ours: the checkout's folders live inside `kvscope`
     assert {n.split("/")[0] for n in names} == {"kvscope", "kvscope-0.2.0.dist-info"}
-    for need in ("app/main.py", "app/data/lessons/04_prefix_caching.toml", "app/data/lessons/fleet/routing.toml",
+    for need in ("app/main.py", "app/lessons/04_prefix_caching.toml", "app/lessons/fleet/routing.toml",
                  "assets/grid.js", "assets/grid.css",
                  "assets/live.js", "assets/live.css", "assets/favicon.svg", "assets/demo_recording.jsonl",
                  "kernels/cpu/kvscope_cpu.cpp",
-                 "kvscope_contract/state.py", "engine/model/model_loader.py", "app/data/export_perfetto.py",
+                 "kvscope_contract/state.py", "engine/model/model_loader.py", "app/export/perfetto.py",
                  "integrations/vllm/plugin.py", "cli.py"):
         assert f"kvscope/{need}" in names, need
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
@@ -134,7 +134,7 @@ def test_the_installed_engine_serves_a_request(venv, tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     # and the export, on the recording the wheel carries, by its name: the trace lands here
-    demo = Path(run(bin_ / "python", "-c", "import kvscope.app.data.source as s; print(s.recordings()[0])",
+    demo = Path(run(bin_ / "python", "-c", "import kvscope.app.link.source as s; print(s.recordings()[0])",
                     cwd=tmp_path).strip())
     assert demo.name == "demo_recording.jsonl" and "site-packages/kvscope/assets" in str(demo)
     run(bin_ / "kvscope-export", "demo_recording.jsonl", cwd=tmp_path)

@@ -17,10 +17,10 @@ from engine.model.model_loader import load_model
 from engine.core.sequence import SamplingParams
 from kvscope_contract.state import PoolState
 from app.panels import eventlog, grid
-from app.data.event_history import EventHistory
-from app.data.mirror import COUNTERS, Mirror
-from app.data.scenarios import SCENARIOS
-from app.data.source import Source, from_command_line, python_for
+from app.history.event_history import EventHistory
+from app.history.mirror import COUNTERS, Mirror
+from app.derived.scenarios import SCENARIOS
+from app.link.source import Source, from_command_line, python_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import random
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import PoolState
-from app.data.event_store import CHUNK, EventStore
-from app.data.event_history import EventHistory
+from app.history.event_store import CHUNK, EventStore
+from app.history.event_history import EventHistory
 from tests.histories import busy_history
 
 

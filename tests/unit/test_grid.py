@@ -12,8 +12,8 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import TOUCH_KINDS
 from app.panels import grid
-from app.data.client import View
-from app.data.event_history import EventHistory
+from app.link.client import View
+from app.history.event_history import EventHistory
 from tests.pool_driver import PoolDriver
 from tests.histories import PREFIX, busy_history, view_at
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from kvscope_contract import protocol as p
-from app.data.mirror import Mirror
+from app.history.mirror import Mirror
 from tests.pool_driver import PoolDriver
 
 PREFIX = list(range(100, 164))

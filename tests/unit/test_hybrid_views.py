@@ -14,9 +14,9 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.kv_groups import gemma3_groups
 from kvscope_contract.state import NULL
-from app.data import groups
-from app.data.client import View
-from app.data.event_history import EventHistory
+from app.history import groups
+from app.link.client import View
+from app.history.event_history import EventHistory
 from app.panels import grid, header, tables
 from tests.pool_driver import PoolDriver
 from tests.histories import PREFIX, busy_history, view_at

@@ -1,4 +1,4 @@
-"""The live views' lane (app/ui/lane.py): a real WebSocket server and client, the element's
+"""The live views' lane (app/panels/lane.py): a real WebSocket server and client, the element's
 exchange (app/panels/grid.Element) when asks come by the lane and by Streamlit reruns alike, and
 the one rule for when the lane may draw (Redraw.lane_may_draw), condition by condition."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from kvscope_contract import protocol as p
-from app.data.client import Redraw, Status
+from app.link.client import Redraw, Status
 from app.panels import grid
-from app.ui.lane import LaneServer
+from app.panels.lane import LaneServer
 from tests.grid_canvas import canvas
 from tests.histories import busy_history, view_at
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.data.launcher import ServerProcess
+from app.link.launcher import ServerProcess
 
 
 def test_a_server_that_cannot_start_says_so(tmp_path):

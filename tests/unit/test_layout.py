@@ -10,8 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvscope_contract", "app", "engine", "kernels", "integrations", "tools", "kvscope")
+
+# The dashboard's data packages, bottom first: each imports only the packages before it (`<`), never
+# one beside it (`,`); none imports streamlit or the rooms that draw (app/ui, app/panels, app/modes).
+DATA = "history < link < derived, fleet, export < lessons"
+DATA_LAYERS = [[f"app.{name.strip()}" for name in layer.split(",")] for layer in DATA.split("<")]
+DATA_PACKAGES = [p for layer in DATA_LAYERS for p in layer]
+ROOMS = ("app.ui", "app.panels", "app.modes")  # what draws, above the data packages
 
 
 def imports(path: Path) -> set[str]:
@@ -59,16 +68,26 @@ def test_the_dashboard_reaches_the_engine_only_through_the_contract():
                 f"{f.relative_to(ROOT)} imports {name}"
 
 
-def test_the_dashboard_data_layer_never_imports_streamlit():
-    """app/data/ is what a script, a test or another front end can use without a Streamlit
-    session: sources, the client, the history, the mirror."""
-    data = list((ROOT / "app" / "data").rglob("*.py"))
-    assert len(data) > 5
-    for f in data:
+def test_app_holds_the_data_packages_and_the_rooms_that_draw():
+    """A new package of app/ is placed in DATA (or among the ROOMS) before anything imports it."""
+    packages = {f"app.{d.name}" for d in (ROOT / "app").iterdir() if (d / "__init__.py").is_file()}
+    assert packages == set(DATA_PACKAGES) | set(ROOMS)
+
+
+@pytest.mark.parametrize("package", DATA_PACKAGES)
+def test_a_data_package_imports_only_those_below_it_and_never_streamlit(package):
+    """What a script, a test or another front end can use without a Streamlit session: the history,
+    the link to an engine, what is derived from them, the fleet, the export, the lessons' model."""
+    level = next(i for i, layer in enumerate(DATA_LAYERS) if package in layer)
+    below = {package} | {p for layer in DATA_LAYERS[:level] for p in layer}
+    files = list((ROOT / package.replace(".", "/")).rglob("*.py"))
+    assert len(files) > 1, package
+    for f in files:
         for name in imports(f):
             assert name.split(".")[0] not in ("streamlit", "altair"), f"{f.relative_to(ROOT)} imports {name}"
-            # the bottom room: panels, modes and the sidebar build on it, never the other way
-            assert not name.startswith(("app.panels", "app.modes", "app.ui")), f"{f.relative_to(ROOT)} imports {name}"
+            if name.split(".")[0] == "app":
+                assert ".".join(name.split(".")[:2]) in below, \
+                    f"{f.relative_to(ROOT)} imports {name}: {package} is above only {sorted(below - {package})}"
 
 
 def assert_never_imports(folder: str, below: tuple[str, ...]) -> None:
@@ -81,7 +100,7 @@ def assert_never_imports(folder: str, below: tuple[str, ...]) -> None:
 
 def test_the_sidebar_and_chrome_never_import_panels_or_pages():
     """app/ui/ (sidebar controls, time travel, connection, palette) is below the panels, which
-    draw with it, and the pages: what both need lives in app/ui/ or app/data/."""
+    draw with it, and the pages: what both need lives in app/ui/ or a data package (DATA)."""
     assert_never_imports("app/ui", ("app.panels", "app.modes"))
 
 
@@ -91,7 +110,7 @@ def test_the_panels_never_import_the_pages():
 
 def test_every_page_module_draws():
     """app/modes/ holds what draws a page; a module there that never imports streamlit is the
-    page's logic (a lesson's model, a launcher's plan) and belongs in app/data/ or tools/."""
+    page's logic (a lesson's model, a launcher's plan) and belongs in a data package (DATA) or tools/."""
     for f in (ROOT / "app" / "modes").rglob("*.py"):
         if f.name != "__init__.py":
             assert "streamlit" in {n.split(".")[0] for n in imports(f)}, f"{f.relative_to(ROOT)} draws nothing"

@@ -1,9 +1,9 @@
-"""Next and Back through a lesson's stops (app/data/lessons/walk.py), as both lesson runs move:
+"""Next and Back through a lesson's stops (app/lessons/walk.py), as both lesson runs move:
 a stop reached is shown again, never rerun; one click moves one stop, even delivered twice."""
 from __future__ import annotations
 
-from app.data.lessons.lesson import all_lessons
-from app.data.lessons.runner import LessonRun, Pending, Reached
+from app.lessons.lesson import all_lessons
+from app.lessons.runner import LessonRun, Pending, Reached
 
 
 def test_next_runs_only_past_the_last_stop_reached_and_one_click_moves_one_stop():

@@ -7,7 +7,7 @@ from kvscope_contract.lab import LabConfig
 from kvscope_contract.state import PoolState
 from engine.lab.sim import Lab
 from engine.lab.workload import Request, Workload, load
-from app.data.lifetimes import Lifetimes
+from app.derived.lifetimes import Lifetimes
 
 PROMPT = list(range(1, 9))  # two blocks of 4
 

@@ -15,9 +15,9 @@ from engine.lab.sim import Lab
 from engine.lab.workload import load
 from engine.serve.replay import Playback
 from kvscope_contract.recording import Recording
-from app.data.client import EngineClient
-from app.data.follow import Follower
-from app.data.prefix_events import ForestBuilder
+from app.link.client import EngineClient
+from app.history.follow import Follower
+from app.derived.prefix_events import ForestBuilder
 from app.panels.prefix_tree import render
 from kvscope_contract.prefix_forest import CACHED_ONLY, IN_USE, UNKNOWN, PrefixForest
 from tests.waiting import wait

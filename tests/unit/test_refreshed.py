@@ -1,10 +1,10 @@
-"""app/data/refreshed.py: a slow value never blocks its reader, and is recomputed when stale."""
+"""app/fleet/refreshed.py: a slow value never blocks its reader, and is recomputed when stale."""
 from __future__ import annotations
 
 import threading
 import time
 
-from app.data.refreshed import Refreshed
+from app.fleet.refreshed import Refreshed
 from tests.waiting import wait
 
 

@@ -69,8 +69,8 @@ def test_forked_samples_swap_their_shared_blocks_once_and_come_back_shared(tiny,
 
 def test_the_grid_draws_a_host_block_shared_by_a_fork_group_with_its_ref_count(tiny):
     from app.panels import grid
-    from app.data.client import View
-    from app.data.event_history import EventHistory
+    from app.link.client import View
+    from app.history.event_history import EventHistory
 
     engine = make(tiny, block_size=1, num_device_blocks=8, num_host_blocks=8, preemption_mode="swap")
     history = EventHistory(engine.snapshot(), checkpoint_every=16)

@@ -8,8 +8,8 @@ import re
 
 from kvscope_contract import protocol as p
 from app.panels import tables
-from app.data.client import View
-from app.data.event_history import EventHistory
+from app.link.client import View
+from app.history.event_history import EventHistory
 from tests.pool_driver import PoolDriver
 
 

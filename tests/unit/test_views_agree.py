@@ -10,7 +10,7 @@ import re
 
 from kvscope_contract import protocol as p
 from app.panels import grid, tables
-from app.data.event_history import EventHistory
+from app.history.event_history import EventHistory
 from tests.grid_canvas import canvas
 from tests.histories import busy_history, view_at
 

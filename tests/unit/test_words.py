@@ -9,9 +9,9 @@ import msgspec.inspect as mi
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import kind_of, words
 from app.panels import header, tables, timeline
-from app.data.client import View
-from app.data.event_history import EventHistory
-from app.data.words import count, plural, rate
+from app.link.client import View
+from app.history.event_history import EventHistory
+from app.derived.words import count, plural, rate
 from tests.pool_driver import PoolDriver
 
 
@@ -71,7 +71,7 @@ def test_step_ticks_are_whole_numbers():
 def test_timeline_charts_hold_no_empty_layer():
     """Walk of issue 29: an empty layer (no markers, no cursor while live) made Vega warn "Infinite
     extent for field step" at every redraw; such layers are left out, the rest kept."""
-    from app.data.event_history import Marker, StepPoint
+    from app.history.event_history import Marker, StepPoint
     import dataclasses
 
     points = [StepPoint(**{f.name: (i if f.name == "step" else 0) for f in dataclasses.fields(StepPoint)})
@@ -148,7 +148,7 @@ def test_every_event_kind_is_said_in_words():
 
 def test_every_count_in_the_metrics_has_its_thousands_separator():
     """Issue 28: "8,241 copies · 8790 forks"."""
-    from app.data.client import Redraw, Status
+    from app.link.client import Redraw, Status
     from tests.histories import busy_history, view_at
     h, _ = busy_history(seed=2, ops=200)
     view = view_at(h, h.last_event)

@@ -257,7 +257,7 @@ def test_the_fleet_counts_a_hybrid_models_groups_as_one_copy_and_a_second_engine
     content twice (once per engine), so 6 duplicated blocks (one per group and block), not 10;
     a prefix-aware router finds the prompt on both, and not on an engine whose full-attention
     group lost it."""
-    from app.data.fleet.engines import Endpoint, Fleet
+    from app.fleet.engines import Endpoint, Fleet
 
     kinds = [("sliding_window", 4), ("sliding_window", 4), ("full_attention", None)]
     pubs = [Publisher(topic=b""), Publisher(topic=b"")]

@@ -176,7 +176,7 @@ def test_e_the_dashboards_scenario_presets_make_vllm_hit_its_prefix_cache(vllm, 
     """Each preset of the sidebar, as the dashboard sends it (sized from hello's pool), makes
     vLLM hit its prefix cache; the overload preset also makes it preempt. The mixed preset's
     prompts share less than one 32-token block, so its hits come when it runs a second time."""
-    from app.data.scenarios import SCENARIOS
+    from app.derived.scenarios import SCENARIOS
 
     scenario = next(s for s in SCENARIOS if s.key == key)
     cfg = p.decode_server_message(json.dumps(c.hello)).config
@@ -254,7 +254,7 @@ def test_g2_the_dashboard_names_vllms_openai_server_and_shows_vllms_own_hit_rate
     (its re-admissions after recompute hit the cache, which vLLM's counter leaves out), the
     dashboard's numbers by vLLM's definition equal vLLM's own /metrics counters' deltas."""
     from tests.apptest import metric_card, rerun_until, status_line
-    from app.data.scenarios import SCENARIOS
+    from app.derived.scenarios import SCENARIOS
 
     at = dashboard(KVSCOPE_ENGINE=vllm.ws)
     rerun_until(at, lambda a: f"OpenAI API <code>{vllm.api}/v1</code>" in status_line(a), 60,
@@ -291,7 +291,7 @@ def test_g3_every_token_vllm_missed_has_a_reason_that_adds_up_to_its_own_counter
     reuse names the allocation that made it; the dashboard's panel shows the same."""
     from kvscope_contract.misses import ExplainedPool
     from tests.apptest import panels, rerun_until
-    from app.data.scenarios import SCENARIOS
+    from app.derived.scenarios import SCENARIOS
 
     finishes(c, 0)
     mine = Client(vllm.ws)
@@ -402,7 +402,7 @@ def second(vllm):
 
 @pytest.fixture
 def fleet(vllm, second):
-    from app.data.fleet.engines import Endpoint, Fleet
+    from app.fleet.engines import Endpoint, Fleet
 
     for server in (vllm, second):  # from an empty prefix cache: every block's tokens seen by the fleet
         with urllib.request.urlopen(urllib.request.Request(server.api + "/reset_prefix_cache", b"", method="POST"),
@@ -437,7 +437,7 @@ def settled(fleet, servers) -> None:
 
 
 def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_as_vllm_reuses(vllm, second, fleet):
-    from app.data.fleet.engines import tokenize
+    from app.fleet.engines import tokenize
 
     for k, q in enumerate(QUESTIONS):
         chat(vllm, SYSTEMS[0], q)
@@ -472,7 +472,7 @@ def test_j_a_fleet_of_two_vllms_counts_duplicates_as_their_snapshots_and_scores_
 
 
 def test_k_round_robin_duplicates_more_than_prefix_affinity_on_the_same_workload(vllm, second, fleet):
-    from app.data.fleet import load as fleet_load
+    from app.fleet import load as fleet_load
 
     servers = {"a": vllm, "b": second}
     dup = {}
@@ -495,7 +495,7 @@ def test_o_the_routing_lesson_runs_on_two_vllms(vllm, second, fleet):
     them): round-robin leaves as many duplicated blocks as the servers' own snapshots hold twice,
     affinity none, the hit rate rises, and the conversation the router scores is found cached on
     the engine it picks as far as its score says."""
-    from app.data.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons
+    from app.lessons.fleet_lesson import FleetLessonRun, all_fleet_lessons
 
     lesson = next(x for x in all_fleet_lessons() if x.key == "routing")
     run = FleetLessonRun(lesson, fleet)
@@ -542,7 +542,7 @@ def test_m_find_ranks_reads_vllms_kv_event_sources(vllm):
     """vLLM 0.32's GET /kv_event_sources (a config per data-parallel rank) gives the fleet this
     server's KV-event endpoint, the same the test started it with; a vLLM without that route (0.27.1,
     by its own OpenAPI schema) gives None, which the sidebar's Find ranks says."""
-    from app.data.fleet.engines import kv_event_sources
+    from app.fleet.engines import kv_event_sources
 
     with urllib.request.urlopen(vllm.api + "/openapi.json", timeout=30) as r:
         routes = json.load(r)["paths"]
@@ -560,9 +560,9 @@ def test_n_the_load_generator_sends_to_a_kv_event_stream_through_its_servers_ope
     load generator's chats reach vLLM over HTTP (vLLM's own request counter), the stream then holds
     their prompts' blocks by content (the chat prompt as vLLM's /tokenize gives it), "Clear every
     prefix cache" empties it, and a server that does not answer is said on the page, not raised."""
-    from app.data.fleet import load as fleet_load
-    from app.data.fleet.engines import Endpoint, Fleet
-    from app.data.fleet.content import chain_ids
+    from app.fleet import load as fleet_load
+    from app.fleet.engines import Endpoint, Fleet
+    from app.fleet.content import chain_ids
 
     f = Fleet.of([Endpoint("z", vllm.kv_events, "kv-events", vllm.api),
                   Endpoint("gone", "tcp://127.0.0.1:9", "kv-events", "http://127.0.0.1:9")])

@@ -23,7 +23,7 @@ SYSTEM = ("You are a careful assistant for a paged KV cache demo. Answer in one 
 
 
 def test_a_killed_api_server_is_said_answered_and_leaves_no_orphan():
-    from app.data.fleet.engines import Endpoint, Fleet
+    from app.fleet.engines import Endpoint, Fleet
 
     server = VllmServer(48).start()
     fleet = Fleet.of([Endpoint("vllm-x", server.ws, "vllm-plugin")])

@@ -233,7 +233,7 @@ def test_f_a_fleet_of_smollm2_and_gemma_3_counts_duplicates_as_their_snapshots_h
     one copy of it, and the router's score of a prompt on Gemma equals what vLLM then reuses."""
     import urllib.request
 
-    from app.data.fleet.engines import Endpoint, Fleet, tokenize
+    from app.fleet.engines import Endpoint, Fleet, tokenize
 
     for server in (gemma, smol):
         with urllib.request.urlopen(urllib.request.Request(server.api + "/reset_prefix_cache", b"", method="POST"),

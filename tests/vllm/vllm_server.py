@@ -16,7 +16,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.data.source import ROOT, VLLM_PYTHON
+from app.link.source import ROOT, VLLM_PYTHON
 from kvscope_contract.ready import free_ports
 from kvscope_contract.ready import ready_url
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvscope_contract import protocol as p
 from kvscope_contract.lab import LabReport, decode_report
-from app.data.launcher import IMPORT_ROOT, module_path
+from app.link.launcher import IMPORT_ROOT, module_path
 
 TIMEOUT_S = 300
 

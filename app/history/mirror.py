@@ -15,8 +15,8 @@ import numpy as np
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts, hit_rate
 from kvscope_contract.state import PoolState
-from app.data import groups
-from app.data.block_text import BlockTexts
+from app.history import groups
+from app.history.block_text import BlockTexts
 
 RATE_STEPS = 16     # tokens/s: the tokens generated in the last this many engine steps over their durations
 FINISHED_KEPT = 12   # finished requests listed in the tables view

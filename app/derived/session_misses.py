@@ -22,7 +22,7 @@ from kvscope_contract import protocol as p
 from kvscope_contract.lab import what_if_lines
 from kvscope_contract.misses import ExplainedPool, MissExplainer
 from kvscope_contract.rebuild import known_prompt, with_rebuilt_prompts
-from app.data.lab_run import run_lab, session_recording
+from app.link.lab_run import run_lab, session_recording
 
 KEEP = 100_000  # admissions kept per client
 

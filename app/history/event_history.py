@@ -8,7 +8,7 @@ The history is cut into segments, each starting at a `reset` or at a clean slate
 this client's: the counters start again there, the pool is untouched); the timeline draws
 the segment of the viewed event.
 
-Memory is bounded: at most `max_events` events (a million), packed (app/data/event_store.py:
+Memory is bounded: at most `max_events` events (a million), packed (app/history/event_store.py:
 about 100 bytes each, plus 16 chunks of 4,096 kept as objects), checkpoints worth at most
 `checkpoint_bytes` (384 MiB: when they would take more, every other one goes and the spacing
 doubles, so a big pool gets fewer, farther checkpoints), 20,000 timeline points and 5,000
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import MARKER_KINDS, kind_of
 from kvscope_contract.state import used_blocks
-from app.data.event_store import EventStore
-from app.data.mirror import Mirror
+from app.history.event_store import EventStore
+from app.history.mirror import Mirror
 
 MAX_STEP_POINTS = 20_000  # timeline points kept (one per engine step)
 MAX_MARKERS = 5_000       # timeline markers kept (preemptions, swaps, resets)

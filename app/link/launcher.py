@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from app.data.source import ROOT
+from app.link.source import ROOT
 from kvscope_contract.ready import ready_url, refused_reason
 
 # "" in a checkout; "kvscope." in the wheel, whose build puts app/, engine/, ... inside `kvscope`
-PACKAGE = __name__.removesuffix("app.data.launcher")
+PACKAGE = __name__.removesuffix("app.link.launcher")
 IMPORT_ROOT = ROOT.parent if PACKAGE else ROOT  # where `python -m` finds them
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.data.block_text import BlockTexts
+from app.history.block_text import BlockTexts
 from kvscope_contract import protocol as p
 from kvscope_contract.prefix_forest import PrefixForest
 from kvscope_contract.state import NULL, PoolState

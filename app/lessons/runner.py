@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvscope_contract import protocol as p
-from app.data.lessons.lesson import Focus, Lesson, context, focus, recorded
-from app.data.lessons.walk import StopWalk
-from app.data.session_misses import admissions_of
+from app.lessons.lesson import Focus, Lesson, context, focus, recorded
+from app.lessons.walk import StopWalk
+from app.derived.session_misses import admissions_of
 
 NEVER_IN_A_STEP = "reset"  # a reset happens between steps: `run_until` it = run exactly max_steps steps
 IDLE_GIVE_UP_S = 5.0       # a run the engine has no work for ends after this long

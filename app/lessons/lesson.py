@@ -1,4 +1,4 @@
-"""Guided lessons as data: each `app/data/lessons/*.toml` is a script over the live engine, and this
+"""Guided lessons as data: each `app/lessons/*.toml` is a script over the live engine, and this
 reads it and words each stop with the run's own numbers.
 
 A lesson is a list of stops. Before running to a stop, it may reset the pool and submit
@@ -23,9 +23,9 @@ from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, kind_of, touched_blocks
 from kvscope_contract.misses import reason_line, totals_of
 from kvscope_contract.state import held_tokens
-from app.data.key_events import KEY_KINDS, block_ranges, explain
-from app.data.lessons import hybrid
-from app.data.words import plural
+from app.derived.key_events import KEY_KINDS, block_ranges, explain
+from app.lessons import hybrid
+from app.derived.words import plural
 
 L = TypeVar("L")
 

@@ -2,7 +2,7 @@
 every reader: `open_ws` connects as each client does (any message size, no compression, the
 optional features asked for in the URL, a bearer token), and `WireClient` reads one connection
 synchronously: each server message decoded, the pool mirrored as the dashboard mirrors it
-(app/data/mirror.py), the events counted by kind, commands encoded by the protocol.
+(app/history/mirror.py), the events counted by kind, commands encoded by the protocol.
 
 The dashboard's EngineClient (client.py) opens its connection here and follows it on a thread
 of its own, reconnecting; the tests' client (tests/protocol_client.py), the demo recorder and
@@ -22,7 +22,7 @@ from websockets.sync.client import ClientConnection, connect
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import kind_of
 from kvscope_contract.state import PoolState
-from app.data.mirror import Mirror
+from app.history.mirror import Mirror
 
 
 def with_features(url: str, features: Sequence[str]) -> str:

@@ -8,7 +8,7 @@ Endpoint kinds:
 - `kv-events`: a ZMQ KV-event stream (vLLM `--kv-events-config`, SGLang, TensorRT-LLM),
   `tcp://HOST:PORT[?replay=tcp://HOST:PORT]`.
 
-Each endpoint has its own client thread (app/data/client.py's EngineClient, or the KV-event
+Each endpoint has its own client thread (app/link/client.py's EngineClient, or the KV-event
 subscriber), so one that stalls or dies never delays another: a WebSocket that drops is marked
 down and retried with backoff (up to 5 s apart); reading a row takes only that endpoint's lock.
 
@@ -37,12 +37,12 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import numpy as np
 
 from kvscope_contract import protocol as p
-from app.data.fleet import load as fleet_load
-from app.data.client import EngineClient
-from app.data.event_history import EventHistory
-from app.data.mirror import Mirror
-from app.data.fleet.content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
-from app.data.fleet.index import EngineCache, FleetIndex
+from app.fleet import load as fleet_load
+from app.link.client import EngineClient
+from app.history.event_history import EventHistory
+from app.history.mirror import Mirror
+from app.fleet.content import HASH_PREFIX, ROOT, Content, ContentTracker, content_id
+from app.fleet.index import EngineCache, FleetIndex
 from integrations.kv_events.decode import MEDIUM_GPU
 
 Kind = Literal["kvscope", "vllm-plugin", "kv-events"]

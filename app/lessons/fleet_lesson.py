@@ -1,14 +1,14 @@
-"""The routing lesson: a script over two engines of a fleet (`app/data/lessons/fleet/*.toml`),
+"""The routing lesson: a script over two engines of a fleet (`app/lessons/fleet/*.toml`),
 run stop by stop, each caption filled with the fleet's numbers when its stop is reached.
 
 A stop does one thing and is reached when it is done:
 - `clear`: empty both engines' prefix caches (a KVScope engine is reset to the lesson's pool, a
   vLLM gets `clear_prefix_cache`), reached when both report nothing cached and nothing running;
-- `send`: the chat workload (app/data/fleet/load.py) with a routing policy, each engine's share
+- `send`: the chat workload (app/fleet/load.py) with a routing policy, each engine's share
   sent one request at a time (the next once the one before finished, so what a request finds
   cached does not depend on timing), reached when every request has finished;
 - `probe`: a conversation of the last workload scored on each engine as a prefix-aware router
-  would (app/data/fleet/index.py), then sent to the engine picked, reached when it finished.
+  would (app/fleet/index.py), then sent to the engine picked, reached when it finished.
 
 The engines are the first two live ones of the fleet that take prompts and can be cleared; with
 fewer, the lesson starts two KVScope engines of its own (`launch`), as the Lessons mode starts its
@@ -26,14 +26,14 @@ from typing import Literal
 import msgspec
 
 from kvscope_contract import protocol as p
-from app.data.fleet import load as fleet_load
-from app.data.lessons.lesson import read_lesson
-from app.data.lessons.walk import StopWalk
-from app.data.fleet.engines import Endpoint, Fleet, FleetEngine
-from app.data.fleet.content import chain_ids
-from app.data.fleet.index import EngineCache, FleetIndex, pick
-from app.data.launcher import ServerProcess
-from app.data.words import plural
+from app.fleet import load as fleet_load
+from app.lessons.lesson import read_lesson
+from app.lessons.walk import StopWalk
+from app.fleet.engines import Endpoint, Fleet, FleetEngine
+from app.fleet.content import chain_ids
+from app.fleet.index import EngineCache, FleetIndex, pick
+from app.link.launcher import ServerProcess
+from app.derived.words import plural
 
 FLEET_LESSONS_DIR = Path(__file__).resolve().parent / "fleet"
 STOP_TIMEOUT_S = 600.0   # a stop that is not done by then says so (a slow CPU, a stuck engine)

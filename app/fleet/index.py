@@ -1,4 +1,4 @@
-"""The prefix cache across a fleet, by content (app/data/fleet/content.py): which engines hold each
+"""The prefix cache across a fleet, by content (app/fleet/content.py): which engines hold each
 cached block, the blocks and bytes the fleet holds more than once, the merged prefix forest, and
 how a prefix-aware router would score a prompt on each engine.
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvscope_contract.prefix_forest import PrefixForest
-from app.data.fleet.content import HASH_PREFIX, ROOT, Content, chain_ids
+from app.fleet.content import HASH_PREFIX, ROOT, Content, chain_ids
 
 
 @dataclass(frozen=True)

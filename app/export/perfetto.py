@@ -36,7 +36,7 @@ from kvscope_contract.misses import REASONS, Admission, MissExplainer
 from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState
-from app.data.source import ASSETS, is_bundled, recording_path
+from app.link.source import ASSETS, is_bundled, recording_path
 
 SEQUENCE_ID = 1  # every packet comes from one writer
 COUNTERS = ("free blocks", "cached blocks", "used blocks", "shared blocks", "host blocks in use",

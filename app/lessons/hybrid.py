@@ -13,8 +13,8 @@ from kvscope_contract import protocol as p
 from kvscope_contract.kinds import touched_blocks
 from kvscope_contract.kv_groups import describe
 from kvscope_contract.state import NULL, hash_value
-from app.data.key_events import block_ranges
-from app.data.words import plural
+from app.derived.key_events import block_ranges
+from app.derived.words import plural
 
 PLACEHOLDERS = {
     "groups": "the pool's KV-cache groups in words", "ngroups": "how many KV-cache groups",

@@ -20,9 +20,9 @@ from websockets.sync.client import ClientConnection
 
 from kvscope_contract import protocol as p
 from kvscope_contract.state import InvariantError
-from app.data.event_history import EventHistory
-from app.data.mirror import Mirror
-from app.data.wire import open_ws
+from app.history.event_history import EventHistory
+from app.history.mirror import Mirror
+from app.link.wire import open_ws
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
 MAX_BACKOFF_S = 5.0
@@ -87,7 +87,7 @@ class Redraw:
         return self.view.event
 
     def lane_may_draw(self, *, mode: str, pending: bool, died: bool, restarted: bool) -> bool:
-        """The one rule for whether the live views may redraw by their lane (app/ui/lane.py: frames
+        """The one rule for whether the live views may redraw by their lane (app/panels/lane.py: frames
         composed without a Streamlit rerun, so without the session) after this redraw: only the
         live engine (no time travel), connected and running, in Explore (not a lesson), with no
         command's answer to show, of the process the source runs now. Anything else needs the

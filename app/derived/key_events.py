@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS, kind_of, touched_blocks, words
 from kvscope_contract.state import PoolState
-from app.data.words import plural
+from app.derived.words import plural
 
 KEY_KINDS = ("prefix_hit", "fork", "cow", "evict", "swap_out", "swap_in", "preempt")
 
