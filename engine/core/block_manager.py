@@ -412,7 +412,7 @@ class BlockManager:
                 self.host.unpair_device(src)  # written in place: a host copy of it would be stale
                 continue
             dst = self.pool.take()
-            self.pool.ref_counts[src] -= 1  # still held by another: no queue to move it to
+            self.pool.unshare(src)  # still held by another
             table[i] = dst
             self.log.emit(p.Cow(seq_id=seq.seq_id, logical_index=i, src_block_id=src, dst_block_id=dst,
                                 kv_group=g))
@@ -432,7 +432,7 @@ class BlockManager:
         for table in child.block_tables:
             for b in table:
                 if b != NULL:
-                    self.pool.ref_counts[b] += 1  # held by the parent: in no queue
+                    self.pool.share(b)  # held by the parent
         full = parent.num_computed_tokens // self.block_size  # blocks both sequences agree on
         child.block_hashes = parent.block_hashes[:full]
         child.num_registered_blocks = min(parent.num_registered_blocks, full)
@@ -481,9 +481,9 @@ class BlockManager:
         to_host[NULL] = NULL
         holders = Counter(b for seq in group for t in seq.block_tables for b in t)
         for b in reversed(distinct):  # tail first, so a chain's end is evicted first
-            self.pool.ref_counts[b] -= holders[b] - 1
+            self.pool.unshare(b, holders[b] - 1)
             self._release(b)
-            self.host.ref_counts[to_host[b]] += holders[b]
+            self.host.hold(to_host[b], holders[b])
         for seq in group:
             seq.host_tables = [[to_host[b] for b in t] for t in seq.block_tables]
             seq.block_tables = self.new_tables()
@@ -508,19 +508,17 @@ class BlockManager:
         distinct = _distinct(group, "host_tables")
         found = {h: d for h, d in self._on_device(distinct).items() if d is not None}
         for d in found.values():
-            if not self.pool.ref_counts[d]:
-                self.pool.hold(d)  # out of the LRU; counted again below with its holders
-                self.pool.ref_counts[d] = 0
+            self.pool.hold(d)  # before any take: a cached block leaves the LRU, never evicted here
         copied = {h: self.pool.take() for h in distinct if h not in found}
-        for d in copied.values():
-            self.pool.ref_counts[d] = 0  # counted again below, one per table naming it
         to_device = {**copied, **found, NULL: NULL}
+        holders = Counter(h for seq in group for t in seq.host_tables for h in t)
+        for h in distinct:  # one holder each so far: the rest of the tables naming it
+            self.pool.share(to_device[h], holders[h] - 1)
         for seq in group:
             seq.block_tables = [[to_device[h] for h in t] for t in seq.host_tables]
             for t in seq.host_tables:
                 for h in t:
                     if h != NULL:
-                        self.pool.ref_counts[to_device[h]] += 1
                         self.host.release(h)
             seq.host_tables = self.new_tables()
         for h, d in copied.items():
