@@ -12,7 +12,6 @@ the event log.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -24,6 +23,7 @@ from engine.core.events import EventLog
 from engine.core.host_pool import HostPool
 from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
+from engine.core.swap import Swapper
 from kvscope_contract.state import MASK64, PoolState, SeqState, hash_hex
 
 __all__ = ["BlockManager", "NoFreeBlocks", "PoolCapture", "WATERMARK"]
@@ -78,6 +78,7 @@ class BlockManager:
         self.cache = PrefixCache(n, len(self.groups), self.log)
         self.pool = BlockPool(n, self.cache)
         self.host = HostPool(config.num_host_blocks)
+        self.swap = Swapper(self.pool, self.cache, self.host, self.log, self._release, self.new_tables)
         self.watermark_blocks = int(self.watermark * n)
 
     def reset(self, config: p.PoolConfig) -> None:
@@ -181,16 +182,14 @@ class BlockManager:
         return self.num_allocatable_blocks >= self.blocks_to_append(seq, num_tokens)
 
     def can_swap_out(self, group: list[Sequence]) -> bool:
-        """Whether the host pool can take `group`'s blocks: a block they share counted once, one
-        with a host copy already not at all.
+        """Whether the host pool can take `group`'s blocks (`Swapper.can_swap_out`).
 
         Args:
             group: running sequences swapped together (a fork group, or one sequence).
         Returns:
             True when `swap_out(group)` would not raise.
         """
-        need = sum(b not in self.host.host_copy for b in _distinct(group, "block_tables"))
-        return len(self.host.free) >= need
+        return self.swap.can_swap_out(group)
 
     def can_swap_in(self, group: list[Sequence]) -> bool:
         """Whether bringing `group` back (a block they share once, one still held on the device
@@ -201,22 +200,7 @@ class BlockManager:
         Returns:
             True when they can be swapped in now.
         """
-        on_device = self._on_device(_distinct(group, "host_tables"))
-        need = sum(not (d is not None and self.pool.ref_counts[d]) for d in on_device.values())
-        return self.num_allocatable_blocks - need >= self.watermark_blocks
-
-    def _on_device(self, hosts: list[int]) -> dict[int, int | None]:
-        """Per host block, a device block that holds the same K/V, or None: its pair (a sibling
-        still holds it), else the prefix cache's block of the same content (a host block copied
-        from a cached block). Each device block answers for one host block at most."""
-        out, taken = {}, set()
-        for h in hosts:
-            d = self.host.device_copy.get(h)
-            if d is None and (content := self.host.content.get(h)) is not None:
-                d = self.cache.find(*content)
-            out[h] = d if d is not None and d not in taken else None
-            taken.add(out[h])
-        return out
+        return self.num_allocatable_blocks - self.swap.blocks_to_swap_in(group) >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -455,79 +439,24 @@ class BlockManager:
                     continue
                 self._release(b)
                 self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.pool.ref_counts[b], kv_group=g))
-        for table in seq.host_tables:
-            for h in table:
-                if h != NULL:
-                    self.host.release(h)
-        seq.host_tables = self.new_tables()
+        self.swap.drop_host_tables(seq)
         seq.num_registered_blocks = 0
 
     def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
-        """Move `group` (sequences swapped together: a fork group) to the host pool, each
-        device block once: a block they share gets one host block, shared as it was, and a block
-        whose host copy an earlier swap left (a sibling swapped before) joins that copy.
+        """Move `group` (a fork group, or one sequence) to the host pool: `Swapper.swap_out`.
 
         Returns:
             The (device, host) pairs to copy.
         """
-        if not self.can_swap_out(group):
-            raise NoFreeBlocks(f"the host pool cannot hold the blocks of {', '.join(s.seq_id for s in group)}")
-        distinct = _distinct(group, "block_tables")
-        copied = {b: self.host.take() for b in distinct if b not in self.host.host_copy}
-        for b, h in copied.items():
-            if (hashed := self.cache.hashes[b]) is not None:
-                self.host.content[h] = (self.cache.group_of[b], hashed, self.cache.tokens[b])
-        to_host = {b: copied.get(b, self.host.host_copy.get(b)) for b in distinct}
-        to_host[NULL] = NULL
-        holders = Counter(b for seq in group for t in seq.block_tables for b in t)
-        for b in reversed(distinct):  # tail first, so a chain's end is evicted first
-            self.pool.unshare(b, holders[b] - 1)
-            self._release(b)
-            self.host.hold(to_host[b], holders[b])
-        for seq in group:
-            seq.host_tables = [[to_host[b] for b in t] for t in seq.block_tables]
-            seq.block_tables = self.new_tables()
-            seq.num_registered_blocks = 0
-        for b, h in copied.items():
-            if self.pool.ref_counts[b]:  # still held on the device: the next sibling to leave joins h
-                self.host.pair(b, h)
-        mapping = list(copied.items())
-        self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                                shared=[(b, to_host[b]) for b in distinct if b not in copied]))
-        return mapping
+        return self.swap.swap_out(group)
 
     def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
-        """Bring `group` back to fresh device blocks, a host block they share to one device
-        block they share, a host block whose device copy is still held to that block, and a host
-        block whose content the prefix cache still holds to the cached block (nothing copied:
-        the cached block leaves the LRU if no one held it).
+        """Bring `group` back to the device pool: `Swapper.swap_in`.
 
         Returns:
             The (host, device) pairs to copy.
         """
-        distinct = _distinct(group, "host_tables")
-        found = {h: d for h, d in self._on_device(distinct).items() if d is not None}
-        for d in found.values():
-            self.pool.hold(d)  # before any take: a cached block leaves the LRU, never evicted here
-        copied = {h: self.pool.take() for h in distinct if h not in found}
-        to_device = {**copied, **found, NULL: NULL}
-        holders = Counter(h for seq in group for t in seq.host_tables for h in t)
-        for h in distinct:  # one holder each so far: the rest of the tables naming it
-            self.pool.share(to_device[h], holders[h] - 1)
-        for seq in group:
-            seq.block_tables = [[to_device[h] for h in t] for t in seq.host_tables]
-            for t in seq.host_tables:
-                for h in t:
-                    if h != NULL:
-                        self.host.release(h)
-            seq.host_tables = self.new_tables()
-        for h, d in copied.items():
-            if self.host.ref_counts[h]:  # still held on the host: a sibling coming back later joins d
-                self.host.pair(d, h)
-        mapping = list(copied.items())
-        self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                               shared=[(h, found[h]) for h in distinct if h in found]))
-        return mapping
+        return self.swap.swap_in(group)
 
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
@@ -552,19 +481,6 @@ class BlockManager:
 
 def _fields(config: p.PoolConfig) -> dict:
     return {f: getattr(config, f) for f in config.__struct_fields__}
-
-
-def _ids(group: list[Sequence]) -> list[str]:
-    """The wire's `seq_ids`: left empty for a sequence swapped alone."""
-    return [s.seq_id for s in group] if len(group) > 1 else []
-
-
-def _distinct(group: list[Sequence], tables: str) -> list[int]:
-    """The blocks of the group's tables (`block_tables` or `host_tables`), each once, NULL
-    entries left out: KV-cache group by group, then in the order the sequences' tables name them."""
-    num_groups = len(getattr(group[0], tables))
-    return list(dict.fromkeys(b for g in range(num_groups) for seq in group
-                              for b in getattr(seq, tables)[g] if b != NULL))
 
 
 @dataclass
