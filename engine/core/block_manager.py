@@ -2,17 +2,18 @@
 
 A model's layers form KV-cache groups (kvscope_contract/kv_groups.py): one for a full-attention
 model, several for a hybrid one (Gemma 3: five sliding-window groups and one full-attention
-group), as vLLM v1's KVCacheManager and its coordinator keep them. Every group has its own
-block table per sequence, drawn from the one BlockPool. A full-attention group takes blocks for
-the whole prompt at admission; a sliding-window group only for the tokens each step computes
-(a long prompt's prefill chunk by chunk, as vLLM allocates), and frees the blocks its window has
-passed (`window_free`; the table keeps NULL_BLOCK there). A prefix hit is the longest prefix
-that every group can serve. Every change of state emits its protocol events, in order, through
-the event log.
+group). Every group has its own block table per sequence, drawn from the one BlockPool. The
+BlockManager is the coordinator, as vLLM v1's KVCacheCoordinator: what differs between kinds of
+group is asked of each group's manager (engine/core/group_managers.py: how much a table covers at
+admission, which blocks a window has passed, how long a prefix hit each kind serves), the ref
+counts and the LRU are the BlockPool's (engine/core/block_pool.py), swapping is the Swapper's
+(engine/core/swap.py). A prefix hit is the longest prefix that every group can serve. Every
+change of state emits its protocol events, in order, through the event log.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterable
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from kvscope_contract import protocol as p
 from engine.core.block_pool import BlockPool, NoFreeBlocks
 from engine.core.events import EventLog
+from engine.core.group_managers import GroupManager, group_managers
 from engine.core.host_pool import HostPool
 from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
@@ -56,12 +58,9 @@ class BlockManager:
         """Raise CommandError, naming the numbers, for a pool whose groups cannot work: a window
         smaller than a block (its blocks would leave the window before they are full), or fewer
         blocks than one per group."""
-        bs, groups = config.block_size, config.groups
-        for i, g in enumerate(groups):
-            if g.kind == "sliding_window" and (g.sliding_window or 0) < bs:
-                raise p.CommandError("invalid_argument", (
-                    f"KV-cache group {i} attends to a sliding window of {g.sliding_window} tokens, smaller "
-                    f"than a block of {bs}: use a block size of at most {g.sliding_window}"))
+        groups = config.groups
+        for i, manager in enumerate(group_managers(config)):
+            manager.check(i)
         watermark = int(self.watermark * config.num_device_blocks)
         usable = config.num_device_blocks - len(config.reserved_blocks) - watermark
         if usable < len(groups):
@@ -74,7 +73,12 @@ class BlockManager:
         self.check(config)
         n = config.num_device_blocks
         self.config, self.block_size, self.groups = config, config.block_size, config.groups
-        self.windows = [g.window for g in self.groups]
+        self.managers = group_managers(config)
+        specs: dict[tuple, list[int]] = {}  # the groups of each spec, looked up together for a hit
+        for g, manager in enumerate(self.managers):
+            specs.setdefault(manager.spec, []).append(g)
+        self.kinds: list[tuple[GroupManager, list[int]]] = sorted(
+            ((self.managers[gs[0]], gs) for gs in specs.values()), key=lambda kind: not kind[0].LOOKUP_FIRST)
         self.cache = PrefixCache(n, len(self.groups), self.log)
         self.pool = BlockPool(n, self.cache)
         self.host = HostPool(config.num_host_blocks)
@@ -116,11 +120,8 @@ class BlockManager:
 
     def peak_blocks(self, total_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a sequence growing to `total_tokens`, prefilled `chunk_tokens` at a
-        time, holds at once, alone in the pool: a full-attention group every block; a
-        sliding-window group its window's blocks and a chunk's (and a block each side)."""
-        full = self.num_blocks_for(total_tokens)
-        return sum(full if w is None else min(full, self.num_blocks_for(w + chunk_tokens) + 1)
-                   for w in self.windows)
+        time, holds at once, alone in the pool: each group's `peak_blocks`."""
+        return sum(m.peak_blocks(total_tokens, chunk_tokens) for m in self.managers)
 
     def can_ever_fit(self, total_tokens: int, chunk_tokens: int) -> bool:
         """Whether such a sequence fits an otherwise empty pool above the watermark (False: it can
@@ -130,13 +131,6 @@ class BlockManager:
     @property
     def max_blocks_per_seq(self) -> int:
         return self.config.num_device_blocks - len(self.config.reserved_blocks) - self.watermark_blocks
-
-    def _upto(self, seq: Sequence, g: int, hit_tokens: int, budget: int | None) -> int:
-        """Tokens group g's table covers after admission: every token for full attention; for a
-        sliding window, those of the first step (`budget` tokens past the hit; None: all)."""
-        if self.windows[g] is None or budget is None:
-            return len(seq)
-        return min(len(seq), hit_tokens + budget)
 
     def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
         """Whether `allocate(seq, budget)` would leave at least `watermark_blocks` allocatable:
@@ -152,8 +146,8 @@ class BlockManager:
         held = [b for blocks in hits for b in blocks if b != NULL]
         revived = sum(1 for b in held if not self.pool.ref_counts[b])
         hit = len(hits[0]) * self.block_size
-        need = sum(max(0, self.num_blocks_for(self._upto(seq, g, hit, budget)) - len(blocks))
-                   for g, blocks in enumerate(hits)) + revived
+        need = sum(max(0, m.blocks_for(m.admitted_tokens(len(seq), hit, budget)) - len(blocks))
+                   for m, blocks in zip(self.managers, hits)) + revived
         return self.num_allocatable_blocks - need >= self.watermark_blocks
 
     def blocks_to_append(self, seq: Sequence, num_tokens: int = 1) -> int:
@@ -218,63 +212,22 @@ class BlockManager:
         return None if None in found else found
 
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
-        """Per group, the cached blocks `seq` would start with (NULL_BLOCK before a sliding
-        window's run): the longest prefix of full blocks, never its last token, that every group
-        can serve. Full-attention groups need every block from the start; a sliding-window group
-        only the blocks its window reads before the hit's end: ceil((W - 1) / block_size) of
-        them in a row (or fewer from block 0). Each kind shortens the candidate until none does,
-        as vLLM v1's coordinator finds a hybrid hit."""
+        """Per group, the cached blocks `seq` would start with (NULL_BLOCK where a kind need not
+        read a block): the longest prefix of full blocks, never its last token, that every group
+        can serve. Each kind of group shortens the candidate in turn (`GroupManager.find_hit`)
+        until a whole round leaves it as it is, as vLLM v1's coordinator finds a hybrid hit."""
         tables: list[list[int]] = self.new_tables()
         if not self.config.enable_prefix_caching:
             return tables
-        kinds: dict[int | None, list[int]] = {}
-        for g, w in enumerate(self.windows):
-            kinds.setdefault(w, []).append(g)
-        length = (len(seq) - 1) // self.block_size  # in blocks
-        full = kinds.pop(None, [])
-        if full:
-            n = 0
-            while n < length and (found := self._cached(seq, n, full)) is not None:
-                for g, b in zip(full, found):
-                    tables[g].append(b)
-                n += 1
-            length = n
+        lookup, length = partial(self._cached, seq), (len(seq) - 1) // self.block_size  # in blocks
+        k = last = 0  # the kind to ask next, and the last one that shortened the candidate
         while True:
-            shortest = length
-            for window, groups in kinds.items():
-                shortest = min(shortest, self._window_hit(seq, shortest, window, groups, tables))
-            if shortest == length:
-                break
-            length = shortest
-        for g in full:
-            del tables[g][length:]
-        return tables
-
-    def _window_hit(self, seq: Sequence, length: int, window: int, groups: list[int],
-                    tables: list[list[int]]) -> int:
-        """Where a sliding-window hit of at most `length` blocks ends for `groups`; fills their
-        tables (NULL_BLOCK before the run) up to there."""
-        need = -(-(window - 1) // self.block_size)
-        if not need:  # a window of one token reads no earlier K/V: every block may be skipped
-            for g in groups:
-                tables[g][:] = [NULL] * length
-            return length
-        run, found_at = 0, {}
-        for i in range(length - 1, -1, -1):  # right to left: the first run long enough wins
-            found = self._cached(seq, i, groups)
-            if found is None:
-                run, found_at = 0, {}
-                continue
-            run += 1
-            found_at[i] = found
-            if run >= need:
-                break
-        end = (min(found_at) + run) if run >= need else run  # else: a shorter run from block 0
-        if run < need:
-            found_at = {i: f for i, f in found_at.items() if i < end}
-        for k, g in enumerate(groups):
-            tables[g][:] = [found_at[i][k] if i in found_at else NULL for i in range(end)]
-        return end
+            manager, groups = self.kinds[k]
+            if (found := manager.find_hit(lookup, length, groups, tables)) < length:
+                length, last = found, k
+            k = (k + 1) % len(self.kinds)
+            if k == last:
+                return tables
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Offer the full blocks among the first `num_tokens` of `seq` to the prefix cache, in
@@ -344,7 +297,8 @@ class BlockManager:
                                               hash=hash_hex(self.cache.hashes[b])))
         hit = len(hits[0])
         for g, table in enumerate(seq.block_tables):
-            for i in range(hit, self.num_blocks_for(self._upto(seq, g, hit * self.block_size, budget))):
+            m = self.managers[g]
+            for i in range(hit, m.blocks_for(m.admitted_tokens(len(seq), hit * self.block_size, budget))):
                 table.append(self._alloc(seq, g, i))
         seq.num_registered_blocks = hit
         return hit * self.block_size
@@ -358,11 +312,9 @@ class BlockManager:
         Args:
             seq: a running (or just admitted) sequence, before its next step is scheduled.
         """
-        for g, w in enumerate(self.windows):
-            if w is None:
-                continue
+        for g, manager in enumerate(self.managers):
             table = seq.block_tables[g]
-            for i in range(min((seq.num_computed_tokens - w + 1) // self.block_size, len(table)) - 1, -1, -1):
+            for i in range(min(manager.skipped_blocks(seq.num_computed_tokens), len(table)) - 1, -1, -1):
                 b = table[i]
                 if b == NULL:
                     break
