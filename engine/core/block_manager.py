@@ -26,7 +26,8 @@ from engine.core.host_pool import HostPool
 from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
 from engine.core.swap import Swapper
-from kvscope_contract.state import MASK64, PoolState, SeqState, hash_hex
+from kvscope_contract.snapshot_codec import MASK64, hash_hex
+from kvscope_contract.state import PoolState, SeqState
 
 __all__ = ["BlockManager", "NoFreeBlocks", "PoolCapture", "WATERMARK"]
 
