@@ -12,24 +12,22 @@ change of state emits its protocol events, in order, through the event log.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Iterable
 
-import numpy as np
-
 from kvscope_contract import protocol as p
 from engine.core.block_pool import BlockPool, NoFreeBlocks
+from engine.core.capture import PoolCapture
 from engine.core.events import EventLog
 from engine.core.group_managers import GroupManager, group_managers
 from engine.core.host_pool import HostPool
 from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
 from engine.core.swap import Swapper
-from kvscope_contract.snapshot_codec import MASK64, hash_hex
-from kvscope_contract.state import PoolState, SeqState
+from kvscope_contract.snapshot_codec import hash_hex
+from kvscope_contract.state import PoolState
 
-__all__ = ["BlockManager", "NoFreeBlocks", "PoolCapture", "WATERMARK"]
+__all__ = ["BlockManager", "NoFreeBlocks", "WATERMARK"]
 
 NULL = p.NULL_BLOCK
 WATERMARK = 0.01  # share of device blocks admission leaves free, so running sequences can grow
@@ -305,10 +303,10 @@ class BlockManager:
         return hit * self.block_size
 
     def free_window(self, seq: Sequence) -> None:
-        """Free each sliding-window group's blocks that the next token of `seq` no longer reads:
-        the tokens before `num_computed_tokens - W + 1`, in whole blocks (cached ones stay
-        hit-able). Their entries become NULL_BLOCK; freed from the window's edge back, as vLLM
-        does, stopping at the first entry freed before.
+        """Free each group's blocks that the next token of `seq` no longer reads (`skipped_blocks`:
+        a sliding window's, the tokens before `num_computed_tokens - W + 1` in whole blocks; none
+        of full attention's), cached ones staying hit-able. Their entries become NULL_BLOCK;
+        freed from the window's edge back, as vLLM does, stopping at the first entry freed before.
 
         Args:
             seq: a running (or just admitted) sequence, before its next step is scheduled.
@@ -421,11 +419,7 @@ class BlockManager:
         Returns:
             A PoolCapture whose `state()` is the reducer's PoolState at the log's last event.
         """
-        return PoolCapture(self.config, self.log.seq, self.pool.ref_counts[:], self.cache.hashes[:],
-                           self.cache.group_of[:] if len(self.groups) > 1 else None, [
-            SeqState(s.seq_id, s.request_id, s.status.value, [list(t) for t in s.block_tables],
-                     [list(t) for t in s.host_tables], s.num_computed_tokens, s.num_prompt_tokens,
-                     s.num_output_tokens, s.params.max_tokens, s.text) for s in seqs])
+        return PoolCapture.of(self.config, self.log.seq, self.pool.ref_counts, self.cache, seqs)
 
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
@@ -434,21 +428,3 @@ class BlockManager:
 
 def _fields(config: p.PoolConfig) -> dict:
     return {f: getattr(config, f) for f in config.__struct_fields__}
-
-
-@dataclass
-class PoolCapture:
-    config: p.PoolConfig
-    last_event: int
-    ref_counts: list[int]
-    hashes: list[int | None]
-    cached_groups: list[int] | None  # the group each hashed block is cached for (None: one group)
-    seqs: list[SeqState]
-
-    def state(self) -> PoolState:
-        """The reducer's state: each hash's `hash_hex` digits as the number they spell."""
-        has = np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
-        values = np.zeros(len(self.hashes), np.uint64)
-        values[has] = np.fromiter((h & MASK64 for h in self.hashes if h is not None), np.uint64)
-        groups = None if self.cached_groups is None else np.where(has, self.cached_groups, 0)
-        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs, groups)
