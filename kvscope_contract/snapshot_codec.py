@@ -1,19 +1,17 @@
 """The pool's state on the wire and back: block hashes as the protocol writes them (16 hex
 digits, in events and snapshots alike), and the snapshot in its two forms, one object per block
 or packed columns (feature `columnar`). `PoolState.from_snapshot`, `snapshot()` and
-`columnar_snapshot()` (kvscope_contract/state.py) are these functions; no torch, no I/O.
+`columnar_snapshot()` (kvscope_contract/state.py) are these functions, whose `st` is a PoolState
+(not imported: the reducer imports this module); no torch, no I/O.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from kvscope_contract import protocol as p
-
-if TYPE_CHECKING:
-    from kvscope_contract.state import PoolState
 
 MASK64 = (1 << 64) - 1  # a block hash goes on the wire as its low 64 bits, 16 hex digits
 NULL = p.NULL_BLOCK
@@ -89,7 +87,7 @@ def decode(snap: p.Snapshot) -> Decoded:
                    [_tables(s.host_tables, s.host_table) for s in snap.seqs])
 
 
-def encode(st: PoolState) -> p.Snapshot:
+def encode(st) -> p.Snapshot:
     """The wire's snapshot, one object per block."""
     return p.Snapshot(
         seq=st.last_event, config=st.config,
@@ -100,13 +98,13 @@ def encode(st: PoolState) -> p.Snapshot:
         seqs=_seq_infos(st, with_tables=True))
 
 
-def encode_columns(st: PoolState) -> p.Snapshot:
+def encode_columns(st) -> p.Snapshot:
     """The same snapshot with its pools and tables as packed arrays (feature `columnar`)."""
     return p.Snapshot(seq=st.last_event, config=st.config, device_blocks=[], host_blocks=[],
                       seqs=_seq_infos(st, with_tables=False), columns=_pack_columns(st))
 
 
-def _hash_list(st: PoolState) -> list[str | None]:
+def _hash_list(st) -> list[str | None]:
     out: list[str | None] = [None] * len(st.has_hash)
     ids = np.flatnonzero(st.has_hash)
     for b, h in zip(ids.tolist(), st.hash_strings(ids)):
@@ -114,7 +112,7 @@ def _hash_list(st: PoolState) -> list[str | None]:
     return out
 
 
-def _seq_infos(st: PoolState, with_tables: bool) -> list[p.SeqInfo]:
+def _seq_infos(st, with_tables: bool) -> list[p.SeqInfo]:
     every = with_tables and len(st.config.groups) > 1
     return [p.SeqInfo(seq_id=s.seq_id, request_id=s.request_id, status=s.status,
                       block_table=list(s.block_table) if with_tables else [],
@@ -143,7 +141,7 @@ def _unpack(flat: bytes, lens: bytes, num_groups: int) -> list[list[list[int]]]:
     return [tables[i:i + num_groups] for i in range(0, len(tables), num_groups)]
 
 
-def _pack_columns(st: PoolState) -> p.SnapshotColumns:
+def _pack_columns(st) -> p.SnapshotColumns:
     seqs = list(st.seqs.values())
     host_seq = np.zeros(len(st.host_ref_counts), I32)
     for i, s in reversed(list(enumerate(seqs, 1))):  # the first holder wins, as in `host_blocks`
