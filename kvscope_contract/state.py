@@ -17,25 +17,20 @@ shares them until either side changes one.
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from kvscope_contract import protocol as p
+from kvscope_contract.snapshot_codec import decode, encode, encode_columns, hash_value
 
 # A device block's state, as the views colour it (see docs/protocol.md, snapshot). RESERVED:
 # a block the allocator never hands out (`PoolConfig.reserved_blocks`), counted in no state.
 FREE, CACHED, USED, SHARED, RESERVED = 0, 1, 2, 3, 4
 STATE_NAMES = ("free", "cached", "used", "shared", "reserved")  # by code
 TOKENS = np.uint16  # tokens per block (block_size <= 256)
-MASK64 = (1 << 64) - 1  # a block hash goes on the wire as its low 64 bits, 16 hex digits
 NULL = p.NULL_BLOCK
-
-
-def hash_hex(h: int) -> str:
-    return f"{h & MASK64:016x}"
 
 
 class InvariantError(ValueError):
@@ -104,50 +99,6 @@ def held_tokens(num_tokens: int, index: int, block_size: int) -> int:
     return min(block_size, max(0, num_tokens - index * block_size))
 
 
-def hash_value(h: str) -> tuple[int, bool]:
-    """A block hash as a 64-bit number, and whether it is the protocol's 16 lowercase hex
-    digits (then the number gives it back exactly; any other string gets a digest)."""
-    if len(h) == 16:
-        try:
-            v = int(h, 16)
-        except ValueError:
-            v = -1
-        if v >= 0 and f"{v:016x}" == h:
-            return v, True
-    return int.from_bytes(hashlib.blake2b(h.encode(), digest_size=8).digest(), "big"), False
-
-
-_HEX = np.full(256, 255, np.uint8)
-_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
-
-
-def hash_columns(hashes) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-    """Per block hash (str or None) -> (has a hash, `hash_value`, {block: the unusual ones}),
-    vectorised for the protocol's 16 hex digits."""
-    hashes = list(hashes)
-    has = np.fromiter((h is not None for h in hashes), bool, len(hashes))
-    ids = np.flatnonzero(has)
-    given = [hashes[i] for i in ids.tolist()]
-    values, odd = np.zeros(len(hashes), np.uint64), {}
-    try:
-        raw = np.array(given, dtype="S16").reshape(len(given))
-    except UnicodeEncodeError:
-        raw = None
-    if raw is not None and len(given):
-        nibbles = _HEX[raw.view(np.uint8).reshape(len(given), 16)]
-        values[ids] = ((nibbles[:, 0::2] << 4) | nibbles[:, 1::2]).copy().view(">u8").ravel()
-        lens = np.fromiter(map(len, given), np.int64, len(given))
-        unusual = np.flatnonzero((lens != 16) | (nibbles == 255).any(axis=1)).tolist()
-    else:
-        unusual = range(len(given))
-    for j in unusual:
-        b, h = int(ids[j]), given[j]
-        values[b], canonical = hash_value(h)
-        if not canonical:
-            odd[b] = h
-    return has, values, odd
-
-
 def table_entries(tables: list[list[int]], num_tokens: list[int], block_size: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every entry of many block tables at once, NULL entries left out: (block id, holder index
@@ -200,6 +151,15 @@ class PoolState:
                    kv_group=np.zeros(n, np.uint8))
 
     @classmethod
+    def from_snapshot(cls, snap: p.Snapshot) -> PoolState:
+        """The state a snapshot (either form, kvscope_contract/snapshot_codec.py) describes."""
+        d = decode(snap)
+        seqs = [SeqState(s.seq_id, s.request_id, s.status, tables, host_tables, s.num_tokens, s.prompt_tokens,
+                         s.output_tokens, s.max_tokens, s.text)
+                for s, tables, host_tables in zip(snap.seqs, d.block_tables, d.host_tables)]
+        return cls.build(snap.config, snap.seq, d.ref_counts, d.hashes, seqs, d.kv_groups)
+
+    @classmethod
     def build(cls, config: p.PoolConfig, last_event: int, ref_counts, hashes, seqs: list[SeqState],
               kv_groups=None) -> PoolState:
         """A state from the wire's columns (ref counts; hashes: `hash_columns` of them; the
@@ -233,19 +193,6 @@ class PoolState:
         np.maximum.at(st.host_tokens, hflat, hheld.astype(TOKENS))
         np.bitwise_xor.at(st.host_holder, hflat, keys[hwho])
         return st
-
-    @classmethod
-    def from_snapshot(cls, snap: p.Snapshot) -> PoolState:
-        if snap.columns is not None:
-            return _from_columns(snap)
-        n = snap.config.num_device_blocks
-        ref, hashes, groups = np.zeros(n, np.int32), [None] * n, np.zeros(n, np.uint8)
-        for b in snap.device_blocks:
-            ref[b.id], hashes[b.id], groups[b.id] = b.ref_count, b.hash, b.kv_group
-        seqs = [SeqState(s.seq_id, s.request_id, s.status, _tables(s.block_tables, s.block_table),
-                         _tables(s.host_tables, s.host_table), s.num_tokens, s.prompt_tokens,
-                         s.output_tokens, s.max_tokens, s.text) for s in snap.seqs]
-        return cls.build(snap.config, snap.seq, ref, hash_columns(hashes), seqs, groups)
 
     def clone(self) -> PoolState:
         """A deep copy in O(blocks) memcpy: sequences are shared until one side changes one."""
@@ -338,13 +285,11 @@ class PoolState:
 
     def snapshot(self) -> p.Snapshot:
         """The wire's snapshot, one object per block."""
-        return p.Snapshot(
-            seq=self.last_event, config=self.config,
-            device_blocks=[p.DeviceBlock(i, r, h, n, g) for i, (r, h, n, g) in enumerate(zip(
-                self.ref_counts.tolist(), self._hash_list(), self.tokens.tolist(), self.kv_group.tolist()))],
-            host_blocks=[p.HostBlock(i, o, n, r) for i, (o, n, r) in enumerate(zip(
-                self.host_first_holders(), self.host_tokens.tolist(), self.host_ref_counts.tolist()))],
-            seqs=self.seq_infos(with_tables=True))
+        return encode(self)
+
+    def columnar_snapshot(self) -> p.Snapshot:
+        """The same snapshot with its pools and tables as packed arrays (feature `columnar`)."""
+        return encode_columns(self)
 
     def host_first_holders(self) -> list[str | None]:
         """Per host block, the first sequence (in creation order) that holds it; None when free."""
@@ -355,30 +300,6 @@ class PoolState:
                     if h != NULL:
                         out[h] = out[h] or s.seq_id
         return out
-
-    def _hash_list(self) -> list[str | None]:
-        out: list[str | None] = [None] * len(self.has_hash)
-        ids = np.flatnonzero(self.has_hash)
-        for b, h in zip(ids.tolist(), self.hash_strings(ids)):
-            out[b] = h
-        return out
-
-    def seq_infos(self, with_tables: bool) -> list[p.SeqInfo]:
-        every = with_tables and len(self.config.groups) > 1
-        return [p.SeqInfo(seq_id=s.seq_id, request_id=s.request_id, status=s.status,
-                          block_table=list(s.block_table) if with_tables else [],
-                          host_table=list(s.host_table) if with_tables else [],
-                          num_tokens=s.num_tokens, prompt_tokens=s.prompt_tokens,
-                          output_tokens=s.output_tokens, max_tokens=s.max_tokens, text=s.text,
-                          block_tables=[list(t) for t in s.block_tables] if every else [],
-                          host_tables=[list(t) for t in s.host_tables] if every else [])
-                for s in self.seqs.values()]
-
-    def columnar_snapshot(self) -> p.Snapshot:
-        """The same snapshot with its pools and tables as packed arrays (feature `columnar`)."""
-        return p.Snapshot(seq=self.last_event, config=self.config, device_blocks=[], host_blocks=[],
-                          seqs=self.seq_infos(with_tables=False),
-                          columns=_pack_columns(self))
 
     # ------------------------------------------------------------------ the reducer
     def apply(self, ev: p.AnyEvent) -> None:
@@ -727,68 +648,6 @@ class PoolState:
         self.seqs, self.names, self._mine = {}, {}, set()
 
 
-I32, U16 = np.dtype("<i4"), np.dtype("<u2")
-
-
-def _tables(every: list[list[int]], first: list[int]) -> list[list[int]]:
-    """A wire sequence's tables: every group's when given, else its one table."""
-    return [list(t) for t in every] if every else [list(first)]
-
-
-def _pack(tables: list[list[int]]) -> tuple[bytes, bytes]:
-    lens = np.fromiter(map(len, tables), I32, len(tables))
-    return np.fromiter((b for t in tables for b in t), I32, int(lens.sum())).tobytes(), lens.tobytes()
-
-
-def _unpack(flat: bytes, lens: bytes, num_groups: int) -> list[list[list[int]]]:
-    """Per sequence, its tables of every group (the columns hold them sequence by sequence)."""
-    cuts = np.cumsum(np.frombuffer(lens, I32))[:-1]
-    tables = [t.tolist() for t in np.split(np.frombuffer(flat, I32), cuts)] if lens else []
-    return [tables[i:i + num_groups] for i in range(0, len(tables), num_groups)]
-
-
-def _pack_columns(st: PoolState) -> p.SnapshotColumns:
-    seqs = list(st.seqs.values())
-    host_seq = np.zeros(len(st.host_ref_counts), I32)
-    for i, s in reversed(list(enumerate(seqs, 1))):  # the first holder wins, as in `host_blocks`
-        for table in s.host_tables:
-            if held := [h for h in table if h != NULL]:
-                host_seq[held] = i
-    hashed = np.flatnonzero(st.has_hash)
-    tables, lengths = _pack([t for s in seqs for t in s.block_tables])
-    host_tables, host_lengths = _pack([t for s in seqs for t in s.host_tables])
-    return p.SnapshotColumns(
-        ref_count=st.ref_counts.astype(I32).tobytes(), num_tokens=st.tokens.astype(U16).tobytes(),
-        hash_block_ids=hashed.astype(I32).tobytes(), hashes=st.hash64[hashed].astype("<u8").tobytes(),
-        odd_hashes=sorted(st.odd_hashes.items()),
-        host_seq=host_seq.tobytes(), host_num_tokens=st.host_tokens.astype(U16).tobytes(),
-        block_tables=tables, block_table_lengths=lengths, host_tables=host_tables,
-        host_table_lengths=host_lengths,
-        kv_group=st.kv_group.tobytes() if len(st.config.groups) > 1 else None)
-
-
-def _from_columns(snap: p.Snapshot) -> PoolState:
-    c, n, num_groups = snap.columns, snap.config.num_device_blocks, len(snap.config.groups)
-    ref = np.frombuffer(c.ref_count, I32)
-    if len(ref) != n:
-        raise ValueError(f"columnar snapshot: {len(ref)} ref counts for {n} device blocks")
-    ids = np.frombuffer(c.hash_block_ids, I32)
-    has, values = np.zeros(n, bool), np.zeros(n, np.uint64)
-    has[ids], values[ids] = True, np.frombuffer(c.hashes, "<u8")
-    odd = dict(c.odd_hashes)
-    for b, h in odd.items():
-        values[b] = hash_value(h)[0]
-    hashes = (has, values, odd)
-    tables = _unpack(c.block_tables, c.block_table_lengths, num_groups)
-    host_tables = _unpack(c.host_tables, c.host_table_lengths, num_groups)
-    empty = [[] for _ in range(num_groups)]
-    seqs = [SeqState(s.seq_id, s.request_id, s.status, tables[i] if tables else empty,
-                     host_tables[i] if host_tables else [list(t) for t in empty], s.num_tokens,
-                     s.prompt_tokens, s.output_tokens, s.max_tokens, s.text) for i, s in enumerate(snap.seqs)]
-    groups = np.frombuffer(c.kv_group, np.uint8) if c.kv_group else None
-    return PoolState.build(snap.config, snap.seq, ref, hashes, seqs, groups)
-
-
 _ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_ref_counts",
            "host_holder", "host_tokens", "kv_group")
 
@@ -800,52 +659,3 @@ _HANDLERS = {
     p.Append: PoolState._append, p.StatusChange: PoolState._status, p.Finish: PoolState._finish,
     p.StepDone: PoolState._step, p.Reset: PoolState._reset,
 }
-
-
-def check_invariants(state: PoolState) -> None:
-    """Invariants 2-4 of the protocol, and the derived columns against a fresh derivation;
-    raises InvariantError naming the first that fails."""
-    seqs = list(state.seqs.values())
-    n, num_groups = len(state.ref_counts), len(state.config.groups)
-    tables, _ = group_tables(seqs, "block_tables", num_groups)
-    flat, _, _ = table_entries(tables, [0] * len(tables), 1)
-    holders = np.bincount(flat, minlength=n)
-    if (state.ref_counts < 0).any():
-        b = int(np.flatnonzero(state.ref_counts < 0)[0])
-        raise InvariantError(f"block {b}: negative ref_count {state.ref_counts[b]}")
-    if (bad := np.flatnonzero(holders != state.ref_counts)).size:
-        b = int(bad[0])
-        raise InvariantError(f"block {b}: ref_count {state.ref_counts[b]} but {holders[b]} sequences hold it")
-    htables, _ = group_tables(seqs, "host_tables", num_groups)
-    hflat, _, _ = table_entries(htables, [0] * len(htables), 1)
-    host_holders = np.bincount(hflat, minlength=len(state.host_ref_counts))
-    if (bad := np.flatnonzero(host_holders != state.host_ref_counts)).size:
-        h = int(bad[0])
-        raise InvariantError(f"host block {h}: ref_count {state.host_ref_counts[h]} but "
-                             f"{host_holders[h]} sequences hold it")
-    for s in seqs:
-        if len(s.block_tables) != num_groups or len(s.host_tables) != num_groups:
-            raise InvariantError(f"{s.seq_id} has {len(s.block_tables)} tables for {num_groups} KV-cache groups")
-        for table in (*s.block_tables, *s.host_tables):
-            real = [b for b in table if b != NULL]
-            if len(set(real)) != len(real):
-                raise InvariantError(f"{s.seq_id} names a block twice in its tables")
-        for g, table in enumerate(s.block_tables):
-            if (wrong := [b for b in table if b != NULL and state.kv_group[b] != g]):
-                raise InvariantError(f"{s.seq_id}'s table of group {g} holds block {wrong[0]} of group "
-                                     f"{state.kv_group[wrong[0]]}")
-    fresh = PoolState.build(state.config, state.last_event, state.ref_counts,
-                            (state.has_hash, state.hash64, state.odd_hashes), [s.clone() for s in seqs],
-                            state.kv_group)
-    for name in ("tokens", "host_tokens"):
-        if (bad := np.flatnonzero(getattr(fresh, name) != getattr(state, name))).size:
-            raise InvariantError(f"{name} of block {int(bad[0])} is {getattr(state, name)[bad[0]]}, "
-                                 f"derived afresh {getattr(fresh, name)[bad[0]]}")
-    for table, column in (("block_tables", state.holder), ("host_tables", state.host_holder)):
-        xor = np.zeros(len(column), np.int32)  # in this state's keys (a fresh build numbers them anew)
-        for s in seqs:
-            for t in getattr(s, table):
-                xor[[b for b in t if b != NULL]] ^= s.key
-        if (bad := np.flatnonzero(xor != column)).size:
-            raise InvariantError(f"holder of {table.split('_')[0]} block {int(bad[0])} is "
-                                 f"{column[bad[0]]}, its holders' keys XOR to {xor[bad[0]]}")

@@ -12,7 +12,8 @@ import numpy as np
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import touched_blocks
 from kvscope_contract.kv_groups import describe
-from kvscope_contract.state import NULL, hash_value
+from kvscope_contract.snapshot_codec import hash_value
+from kvscope_contract.state import NULL
 from app.derived.key_events import block_ranges
 from app.derived.words import plural
 

@@ -2,31 +2,32 @@
 
 A model's layers form KV-cache groups (kvscope_contract/kv_groups.py): one for a full-attention
 model, several for a hybrid one (Gemma 3: five sliding-window groups and one full-attention
-group), as vLLM v1's KVCacheManager and its coordinator keep them. Every group has its own
-block table per sequence, drawn from the one BlockPool. A full-attention group takes blocks for
-the whole prompt at admission; a sliding-window group only for the tokens each step computes
-(a long prompt's prefill chunk by chunk, as vLLM allocates), and frees the blocks its window has
-passed (`window_free`; the table keeps NULL_BLOCK there). A prefix hit is the longest prefix
-that every group can serve. Every change of state emits its protocol events, in order, through
-the event log.
+group). Every group has its own block table per sequence, drawn from the one BlockPool. The
+BlockManager is the coordinator, as vLLM v1's KVCacheCoordinator: what differs between kinds of
+group is asked of each group's manager (engine/core/group_managers.py: how much a table covers at
+admission, which blocks a window has passed, how long a prefix hit each kind serves), the ref
+counts and the LRU are the BlockPool's (engine/core/block_pool.py), swapping is the Swapper's
+(engine/core/swap.py). A prefix hit is the longest prefix that every group can serve. Every
+change of state emits its protocol events, in order, through the event log.
 """
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
+from functools import partial
 from typing import Iterable
-
-import numpy as np
 
 from kvscope_contract import protocol as p
 from engine.core.block_pool import BlockPool, NoFreeBlocks
+from engine.core.capture import PoolCapture
 from engine.core.events import EventLog
+from engine.core.group_managers import GroupManager, group_managers
 from engine.core.host_pool import HostPool
 from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
-from kvscope_contract.state import MASK64, PoolState, SeqState, hash_hex
+from engine.core.swap import Swapper
+from kvscope_contract.snapshot_codec import hash_hex
+from kvscope_contract.state import PoolState
 
-__all__ = ["BlockManager", "NoFreeBlocks", "PoolCapture", "WATERMARK"]
+__all__ = ["BlockManager", "NoFreeBlocks", "WATERMARK"]
 
 NULL = p.NULL_BLOCK
 WATERMARK = 0.01  # share of device blocks admission leaves free, so running sequences can grow
@@ -56,12 +57,9 @@ class BlockManager:
         """Raise CommandError, naming the numbers, for a pool whose groups cannot work: a window
         smaller than a block (its blocks would leave the window before they are full), or fewer
         blocks than one per group."""
-        bs, groups = config.block_size, config.groups
-        for i, g in enumerate(groups):
-            if g.kind == "sliding_window" and (g.sliding_window or 0) < bs:
-                raise p.CommandError("invalid_argument", (
-                    f"KV-cache group {i} attends to a sliding window of {g.sliding_window} tokens, smaller "
-                    f"than a block of {bs}: use a block size of at most {g.sliding_window}"))
+        groups = config.groups
+        for i, manager in enumerate(group_managers(config)):
+            manager.check(i)
         watermark = int(self.watermark * config.num_device_blocks)
         usable = config.num_device_blocks - len(config.reserved_blocks) - watermark
         if usable < len(groups):
@@ -74,10 +72,16 @@ class BlockManager:
         self.check(config)
         n = config.num_device_blocks
         self.config, self.block_size, self.groups = config, config.block_size, config.groups
-        self.windows = [g.window for g in self.groups]
+        self.managers = group_managers(config)
+        specs: dict[tuple, list[int]] = {}  # the groups of each spec, looked up together for a hit
+        for g, manager in enumerate(self.managers):
+            specs.setdefault(manager.spec, []).append(g)
+        self.kinds: list[tuple[GroupManager, list[int]]] = sorted(
+            ((self.managers[gs[0]], gs) for gs in specs.values()), key=lambda kind: not kind[0].LOOKUP_FIRST)
         self.cache = PrefixCache(n, len(self.groups), self.log)
         self.pool = BlockPool(n, self.cache)
         self.host = HostPool(config.num_host_blocks)
+        self.swap = Swapper(self.pool, self.cache, self.host, self.log, self._release, self.new_tables)
         self.watermark_blocks = int(self.watermark * n)
 
     def reset(self, config: p.PoolConfig) -> None:
@@ -115,11 +119,8 @@ class BlockManager:
 
     def peak_blocks(self, total_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a sequence growing to `total_tokens`, prefilled `chunk_tokens` at a
-        time, holds at once, alone in the pool: a full-attention group every block; a
-        sliding-window group its window's blocks and a chunk's (and a block each side)."""
-        full = self.num_blocks_for(total_tokens)
-        return sum(full if w is None else min(full, self.num_blocks_for(w + chunk_tokens) + 1)
-                   for w in self.windows)
+        time, holds at once, alone in the pool: each group's `peak_blocks`."""
+        return sum(m.peak_blocks(total_tokens, chunk_tokens) for m in self.managers)
 
     def can_ever_fit(self, total_tokens: int, chunk_tokens: int) -> bool:
         """Whether such a sequence fits an otherwise empty pool above the watermark (False: it can
@@ -129,13 +130,6 @@ class BlockManager:
     @property
     def max_blocks_per_seq(self) -> int:
         return self.config.num_device_blocks - len(self.config.reserved_blocks) - self.watermark_blocks
-
-    def _upto(self, seq: Sequence, g: int, hit_tokens: int, budget: int | None) -> int:
-        """Tokens group g's table covers after admission: every token for full attention; for a
-        sliding window, those of the first step (`budget` tokens past the hit; None: all)."""
-        if self.windows[g] is None or budget is None:
-            return len(seq)
-        return min(len(seq), hit_tokens + budget)
 
     def can_allocate(self, seq: Sequence, budget: int | None = None) -> bool:
         """Whether `allocate(seq, budget)` would leave at least `watermark_blocks` allocatable:
@@ -151,8 +145,8 @@ class BlockManager:
         held = [b for blocks in hits for b in blocks if b != NULL]
         revived = sum(1 for b in held if not self.pool.ref_counts[b])
         hit = len(hits[0]) * self.block_size
-        need = sum(max(0, self.num_blocks_for(self._upto(seq, g, hit, budget)) - len(blocks))
-                   for g, blocks in enumerate(hits)) + revived
+        need = sum(max(0, m.blocks_for(m.admitted_tokens(len(seq), hit, budget)) - len(blocks))
+                   for m, blocks in zip(self.managers, hits)) + revived
         return self.num_allocatable_blocks - need >= self.watermark_blocks
 
     def blocks_to_append(self, seq: Sequence, num_tokens: int = 1) -> int:
@@ -181,16 +175,14 @@ class BlockManager:
         return self.num_allocatable_blocks >= self.blocks_to_append(seq, num_tokens)
 
     def can_swap_out(self, group: list[Sequence]) -> bool:
-        """Whether the host pool can take `group`'s blocks: a block they share counted once, one
-        with a host copy already not at all.
+        """Whether the host pool can take `group`'s blocks (`Swapper.can_swap_out`).
 
         Args:
             group: running sequences swapped together (a fork group, or one sequence).
         Returns:
             True when `swap_out(group)` would not raise.
         """
-        need = sum(b not in self.host.host_copy for b in _distinct(group, "block_tables"))
-        return len(self.host.free) >= need
+        return self.swap.can_swap_out(group)
 
     def can_swap_in(self, group: list[Sequence]) -> bool:
         """Whether bringing `group` back (a block they share once, one still held on the device
@@ -201,22 +193,7 @@ class BlockManager:
         Returns:
             True when they can be swapped in now.
         """
-        on_device = self._on_device(_distinct(group, "host_tables"))
-        need = sum(not (d is not None and self.pool.ref_counts[d]) for d in on_device.values())
-        return self.num_allocatable_blocks - need >= self.watermark_blocks
-
-    def _on_device(self, hosts: list[int]) -> dict[int, int | None]:
-        """Per host block, a device block that holds the same K/V, or None: its pair (a sibling
-        still holds it), else the prefix cache's block of the same content (a host block copied
-        from a cached block). Each device block answers for one host block at most."""
-        out, taken = {}, set()
-        for h in hosts:
-            d = self.host.device_copy.get(h)
-            if d is None and (content := self.host.content.get(h)) is not None:
-                d = self.cache.find(*content)
-            out[h] = d if d is not None and d not in taken else None
-            taken.add(out[h])
-        return out
+        return self.num_allocatable_blocks - self.swap.blocks_to_swap_in(group) >= self.watermark_blocks
 
     # ------------------------------------------------------------------ prefix cache
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -234,63 +211,22 @@ class BlockManager:
         return None if None in found else found
 
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
-        """Per group, the cached blocks `seq` would start with (NULL_BLOCK before a sliding
-        window's run): the longest prefix of full blocks, never its last token, that every group
-        can serve. Full-attention groups need every block from the start; a sliding-window group
-        only the blocks its window reads before the hit's end: ceil((W - 1) / block_size) of
-        them in a row (or fewer from block 0). Each kind shortens the candidate until none does,
-        as vLLM v1's coordinator finds a hybrid hit."""
+        """Per group, the cached blocks `seq` would start with (NULL_BLOCK where a kind need not
+        read a block): the longest prefix of full blocks, never its last token, that every group
+        can serve. Each kind of group shortens the candidate in turn (`GroupManager.find_hit`)
+        until a whole round leaves it as it is, as vLLM v1's coordinator finds a hybrid hit."""
         tables: list[list[int]] = self.new_tables()
         if not self.config.enable_prefix_caching:
             return tables
-        kinds: dict[int | None, list[int]] = {}
-        for g, w in enumerate(self.windows):
-            kinds.setdefault(w, []).append(g)
-        length = (len(seq) - 1) // self.block_size  # in blocks
-        full = kinds.pop(None, [])
-        if full:
-            n = 0
-            while n < length and (found := self._cached(seq, n, full)) is not None:
-                for g, b in zip(full, found):
-                    tables[g].append(b)
-                n += 1
-            length = n
+        lookup, length = partial(self._cached, seq), (len(seq) - 1) // self.block_size  # in blocks
+        k = last = 0  # the kind to ask next, and the last one that shortened the candidate
         while True:
-            shortest = length
-            for window, groups in kinds.items():
-                shortest = min(shortest, self._window_hit(seq, shortest, window, groups, tables))
-            if shortest == length:
-                break
-            length = shortest
-        for g in full:
-            del tables[g][length:]
-        return tables
-
-    def _window_hit(self, seq: Sequence, length: int, window: int, groups: list[int],
-                    tables: list[list[int]]) -> int:
-        """Where a sliding-window hit of at most `length` blocks ends for `groups`; fills their
-        tables (NULL_BLOCK before the run) up to there."""
-        need = -(-(window - 1) // self.block_size)
-        if not need:  # a window of one token reads no earlier K/V: every block may be skipped
-            for g in groups:
-                tables[g][:] = [NULL] * length
-            return length
-        run, found_at = 0, {}
-        for i in range(length - 1, -1, -1):  # right to left: the first run long enough wins
-            found = self._cached(seq, i, groups)
-            if found is None:
-                run, found_at = 0, {}
-                continue
-            run += 1
-            found_at[i] = found
-            if run >= need:
-                break
-        end = (min(found_at) + run) if run >= need else run  # else: a shorter run from block 0
-        if run < need:
-            found_at = {i: f for i, f in found_at.items() if i < end}
-        for k, g in enumerate(groups):
-            tables[g][:] = [found_at[i][k] if i in found_at else NULL for i in range(end)]
-        return end
+            manager, groups = self.kinds[k]
+            if (found := manager.find_hit(lookup, length, groups, tables)) < length:
+                length, last = found, k
+            k = (k + 1) % len(self.kinds)
+            if k == last:
+                return tables
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Offer the full blocks among the first `num_tokens` of `seq` to the prefix cache, in
@@ -360,25 +296,24 @@ class BlockManager:
                                               hash=hash_hex(self.cache.hashes[b])))
         hit = len(hits[0])
         for g, table in enumerate(seq.block_tables):
-            for i in range(hit, self.num_blocks_for(self._upto(seq, g, hit * self.block_size, budget))):
+            m = self.managers[g]
+            for i in range(hit, m.blocks_for(m.admitted_tokens(len(seq), hit * self.block_size, budget))):
                 table.append(self._alloc(seq, g, i))
         seq.num_registered_blocks = hit
         return hit * self.block_size
 
     def free_window(self, seq: Sequence) -> None:
-        """Free each sliding-window group's blocks that the next token of `seq` no longer reads:
-        the tokens before `num_computed_tokens - W + 1`, in whole blocks (cached ones stay
-        hit-able). Their entries become NULL_BLOCK; freed from the window's edge back, as vLLM
-        does, stopping at the first entry freed before.
+        """Free each group's blocks that the next token of `seq` no longer reads (`skipped_blocks`:
+        a sliding window's, the tokens before `num_computed_tokens - W + 1` in whole blocks; none
+        of full attention's), cached ones staying hit-able. Their entries become NULL_BLOCK;
+        freed from the window's edge back, as vLLM does, stopping at the first entry freed before.
 
         Args:
             seq: a running (or just admitted) sequence, before its next step is scheduled.
         """
-        for g, w in enumerate(self.windows):
-            if w is None:
-                continue
+        for g, manager in enumerate(self.managers):
             table = seq.block_tables[g]
-            for i in range(min((seq.num_computed_tokens - w + 1) // self.block_size, len(table)) - 1, -1, -1):
+            for i in range(min(manager.skipped_blocks(seq.num_computed_tokens), len(table)) - 1, -1, -1):
                 b = table[i]
                 if b == NULL:
                     break
@@ -412,7 +347,7 @@ class BlockManager:
                 self.host.unpair_device(src)  # written in place: a host copy of it would be stale
                 continue
             dst = self.pool.take()
-            self.pool.ref_counts[src] -= 1  # still held by another: no queue to move it to
+            self.pool.unshare(src)  # still held by another
             table[i] = dst
             self.log.emit(p.Cow(seq_id=seq.seq_id, logical_index=i, src_block_id=src, dst_block_id=dst,
                                 kv_group=g))
@@ -432,7 +367,7 @@ class BlockManager:
         for table in child.block_tables:
             for b in table:
                 if b != NULL:
-                    self.pool.ref_counts[b] += 1  # held by the parent: in no queue
+                    self.pool.share(b)  # held by the parent
         full = parent.num_computed_tokens // self.block_size  # blocks both sequences agree on
         child.block_hashes = parent.block_hashes[:full]
         child.num_registered_blocks = min(parent.num_registered_blocks, full)
@@ -455,81 +390,24 @@ class BlockManager:
                     continue
                 self._release(b)
                 self.log.emit(p.Free(seq_id=seq.seq_id, block_id=b, ref_count=self.pool.ref_counts[b], kv_group=g))
-        for table in seq.host_tables:
-            for h in table:
-                if h != NULL:
-                    self.host.release(h)
-        seq.host_tables = self.new_tables()
+        self.swap.drop_host_tables(seq)
         seq.num_registered_blocks = 0
 
     def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
-        """Move `group` (sequences swapped together: a fork group) to the host pool, each
-        device block once: a block they share gets one host block, shared as it was, and a block
-        whose host copy an earlier swap left (a sibling swapped before) joins that copy.
+        """Move `group` (a fork group, or one sequence) to the host pool: `Swapper.swap_out`.
 
         Returns:
             The (device, host) pairs to copy.
         """
-        if not self.can_swap_out(group):
-            raise NoFreeBlocks(f"the host pool cannot hold the blocks of {', '.join(s.seq_id for s in group)}")
-        distinct = _distinct(group, "block_tables")
-        copied = {b: self.host.take() for b in distinct if b not in self.host.host_copy}
-        for b, h in copied.items():
-            if (hashed := self.cache.hashes[b]) is not None:
-                self.host.content[h] = (self.cache.group_of[b], hashed, self.cache.tokens[b])
-        to_host = {b: copied.get(b, self.host.host_copy.get(b)) for b in distinct}
-        to_host[NULL] = NULL
-        holders = Counter(b for seq in group for t in seq.block_tables for b in t)
-        for b in reversed(distinct):  # tail first, so a chain's end is evicted first
-            self.pool.ref_counts[b] -= holders[b] - 1
-            self._release(b)
-            self.host.ref_counts[to_host[b]] += holders[b]
-        for seq in group:
-            seq.host_tables = [[to_host[b] for b in t] for t in seq.block_tables]
-            seq.block_tables = self.new_tables()
-            seq.num_registered_blocks = 0
-        for b, h in copied.items():
-            if self.pool.ref_counts[b]:  # still held on the device: the next sibling to leave joins h
-                self.host.pair(b, h)
-        mapping = list(copied.items())
-        self.log.emit(p.SwapOut(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                                shared=[(b, to_host[b]) for b in distinct if b not in copied]))
-        return mapping
+        return self.swap.swap_out(group)
 
     def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
-        """Bring `group` back to fresh device blocks, a host block they share to one device
-        block they share, a host block whose device copy is still held to that block, and a host
-        block whose content the prefix cache still holds to the cached block (nothing copied:
-        the cached block leaves the LRU if no one held it).
+        """Bring `group` back to the device pool: `Swapper.swap_in`.
 
         Returns:
             The (host, device) pairs to copy.
         """
-        distinct = _distinct(group, "host_tables")
-        found = {h: d for h, d in self._on_device(distinct).items() if d is not None}
-        for d in found.values():
-            if not self.pool.ref_counts[d]:
-                self.pool.hold(d)  # out of the LRU; counted again below with its holders
-                self.pool.ref_counts[d] = 0
-        copied = {h: self.pool.take() for h in distinct if h not in found}
-        for d in copied.values():
-            self.pool.ref_counts[d] = 0  # counted again below, one per table naming it
-        to_device = {**copied, **found, NULL: NULL}
-        for seq in group:
-            seq.block_tables = [[to_device[h] for h in t] for t in seq.host_tables]
-            for t in seq.host_tables:
-                for h in t:
-                    if h != NULL:
-                        self.pool.ref_counts[to_device[h]] += 1
-                        self.host.release(h)
-            seq.host_tables = self.new_tables()
-        for h, d in copied.items():
-            if self.host.ref_counts[h]:  # still held on the host: a sibling coming back later joins d
-                self.host.pair(d, h)
-        mapping = list(copied.items())
-        self.log.emit(p.SwapIn(seq_id=group[0].seq_id, mapping=mapping, seq_ids=_ids(group),
-                               shared=[(h, found[h]) for h in distinct if h in found]))
-        return mapping
+        return self.swap.swap_in(group)
 
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
@@ -541,11 +419,7 @@ class BlockManager:
         Returns:
             A PoolCapture whose `state()` is the reducer's PoolState at the log's last event.
         """
-        return PoolCapture(self.config, self.log.seq, self.pool.ref_counts[:], self.cache.hashes[:],
-                           self.cache.group_of[:] if len(self.groups) > 1 else None, [
-            SeqState(s.seq_id, s.request_id, s.status.value, [list(t) for t in s.block_tables],
-                     [list(t) for t in s.host_tables], s.num_computed_tokens, s.num_prompt_tokens,
-                     s.num_output_tokens, s.params.max_tokens, s.text) for s in seqs])
+        return PoolCapture.of(self.config, self.log.seq, self.pool.ref_counts, self.cache, seqs)
 
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""
@@ -554,34 +428,3 @@ class BlockManager:
 
 def _fields(config: p.PoolConfig) -> dict:
     return {f: getattr(config, f) for f in config.__struct_fields__}
-
-
-def _ids(group: list[Sequence]) -> list[str]:
-    """The wire's `seq_ids`: left empty for a sequence swapped alone."""
-    return [s.seq_id for s in group] if len(group) > 1 else []
-
-
-def _distinct(group: list[Sequence], tables: str) -> list[int]:
-    """The blocks of the group's tables (`block_tables` or `host_tables`), each once, NULL
-    entries left out: KV-cache group by group, then in the order the sequences' tables name them."""
-    num_groups = len(getattr(group[0], tables))
-    return list(dict.fromkeys(b for g in range(num_groups) for seq in group
-                              for b in getattr(seq, tables)[g] if b != NULL))
-
-
-@dataclass
-class PoolCapture:
-    config: p.PoolConfig
-    last_event: int
-    ref_counts: list[int]
-    hashes: list[int | None]
-    cached_groups: list[int] | None  # the group each hashed block is cached for (None: one group)
-    seqs: list[SeqState]
-
-    def state(self) -> PoolState:
-        """The reducer's state: each hash's `hash_hex` digits as the number they spell."""
-        has = np.fromiter((h is not None for h in self.hashes), bool, len(self.hashes))
-        values = np.zeros(len(self.hashes), np.uint64)
-        values[has] = np.fromiter((h & MASK64 for h in self.hashes if h is not None), np.uint64)
-        groups = None if self.cached_groups is None else np.where(has, self.cached_groups, 0)
-        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs, groups)

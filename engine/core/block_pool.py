@@ -22,6 +22,10 @@ class NoFreeBlocks(RuntimeError):
 class BlockPool:
     """Ref counts of the device blocks and the two queues of unheld ones.
 
+    Only its methods change a ref count: `take` (a new owner), `hold` (one more, out of the LRU if
+    no one held it), `share` and `unshare` (holders come or go while others stay), `release` (one
+    less, into a queue at none).
+
     Promises, after every public method returns:
     - `ref_counts[b]` is the number of block-table entries (of live sequences, every KV-cache
       group) that name device block b.
@@ -85,6 +89,18 @@ class BlockPool:
         else:
             self.evictable.push(b)
         return True
+
+    def share(self, b: int, n: int = 1) -> None:
+        """`n` more holders of b, which someone holds already (a fork's child, sequences swapped in
+        together): it is in no queue, so no queue changes."""
+        assert self.ref_counts[b] > 0, f"block {b} has no holder to share it with"
+        self.ref_counts[b] += n
+
+    def unshare(self, b: int, n: int = 1) -> None:
+        """`n` holders of b less, while others still hold it (the source of a copy-on-write, a block
+        that several sequences swapped out together held): it stays in no queue."""
+        assert self.ref_counts[b] > n, f"block {b} has {self.ref_counts[b]} holders, not more than {n}"
+        self.ref_counts[b] -= n
 
     def clear_cache(self) -> int:
         """Evict every cached block that no table holds; returns how many."""

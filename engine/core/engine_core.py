@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvscope_contract import protocol as p
-from engine.core.block_manager import BlockManager, PoolCapture
+from engine.core.block_manager import BlockManager
+from engine.core.capture import PoolCapture
 from engine.core.events import EventLog
 from engine.core.scheduler import Batch, Scheduler
 from engine.core.sequence import SamplingParams, Sequence, SeqStatus

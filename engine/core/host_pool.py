@@ -29,7 +29,12 @@ class HostPool:
         self.content: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # host -> (group, hash, tokens)
 
     def take(self) -> int:
+        """A free host block, no holder yet (`hold` counts them)."""
         return self.free.popleft()
+
+    def hold(self, h: int, n: int) -> None:
+        """`n` more holders of h (the sequences of a swap that name it)."""
+        self.ref_counts[h] += n
 
     def release(self, h: int) -> None:
         """One holder of h less; at none it is free again and its pair, if any, ends."""

@@ -11,7 +11,7 @@ from typing import Sequence as Seq
 
 from kvscope_contract import protocol as p
 from engine.core.events import EventLog
-from kvscope_contract.state import hash_hex
+from kvscope_contract.snapshot_codec import hash_hex
 
 NO_PARENT = -1  # hash() never returns -1, so no real block hash can equal it
 

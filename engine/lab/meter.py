@@ -18,7 +18,8 @@ from collections import Counter
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
 from kvscope_contract.lab import PeakGrid
-from kvscope_contract.state import PoolState, hash_hex, held_tokens, used_blocks
+from kvscope_contract.snapshot_codec import hash_hex
+from kvscope_contract.state import PoolState, held_tokens, used_blocks
 from engine.core.events import EventLog
 
 # events that can change what the scheduler's queued part decides (admission, swap-in)

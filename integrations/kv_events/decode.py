@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvscope_contract.state import hash_hex
+from kvscope_contract.snapshot_codec import hash_hex
 
 MEDIUM_GPU = "GPU"
 

@@ -36,7 +36,8 @@ from typing import Any, Callable
 import numpy as np
 
 from kvscope_contract import protocol as p
-from kvscope_contract.state import PoolState, SeqState, hash_columns
+from kvscope_contract.snapshot_codec import hash_columns
+from kvscope_contract.state import PoolState, SeqState
 from engine.core.events import EventLog
 from vllm.v1.request import RequestStatus
 from integrations.kv_events.decode import vllm_hash_hex

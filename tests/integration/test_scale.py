@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvscope_contract import protocol as p
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from engine.synthetic import SyntheticEngine
 from tests.protocol_client import Client
 from tests.synthetic import synthetic_engine
@@ -112,7 +113,8 @@ def test_the_synthetic_load_drives_the_real_allocator_without_torch():
 import sys
 from collections import Counter
 from kvscope_contract import protocol as p
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from tests.synthetic import synthetic_engine
 engine = synthetic_engine(2048, live=24, seqs=16, host=256, block_size=16)
 start = PoolState.from_snapshot(engine.snapshot())

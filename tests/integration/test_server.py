@@ -19,7 +19,8 @@ from engine.model.engine import LLMEngine
 from engine.serve.hub import Hub, serve_in_thread
 from engine.serve.replay import Playback
 from kvscope_contract.recording import Recording
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from tests.protocol_client import Client
 from tests.prompts import SYSTEM
 

@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvscope_contract import protocol as p
 from engine.core.sequence import SeqStatus
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from tests.pool_driver import PoolDriver
 
 PREFIXES = [[1, 2, 3, 4] * 8, [5, 6] * 16, [7] * 32]

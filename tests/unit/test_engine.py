@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import apply_chat_template, load_model
 from engine.core.sequence import SamplingParams
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from tests.tiny_engine import make
 
 PROMPTS = [

@@ -7,7 +7,8 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.counters import EventCounts
 from kvscope_contract.kv_groups import group_layers
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from engine.core.sequence import SamplingParams
 from tests.pool_driver import PoolDriver
 from tests.synthetic import synthetic_engine

@@ -18,7 +18,7 @@ from kvscope_contract.lab import LabConfig
 from kvscope_contract.misses import REASONS, ExplainedPool, MissExplainer
 from kvscope_contract.rebuild import with_rebuilt_prompts
 from kvscope_contract.recording import Recording
-from kvscope_contract.state import hash_hex
+from kvscope_contract.snapshot_codec import hash_hex
 
 ROOT = Path(__file__).resolve().parents[2]
 

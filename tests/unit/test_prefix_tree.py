@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope_contract.state import hash_hex
+from kvscope_contract.snapshot_codec import hash_hex
 from kvscope_contract import protocol as p
 from kvscope_contract.lab import LabConfig
 from kvscope_contract.state import PoolState

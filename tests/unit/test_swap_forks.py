@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvscope_contract import protocol as p
-from kvscope_contract.state import PoolState, check_invariants
+from kvscope_contract.invariants import check_invariants
+from kvscope_contract.state import PoolState
 from engine.core.sequence import SamplingParams
 from tests.tiny_engine import make
 

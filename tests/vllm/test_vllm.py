@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvscope_contract import protocol as p
-from kvscope_contract.state import check_invariants
+from kvscope_contract.invariants import check_invariants
 from tests.protocol_client import Client
 from integrations.vllm.serve import BUNDLED
 from tests.vllm.checks import compare_live_snapshot, finishes

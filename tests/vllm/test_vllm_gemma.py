@@ -18,7 +18,7 @@ import pytest
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kv_groups import group_layers
-from kvscope_contract.state import check_invariants
+from kvscope_contract.invariants import check_invariants
 from tests.protocol_client import Client
 from tests.vllm.checks import compare_live_snapshot, finishes
 from integrations.vllm.serve import GEMMA3
