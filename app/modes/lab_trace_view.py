@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import shlex
 import subprocess
 import tempfile
@@ -77,7 +78,7 @@ def page() -> None:
             path = ""
         else:
             path = str(traces[where])
-            st.caption(f"`{path}`")
+            st.caption(f"`{os.path.relpath(path)}`")
         requests = st.number_input("First N requests (0: the whole file)", 0, 10_000_000, 500, step=100,
                                    key="lab_trace_requests",
                                    help="A few hundred run in seconds; the whole conversation trace takes minutes "
@@ -197,7 +198,9 @@ def chart(s: TraceSweep) -> dict:
                                     f"tokens hit, {pt.evictions} evictions"})
     top = max([s.ceiling, *(pt.hit_rate for pt in s.points)] or [0.0])
     xs = [pt.blocks for pt in s.points] or [1]
-    x_scale = alt.Scale(type="log", domain=[min(xs) / 1.15, max(xs) * 1.15], nice=False)
+    lo, hi = min(xs) / 1.15, max(xs) * 1.15
+    x_scale = alt.Scale(type="log", domain=[lo, hi], nice=False)
+    ticks = [m * 10 ** e for e in range(0, 10) for m in (1, 2, 5) if lo <= m * 10 ** e <= hi] or xs
     y = alt.Y("hit rate:Q", title="token hit rate", axis=alt.Axis(format="%"),
               scale=alt.Scale(domain=[0, max(top * 1.15, 0.01)], nice=False))
     policies = [p for p in POLICIES if any(pt.policy == p for pt in s.points)] + \
@@ -223,7 +226,7 @@ def chart(s: TraceSweep) -> dict:
     base = alt.Chart(alt.Data(values=rows)).encode(
         x=alt.X("blocks:Q", scale=x_scale, title=title,
                 axis=alt.Axis(labelExpr="[" + ", ".join(lines_expr) + "]", grid=True, labelFlush=False,
-                              tickCount=6, labelPadding=4)),
+                              values=ticks, labelPadding=4)),
         y=y, color=color)
     lines = base.mark_line(strokeWidth=2, opacity=0.8)
     points = base.mark_point(filled=True, size=60, opacity=1).encode(
@@ -244,7 +247,8 @@ def chart(s: TraceSweep) -> dict:
 def show(s: TraceSweep, command: str = "") -> None:
     mode = ("one request at a time" if s.one_at_a_time else
             f"arrivals at their timestamps ({s.step_ms:g} ms a step of up to {s.max_num_batched_tokens:,} tokens)")
-    size = f" · KV bytes: {s.model or 'given'}, {s.bytes_per_token:,} B/token" if s.bytes_per_token else ""
+    size = (f" · KV bytes{f' of {s.model}' if s.model else ''} at {s.bytes_per_token:,} B/token"
+            if s.bytes_per_token else "")
     st.markdown(f"**{Path(s.trace).name}** · first {s.requests:,} requests · {s.prompt_tokens:,} prompt tokens · "
                 f"blocks of {s.block_size} · {mode}{size} · {len(s.points)} replays in {s.seconds:.1f} s")
     st.caption(f"Ceiling {s.ceiling:.1%} ({s.ceiling_hit_tokens:,} tokens): every leading block an earlier prompt "
