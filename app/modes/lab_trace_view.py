@@ -29,6 +29,7 @@ MOONCAKE_DIRS = (ROOT.parent / "shared" / "traces" / "mooncake", ROOT / "shared"
 BLOCK_SIZES = [2 ** k for k in range(10)]  # the divisors of the trace's 512-token blocks
 POLICIES = {"lru": "LRU (vLLM v1's)", "lfu": "LFU", "opt": "OPT (Belady, clairvoyant)"}
 POLICY_COLORS = {"lru": "#4e79a7", "lfu": "#59a14f", "opt": "#e15759"}
+OTHER_COLORS = ("#f28e2b", "#b07aa1", "#9c755f", "#17becf")  # a policy of the user's own
 MODELS = {"SmolLM2-135M": "smollm2", "Gemma 3 270M": "gemma3", "Bytes per token…": "bytes", "No bytes": None}
 PAPER_BYTES_PER_TOKEN = 327_680  # the Mooncake paper's 320 KB/token
 REASONS = {"cold": "cold", "evicted": "evicted", "in_flight": "in flight", "partial_block": "partial block",
@@ -93,7 +94,11 @@ def page() -> None:
                                      help="Tokens per block, a divisor of 512: the trace only says which "
                                           "512-token blocks are shared.")
         policies = cc[1].multiselect("Eviction policies", list(POLICIES), default=list(POLICIES),
-                                     format_func=POLICIES.get, key="lab_trace_policies")
+                                     format_func=lambda x: POLICIES.get(x, x), key="lab_trace_policies",
+                                     accept_new_options=True,
+                                     help="LRU as vLLM v1, LFU, Belady's OPT (the bound at each capacity, one "
+                                          "request at a time), or your own class by its import path, e.g. "
+                                          "`mypolicies:MRU` (docs/traces.md, *Your own policy*).")
         cc = st.columns([1, 1])
         capacities = cc[0].text_input("Capacities (blocks)", "", key="lab_trace_caps",
                                       placeholder=f"{DEFAULT_POINTS} log-spaced points, or e.g. 500,2000",
@@ -200,12 +205,14 @@ def chart(s: TraceSweep) -> dict:
     xs = [pt.blocks for pt in s.points] or [1]
     lo, hi = min(xs) / 1.15, max(xs) * 1.15
     x_scale = alt.Scale(type="log", domain=[lo, hi], nice=False)
-    ticks = [m * 10 ** e for e in range(0, 10) for m in (1, 2, 5) if lo <= m * 10 ** e <= hi] or xs
+    ticks = (sorted(set(xs)) if len(set(xs)) <= 6 else  # a few capacities of the user's: each labelled
+             [m * 10 ** e for e in range(0, 10) for m in (1, 2, 5) if lo <= m * 10 ** e <= hi] or xs)
     y = alt.Y("hit rate:Q", title="token hit rate", axis=alt.Axis(format="%"),
               scale=alt.Scale(domain=[0, max(top * 1.15, 0.01)], nice=False))
     policies = [p for p in POLICIES if any(pt.policy == p for pt in s.points)] + \
         sorted({pt.policy for pt in s.points} - set(POLICIES))
-    color = alt.Color("policy:N", scale=alt.Scale(domain=policies, range=[POLICY_COLORS.get(p, "#9c755f")
+    others = iter(OTHER_COLORS * len(policies))
+    color = alt.Color("policy:N", scale=alt.Scale(domain=policies, range=[POLICY_COLORS.get(p) or next(others)
                                                                           for p in policies]),
                       legend=alt.Legend(orient="top", title=None, labelExpr="upper(datum.label)"))
     tooltip = ["policy:N", alt.Tooltip("blocks:Q", format=","), alt.Tooltip("tokens:Q", format=","),
