@@ -1,4 +1,5 @@
-"""The Lab: one workload under several allocator configs, side by side, in seconds.
+"""The Lab: one workload under several allocator configs, side by side, in seconds; or a request
+trace at several pool capacities and eviction policies (app/modes/lab_trace_view.py).
 
 The dashboard never imports the engine (it may run apart from it): the lab runs as
 `python -m engine.lab ... --json` (app/link/lab_run.py) and its report comes back through the
@@ -20,6 +21,7 @@ from app.link.client import EngineClient
 from app.link.lab_run import run_lab, session_recording
 from app.ui.palette import USED, block_color
 from app.link.source import recordings
+from app.modes import lab_trace_view
 
 # what a preset runs on (engine/lab/workload.py)
 PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)
@@ -32,6 +34,15 @@ def _numbers(text: str, cast) -> list:
 
 def page(client: EngineClient) -> None:
     st.subheader("Lab: one workload, several allocator configs")
+    source = st.radio("Workload", ["Preset", "This session's requests", "Recording", "Trace"], key="lab_source",
+                      horizontal=True, help="Trace: a production request trace (the Mooncake format), hit rate "
+                                            "against pool capacity per eviction policy")
+    if source == "Trace":
+        st.caption("Each request of the trace goes through the engine's real scheduler and block manager, with no "
+                   "model (prompts are the trace's block hash ids), at each pool capacity under each eviction "
+                   "policy: the token hit rate against capacity, beside the trace's exact reuse ceiling, each "
+                   "point's misses by reason.")
+        return lab_trace_view.page()
     st.caption("The workload's token streams go through the engine's real scheduler and block manager under "
                "each config, with no model: each sample's outputs are replayed. A block size given without "
                "device blocks keeps the memory of the workload's pool, not the live engine's: a preset's "
@@ -40,8 +51,6 @@ def page(client: EngineClient) -> None:
                + "), or the pool a recording (this session's requests included) started on.")
     c = st.columns([2, 3])
     with c[0]:
-        source = st.radio("Workload", ["Preset", "This session's requests", "Recording"], key="lab_source",
-                          horizontal=True)
         if source == "Preset":
             preset = st.selectbox("Preset", list(PRESETS), format_func=PRESETS.get, key="lab_preset")
             scale = st.number_input("Repeat the mix", 1, 200, 1, key="lab_scale")

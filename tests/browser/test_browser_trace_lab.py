@@ -1,0 +1,120 @@
+"""The Lab's Trace workload in a real browser (issue 35): a request trace of the test's own (the
+Mooncake format, conversations sharing system prompts and growing turn by turn) swept at three
+capacities under LRU and OPT; the chart's points (each point's description, its aria-label in the
+SVG) and the table's data (its CSV download) are the numbers `python -m engine.lab trace:... --json`
+gives for the same arguments. A trace with a bad line shows the lab's error naming the line, and no
+chart."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+import re
+import subprocess
+import sys
+
+from kvscope_contract.lab import TRACE_REASONS, decode_sweep
+from tools.launch import CHROMIUM, FLAGS, ROOT
+
+REQUESTS, CAPACITIES, POLICIES = 200, (60, 120, 240), ("lru", "opt")
+POINT = re.compile(r"^(\w+) at (\d+) blocks: (\d+) of (\d+) tokens hit, (\d+) evictions$")
+
+
+def write_trace(path, requests: int = REQUESTS, seed: int = 35) -> None:
+    """Five system prompts of 2-4 blocks, forty conversations each on one of them, every request a
+    turn of one (a few busy ones, many quiet) adding a block or two to its chain; arrivals 0-400 ms apart."""
+    rng = random.Random(seed)
+    fresh = iter(range(10 ** 9))
+    systems = [[next(fresh) for _ in range(rng.randint(2, 4))] for _ in range(5)]
+    chats = [list(rng.choice(systems)) for _ in range(40)]
+    t = 0
+    with open(path, "w") as f:
+        for _ in range(requests):
+            chat = chats[min(int(rng.expovariate(1 / 8)), len(chats) - 1)]
+            chat.extend(next(fresh) for _ in range(rng.randint(1, 2)))
+            f.write(json.dumps({"timestamp": t, "input_length": (len(chat) - 1) * 512 + rng.randint(1, 512),
+                                "output_length": rng.randint(16, 256), "hash_ids": chat}) + "\n")
+            t += rng.randint(0, 400)
+
+
+def cli_sweep(trace):
+    out = subprocess.run([sys.executable, "-m", "engine.lab", f"trace:{trace}", "--policy", ",".join(POLICIES),
+                          "--sweep", ",".join(map(str, CAPACITIES)), "--requests", str(REQUESTS),
+                          "--model", "smollm2", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    return decode_sweep(out.stdout)
+
+
+def fill(page, label: str, value: str) -> None:
+    box = page.get_by_label(label, exact=True)
+    box.fill(value)
+    box.press("Enter")
+
+
+def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    trace, bad = tmp_path / "chats.jsonl", tmp_path / "bad.jsonl"
+    write_trace(trace)
+    lines = trace.read_text().splitlines()[:5]
+    broken = json.loads(lines[2])
+    broken["input_length"] = len(broken["hash_ids"]) * 512 + 1  # one block more than its ids say
+    lines[2] = json.dumps(broken)
+    bad.write_text("\n".join(lines) + "\n")
+
+    url, _ = start_app(["--replay", str(ROOT / "assets" / "demo_recording.jsonl")])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1400}, accept_downloads=True)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click(timeout=120_000)
+        main = page.get_by_test_id("stMain")
+        main.get_by_text("Trace", exact=True).click()
+        main.get_by_text("A file on this machine", exact=True).click()
+        fill(page, "Trace file", str(trace))
+        fill(page, "First N requests (0: the whole file)", str(REQUESTS))
+        fill(page, "Capacities (blocks)", ",".join(map(str, CAPACITIES)))
+        page.get_by_role("button", name="Remove LFU").click()
+        expect(page.get_by_role("button", name="Remove LFU")).to_have_count(0)
+        page.get_by_role("button", name="Run the sweep").click()
+
+        # the chart: a point per policy and capacity, its exact counts in its description
+        points = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label*=' tokens hit, ']")
+        expect(points).to_have_count(len(POLICIES) * len(CAPACITIES), timeout=120_000)
+        drawn = {}
+        for label in points.evaluate_all("es => es.map(e => e.getAttribute('aria-label'))"):
+            policy, blocks, hit, looked_up, evictions = POINT.match(label).groups()
+            drawn[policy, int(blocks)] = (int(hit), int(looked_up), int(evictions))
+        expect(main.get_by_text("ceiling", exact=False).first).to_be_visible()
+
+        # the table's data, as its CSV
+        with page.expect_download() as download:
+            page.get_by_role("button", name="Download CSV").click()
+        table = list(csv.DictReader(io.StringIO(download.value.path().read_text())))
+
+        s = cli_sweep(trace)
+        assert drawn == {(pt.policy, pt.blocks): (pt.hit_tokens, pt.looked_up_tokens, pt.evictions) for pt in s.points}
+        assert [(r["policy"], int(r["blocks"])) for r in table] == [(pt.policy, pt.blocks) for pt in s.points]
+        for row, pt in zip(table, s.points):
+            assert int(row["tokens"]) == pt.tokens and int(row["bytes"]) == pt.bytes
+            assert (int(row["hit_tokens"]), int(row["looked_up_tokens"])) == (pt.hit_tokens, pt.looked_up_tokens)
+            assert {r: int(row[f"missed_{r}"]) for r in TRACE_REASONS} == pt.missed
+            assert (int(row["evictions"]), int(row["preemptions"]), int(row["rejected"])) == \
+                (pt.evictions, pt.preemptions, pt.rejected)
+        assert len({pt.hit_tokens for pt in s.points}) > 1, "the capacities and policies should differ"
+        shown = main.get_by_text(f"{s.ceiling:.1%}", exact=False).first
+        expect(shown).to_be_visible()  # the ceiling the lab computed, in the caption and the rule's label
+
+        # a bad line: the lab's message naming it, and nothing of the sweep left drawn
+        fill(page, "Trace file", str(bad))
+        page.get_by_role("button", name="Run the sweep").click()
+        error = page.get_by_test_id("stAlertContentError")
+        expect(error).to_contain_text(f"{bad}:3:", timeout=60_000)
+        expect(error).to_contain_text("hash_ids")
+        expect(page.get_by_test_id("stVegaLiteChart")).to_have_count(0)
+        expect(page.get_by_test_id("stDataFrame")).to_have_count(0)
+        assert not errors, errors
+        browser.close()
