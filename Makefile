@@ -101,6 +101,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q $(VLLM_PKG)
 	# their C ops do not match torch 2.13.0+cpu and break `import vllm`
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# transformers 5.25+ brings Hugging Face's `kernels` (hub kernels for GPUs) and imports it when
+	# installed; from a checkout, `kernels` is this project's package, so that import fails: vLLM on
+	# the CPU never uses it, and without it transformers goes on (a fresh 0.27.1 venv took 5.25.0)
+	$(VLLM_PY) -m pip uninstall -q -y kernels
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 
