@@ -146,14 +146,17 @@ def test_every_panel_of_a_redraw_names_one_event_on_a_busy_million_block_pool(bu
             page.wait_for_function("window.__kvscope_grid.draws > 3 && window.__kvscope_grid.live", timeout=120_000)
             rng = random.Random(28)
             seen, known, stepped = [], 0, 0
-            for _ in range(SNAPSHOTS):
+            # SNAPSHOTS at least, and more (up to twice as many) while the test's own client lags: on
+            # a loaded machine it falls behind and resyncs, and a snapshot in a gap of its history
+            # can be checked for agreement between the panels but not against the pool
+            while len(seen) < SNAPSHOTS or known < SNAPSHOTS // 2 and len(seen) < 2 * SNAPSHOTS:
                 time.sleep(rng.uniform(0.1, 0.6))  # not in step with the redraws
                 n, checked, step_checked = check(page.evaluate(SNAPSHOT_JS), client)
                 seen.append(n)
                 known += checked
                 stepped += step_checked
             assert len(set(seen)) >= SNAPSHOTS // 4, f"the page hardly moved: events {seen}"
-            assert known >= SNAPSHOTS // 2, f"only {known} snapshots compared with the pool"
+            assert known >= SNAPSHOTS // 2, f"only {known} of {len(seen)} snapshots compared with the pool"
             assert stepped, "no snapshot's step compared with the event's own"
             assert not errors, errors
             browser.close()
