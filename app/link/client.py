@@ -81,6 +81,7 @@ class Redraw:
     hello: p.Hello | None
     url: str
     colors: dict[str, int]      # the client's own: append-only, so every sequence of the view has its colour
+    stopped_step: tuple[p.AnyEvent, ...] = ()  # the step of the key event the loop stopped at, when the view shows it
 
     @property
     def event(self) -> int:
@@ -100,6 +101,19 @@ class Redraw:
         client drawn is no longer the source's (a restart since, or the history from before one)."""
         return (mode == "Explore" and self.view.live and self.status.state == "connected"
                 and not self.loop.paused and not pending and not died and not restarted)
+
+
+def stopped_step(h: EventHistory, view: View, loop: p.LoopState) -> tuple[p.AnyEvent, ...]:
+    """Every event of the step whose key event a run-to-next-key-event stopped at, while the
+    engine waits there and `view` shows that step, with no reset (or clean slate) between them;
+    empty otherwise. Read once per view: a paused engine's view is redrawn from the cache."""
+    at = loop.stopped_at
+    if not loop.paused or at is None or at > view.event or h.segment_start(view.event + 1) >= at:
+        return ()
+    key = ("stopped_step", at)
+    if key not in view.memo:
+        view.memo[key] = tuple(h.step_events(at))
+    return view.memo[key]
 
 
 class EngineClient:
@@ -325,7 +339,7 @@ class EngineClient:
                 return None
             h = self.history
             return Redraw(view, h.first_event, h.last_event, tuple(h.markers), self.loop, copy.copy(self.status),
-                          self.hello, self.url, self.colors)
+                          self.hello, self.url, self.colors, stopped_step(h, view, self.loop))
 
     def timeline(self, n: int | None = None) -> tuple[list, list]:
         """Step points and markers of the segment holding event n (None: live), up to n."""

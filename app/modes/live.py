@@ -257,16 +257,13 @@ def banner(r: Redraw, key, ringed: tuple[list[int], str] | None) -> str:
 def stopped_at(client: EngineClient, r: Redraw):
     """The key event a run-to-next-key-event stopped at, explained, while the engine waits there."""
     at, view = r.loop.stopped_at, r.view
-    if not r.loop.paused or at is None or not view.live and view.event < at:
+    if not r.stopped_step:
         return None
     lesson = st.session_state.get(IN_LESSON)
     if lesson and lesson[0] is client and at <= lesson[1]:  # a lesson's stop, left behind in Explore
         return None
-    h = client.history
-    if h is None or h.segment_start(view.event + 1) >= at or at > view.event:  # a reset (or clean slate) since
-        return None
     if "key" not in view.memo:
-        view.memo["key"] = explain(h.step_events(at), at, view.mirror.state)
+        view.memo["key"] = explain(list(r.stopped_step), at, view.mirror.state)
     return view.memo["key"]
 
 
