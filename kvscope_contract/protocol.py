@@ -324,6 +324,30 @@ class SnapshotColumns(Struct, kw_only=True, omit_defaults=True):
     kv_group: bytes | None = None  # uint8 per device block, as `device_blocks[i].kv_group` (one group: absent)
 
 
+class Counters(Struct, kw_only=True, omit_defaults=True):
+    """Addition: the server's own tally of the stream at a snapshot's event, folded as a client
+    folds it (kvscope_contract/counters.py), counted from event `since` (0: the stream's start;
+    else its last `reset`). A client that a resync made skip events takes what they counted
+    from here, so its numbers stay those of a client that saw every event."""
+    since: int = 0
+    looked_up_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    recomputes: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    requests: int = 0
+    first_looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    generated: int = 0
+    cows: int = 0
+    forks: int = 0
+    finished: int = 0
+    preempted: list[str] = []  # live sequences preempted at least once (their next admission is not a first)
+
+
 class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defaults=True):
     seq: int
     config: PoolConfig
@@ -333,6 +357,7 @@ class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defa
     # Addition, only to clients that asked for `columnar`: the pools and tables as arrays;
     # `device_blocks`, `host_blocks` and every `block_table` / `host_table` are then empty.
     columns: SnapshotColumns | None = None
+    counters: Counters | None = None  # addition: the server's tally at `seq`, where it keeps one
 
 
 class Events(Struct, tag_field="type", tag="events"):
@@ -508,6 +533,8 @@ def encode_snapshot(snap: Snapshot, piece: int = 8192) -> bytes:
         fields = [b'"%s":%s' % (name.encode(), b'"%s"' % base64.b64encode(v) if isinstance(v, bytes) else encode(v))
                   for name in c.__struct_fields__ if (v := getattr(c, name)) is not None]
         out += [b',"columns":{', b",".join(fields), b"}"]
+    if snap.counters is not None:
+        out += [b',"counters":', encode(snap.counters)]
     out.append(b"}")
     return b"".join(out)
 
