@@ -113,6 +113,8 @@ def test_a_slow_clients_tallies_equal_a_fast_ones(tiny, serve_engine):
     of a client that read every event, and it says how many times and events it skipped."""
     from engine.config import EngineConfig
     from engine.model.engine import LLMEngine
+    from app.link.source import Source
+    from app.panels.header import status
 
     cfg = EngineConfig(model="tiny", pool=p.PoolConfig(num_device_blocks=48, num_host_blocks=0))
     srv = serve_engine(LLMEngine(cfg, tiny), max_queued_events=8)
@@ -134,7 +136,8 @@ def test_a_slow_clients_tallies_equal_a_fast_ones(tiny, serve_engine):
         assert {n: getattr(b, n) for n in TALLIED} == {n: getattr(a, n) for n in TALLIED}
         assert a.preemptions > 0 and a.hit_tokens > 0 and a.finished == 8
         assert fast.status.resyncs == 0 and slow.status.resyncs >= 1 and slow.status.skipped > 0
-        assert slow.status.resynced().startswith(f"resynced {slow.status.resyncs} time")
+        line = status(slow.status, slow.hello, slow.loop, slow.url, Source("attach", url=srv.url), False)
+        assert f"resynced {slow.status.resyncs} time" in line and f"{slow.status.skipped:,} events skipped" in line
     finally:
         fast.close()
         slow.reading.set()
