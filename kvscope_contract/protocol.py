@@ -29,6 +29,7 @@ ErrorCode = Literal["bad_json", "unknown_op", "invalid_argument", "too_long", "d
 
 # Bounds a client may ask for; the engine may refuse more (memory) with its own message.
 MAX_BLOCK_SIZE, MAX_DEVICE_BLOCKS, MAX_HOST_BLOCKS, MAX_NUM_SEQS = 256, 1 << 20, 1 << 18, 4096
+MAX_KV_GROUPS = 64  # a pool's KV-cache groups (Gemma 3 has 6); a block's group is a uint8
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # what the dashboard offers (a reset takes any power of two)
 NumDeviceBlocks = Annotated[int, Meta(ge=1, le=MAX_DEVICE_BLOCKS)]
