@@ -1,11 +1,14 @@
 """The counters every consumer of the event stream folds the same way: prefix-cache hits and
 lookups, preemptions, recomputes, swaps. The dashboard's tally (app/history/mirror.py), the engine's
 /metrics (engine/serve/metrics.py), the lab's fast meter and its reference (engine/lab/) all fold
-events through `EventCounts.count`, so their numbers agree by construction.
+events through `EventCounts.count`, so their numbers agree by construction. `StreamCounts` adds
+what a client tallies besides (requests, tokens, copies, forks); a server folds it too
+(`StreamCounter`) and sends it with each snapshot, so a client that a resync made skip events
+keeps exact numbers (docs/protocol.md, "Clients that fall behind").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from kvscope_contract import protocol as p
 
@@ -62,3 +65,75 @@ class EventCounts:
     @property
     def preemptions_by_mode(self) -> dict[str, int]:
         return {"recompute": self.recomputes, "swap": self.preemptions - self.recomputes}
+
+
+@dataclass
+class StreamCounts(EventCounts):
+    """What a client tallies of the stream (the dashboard's header, a fleet card): `EventCounts`
+    plus requests, tokens and sequences. The server folds the same, so that a snapshot that
+    replaces a slow client's events carries what they counted (`p.Counters`)."""
+    requests: int = 0
+    # the same at first admissions only (vLLM's prefix_cache_queries / _hits leave out requests
+    # admitted again after a preemption); `preempted`: live sequences preempted at least once
+    first_looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    generated: int = 0
+    cows: int = 0
+    forks: int = 0
+    finished: int = 0
+    preempted: set = field(default_factory=set, repr=False)
+
+    def count(self, ev: p.Event, looked_up: int = 0, hit: int = 0) -> None:
+        super().count(ev, looked_up, hit)
+        first = getattr(ev, "seq_id", None) not in self.preempted
+        if first:
+            self.first_looked_up_tokens += looked_up
+        match ev:
+            case p.RequestAdded():
+                self.requests += 1
+            case p.PrefixHit():
+                self.first_hit_tokens += hit if first else 0
+            case p.Cow():
+                self.cows += 1
+            case p.Fork():
+                self.forks += 1
+            case p.Preempt():
+                self.preempted.add(ev.seq_id)
+            case p.Append() if ev.token_ids:
+                self.generated += len(ev.token_ids)
+            case p.Finish():
+                self.finished += 1
+                self.preempted.discard(ev.seq_id)
+
+    @property
+    def first_hit_rate(self) -> float:
+        """Hit tokens over tokens looked up at first admissions: vLLM's own prefix-cache hit rate."""
+        return hit_rate(self.first_hit_tokens, self.first_looked_up_tokens)
+
+    def numbers(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in STREAM_COUNTERS}
+
+    def wire(self, since: int) -> p.Counters:
+        return p.Counters(since=since, preempted=sorted(self.preempted), **self.numbers())
+
+
+# the fields that count events (not the set of preempted sequences)
+STREAM_COUNTERS = tuple(f.name for f in fields(StreamCounts) if f.name != "preempted")
+
+
+class StreamCounter:
+    """The server's tally of what it publishes, counted from its start or its last `reset`, for
+    the snapshots it sends (`wire`). Feed it every event with the pool just before it."""
+
+    def __init__(self) -> None:
+        self.counts, self.since = StreamCounts(), 0
+
+    def observe(self, ev: p.Event, state) -> None:
+        """`state`: the PoolState just before `ev` (its prefix lookup and hit are read there)."""
+        if isinstance(ev, p.Reset):
+            self.counts, self.since = StreamCounts(), ev.seq
+        else:
+            self.counts.count(ev, state.prefix_lookup(ev), state.prefix_hit_tokens(ev))
+
+    def wire(self) -> p.Counters:
+        return self.counts.wire(self.since)

@@ -29,6 +29,7 @@ ErrorCode = Literal["bad_json", "unknown_op", "invalid_argument", "too_long", "d
 
 # Bounds a client may ask for; the engine may refuse more (memory) with its own message.
 MAX_BLOCK_SIZE, MAX_DEVICE_BLOCKS, MAX_HOST_BLOCKS, MAX_NUM_SEQS = 256, 1 << 20, 1 << 18, 4096
+MAX_KV_GROUPS = 64  # a pool's KV-cache groups (Gemma 3 has 6); a block's group is a uint8
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # what the dashboard offers (a reset takes any power of two)
 NumDeviceBlocks = Annotated[int, Meta(ge=1, le=MAX_DEVICE_BLOCKS)]
@@ -324,6 +325,30 @@ class SnapshotColumns(Struct, kw_only=True, omit_defaults=True):
     kv_group: bytes | None = None  # uint8 per device block, as `device_blocks[i].kv_group` (one group: absent)
 
 
+class Counters(Struct, kw_only=True, omit_defaults=True):
+    """Addition: the server's own tally of the stream at a snapshot's event, folded as a client
+    folds it (kvscope_contract/counters.py), counted from event `since` (0: the stream's start;
+    else its last `reset`). A client that a resync made skip events takes what they counted
+    from here, so its numbers stay those of a client that saw every event."""
+    since: int = 0
+    looked_up_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    recomputes: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    requests: int = 0
+    first_looked_up_tokens: int = 0
+    first_hit_tokens: int = 0
+    generated: int = 0
+    cows: int = 0
+    forks: int = 0
+    finished: int = 0
+    preempted: list[str] = []  # live sequences preempted at least once (their next admission is not a first)
+
+
 class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defaults=True):
     seq: int
     config: PoolConfig
@@ -333,6 +358,7 @@ class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defa
     # Addition, only to clients that asked for `columnar`: the pools and tables as arrays;
     # `device_blocks`, `host_blocks` and every `block_table` / `host_table` are then empty.
     columns: SnapshotColumns | None = None
+    counters: Counters | None = None  # addition: the server's tally at `seq`, where it keeps one
 
 
 class Events(Struct, tag_field="type", tag="events"):
@@ -508,6 +534,8 @@ def encode_snapshot(snap: Snapshot, piece: int = 8192) -> bytes:
         fields = [b'"%s":%s' % (name.encode(), b'"%s"' % base64.b64encode(v) if isinstance(v, bytes) else encode(v))
                   for name in c.__struct_fields__ if (v := getattr(c, name)) is not None]
         out += [b',"columns":{', b",".join(fields), b"}"]
+    if snap.counters is not None:
+        out += [b',"counters":', encode(snap.counters)]
     out.append(b"}")
     return b"".join(out)
 

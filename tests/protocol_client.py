@@ -6,9 +6,16 @@ from __future__ import annotations
 import json
 import time
 
+import msgspec
+
 from kvscope_contract import protocol as p
 from app.history.mirror import Mirror
 from app.link.wire import WireClient
+
+
+def pool_of(msg: dict) -> p.Snapshot:
+    """A snapshot as sent, less the server's counters: the pool alone, as a mirror's `snapshot()` has it."""
+    return msgspec.structs.replace(p.decode_server_message(json.dumps(msg)), counters=None)
 
 
 class Client:

@@ -285,11 +285,11 @@ def export(start: PoolState, events: Iterable[p.AnyEvent], title: str = "KVScope
     return trace.serialize()
 
 
-def export_recording(path: Path) -> bytes:
-
+def export_recording(path: Path) -> tuple[bytes, str]:
+    """The recording's trace, and a note when it was cut short (its whole events are exported)."""
     rec = Recording(path)
     return export(PoolState.from_snapshot(rec.start), (ev for batch in rec.batches for ev in batch),
-                  title=f"KVScope: {path.name}")
+                  title=f"KVScope: {path.name}"), rec.cut_short
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     recording = recording_path(args.recording)
     out = args.output or default_output(recording)
     try:
-        data = export_recording(recording)
+        data, cut_short = export_recording(recording)
     except FileNotFoundError:
         print(f"kvscope-export: no recording {args.recording!r} here, nor bundled with KVScope ({ASSETS})",
               file=sys.stderr)
@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvscope-export: {e}", file=sys.stderr)
         return 2
     out.write_bytes(data)
+    if cut_short:
+        print(f"kvscope-export: note: {cut_short}", file=sys.stderr)
     print(f"wrote {out} ({len(data):,} bytes): open it at https://ui.perfetto.dev")
     return 0
 

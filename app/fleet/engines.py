@@ -203,8 +203,11 @@ class FleetClient(EngineClient):
         return self.history.live if self.history else None
 
     def _on_snapshot(self, snap: p.Snapshot) -> None:
+        before = self.history.live.tally.preemptions if self.history else None
         super()._on_snapshot(snap)
         h = self.history
+        if before is not None and h is not None and h.live.tally.preemptions > before:
+            self.preempted_at = time.time()  # among the events the snapshot skipped, by its counters
         if h is not None:  # a snapshot that does not continue the stream: tokens before it are unknown
             old = self.content
             self.content = ContentTracker.from_state(h.live.state)
@@ -252,6 +255,7 @@ class EngineRow:
     last_event_age_s: float | None = None
     seen_s_ago: float | None = None  # down: since when its numbers are the last seen (they are left out of live totals)
     gaps: int = 0                   # resyncs after missing event numbers, or batches missed (KV events)
+    skipped: int = 0                # the events those resyncs skipped
     unknown_content: int = 0        # cached blocks named by server hash only
 
     @property
@@ -373,7 +377,7 @@ class FleetEngine:
             elif row.state != "live":  # why it went down, then what the retries meet
                 row.error = " · retrying: ".join(dict.fromkeys(x for x in (status.cause, status.last_error) if x))
                 row.seen_s_ago = now - status.since
-            row.gaps = status.resyncs
+            row.gaps, row.skipped = status.resyncs, status.skipped
             if c.hello:
                 row.model = c.hello.engine.model
                 row.api = row.api or c.hello.api_url or ""

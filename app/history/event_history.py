@@ -121,12 +121,10 @@ class EventHistory:
 
     def resync(self, snap: p.Snapshot) -> None:
         """A snapshot in mid-stream: it becomes the live state and a checkpoint, keeping the
-        counters and the history before it."""
+        counters (with what the events it skipped counted, from its own) and the history before it."""
         old = self.live
         self.live = Mirror.from_snapshot(snap)
-        self.live.tally, self.live.finished, self.live.t = old.tally, old.finished, old.t
-        self.live.texts = old.texts
-        self.live.origins = {k: v for k, v in old.origins.items() if k in self.live.state.seqs}
+        self.live.carry_on(old, snap.counters)
         while self.checkpoints and self.checkpoints[-1].last_event >= snap.seq:
             self.checkpoints.pop()
         self.checkpoints.append(self.live.clone())

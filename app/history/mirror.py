@@ -10,10 +10,11 @@ import copy
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 
+import msgspec
 import numpy as np
 
 from kvscope_contract import protocol as p
-from kvscope_contract.counters import EventCounts, hit_rate
+from kvscope_contract.counters import STREAM_COUNTERS, StreamCounts
 from kvscope_contract.state import PoolState
 from app.history import groups
 from app.history.block_text import BlockTexts
@@ -23,30 +24,16 @@ FINISHED_KEPT = 12   # finished requests listed in the tables view
 
 
 @dataclass
-class Tally(EventCounts):
+class Tally(StreamCounts):
     """Counters of the events seen since `since` (the engine's start, this client's attach,
-    a reset, or a clean slate): a client counts only what it saw. Hits, lookups, preemptions
-    and swaps are the contract's `EventCounts` (one fold for every consumer)."""
+    a reset, or a clean slate): a client counts only what it saw, or what the server's snapshot
+    said the events a resync skipped counted. Hits, lookups, preemptions, swaps, requests and
+    tokens are the contract's `StreamCounts` (one fold for every consumer)."""
     since: str = "engine start"
-    requests: int = 0
-    # the same at first admissions only (vLLM's prefix_cache_queries / _hits leave out requests
-    # admitted again after a preemption); `preempted`: live sequences preempted at least once
-    first_looked_up_tokens: int = 0
-    first_hit_tokens: int = 0
-    preempted: set = field(default_factory=set, repr=False)
-    generated: int = 0
-    cows: int = 0
-    forks: int = 0
-    finished: int = 0
     last_step: p.StepDone | None = None
     # (tokens generated, duration_ms) of the last RATE_STEPS engine steps, and the tokens of the step under way
     steps: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS), repr=False)
     step_tokens: int = 0
-
-    @property
-    def first_hit_rate(self) -> float:
-        """Hit tokens over tokens looked up at first admissions: vLLM's own prefix-cache hit rate."""
-        return hit_rate(self.first_hit_tokens, self.first_looked_up_tokens)
 
     def tokens_per_s(self) -> float:
         """Tokens generated per second of the engine's own step time, over the last RATE_STEPS
@@ -58,21 +45,22 @@ class Tally(EventCounts):
     def clone(self) -> Tally:
         return replace(self, steps=deque(self.steps, maxlen=RATE_STEPS), preempted=set(self.preempted))
 
-    def after(self, base: Tally, since: str) -> Tally:
+    def after(self, base: StreamCounts, since: str) -> Tally:
         """What these counters counted after `base` (the same counters read at an earlier event
         of the same slate), labelled `since`; the rate and the last step are this one's."""
         out = replace(self.clone(), since=since)
-        for name in COUNTERS:
+        for name in STREAM_COUNTERS:
             setattr(out, name, getattr(self, name) - getattr(base, name))
         return out
 
     def counted_nothing(self) -> bool:
-        return not any(getattr(self, name) for name in COUNTERS)
+        return not any(getattr(self, name) for name in STREAM_COUNTERS)
 
 
-# the fields that count events (the rest: the rate's window, the last step, who was preempted)
-COUNTERS = tuple(f.name for f in fields(EventCounts)) + (
-    "requests", "first_looked_up_tokens", "first_hit_tokens", "generated", "cows", "forks", "finished")
+def less(server: p.Counters, tally: StreamCounts) -> p.Counters:
+    """The server's counters less a tally's (what the server had counted when the tally began)."""
+    return msgspec.structs.replace(server, preempted=[], **{n: getattr(server, n) - getattr(tally, n)
+                                                            for n in STREAM_COUNTERS})
 
 
 @dataclass
@@ -93,18 +81,45 @@ class Mirror:
     finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))  # Finished, newest last
     t: float = 0.0  # engine time of the last event applied
     texts: BlockTexts = field(default_factory=BlockTexts)  # shared by every copy: see block_text.py
+    # The server's own counters less this tally's: what it had counted when the tally began (None:
+    # the server sends none). Both fold the same events alike, so it stays put between a reset, a
+    # clean slate and a resync; at a resync the tally becomes the snapshot's counters less it.
+    server_base: p.Counters | None = None
 
     @classmethod
     def from_snapshot(cls, snap: p.Snapshot) -> Mirror:
         since = f"you attached (event {snap.seq:,})" if snap.seq else "engine start"
         return cls(PoolState.from_snapshot(snap), Tally(since=since),
-                   texts=BlockTexts(snap.config.block_size, snap.seq))
+                   texts=BlockTexts(snap.config.block_size, snap.seq), server_base=snap.counters)
 
     def start_tally(self, since: str) -> None:
         """Count from here on (a clean slate); the pool itself is untouched."""
         old = self.tally  # the rate is not a counter: it carries on
+        if (b := self.server_base) is not None:  # the server counted on: its count when this tally begins
+            self.server_base = msgspec.structs.replace(b, **{n: getattr(b, n) + getattr(old, n) for n in STREAM_COUNTERS})
         self.tally = Tally(since=since, last_step=old.last_step, steps=deque(old.steps, maxlen=RATE_STEPS),
                            step_tokens=old.step_tokens, preempted=set(old.preempted))
+
+    def carry_on(self, old: Mirror, counters: p.Counters | None) -> None:
+        """This mirror, from a snapshot in mid-stream, carries on from `old` (the live one before it):
+        its counters, finished requests, texts and table origins. `counters`: the snapshot's. What the
+        events skipped counted is taken from them; without them (a server that keeps none) they are lost."""
+        self.tally, self.finished, self.t, self.texts = old.tally.clone(), old.finished, old.t, old.texts
+        self.origins = {k: v for k, v in old.origins.items() if k in self.state.seqs}
+        base = old.server_base
+        if counters is None:
+            self.server_base = None
+            return
+        if base is None:  # from here on, exact
+            self.server_base = less(counters, old.tally)
+        else:
+            if base.since != counters.since:  # a reset among the events skipped: count from it
+                self.tally = Tally(since=f"the reset (event {counters.since:,})", last_step=old.tally.last_step)
+                base = p.Counters(since=counters.since)
+            for name in STREAM_COUNTERS:
+                setattr(self.tally, name, getattr(counters, name) - getattr(base, name))
+            self.server_base = base
+        self.tally.preempted = set(counters.preempted)
 
     @property
     def last_event(self) -> int:
@@ -132,36 +147,22 @@ class Mirror:
         self.t = ev.t
         tl = self.tally
         tl.count(ev, looked_up, hit)
-        first = getattr(ev, "seq_id", None) not in tl.preempted
-        if first:
-            tl.first_looked_up_tokens += looked_up
         match ev:
-            case p.RequestAdded():
-                tl.requests += 1
             case p.Alloc():
                 self.origins.get(ev.seq_id, {}).pop((ev.kv_group, ev.logical_index), None)
             case p.PrefixHit():
-                tl.first_hit_tokens += hit if first else 0
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "prefix_hit"
             case p.Cow():
-                tl.cows += 1
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "cow"
             case p.WindowFree():
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "window_free"
             case p.Fork():
-                tl.forks += 1
                 self.origins[ev.seq_id] = dict(self.origins.get(ev.parent_seq_id, {}))
-            case p.Preempt():
-                tl.preempted.add(ev.seq_id)
-                self.origins.pop(ev.seq_id, None)
-            case p.SwapIn():
+            case p.Preempt() | p.SwapIn():
                 self.origins.pop(ev.seq_id, None)
             case p.Append() if ev.token_ids:
-                tl.generated += len(ev.token_ids)
                 tl.step_tokens += len(ev.token_ids)
             case p.Finish():
-                tl.finished += 1
-                tl.preempted.discard(ev.seq_id)
                 self.origins.pop(ev.seq_id, None)
                 out = before.output_tokens if before else 0
                 self.finished.append(Finished(ev.seq_id, ev.reason, text, out))
@@ -171,6 +172,8 @@ class Mirror:
                 tl.step_tokens = 0
             case p.Reset():
                 self.tally, self.origins = Tally(since=f"the reset (event {ev.seq:,})"), {}
+                if self.server_base is not None:  # the server counts from its reset too
+                    self.server_base = p.Counters(since=ev.seq)
 
     # ------------------------------------------------------------------ derived numbers
     def usage(self, states: np.ndarray | None = None) -> dict:

@@ -43,7 +43,15 @@ class Status:
     last_error: str = ""
     cause: str = ""            # why the last connection ended (kept while retrying: then last_error is the retry's)
     since: float = field(default_factory=time.time)
-    resyncs: int = 0
+    resyncs: int = 0           # snapshots that took the place of events: asked for after a gap, or sent by a server this client fell behind
+    skipped: int = 0           # the events they skipped (their counts come with the snapshot, where the server keeps them)
+
+    def resynced(self) -> str:
+        """'resynced 3 times, 1,204 events skipped', or '' when it never was."""
+        if not self.resyncs:
+            return ""
+        return (f"resynced {self.resyncs:,} time{'s' * (self.resyncs != 1)}, "
+                f"{self.skipped:,} event{'s' * (self.skipped != 1)} skipped")
 
 
 @dataclass(frozen=True)
@@ -220,6 +228,9 @@ class EngineClient:
                                         f"{h.last_event}): the history starts again")
             self.history, self.epoch = self._new_history(snap), self.epoch + 1
         else:
+            if snap.seq > h.last_event or self._awaiting_snapshot:  # events gave way to it
+                self.status.resyncs += 1
+                self.status.skipped += snap.seq - h.last_event
             h.resync(snap)
         for s in snap.seqs:
             self._color(s.seq_id)
@@ -247,7 +258,6 @@ class EngineClient:
 
     def _resync(self, why: str) -> None:
         self._notice("warning", f"{why}: asking the engine for a fresh snapshot")
-        self.status.resyncs += 1
         self._awaiting_snapshot = True
         try:
             self._send_raw(p.SnapshotCmd(id=next(self._ids)))

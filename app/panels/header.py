@@ -29,6 +29,12 @@ VLLM_HIT_RATE = ("vLLM's own prefix_cache_hits / prefix_cache_queries (its /metr
                  "counts every admission, so under preemption it is the higher one.")
 
 
+RESYNC_HELP = ("This dashboard fell behind the engine (or lost its connection), and a snapshot of the pool took the "
+               "place of the events it had not read yet. The pool is exact; the counters include what the skipped "
+               "events counted where the engine says (KVScope's engine and replays do); the timeline and the event "
+               "log have a gap there.")
+
+
 def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, source: Source, died: bool) -> str:
     """The status line, as HTML: the connection, what the source is, and the engine loop's state."""
     what = escape(source.label)
@@ -47,6 +53,8 @@ def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, sou
     if state not in ("connected", "died"):
         text += ((f" · attempt {conn.attempts}" if state == "reconnecting" else "")
                  + (f" · {escape(conn.last_error)}" if conn.last_error else ""))
+    if resynced := conn.resynced():  # events that gave way to a snapshot: the counters say what they counted
+        text += f' · <span title="{escape(RESYNC_HELP)}">{escape(resynced)}</span>'
     if state != "connected":
         text += " · the views show the last state received"
     elif loop.paused:

@@ -38,6 +38,15 @@ class StepResult:
     finished: list[Output]  # sequences that ended in this step
 
 
+def sample_id(request_id: str, index: int) -> str:
+    """The sequence id of a request's sample `index` (0: the request's own)."""
+    return f"{request_id}.{index}" if index else request_id
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    return [sample_id(request_id, i) for i in range(n)]
+
+
 class EngineCore(ABC):
     """Subclasses give the tokens: `_execute` runs a batch (one payload per row that completes
     its tokens), `_sample` picks a sequence's next token from its row's payload, `_stops` says
@@ -107,10 +116,15 @@ class EngineCore(ABC):
         when it cannot run."""
         if not ids:
             raise p.CommandError("invalid_argument", "the prompt has no tokens")
+        taken = self._seq_ids_taken()
         if request_id is None:
-            request_id = next(f"r{i}" for i in self._ids if f"r{i}" not in self.seqs)
+            request_id = next(f"r{i}" for i in self._ids if f"r{i}" not in taken)
         elif self.live_requests[request_id]:
             raise p.CommandError("duplicate_id", f"request {request_id!r} is still running; "
+                                 "pick another request_id or leave it out")
+        if clash := next((x for x in sample_ids(request_id, params.n) if x in taken), None):
+            raise p.CommandError("duplicate_id", f"request {request_id!r} would name a sequence {clash!r}, as a "
+                                 f"running request's sample is named (samples are REQUEST.1, REQUEST.2, ...); "
                                  "pick another request_id or leave it out")
         bm = self.block_manager
         longest = len(ids) + params.max_tokens
@@ -129,7 +143,15 @@ class EngineCore(ABC):
                                      n=params.n, max_tokens=params.max_tokens, prompt_token_ids=list(ids),
                                      prompt_token_texts=self._token_texts(ids)))
         self.scheduler.add(seq)
-        return [request_id] + [f"{request_id}.{i}" for i in range(1, params.n)]
+        return sample_ids(request_id, params.n)
+
+    def _seq_ids_taken(self) -> set[str]:
+        """Every live sequence's id, and those its request's samples will take when they fork."""
+        taken = set(self.seqs)
+        for s in self.seqs.values():
+            if s.seq_id == s.request_id and s.params.n > 1 and not s.num_output_tokens:
+                taken.update(sample_ids(s.request_id, s.params.n))
+        return taken
 
     def abort(self, request_id: str) -> list[Output]:
         """Finish every sequence of a request with reason `abort`."""
@@ -193,7 +215,7 @@ class EngineCore(ABC):
         return finished
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
-        child = Sequence(f"{parent.seq_id}.{index}", parent.request_id, list(parent.token_ids),
+        child = Sequence(sample_id(parent.seq_id, index), parent.request_id, list(parent.token_ids),
                          replace(parent.params, n=1), parent.num_prompt_tokens,
                          num_computed_tokens=parent.num_computed_tokens,
                          host_tables=self.block_manager.new_tables())

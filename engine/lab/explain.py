@@ -31,16 +31,16 @@ REBUILT_NOTE = ("prompts rebuilt from block hashes (the recording has no prompt 
                 "parts from another inside a block shows as cold, not diverged")
 
 
-def explain_recording(path: Path) -> tuple[MissExplainer, int]:
-    """The recording's events folded through the explainer (keeping every admission), and how
-    many prompts were rebuilt from block hashes."""
+def explain_recording(path: Path) -> tuple[MissExplainer, int, str]:
+    """The recording's events folded through the explainer (keeping every admission), how many
+    prompts were rebuilt from block hashes, and a note when the recording was cut short."""
     rec = Recording(path)
     events, rebuilt = with_rebuilt_prompts(rec.start, [ev for batch in rec.batches for ev in batch])
     pool = ExplainedPool.from_snapshot(rec.start, keep=None)
     for ev in events:
         if ev.seq > pool.last_event:
             pool.apply(ev)
-    return pool.explainer, rebuilt
+    return pool.explainer, rebuilt, rec.cut_short
 
 
 def _report(x: MissExplainer, top: int) -> dict:
@@ -57,7 +57,7 @@ def _report(x: MissExplainer, top: int) -> dict:
     }
 
 
-def print_report(name: str, x: MissExplainer, rebuilt: int, top: int, out=sys.stdout) -> None:
+def print_report(name: str, x: MissExplainer, rebuilt: int, top: int, out=sys.stdout, cut_short: str = "") -> None:
     t = x.totals
     say = lambda s="": print(s, file=out)  # noqa: E731
     say(f"{name}: {t.admissions:,} admissions, {t.looked_up:,} tokens looked up in the prefix cache, "
@@ -67,6 +67,8 @@ def print_report(name: str, x: MissExplainer, rebuilt: int, top: int, out=sys.st
             f"({hit_rate(t.first_hit, t.first_looked_up):.1%}); re-admissions after a recompute are `recomputed` below")
     if rebuilt:
         say(f"  note: {rebuilt} {REBUILT_NOTE}")
+    if cut_short:
+        say(f"  note: {cut_short}")
     say()
     off = t.by_reason.get("caching_off", 0)
     say(f"why the other {t.missed:,} tokens missed"
@@ -105,16 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     try:
-        x, rebuilt = explain_recording(args.recording)
+        x, rebuilt, cut_short = explain_recording(args.recording)
     except (OSError, ValueError, msgspec.DecodeError) as e:
         print(f"kvscope-explain: {e}", file=sys.stderr)
         return 2
     what_ifs, notes = ([], []) if args.no_what_if else _what_ifs(args.recording)
     if args.json:
-        doc = _report(x, args.top) | {"prompts_rebuilt": rebuilt, "what_if": what_ifs, "what_if_notes": notes}
+        doc = _report(x, args.top) | {"prompts_rebuilt": rebuilt, "cut_short": cut_short, "what_if": what_ifs,
+                                      "what_if_notes": notes}
         sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
         return 0
-    print_report(args.recording.name, x, rebuilt, args.top)
+    print_report(args.recording.name, x, rebuilt, args.top, cut_short=cut_short)
     if what_ifs:
         print()
         print("what would have hit (a replay of this recording's requests through the lab: the real scheduler "

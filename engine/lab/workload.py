@@ -52,7 +52,10 @@ class Workload:
 # ------------------------------------------------------------------------------ recordings
 def from_recording(path: Path) -> Workload:
     rec = Recording(Path(path))
-    return from_messages(Path(path).name, rec.start, [ev for batch in rec.batches for ev in batch])
+    workload = from_messages(Path(path).name, rec.start, [ev for batch in rec.batches for ev in batch])
+    if rec.cut_short:
+        workload.notes.append(rec.cut_short)
+    return workload
 
 
 def from_messages(name: str, start: p.Snapshot, events: list[p.AnyEvent]) -> Workload:

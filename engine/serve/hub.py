@@ -133,8 +133,9 @@ class Pacing:
 class SnapshotJob:
     """One snapshot on its way to clients: encoded once per encoding, on the hub's worker."""
 
-    def __init__(self, source: SnapshotSource):
+    def __init__(self, source: SnapshotSource, counters: p.Counters | None = None):
         self.source = source
+        self.counters = counters  # the backend's tally at this point, sent with it
         self.frames: dict[bool, asyncio.Future] = {}
 
     def state(self) -> PoolState:
@@ -144,9 +145,13 @@ class SnapshotJob:
 
     def encode(self, columnar: bool) -> bytes:
         if isinstance(self.source, p.Snapshot) and not columnar:
-            return p.encode_snapshot(self.source)
-        state = self.state()
-        return p.encode_snapshot(state.columnar_snapshot() if columnar else state.snapshot())
+            snap = self.source
+        else:
+            state = self.state()
+            snap = state.columnar_snapshot() if columnar else state.snapshot()
+        if self.counters is not None:
+            snap = msgspec.structs.replace(snap, counters=self.counters)
+        return p.encode_snapshot(snap)
 
     def frame(self, columnar: bool, loop: asyncio.AbstractEventLoop, worker: ThreadPoolExecutor) -> asyncio.Future:
         if columnar not in self.frames:
@@ -212,10 +217,13 @@ class Hub:
             else:
                 c.push(frame, EVENTS)
 
-    def deliver_snapshot(self, source: SnapshotSource, everyone: bool = False) -> None:
+    def deliver_snapshot(self, source: SnapshotSource, everyone: bool = False,
+                         counters: p.Counters | None = None) -> None:
         """The state after every event published so far, to the clients waiting for one
-        (everyone: to all); it takes its place in their outboxes now and is encoded later."""
-        job = SnapshotJob(source)
+        (everyone: to all); it takes its place in their outboxes now and is encoded later.
+        `counters`: the backend's tally of the events so far (`StreamCounter`), where it keeps one:
+        a client that skipped events to this snapshot takes their counts from it."""
+        job = SnapshotJob(source, counters)
         if (everyone or self._record_snapshot) and self._recording:
             frame = job.encode(columnar=False)  # in stream order: only when recording
             self._record(frame)

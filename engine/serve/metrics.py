@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from kvscope_contract import protocol as p
-from kvscope_contract.counters import EventCounts
+from kvscope_contract.counters import EventCounts, StreamCounter
 from kvscope_contract.misses import REASONS, MissExplainer
 from kvscope_contract.residency import Mark, Residency
 from kvscope_contract.state import InvariantError, PoolState
@@ -94,6 +94,7 @@ class EngineMetrics:
         self._state = PoolState.from_snapshot(snapshot())
         self._misses = MissExplainer.from_state(self._state, keep=0)
         self._totals = Totals()
+        self._stream = StreamCounter()  # a client's tally, sent with each snapshot (since a reset, unlike these)
         self._residency = Residency(self._residency_sample)
         self._residency.start(self._state, Mark(0, 0.0))
         self._last = Mark(0, 0.0)  # the last event observed: a rebuilt mirror's blocks count from there
@@ -110,6 +111,7 @@ class EngineMetrics:
                     if ev.seq <= state.last_event:  # already in the snapshot the mirror began from
                         continue
                     _count(ev, state, tot)
+                    self._stream.observe(ev, state)
                     if (closed := self._misses.observe(ev, state)) is not None:
                         tot.miss_tokens.update(closed.by_reason())
                     self._residency.apply(ev, state)  # applies it to the mirror
@@ -119,6 +121,11 @@ class EngineMetrics:
                 self._state = PoolState.from_snapshot(self._snapshot())
                 self._misses = MissExplainer.from_state(self._state, keep=0)
                 self._residency.start(self._state, self._last)
+
+    def counters(self) -> p.Counters:
+        """A client's tally of every event observed so far (for a snapshot taken at the last of them)."""
+        with self._lock:
+            return self._stream.wire()
 
     def _residency_sample(self, metric: str, ev: p.Event, since: Mark) -> None:
         self._totals.residency[metric].observe(ev.t - since.t)

@@ -19,6 +19,7 @@ import msgspec
 from engine.serve.cli import add_listen_args, refuse_open_bind, serve_until_signal, setup_logging
 from kvscope_contract import protocol as p
 from kvscope_contract.ready import ready_line, ws_url
+from kvscope_contract.counters import StreamCounter
 from kvscope_contract.recording import Recording
 from kvscope_contract.state import PoolState
 from engine.serve.hub import PACING_COMMANDS, Client, Hub, Pacing
@@ -35,6 +36,7 @@ class Playback:
         self.rec, self.speed, self.loop = rec, speed, loop
         self.hub: Hub | None = None
         self.state = PoolState.from_snapshot(rec.start)
+        self.counter = StreamCounter()  # what a client would tally, for each snapshot
         self.pacing = Pacing()
         self.batches_played = 0
         self._wake = asyncio.Event()
@@ -52,7 +54,7 @@ class Playback:
         return self.pacing.stamp(msgspec.structs.replace(self.rec.hello, replay=True, supports=list(REPLAY_COMMANDS)))
 
     def request_snapshot(self) -> None:
-        self.hub.deliver_snapshot(self.state.clone())  # same loop: after every event so far
+        self.hub.deliver_snapshot(self.state.clone(), counters=self.counter.wire())  # same loop: after every event so far
 
     def handle(self, cmd: p.AnyCommand, client: Client) -> None:
         if not self.pacing.handle(cmd):
@@ -78,6 +80,7 @@ class Playback:
 
     def _play(self, batch: list[p.Event]) -> None:
         for ev in batch:
+            self.counter.observe(ev, self.state)
             self.state.apply(ev)
         self.hub.publish_events(batch)
         self.pacing.stepped(batch)
@@ -103,7 +106,7 @@ class Playback:
                 step, t = batch[-1].step, batch[-1].t
                 self._play(batch)
                 if any(isinstance(ev, p.Reset) for ev in batch):
-                    self.hub.deliver_snapshot(self.state.clone(), everyone=True)
+                    self.hub.deliver_snapshot(self.state.clone(), everyone=True, counters=self.counter.wire())
                 self.batches_played += 1
             if not self.loop:
                 return
@@ -114,7 +117,7 @@ class Playback:
             self._play([reset])
             self.state = PoolState.from_snapshot(self.rec.start)
             self.state.last_event = reset.seq
-            self.hub.deliver_snapshot(self.state.clone(), everyone=True)
+            self.hub.deliver_snapshot(self.state.clone(), everyone=True, counters=self.counter.wire())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,7 @@ class EngineLoop:
             kind, cmd, client = item
             if kind == "snapshot":
                 self._publish()
-                self.hub.call(self.hub.deliver_snapshot, self.engine.capture().state)
+                self.hub.call(self.hub.deliver_snapshot, self.engine.capture().state, False, self.metrics.counters())
             else:
                 try:
                     extra = self._execute(cmd) or {}
@@ -110,7 +110,8 @@ class EngineLoop:
                                                                 id=cmd.id, **extra))
                     if isinstance(cmd, p.ResetCmd):  # the ack, the `reset` event, then a snapshot to all
                         self._publish()
-                        self.hub.call(self.hub.deliver_snapshot, self.engine.capture().state, True)
+                        self.hub.call(self.hub.deliver_snapshot, self.engine.capture().state, True,
+                                      self.metrics.counters())
                 except p.CommandError as e:
                     e.op, e.id = cmd.__struct_config__.tag, cmd.id
                     self.hub.call(self.hub.reply, client, e.to_message())

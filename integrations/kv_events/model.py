@@ -74,7 +74,8 @@ class KVEventsState:
     batches: int = 0
     last_seq: int = -1
     missed: int = 0             # batches skipped in the sequence numbers (dropped by ZMQ)
-    bad_frames: int = 0
+    bad_frames: int = 0         # messages that could not be read, batches that could not be applied
+    restarts: int = 0           # times the publisher's batch numbers went back (a restarted server)
     unknown_events: int = 0
     errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     points: deque[Point] = field(default_factory=lambda: deque(maxlen=5000))
@@ -141,6 +142,16 @@ class KVEventsState:
         self.evicted.move_to_end(node.key)
         while len(self.evicted) > EVICTED_KEPT:
             self.evicted.popitem(last=False)
+
+    def publisher_restarted(self, last: int, seq: int) -> None:
+        """Its numbers went back from `last` to `seq`: a new publisher, whose cache starts empty."""
+        self.caches.clear()
+        self.specs.clear()
+        self.extras.clear()
+        self.last_seq = -1
+        self.restarts += 1
+        self.errors.append(f"the publisher restarted (its batch numbers went back from {last} to {seq}): "
+                           "what it had cached before is dropped")
 
     def bad_frame(self, why: str) -> None:
         self.bad_frames += 1

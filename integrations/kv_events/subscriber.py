@@ -6,7 +6,10 @@
 
 A daemon thread reads the stream into a KVEventsState. With a replay socket it first asks for
 every batch the publisher still buffers, so a late subscriber starts from what is cached.
-Frames that cannot be read are counted; none ends the thread.
+Frames that cannot be read, batches that cannot be applied and ZMQ errors are counted and said
+(`state.errors`); none ends the thread. A publisher that restarts (its batch numbers go back, as
+a restarted vLLM's do) is said too: what it cached before is dropped, and the stream is followed
+anew (from its replay socket, where there is one).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class KVEventsSubscriber:
         self.state = KVEventsState()
         self.connected_at = time.time()
         self.received_at = 0.0
+        self._last_live = -1  # the last batch number heard on the PUB socket
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name=f"kvscope-kv-events {url}", daemon=True)
@@ -63,8 +67,13 @@ class KVEventsSubscriber:
             if self.endpoint.replay:
                 self._replay(0)
             while not self._stop.is_set():
-                if sub.poll(100):
-                    self._take(sub.recv_multipart())
+                try:
+                    if sub.poll(100) and self._take(sub.recv_multipart(), live=True) and self.endpoint.replay:
+                        self._replay(0)  # a restarted publisher: what it sent before this subscriber heard it
+                except zmq.ZMQError as e:  # said, and the stream followed on
+                    with self.lock:
+                        self.state.bad_frame(f"ZMQ: {e}")
+                    self._stop.wait(0.1)
         finally:
             sub.close()
 
@@ -85,18 +94,32 @@ class KVEventsSubscriber:
         finally:
             sock.close()
 
-    def _take(self, frames: list[bytes]) -> None:
+    def _take(self, frames: list[bytes], live: bool = False) -> bool:
+        """Apply one message; True when it shows the publisher restarted (its numbering went back:
+        the state starts over, and this batch waits for the replay where there is one)."""
         try:
             batch = decode_frames(frames)
         except FrameError as e:
             with self.lock:
                 self.state.bad_frame(str(e))
-            return
+            return False
         with self.lock:
+            if live and batch.seq >= 0:
+                restarted = 0 <= batch.seq < self._last_live  # one publisher's live numbers never go back
+                if restarted:
+                    self.state.publisher_restarted(self._last_live, batch.seq)
+                self._last_live = max(batch.seq, self._last_live) if not restarted else batch.seq
+                if restarted and self.endpoint.replay:
+                    return True
             if 0 <= batch.seq <= self.state.last_seq:
-                return  # already seen (the replay overlaps the live stream)
-            self.state.apply(batch)
+                return False  # already seen (the replay overlaps the live stream)
+            try:
+                self.state.apply(batch)
+            except Exception as e:  # a batch that decodes but cannot be followed: said, the stream goes on
+                self.state.bad_frame(f"batch {batch.seq} could not be applied, skipped "
+                                     f"({type(e).__name__}: {e})")
             self.received_at = time.time()
+        return False
 
     def close(self) -> None:
         self._stop.set()

@@ -1,9 +1,16 @@
 """The hub backend inside vLLM's engine core: the observer's events out, commands in.
 
-Events leave the engine core's thread in one hand-off per scheduler call (a deque and a wake-up
-of the hub's loop); the loop adds each sampled token's text and publishes. A snapshot takes the
-observer's lock, publishes what is queued, and reads vLLM's structures: between two scheduler
-calls they say exactly what the events so far say.
+Nothing here may hurt vLLM. The observer's hooks go in only once the server listens (`start`:
+a plugin that cannot serve installs none, keeps no prompt, queues nothing), and a hook that fails
+takes them all out and says so once (the clients are closed with the reason; vLLM runs on).
+Events leave the engine core's thread in one hand-off per scheduler call into a bounded queue
+(MAX_QUEUED_BATCHES: past it the queue is dropped and every client gets a fresh snapshot), with
+at most one wake-up of the hub's loop pending; the loop adds each sampled token's text and
+publishes. A snapshot takes the observer's lock only to publish what is queued and copy what it
+reads of vLLM's structures (between two scheduler calls they say exactly what the events so far
+say); the pool is built from the copy on the hub's worker thread. Snapshots are coalesced: at
+most one is pending, and one is taken at most every SNAPSHOT_INTERVAL_S, however many clients
+connect or ask (a dashboard reconnecting in a loop costs vLLM a copy five times a second at most).
 
 The engine core runs as a child of vLLM's API server, which alone sends it requests. When that
 parent dies (killed, crashed) the engine core lives on as an orphan nobody can use: the backend
@@ -20,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -29,13 +37,17 @@ from kvscope_contract import protocol as p
 from engine.core.detokenizer import Detokenizer
 from engine.serve.hub import Client, Hub
 from integrations.vllm.forward import Forwarder, Submission
-from integrations.vllm.observer import VLLM_NULL_BLOCK, PoolObserver, kv_groups, request_group
+from integrations.vllm.observer import VLLM_NULL_BLOCK, PoolObserver, build, kv_groups, request_group
+from kvscope_contract.state import PoolState
 
 log = logging.getLogger("kvscope")
 PARENT_POLL_S = 0.5
 FLUSH_S = 2.0        # for the replies queued to clients before their connections close
 ORPHAN_EXIT_S = 30.0  # after SIGTERM, then SIGKILL
 CLOSE_GOING_AWAY = 1001
+CLOSE_INTERNAL_ERROR = 1011
+MAX_QUEUED_BATCHES = 1024   # scheduler calls' events waiting for the hub's loop; past it they give way to a snapshot
+SNAPSHOT_INTERVAL_S = 0.2   # at most one snapshot of vLLM's pool this often, shared by every client waiting
 
 
 @dataclass
@@ -85,14 +97,22 @@ class VllmBackend:
         self.texts: dict[str, _Text] = {}
         self.tokenizer = None
         self.forwarder = Forwarder(api_url, self.info.model)
-        self.observer = PoolObserver(scheduler, self._queue)
+        self.scheduler = scheduler
+        self.observer: PoolObserver | None = None  # hooked in once the server listens (start)
         self._resync_due = False
+        self._flush_due = False       # a wake-up of the loop is pending (set under the observer's lock)
+        self._snapshot_due = False    # a snapshot is pending on the loop
+        self._last_snapshot = 0.0
+        self.dropped_batches = 0      # hand-offs the loop fell too far behind on (a snapshot replaced them)
         self._next_id = 0
         self.stop_serving: Callable[[], None] | None = None  # the plugin's: stop listening (any thread)
 
     # ------------------------------------------------------------------ Backend
     def start(self, hub: Hub) -> None:
+        """Called once the server listens: only now are vLLM's methods wrapped (UnsupportedEngine
+        if they cannot be, and the server stops: nothing stays hooked)."""
         self.hub = hub
+        self.observer = PoolObserver(self.scheduler, self._queue, self._detached)
         threading.Thread(target=self._load_tokenizer, name="kvscope-tokenizer", daemon=True).start()
         self._flush()
         if (parent := multiprocessing.parent_process()) is not None:  # None: an engine core in-process
@@ -106,7 +126,19 @@ class VllmBackend:
                        api_url=self.forwarder.base_url)
 
     def request_snapshot(self) -> None:
-        self.hub.deliver_snapshot(self._snapshot())
+        """Coalesced: the clients waiting share the next snapshot, taken SNAPSHOT_INTERVAL_S after
+        the last at the soonest."""
+        if self._snapshot_due:
+            return
+        self._snapshot_due = True
+        wait = max(0.0, self._last_snapshot + SNAPSHOT_INTERVAL_S - time.monotonic())
+        self.hub.loop.call_later(wait, self._deliver_snapshot)
+
+    def _deliver_snapshot(self) -> None:
+        self._snapshot_due = False
+        self._last_snapshot = time.monotonic()
+        if not self.observer.detached:
+            self.hub.deliver_snapshot(self._snapshot())
 
     def handle(self, cmd: p.AnyCommand, client: Client) -> None:
         match cmd:
@@ -124,29 +156,49 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ events
     def _queue(self, events: list[p.Event]) -> None:
-        """The engine core's thread, under the observer's lock: hand the batch to the loop."""
+        """The engine core's thread, under the observer's lock: hand the batch to the loop (at most
+        MAX_QUEUED_BATCHES wait: a loop that far behind gets a snapshot in their place)."""
+        if len(self.batches) >= MAX_QUEUED_BATCHES:
+            self.dropped_batches += len(self.batches)
+            self.batches.clear()
+            self.observer.prompts.clear()  # the prompts of requests whose `request_added` was dropped
+            self.observer.diverged = True
         self.batches.append(events)
         if self.observer.diverged:
             self._resync_due = True
-        if self.hub is not None and self.hub.loop is not None:
+        if not self._flush_due:
+            self._flush_due = True
             self.hub.call(self._flush)
 
     def _flush(self) -> None:
+        with self.observer.lock:
+            self._flush_due = False
         self._publish_queued()
         if self._resync_due:
             self._resync_due = False
             self.hub.deliver_snapshot(self._snapshot(rebase=True), everyone=True)
 
-    def _snapshot(self, rebase: bool = False) -> p.Snapshot:
+    def _snapshot(self, rebase: bool = False):
+        """The pool after every event published so far: copied under the observer's lock, built
+        on the hub's worker (a callable), or here when the diffs must start again from it (rebase)."""
         with self.observer.lock:
             self._publish_queued()
-            state = self.observer.live_state(self.config)
-            if rebase or self.observer.diverged:
+            rebase = rebase or self.observer.diverged
+            captured = self.observer.capture()
+            if rebase:
+                state = build(self.config, captured)
                 self.observer.rebase(state)
-        for seq_id, s in state.seqs.items():
-            if (t := self.texts.get(seq_id)) is not None:
-                s.text = t.text
-        return state.snapshot()
+        if rebase:  # the texts of sequences whose `finish` a dropped queue took
+            self.texts = {k: v for k, v in self.texts.items() if k in state.seqs}
+        texts = {seq_id: t.text for seq_id, t in self.texts.items()}
+
+        def pool() -> PoolState:
+            out = state if rebase else build(self.config, captured)
+            for seq_id, s in out.seqs.items():
+                if (text := texts.get(seq_id)) is not None:
+                    s.text = text
+            return out
+        return pool() if rebase else pool
 
     def _publish_queued(self) -> None:
         while self.batches:
@@ -179,6 +231,22 @@ class VllmBackend:
                                                            trust_remote_code=mc.trust_remote_code)
         except Exception as e:  # text is a nicety: the pool is what the plugin is for
             log.warning("kvscope: no tokenizer (%s); appends carry token ids without text", e)
+
+    def _detached(self, why: str) -> None:
+        """The engine core's thread: a hook failed and the observer took every hook out. Said once,
+        in vLLM's log and to every client (closed with the reason); no new client is taken."""
+        print(f"[kvscope] {why}: the plugin detached from vLLM, which runs on unobserved", file=sys.stderr,
+              flush=True)
+        self.batches.clear()
+        if self.hub is not None and self.hub.loop is not None:
+            self.hub.call(lambda: self.hub.loop.create_task(self._close_all(f"{why}; vLLM runs on, unobserved")))
+
+    async def _close_all(self, why: str) -> None:
+        reason = why.encode()[:120].decode(errors="ignore")  # a close reason holds 123 bytes
+        await asyncio.gather(*(c.ws.close(CLOSE_INTERNAL_ERROR, reason) for c in list(self.hub.clients)),
+                             return_exceptions=True)
+        if self.stop_serving is not None:
+            self.stop_serving()
 
     # ------------------------------------------------------------------ its API server
     async def _watch_parent(self, pid: int) -> None:

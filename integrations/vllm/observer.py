@@ -23,7 +23,10 @@ NULL_BLOCK in the protocol's. A table change reads the request's table in that g
 emits only the difference, so vLLM's code runs unchanged. A change the protocol cannot express
 (a KV connector's deferred free, copy-on-write of a partial hit) marks the stream `diverged`;
 the backend then sends every client a fresh snapshot built from vLLM's own structures.
-Everything here runs on the engine core's thread, under `lock`, which a snapshot also takes.
+Everything here runs on the engine core's thread, under `lock`, which a snapshot also takes
+only to copy what it reads (`capture`; the pool is built from the copy off the lock, `build`).
+The observer never hurts vLLM: its hooks run around vLLM's methods, never instead of them, and
+the first one that fails puts every wrapped method back and says so once (`on_detach`).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -150,13 +154,17 @@ def _finish_reason(request) -> p.FinishReason:
 
 
 class PoolObserver:
-    def __init__(self, scheduler, on_batch: Callable[[list[p.Event]], None]):
+    def __init__(self, scheduler, on_batch: Callable[[list[p.Event]], None],
+                 on_detach: Callable[[str], None] = lambda why: None):
         kvm = scheduler.kv_cache_manager
         check_engine(scheduler)
         check_hooks(hooked_objects(scheduler))
         self.scheduler, self.kvm, self.pool = scheduler, kvm, kvm.block_pool
         self.managers = list(kvm.coordinator.single_type_managers)  # one per KV-cache group, in group order
         self.on_batch = on_batch  # receives each call's events, in order, under the lock
+        self.on_detach = on_detach  # told once, why, when a hook failed and every hook was taken out
+        self.detached = False
+        self._wrapped: list[tuple[Any, str, Any]] = []  # (object, method name, its original), to put back
         self.lock = threading.Lock()
         self.log = EventLog()
         self.diverged = False
@@ -203,29 +211,75 @@ class PoolObserver:
               around: Callable | None = None, top: bool = False) -> None:
         """Replace `obj.name` on the instance by a call that runs `before`/`after` hooks (given
         the same arguments), or `around(original, *args)`; `top`: an entry point of a scheduler
-        step, run under the lock and followed by a hand-off of its events."""
+        step, run under the lock and followed by a hand-off of its events. vLLM's own method runs
+        exactly once and its errors are its own; a hook's failure detaches the observer (`_guard`)."""
         original = getattr(obj, name)
+        self._wrapped.append((obj, name, original))
 
         def hooked(*args, **kwargs):
+            if self.detached:
+                return original(*args, **kwargs)
             if top:
                 with self.lock:
                     try:
                         return _call(args, kwargs)
                     finally:
-                        self._hand_off()
+                        self._guard(self._hand_off)
             return _call(args, kwargs)
 
         def _call(args, kwargs):
             if around is not None:
-                return around(original, *args, **kwargs)
+                return self._around(around, original, args, kwargs)
             if before is not None:
-                before(*args, **kwargs)
+                self._guard(before, *args, **kwargs)
             out = original(*args, **kwargs)
             if after is not None:
-                after(*args, **kwargs)
+                self._guard(after, *args, **kwargs)
             return out
 
         setattr(obj, name, hooked)
+
+    def _guard(self, hook: Callable, *args, **kwargs) -> None:
+        """Run one of the observer's hooks: its failure never reaches vLLM's step, it detaches."""
+        if self.detached:
+            return
+        try:
+            hook(*args, **kwargs)
+        except Exception as e:
+            self._detach(e)
+
+    def _around(self, around: Callable, original: Callable, args, kwargs):
+        """`around(original, ...)`, guarded: vLLM's method runs once whatever the hook does."""
+        if self.detached:
+            return original(*args, **kwargs)
+        ran: list = []  # [None] once vLLM's method was entered, then [None, its result]
+
+        def call(*a, **k):
+            ran.append(None)
+            out = original(*a, **k)  # its errors are vLLM's own: they propagate
+            ran.append(out)
+            return out
+        try:
+            return around(call, *args, **kwargs)
+        except Exception as e:
+            if len(ran) == 1:  # vLLM's method raised
+                raise
+            self._detach(e)
+            return ran[1] if ran else original(*args, **kwargs)
+
+    def _detach(self, error: Exception) -> None:
+        """Put back every method wrapped, drop what was kept, and say so once: vLLM runs on, unobserved."""
+        if self.detached:
+            return
+        self.detached = True
+        for obj, name, original in reversed(self._wrapped):
+            setattr(obj, name, original)
+        self.log.drain()
+        self.prompts.clear()
+        self.tables.clear()
+        why = f"a KVScope hook failed ({type(error).__name__}: {error})"
+        log.error("kvscope: %s; the plugin detached from vLLM, which runs on unobserved", why, exc_info=error)
+        self.on_detach(why)
 
     def _emit(self, ev: p.Event) -> None:
         self.log.emit(ev)
@@ -434,6 +488,11 @@ class PoolObserver:
     def live_state(self, config: p.PoolConfig) -> PoolState:
         """The pool as vLLM's structures hold it now (call under `lock`), numbered after the
         last event emitted: what a client applying every event must have."""
+        return build(config, self.capture())
+
+    def capture(self) -> Captured:
+        """A copy of what `live_state` reads of vLLM (call under `lock`): plain lists, so the pool
+        is built from it after the lock is let go and vLLM's next step goes on meanwhile."""
         pool, s = self.pool, self.scheduler
         n = len(pool.blocks)
         ref = [0 if blk.is_null else blk.ref_cnt for blk in pool.blocks]
@@ -447,8 +506,7 @@ class PoolObserver:
                           for m in self.managers], [[] for _ in self.managers], self._processed(req),
                          req.num_prompt_tokens, len(req.output_token_ids), req.max_tokens)
                 for rid, req in s.requests.items() if rid in self.tables]
-        return PoolState.build(config, self.log.seq, ref, hash_columns(hashes), seqs,
-                               groups if len(self.managers) > 1 else None)
+        return Captured(self.log.seq, ref, hashes, groups if len(self.managers) > 1 else None, seqs)
 
     def rebase(self, state: PoolState) -> None:
         """Take `state` (vLLM's, from `live_state`) as what the clients now hold: after a
@@ -463,6 +521,21 @@ class PoolObserver:
         self.hash_group = {b: int(state.kv_group[b]) for b in self.hashes}
         self.cached_free = sum(1 for b in self.hashes if state.ref_counts[b] == 0)
         self.diverged = False
+
+
+@dataclass
+class Captured:
+    """What a snapshot reads of vLLM, copied under the observer's lock."""
+    seq: int
+    ref: list[int]
+    hashes: list[str | None]
+    groups: list[int] | None
+    seqs: list[SeqState]
+
+
+def build(config: p.PoolConfig, c: Captured) -> PoolState:
+    """The pool a capture describes (off the lock: the numpy work)."""
+    return PoolState.build(config, c.seq, c.ref, hash_columns(c.hashes), c.seqs, c.groups)
 
 
 def blocks_ref(pool, b: int) -> int:

@@ -3,6 +3,8 @@ restarts, resynchronises after a gap, explains a refused token, and reads big sn
 from __future__ import annotations
 
 
+import threading
+
 import pytest
 
 from kvscope_contract import protocol as p
@@ -83,3 +85,60 @@ def test_snapshots_larger_than_a_megabyte_arrive(client_and_server):
     wait(lambda: c.view() is not None, 30, "the big snapshot")
     assert len(p.encode(c.view().mirror.state.snapshot())) > 1 << 20
     assert c.view().mirror.config.num_device_blocks == 24000
+
+
+TALLIED = ("requests", "finished", "generated", "looked_up_tokens", "hit_tokens", "first_looked_up_tokens",
+           "first_hit_tokens", "preemptions", "recomputes", "swap_outs", "swap_ins", "cows", "forks")
+
+
+class Stalled(EngineClient):
+    """A dashboard's client that stops reading (a busy browser session, a slow link) while
+    `reading` is clear (no keepalive: a stopped reader would miss its pongs and drop the link)."""
+    PING_INTERVAL_S = PING_TIMEOUT_S = None
+
+    def __init__(self, url: str):
+        self.reading = threading.Event()
+        self.reading.set()
+        super().__init__(url)
+
+    def _on_frame(self, frame) -> None:
+        self.reading.wait()
+        super()._on_frame(frame)
+
+
+def test_a_slow_clients_tallies_equal_a_fast_ones(tiny, serve_engine):
+    """A client that stops reading while events flow is resynchronised by the engine with a
+    snapshot in place of its queued events; the snapshot carries the engine's own counters, so
+    once it reads again its header's numbers (requests, tokens, hits, preemptions, ...) are those
+    of a client that read every event, and it says how many times and events it skipped."""
+    from engine.config import EngineConfig
+    from engine.model.engine import LLMEngine
+    from app.link.source import Source
+    from app.panels.header import status
+
+    cfg = EngineConfig(model="tiny", pool=p.PoolConfig(num_device_blocks=48, num_host_blocks=0))
+    srv = serve_engine(LLMEngine(cfg, tiny), max_queued_events=8)
+    fast, slow = EngineClient(srv.url), Stalled(srv.url)
+    try:
+        wait(lambda: fast.view() is not None and slow.view() is not None, what="both attached")
+        slow.reading.clear()
+        prompt = " ".join(["the same long system prompt"] * 12)
+        for i in range(8):  # 8 x (~60 + 400 tokens) in 48 blocks of 16: they preempt each other, and
+            # their events outgrow what the kernel and the client's queue buffer (a few hundred KB)
+            assert isinstance(fast.wait_reply(fast.send(p.Submit(prompt=f"{prompt} {i}", max_tokens=400,
+                                                                 ignore_eos=True)), 30), p.Ack)
+        wait(lambda: fast.view().mirror.tally.finished == 8, 240, "every request finished")
+        assert any(c.resyncs for c in srv.hub.clients)
+        slow.reading.set()
+        wait(lambda: slow.bounds() == fast.bounds() or slow.history.last_event == fast.history.last_event,
+             60, "the slow client caught up")
+        a, b = fast.view().mirror.tally, slow.view().mirror.tally
+        assert {n: getattr(b, n) for n in TALLIED} == {n: getattr(a, n) for n in TALLIED}
+        assert a.preemptions > 0 and a.hit_tokens > 0 and a.finished == 8
+        assert fast.status.resyncs == 0 and slow.status.resyncs >= 1 and slow.status.skipped > 0
+        line = status(slow.status, slow.hello, slow.loop, slow.url, Source("attach", url=srv.url), False)
+        assert f"resynced {slow.status.resyncs} time" in line and f"{slow.status.skipped:,} events skipped" in line
+    finally:
+        fast.close()
+        slow.reading.set()
+        slow.close()

@@ -21,7 +21,8 @@ from engine.serve.replay import Playback
 from kvscope_contract.recording import Recording
 from kvscope_contract.invariants import check_invariants
 from kvscope_contract.state import PoolState
-from tests.protocol_client import Client
+from kvscope_contract.counters import STREAM_COUNTERS
+from tests.protocol_client import Client, pool_of
 from tests.prompts import SYSTEM
 
 
@@ -76,7 +77,7 @@ def test_a_client_that_stops_reading_is_resynchronised_while_others_stream(make_
     # after the resync its mirror continues from the snapshot's seq: it matches a fresh one
     slow.request(op="pause")
     fresh = slow.request(op="snapshot") and slow.sync(lambda m: m["type"] == "snapshot")
-    assert slow.state.snapshot() == p.decode_server_message(json.dumps(fresh))
+    assert slow.state.snapshot() == pool_of(fresh)
     assert srv.backend.steps_run > start + 1000
 
 
@@ -256,9 +257,13 @@ def test_a_mirroring_client_holds_exactly_what_a_fresh_snapshot_says(make_server
     c.until(lambda: not c.state.seqs and c.kinds["finish"] >= 13, timeout=120)
     check_invariants(c.state)
     assert {"prefix_hit", "cached", "fork", "cow", "preempt", "swap_out", "swap_in"} <= set(c.kinds)
-    assert mid == p.decode_server_message(json.dumps(fresh))
+    assert mid == pool_of(fresh)
+    tally = c.wire.mirror.tally  # what this client counted since `fresh` (its mirror starts at each snapshot)
     end = c.request(op="snapshot") and c.sync(lambda m: m["type"] == "snapshot")
-    assert c.state.snapshot() == p.decode_server_message(json.dumps(end))
+    assert c.state.snapshot() == pool_of(end)
+    # the server's counters fold every kind of event as the client does: their growth is its tally
+    assert {k: end["counters"].get(k, 0) - fresh["counters"].get(k, 0) for k in STREAM_COUNTERS} == \
+        {k: getattr(tally, k) for k in STREAM_COUNTERS} and tally.preemptions and tally.swap_ins
 
 
 def run_replay(path, speed: float = 1.0, loop: bool = False):
@@ -304,7 +309,10 @@ def test_replay_pauses_steps_and_loops(tmp_path, make_server):
     last = v.state.last_event
     v.request(op="pause")
     fresh = v.request(op="snapshot") and v.sync(lambda m: m["type"] == "snapshot")
-    assert fresh["seq"] >= last and v.state.snapshot() == p.decode_server_message(json.dumps(fresh))
+    assert fresh["seq"] >= last and v.state.snapshot() == pool_of(fresh)
+    # the replay's own tally, sent with it, counts the pass since its `reset`
+    reset = next(ev for ev in v.events if isinstance(ev, p.Reset))
+    assert fresh["counters"]["since"] == reset.seq and fresh["counters"]["requests"] == 1
     replaying.stop()
 
 

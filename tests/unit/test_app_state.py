@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvscope_contract import protocol as p
@@ -18,7 +19,8 @@ from engine.core.sequence import SamplingParams
 from kvscope_contract.state import PoolState
 from app.panels import eventlog, grid
 from app.history.event_history import EventHistory
-from app.history.mirror import COUNTERS, Mirror
+from app.history.mirror import Mirror
+from kvscope_contract.counters import STREAM_COUNTERS as COUNTERS, StreamCounter
 from app.derived.scenarios import SCENARIOS
 from app.link.source import Source, from_command_line, python_for
 
@@ -131,6 +133,38 @@ def test_counters_after_an_earlier_reading_are_what_was_counted_since(recorded):
         assert getattr(since, name) == getattr(late.tally, name), name
     assert since.looked_up_tokens < m.tally.looked_up_tokens and not since.counted_nothing()
     assert m.tally.after(m.tally, "now").counted_nothing()
+
+
+def test_a_resync_takes_what_the_skipped_events_counted_from_the_snapshots_counters(recorded):
+    """A client that skipped events (a resync after it fell behind) ends with the counters of one
+    that applied them all, a clean slate before the gap kept; across a skipped `reset` it counts
+    from the reset, as the other does."""
+    first, events, _ = recorded
+    last = events[-1]
+    reset = p.Reset(config=first.config, seq=last.seq + 1, step=last.step + 1, t=last.t)
+    server, counter, snaps = PoolState.from_snapshot(first), StreamCounter(), {}
+    for ev in [*events, reset]:  # the server's side: the pool and its tally at each event
+        counter.observe(ev, server)
+        server.apply(ev)
+        if ev.seq in (events[len(events) // 2].seq, reset.seq):
+            snaps[ev.seq] = msgspec.structs.replace(server.snapshot(), counters=counter.wire())
+    start = msgspec.structs.replace(first, counters=StreamCounter().wire())
+    full, gappy = EventHistory(start), EventHistory(start)
+    quarter, half = len(events) // 4, len(events) // 2
+    numbers = lambda h: {n: getattr(h.live.tally, n) for n in COUNTERS}
+    for ev in events[:quarter]:
+        full.append(ev), gappy.append(ev)
+    full.clean_slate(), gappy.clean_slate()
+    for ev in events[quarter:half + 1]:
+        full.append(ev)
+    gappy.resync(snaps[events[half].seq])
+    for ev in events[half + 1:]:
+        full.append(ev), gappy.append(ev)
+    assert numbers(gappy) == numbers(full) and full.live.tally.preemptions and full.live.tally.finished
+    assert gappy.live.tally.since == full.live.tally.since == f"the clean slate (event {events[quarter - 1].seq:,})"
+    full.append(reset)
+    gappy.resync(snaps[reset.seq])
+    assert numbers(gappy) == numbers(full) and gappy.live.tally.since == full.live.tally.since
 
 
 def test_usage_compares_contiguous_reservation_with_paging(recorded):

@@ -173,6 +173,27 @@ def test_abort_and_finish_free_every_block(tiny):
     assert [o.finish_reason for o in finished] == ["length"]
 
 
+def test_a_request_id_that_collides_with_a_samples_id_is_refused_either_way(tiny):
+    """Samples of a request are named REQUEST.1, ...: a request named like one (before or after
+    the fork) is refused, and so is a request whose samples would take a running request's id;
+    the stream never holds two sequences of one id."""
+    engine = make(tiny, num_device_blocks=64)
+    fam = engine.add_request("hi there", SamplingParams(max_tokens=20, n=3, temperature=1.0, seed=1,
+                                                        ignore_eos=True), request_id="fam")
+    assert fam == ["fam", "fam.1", "fam.2"]
+    engine.add_request("alone", SamplingParams(max_tokens=20, ignore_eos=True), request_id="solo.1")
+    for forked in (False, True):  # before the fork (the samples are only promised), then after
+        for rid, n in (("fam.2", 1), ("solo", 2)):
+            with pytest.raises(p.CommandError) as e:
+                engine.add_request("x", SamplingParams(max_tokens=2, n=n, temperature=1.0), request_id=rid)
+            assert e.value.code == "duplicate_id" and "sample" in e.value.message, (rid, forked)
+        engine.step()
+    assert {"fam.1", "fam.2", "solo.1"} <= set(engine.seqs)
+    assert engine.add_request("x", SamplingParams(max_tokens=2), request_id="fam.3") == ["fam.3"]  # not a sample
+    run_to_end(engine)
+    assert engine.add_request("x", SamplingParams(max_tokens=2, n=2), request_id="solo") == ["solo", "solo.1"]
+
+
 def test_requests_that_can_never_fit_are_refused(tiny):
     engine = make(tiny, block_size=4, num_device_blocks=8)
     with pytest.raises(p.CommandError) as e:

@@ -203,6 +203,32 @@ def test_a_late_subscriber_catches_up_through_replay_then_follows_the_live_strea
         pub.close()
 
 
+def test_a_restarted_publisher_is_said_and_followed_anew():
+    """A restarted vLLM numbers its batches from 0 again and caches nothing from before: the
+    subscriber says so, drops the old cache and follows the new stream (it ignored every batch up
+    to the old last number, as replayed overlap), with and without a replay socket."""
+    for replay in (True, False):
+        pub = Publisher()
+        try:
+            url = f"tcp://127.0.0.1:{pub.port}?topic=kv" + (f"&replay=tcp://127.0.0.1:{pub.replay_port}" if replay else "")
+            sub = KVEventsSubscriber(url)
+            try:
+                seq = iter(range(1000))
+                wait(lambda: (pub.send(next(seq), [stored_map([H1])]), cached(sub))[1], 10, "the first publisher")
+                pub.send(next(seq), [stored_map([H2], parent=H1)])
+                wait(lambda: vllm_hash_hex(H2) in cached(sub), 10, "its second batch")
+                pub.buffer.clear()  # a new publisher: numbers from 0, an empty replay buffer
+                pub.send(0, [stored_map([H3])])
+                wait(lambda: cached(sub) == {vllm_hash_hex(H3)}, 10, "the new publisher's cache alone")
+                assert sub.state.restarts == 1 and "the publisher restarted" in sub.state.errors[-1]
+                pub.send(1, [stored_map([H1])])
+                wait(lambda: cached(sub) == {vllm_hash_hex(H3), vllm_hash_hex(H1)}, 10, "its next batch")
+            finally:
+                sub.close()
+        finally:
+            pub.close()
+
+
 def test_a_topic_filter_ignores_other_topics():
     pub = Publisher(topic=b"other")
     try:

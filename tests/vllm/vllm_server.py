@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from app.link.source import ROOT, VLLM_PYTHON
 from kvscope_contract.ready import free_ports
-from kvscope_contract.ready import ready_url
+from kvscope_contract.ready import ready_url, refused_reason
 
 # the same hash seed on every server here, so that their block hashes agree (docs/fleet.md); dev
 # mode for /reset_prefix_cache
@@ -44,6 +44,8 @@ class VllmServer:
     args: list = field(default_factory=list)  # more `vllm serve` flags
     lines: deque = field(default_factory=lambda: deque(maxlen=5000))
     proc: subprocess.Popen | None = None
+    plugin: str = "serves"      # or "refuses" (its port taken: up once vLLM is and it said why), or "off"
+    refused: str = ""           # why it said it does not observe
 
     def start(self, timeout: float = 600, tries: int = 2) -> VllmServer:
         """Start it; once more on fresh ports if it dies while starting (seen once in a clean
@@ -64,6 +66,7 @@ class VllmServer:
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
         env = {**os.environ, "KVSCOPE_PORT": "0", "PYTHONUNBUFFERED": "1", **self.env}
+        self.refused = ""
         self.proc = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "integrations.vllm.serve", self.model, "--port", str(port),
              "--num-blocks", str(self.num_blocks), "--", "--kv-events-config", json.dumps(events), *self.args],
@@ -71,7 +74,8 @@ class VllmServer:
             stderr=subprocess.STDOUT, text=True, errors="replace")
         threading.Thread(target=self._follow, daemon=True).start()
         deadline = time.monotonic() + timeout
-        while not (self.ws and self._api_up()):
+        plugin_up = {"serves": lambda: self.ws, "refuses": lambda: self.refused, "off": lambda: True}[self.plugin]
+        while not (plugin_up() and self._api_up()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("vLLM did not come up:\n" + "\n".join(list(self.lines)[-40:]))
@@ -83,6 +87,8 @@ class VllmServer:
             self.lines.append(line.rstrip())
             if not self.ws and (url := ready_url(line)):
                 self.ws = url
+            if not self.refused and (why := refused_reason(line)):
+                self.refused = why
 
     def _api_up(self) -> bool:
         try:
