@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import streamlit as st
 
 from kvscope_contract import protocol as p
+from app.link import gate
 from app.link.client import EngineClient
 from app.link.launcher import ServerProcess
 from app.link.source import Source, python_for
@@ -100,6 +101,7 @@ def resolve(source: Source) -> tuple[EngineClient | None, Hosted | None]:
 def restart(source: Source, dead: ServerProcess | None = None) -> None:
     """Start the child server of `source` again (attached engines: reconnect afresh); `dead`:
     only if that process is still its child."""
+    gate.check()
     if source.kind == "attach":
         attached.clear(source.url, source.token)
     else:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import signal
 import sys
 
 from engine.serve.hub import Hub
+from kvscope_contract.access import is_loopback
 
 log = logging.getLogger("kvscope")
 DEFAULT_PORT = 8765
@@ -25,15 +25,6 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
     # websockets logs every connection, each /metrics scrape included: keep only its warnings
     logging.getLogger("websockets").setLevel(logging.WARNING)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def refuse_open_bind(host: str, token: str | None) -> bool:
