@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 from engine.serve.hub import Hub
-from kvscope_contract.access import is_loopback
+from kvscope_contract.access import TOKEN_ENV, VIEW_TOKEN_ENV, is_loopback
 
 log = logging.getLogger("kvscope")
 DEFAULT_PORT = 8765
@@ -18,7 +19,11 @@ DEFAULT_PORT = 8765
 def add_listen_args(ap: argparse.ArgumentParser, port: int = DEFAULT_PORT) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=port, help="0 picks a free port")
-    ap.add_argument("--token", default=None, help="required of clients; needed to bind beyond loopback")
+    ap.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                    help=f"required of clients; needed to bind beyond loopback (or ${TOKEN_ENV}: `ps` shows no environment)")
+    ap.add_argument("--view-token", default=os.environ.get(VIEW_TOKEN_ENV) or None,
+                    help=f"with a token: a second one that only views (events, /metrics), never commands "
+                         f"(or ${VIEW_TOKEN_ENV})")
 
 
 def setup_logging() -> None:
