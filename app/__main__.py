@@ -1,7 +1,8 @@
 """`kvscope [ARGS]` (or `python -m app`): the dashboard, as `streamlit run app/main.py -- ARGS`.
 
 ARGS are the dashboard's own (app/link/source.py): `--engine ws://...`, `--replay FILE`, or flags
-for the embedded engine; `--share` listens beyond loopback, for a room of viewers and a presenter. Streamlit's options come from the environment (STREAMLIT_SERVER_PORT=...).
+for the embedded engine; `--share` listens beyond loopback, for a room of viewers and a presenter.
+Streamlit's options come from the environment (STREAMLIT_SERVER_PORT=...).
 """
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ builds its command here: `kvscope` and `make run` (app/__main__.py), `make run-f
 (tools/fleet_demo.py), the headless tools and tests (tools/launch.py)."""
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 from pathlib import Path

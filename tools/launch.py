@@ -28,9 +28,8 @@ def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.
     more environment."""
     port = free_port()
     env = {**os.environ, TEST_HOOKS: "1", **(env or {})}  # the grid publishes what it drew, for the page's driver
-    proc = subprocess.Popen(
-        streamlit_argv(python, app_args, "--server.port", str(port), *options, main="app/main.py"),  # relative: the app of `cwd`
-        cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    argv = streamlit_argv(python, app_args, "--server.port", str(port), *options, main="app/main.py")  # `cwd`'s app
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         with socket.socket() as s:

@@ -151,8 +151,9 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     with el.lock:  # from here on the lane redraws as this rerun would, or not at all
         el.gen += 1
         el.interval_ms = round(REFRESH[st.session_state.get("refresh", "10 per second")] * 1000)
+        lane_may = may_lane(r, client, hosted, page_mode, pending)
         el.compose_lane = lane_composer(el, client, source, hosted, drawn_now, st.session_state[ATTACHED], tables,
-                                        page_mode, pending, addresses) if may_lane(r, client, hosted, page_mode, pending) else None
+                                        page_mode, pending, addresses) if lane_may else None
     grid.show(r.view, r.colors, key=GRID, panels=panels, on=on, prof=prof, extra={
         "connected": connected, "lane": lane.address(el),
         "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})

@@ -20,7 +20,8 @@ def add_listen_args(ap: argparse.ArgumentParser, port: int = DEFAULT_PORT) -> No
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=port, help="0 picks a free port")
     ap.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
-                    help=f"required of clients; needed to bind beyond loopback (or ${TOKEN_ENV}: `ps` shows no environment)")
+                    help=f"required of clients; needed to bind beyond loopback "
+                         f"(or ${TOKEN_ENV}: `ps` shows no environment)")
     ap.add_argument("--view-token", default=os.environ.get(VIEW_TOKEN_ENV) or None,
                     help=f"with a token: a second one that only views (events, /metrics), never commands "
                          f"(or ${VIEW_TOKEN_ENV})")

@@ -25,6 +25,8 @@ def test_the_dashboard_its_lane_and_its_engine_listen_on_loopback_only(start_app
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = open_grid(browser, url, [])  # its first redraw opens the lane
+        page.wait_for_function("window.__kvscope_grid_api.lane() && window.__kvscope_grid_api.lane().ready",
+                               timeout=60_000)
 
         sockets = _sockets(streamlit)
         browser.close()

@@ -131,5 +131,6 @@ def test_the_command_lines_token_reaches_no_browser_and_is_kept(engine, observer
     assert "s3cret-of-the-cli" not in str([el.proto for el in app.get("text_input")] + [panels(app)])
     attached = Source("attach", url=engine.url, token="s3cret-of-the-cli")
     assert controls.chosen(attached, {"src_kind": "attach", "src_url": engine.url, "src_token": ""}) == attached
-    assert controls.chosen(attached, {"src_kind": "attach", "src_url": "ws://elsewhere:1/", "src_token": ""}).token == ""
+    elsewhere = {"src_kind": "attach", "src_url": "ws://elsewhere:1/", "src_token": ""}
+    assert controls.chosen(attached, elsewhere).token == ""
     st.cache_resource.clear()
