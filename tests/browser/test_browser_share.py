@@ -1,8 +1,8 @@
 """Safe to share, in Chromium. `streamlit run app/main.py` listens on loopback only, its lane and
 its engine too (read from /proc, as `ss -ltn` does). Shared (Streamlit's address 0.0.0.0, as
 `kvscope --share` sets it): a viewer's page has the live views and no control, nor the engine's
-address; the presenter's link gives its page every control, leaves the address bar at once, and
-what the presenter does shows in the viewer's page."""
+address, and travels in time on its own; the presenter's link gives its page every control, leaves
+the address bar at once, and what the presenter does shows in the viewer's page."""
 from __future__ import annotations
 
 import secrets
@@ -63,6 +63,15 @@ def test_a_viewer_watches_and_only_the_presenter_drives(start_app):
         viewer.wait_for_function("!document.body.innerText.includes('paused')", timeout=60_000)
         for name in DRIVING:
             expect(viewer.get_by_role("button", name=name, exact=True)).to_have_count(0)
+
+        # the presenter's prompt runs in the room's views; a viewer travels back on its own
+        side(presenter).get_by_label("Prompt").fill("Tell me how a paged KV cache hands out blocks.")
+        side(presenter).get_by_role("button", name="Submit").click()
+        viewer.wait_for_function("window.__kvscope_grid.seq > 20", timeout=120_000)
+        track = viewer.locator(".kv .travel .track").bounding_box()
+        viewer.mouse.click(track["x"] + track["width"] * 0.3, track["y"] + track["height"] / 2)
+        viewer.wait_for_function("!window.__kvscope_grid.live", timeout=30_000)
+        assert presenter.evaluate("window.__kvscope_grid.live"), "a viewer's time travel moved the presenter's page"
 
         engine = next(line for line in viewer.evaluate("document.body.innerText").splitlines() if "Connected" in line)
         assert "ws://" not in engine and "ws://" in presenter.evaluate("document.body.innerText")
