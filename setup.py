@@ -67,6 +67,7 @@ setup(
     packages=[PACKAGE] + [f"{PACKAGE}.{p}" for p in packages],
     package_dir={PACKAGE: PACKAGE, **{f"{PACKAGE}.{o}": o for o in OURS}},
     package_data={f"{PACKAGE}.kernels": ["cpu/*.cpp"],  # the C++ CPU kernels' source, compiled on the user's machine
+                  f"{PACKAGE}.app": [".streamlit/config.toml"],  # Streamlit reads it beside main.py: loopback only
                   f"{PACKAGE}.app.lessons": ["*.toml", "fleet/*.toml"],
                   f"{PACKAGE}.assets": ["*.js", "*.css", "*.jsonl", "*.svg"]},  # not the README's screenshots
     cmdclass={"build_py": BuildPy},

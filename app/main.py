@@ -9,7 +9,7 @@ from __future__ import annotations
 import streamlit as st
 from streamlit import config as st_config
 
-from app.ui import controls, quiet_log, stale, travel
+from app.ui import controls, quiet_log, roles, stale, travel
 from app.modes import fleet_view, kv_events_view, lab_view, lessons_view, live
 from app.link.source import ASSETS, Source, from_command_line
 
@@ -40,12 +40,17 @@ def main() -> None:
     st.set_page_config(page_title="KVScope", page_icon=ASSETS / "favicon.svg", layout="wide",
                        initial_sidebar_state="expanded")
     stale.full_run()
+    roles.claim()
+    drives = roles.may_drive()  # shared: only the presenter's session; its viewers get the views
     source: Source = st.session_state.setdefault("source", from_command_line())
     client, hosted = (None, None) if source.kind in ("kv_events", "fleet") else live.pick(source)
     with st.sidebar:
         st.markdown("## :material/grid_view: KVScope\nA paged KV cache, live: every block the allocator hands out.")
-        fleet_view.back_button()
-        controls.connection(source, client, hosted)
+        if drives:
+            fleet_view.back_button()
+            controls.connection(source, client, hosted)
+        else:
+            roles.viewer_note()
     if source.kind == "fleet":  # many engines: a page of its own
         return fleet_view.page(source)
     if source.kind == "kv_events":  # no pool, no engine: a page of its own
@@ -56,13 +61,13 @@ def main() -> None:
         return live.connecting(client, source, hosted)
     with st.sidebar:
         controls.unsupported_note(client)
-        st.segmented_control("Mode", list(MODES), format_func=MODES.get, key="mode",
+        st.segmented_control("Mode", list(MODES) if drives else ["Explore"], format_func=MODES.get, key="mode",
                              default="Lessons" if lessons_view.autostarting() else "Explore",
                              label_visibility="collapsed", on_change=_mode_changed)
         if live.mode() == "Lessons":
             st.subheader("Lessons")
             st.fragment(live.fragment_of(lambda c, s, h: lessons_view.sidebar(c)), run_every=0.5, key="lessons")(source)
-        elif live.mode() == "Explore":
+        elif live.mode() == "Explore" and drives:
             lessons_view.left_behind(client)
             st.subheader("Prompt")
             controls.prompt_form(client)

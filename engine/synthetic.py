@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         free, cached, used, shared, _ = engine.capture().state().counts()
         log.info("engine %d filled in %.1f s: %d used (%d shared), %d cached, %d free, %d sequences",
                  i, time.monotonic() - t0, used, shared, cached, free, len(engine.seqs))
-        hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, tokenize=engine.tokenize,
-                  tokenize_chat=engine.tokenize_chat)
+        hub = Hub(EngineLoop(engine, args.step_delay_ms), token=args.token, view_token=args.view_token,
+                  tokenize=engine.tokenize, tokenize_chat=engine.tokenize_chat)
         hubs.append((hub, args.port + i if args.port else 0))
     serve_all_until_signal(hubs, args.host, lambda i, port: log.info(
         ready_line(ws_url(args.host, port), f"serving a synthetic load on {args.num_device_blocks} device blocks"

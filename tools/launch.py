@@ -20,15 +20,16 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 
 def start_streamlit(app_args: list[str], *, cwd: Path = ROOT, python: str = sys.executable,
-                    out=subprocess.DEVNULL, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """`streamlit run app/main.py -- APP_ARGS`, headless on a free port in a process group of its
-    own, once it listens (a browser that comes too early is refused): (process, url). `out`:
-    where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit)."""
+                    out=subprocess.DEVNULL, timeout: float = 120, options: tuple[str, ...] = (),
+                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`streamlit run app/main.py OPTIONS -- APP_ARGS`, headless on a free port in a process group
+    of its own, once it listens (a browser that comes too early is refused): (process, url). `out`:
+    where its output goes (a file, not a pipe nobody reads: a full pipe blocks Streamlit); `env`:
+    more environment."""
     port = free_port()
-    env = {**os.environ, TEST_HOOKS: "1"}  # the grid publishes what it drew, for the page's driver
-    proc = subprocess.Popen(
-        streamlit_argv(python, app_args, "--server.port", str(port), main="app/main.py"),  # relative: the app of `cwd`
-        cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, TEST_HOOKS: "1", **(env or {})}  # the grid publishes what it drew, for the page's driver
+    argv = streamlit_argv(python, app_args, "--server.port", str(port), *options, main="app/main.py")  # `cwd`'s app
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         with socket.socket() as s:

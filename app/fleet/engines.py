@@ -38,6 +38,7 @@ import numpy as np
 
 from kvscope_contract import protocol as p
 from app.fleet import load as fleet_load
+from app.link import gate
 from app.link.client import EngineClient
 from app.history.event_history import EventHistory
 from app.history.mirror import Mirror
@@ -336,6 +337,7 @@ class FleetEngine:
     def clear_prefix_cache(self) -> bool:
         """Ask the engine to empty its prefix cache (a vLLM only with VLLM_SERVER_DEV_MODE=1: its
         `/reset_prefix_cache`); False where it cannot be asked. `cleared()` says what came of it."""
+        gate.check()
         self._clear = None
         if self.client is not None:
             if not self.client.supports("clear_prefix_cache"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvscope_contract import protocol as p
+from app.link import gate
 
 Policy = Literal["round-robin", "affinity"]
 POLICIES: tuple[str, ...] = ("round-robin", "affinity")
@@ -132,7 +133,9 @@ def post_openai(api: str, cmd: p.Submit, timeout: float = 600.0) -> dict:
 def post_in_background(api: str, cmd: p.Submit | None, failed: Callable[[str], object],
                        path: str = "") -> threading.Thread:
     """`post_openai` on a thread of its own (or an empty POST to `path`): the page never waits for
-    a server's answer; a failure is handed to `failed`, in words."""
+    a server's answer; a failure is handed to `failed`, in words. Refused (gate) in a viewer's session."""
+    gate.check()  # here, in the caller's thread: the thread below runs outside any session
+
     def go() -> None:
         try:
             if cmd is not None:

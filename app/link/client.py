@@ -22,6 +22,7 @@ from kvscope_contract import protocol as p
 from kvscope_contract.state import InvariantError
 from app.history.event_history import EventHistory
 from app.history.mirror import Mirror
+from app.link import gate
 from app.link.wire import open_ws
 
 ConnState = Literal["connecting", "connected", "reconnecting", "failed", "closed"]
@@ -290,7 +291,9 @@ class EngineClient:
                 raise NotConnected(f"the connection to {self.url} dropped: {e}") from None
 
     def send(self, cmd: p.Command) -> int:
-        """Send a command; returns its id, whose answer `reply(id)` gives once it arrives."""
+        """Send a command; returns its id, whose answer `reply(id)` gives once it arrives. Raises
+        gate.Refused for a session that may not change the engine (a viewer)."""
+        gate.check()
         cmd.id = next(self._ids)
         self._send_raw(cmd)
         return cmd.id

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from app.link.source import ROOT
+from kvscope_contract.access import TOKEN_ENV, VIEW_TOKEN_ENV
 from kvscope_contract.ready import ready_url, refused_reason
 
 # "" in a checkout; "kvscope." in the wheel, whose build puts app/, engine/, ... inside `kvscope`
@@ -54,6 +55,7 @@ class ServerProcess:
     refused: str | None = None  # why the vLLM plugin does not observe its vLLM (which runs on)
     on_exit: Callable[[ServerProcess], None] | None = None  # called on the log thread when it exits
     on_line: Callable[[str], None] | None = None  # each line of its output, on the log thread
+    token: str | None = None  # required of its clients; handed over in its environment, never argv (`ps`)
     _proc: subprocess.Popen | None = None
     stopping: bool = False
     _spawned: threading.Event = field(default_factory=threading.Event)
@@ -110,6 +112,10 @@ class ServerProcess:
 
     def _follow(self) -> None:
         env = {**os.environ, "KVSCOPE_PARENT": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        for name in (TOKEN_ENV, VIEW_TOKEN_ENV):  # ours to give, not the dashboard's own (its --token attaches)
+            env.pop(name, None)
+        if self.token:
+            env[TOKEN_ENV] = self.token
         try:
             self._proc = subprocess.Popen(self.argv, cwd=IMPORT_ROOT, env=env, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

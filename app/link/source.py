@@ -114,6 +114,10 @@ def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/mai
                     help="with --kv-events: a folder with tokenizer.json, for block text")
     ap.add_argument("--fleet", nargs="?", const="", default=env.get("KVSCOPE_FLEET"),
                     help="a fleet file listing engines (docs/fleet.md); alone: an empty fleet, filled from the sidebar")
+    ap.add_argument("--share", action="store_true",
+                    help="(kvscope, python -m app, make run) listen on every interface: the room views, only the "
+                         "presenter's link (printed on the console) drives; `streamlit run` says so with "
+                         "--server.address 0.0.0.0")
     return ap
 
 

@@ -20,7 +20,7 @@ import streamlit as st
 
 from kvscope_contract.state import CACHED, FREE, RESERVED, SHARED, USED
 from app.fleet import load as fleet_load
-from app.ui import stale
+from app.ui import roles, stale
 from app.panels import prefix_tree
 from app.fleet.engines import (ENDPOINT_KINDS, EngineRow, Endpoint, Fleet, FleetFileError, kv_event_sources,
                                     load_fleet, tokenize)
@@ -161,10 +161,11 @@ def page(source: Source) -> None:
     except FleetFileError as e:
         st.error(f"{e}")
         return
-    with st.sidebar:
-        engines_panel(fleet)
-        load_panel(fleet)
-    st.fragment(fleet_lesson_view.panel, run_every=fleet_lesson_view.REDRAW_S)(fleet, source)
+    if roles.may_drive():  # a shared dashboard's viewers see the cards, nothing that drives or names a server
+        with st.sidebar:
+            engines_panel(fleet)
+            load_panel(fleet)
+        st.fragment(fleet_lesson_view.panel, run_every=fleet_lesson_view.REDRAW_S)(fleet, source)
     c = st.columns([2, 1, 2, 1])
     c[0].selectbox("Sort by", list(SORTS), key="fleet_sort")
     c[1].toggle("Descending", False, key="fleet_desc")

@@ -18,7 +18,7 @@ import streamlit as st
 
 from app.modes import lessons_view
 from app.panels import grid, header, history_panels, lane, misses, tables_panel
-from app.ui import icons, stale, travel
+from app.ui import icons, roles, stale, travel
 from app.ui.icons import icon
 from app.link.client import EngineClient, Redraw, View
 from app.history.mirror import Tally
@@ -140,8 +140,9 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     lit = set(lessons_view.highlight() if mode() == "Lessons" else [])
     tables = tables_panel.controls(), st.session_state.get(tables_panel.PIN)
     attached = own_tally(client, r)
+    addresses = roles.may_drive()  # read here, in the session: the lane composes off it
     panels = prof.timed("panels", lambda: drawn(panels_of(r, source, hosted, attached, connected, old,
-                                                         banner(r, key, ringed), lit, tables)))
+                                                         banner(r, key, ringed), lit, tables, addresses)))
     on = {"block": history_panels.show_block_in_log, "travel": lambda: travel.moved(client, GRID),
           "tables": lambda: tables_panel.changed(GRID), "pin": lambda: tables_panel.pinned(GRID),
           "why": misses.open_panel}
@@ -150,17 +151,19 @@ def live_views(client: EngineClient, source: Source, hosted: Hosted | None) -> N
     with el.lock:  # from here on the lane redraws as this rerun would, or not at all
         el.gen += 1
         el.interval_ms = round(REFRESH[st.session_state.get("refresh", "10 per second")] * 1000)
+        lane_may = may_lane(r, client, hosted, page_mode, pending)
         el.compose_lane = lane_composer(el, client, source, hosted, drawn_now, st.session_state[ATTACHED], tables,
-                                        page_mode, pending) if may_lane(r, client, hosted, page_mode, pending) else None
+                                        page_mode, pending, addresses) if lane_may else None
     grid.show(r.view, r.colors, key=GRID, panels=panels, on=on, prof=prof, extra={
         "connected": connected, "lane": lane.address(el),
         "highlight": lesson if lesson is not None else key.blocks if key else ringed[0] if ringed else []})
 
 
 def panels_of(r: Redraw, source: Source, hosted: Hosted | None, tally: Tally, connected: bool, old: bool,
-              banner_html: str, lit: set[int], tables: tuple[dict, str | None]) -> dict[str, Callable[[], object]]:
-    """The live views' panels of one redraw, to be drawn."""
-    return {"status": lambda: header.status_of(r, source, hosted), "banner": lambda: banner_html,
+              banner_html: str, lit: set[int], tables: tuple[dict, str | None],
+              addresses: bool) -> dict[str, Callable[[], object]]:
+    """The live views' panels of one redraw, to be drawn (`addresses`: the engine's, in the status line)."""
+    return {"status": lambda: header.status_of(r, source, hosted, addresses), "banner": lambda: banner_html,
             "metrics": lambda: header.metrics(r, tally), "travel": lambda: travel.bar(r, connected, old),
             "card": lambda: header.reservation_card(r.view),
             "tables": lambda: tables_panel.data(r.view, r.colors, lit, *tables)}
@@ -175,7 +178,7 @@ def may_lane(r: Redraw | None, client: EngineClient, hosted: Hosted | None, page
 
 def lane_composer(el: grid.Element, client: EngineClient, source: Source, hosted: Hosted | None, drawn_to: Drawn,
                   attached: tuple, tables: tuple[dict, str | None], page_mode: str,
-                  pending: dict) -> Callable[[dict], bytes | None]:
+                  pending: dict, addresses: bool) -> Callable[[dict], bytes | None]:
     """What composes the live views' next message off Streamlit's script thread, for their lane,
     with what this rerun read of the session; it gives None once the redraw needs the session
     again (by `may_lane`: the engine paused, stopped or restarted, a command's answer to show; or a
@@ -190,7 +193,7 @@ def lane_composer(el: grid.Element, client: EngineClient, source: Source, hosted
             return None
         try:
             panels = prof.timed("panels", lambda: {name: draw() for name, draw in panels_of(
-                r, source, hosted, tally, True, False, "", set(), tables).items()})
+                r, source, hosted, tally, True, False, "", set(), tables, addresses).items()})
         except Exception:
             return None
         drawn_to.client, drawn_to.redraw = client, r
@@ -269,6 +272,9 @@ def stopped_at(client: EngineClient, r: Redraw):
 
 def died(source: Source, hosted: Hosted) -> None:
     proc = hosted.process
+    if not roles.may_drive():
+        st.error(f"The {source.label} died; the presenter can restart it.", icon=":material/heart_broken:")
+        return
     with st.container(border=True):
         st.error(f"**The {source.label} died** ({proc.exit_reason()}). Its history up to then stays browsable "
                  "below, and after a restart too (*Browse the history before the restart*); Restart starts it "
@@ -289,6 +295,10 @@ def timeline_or_log(client: EngineClient, source: Source, hosted: Hosted | None)
 def loading(source: Source, hosted: Hosted) -> None:
     proc = hosted.process
     st.title("KVScope")
+    if not roles.may_drive():  # its command line and log name paths: the presenter's only
+        st.info(f"The presenter's {source.label} is starting.")
+        st.fragment(lambda: proc.state == "starting" or st.rerun(), run_every=1.0)()
+        return
     if proc.state == "exited":
         st.error(f"The {source.label} stopped before it was ready ({proc.exit_reason()}). Its last lines:")
         st.code("\n".join(proc.tail(30)) or "(no output)")
@@ -324,7 +334,7 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
         if client.bounds() is not None or (hosted is not None and hosted.process.died):
             st.rerun()
         st.html(icons.CSS + header.status(client.status, client.hello, client.loop, client.url, source,
-                                          hosted is not None and hosted.process.died))
+                                          hosted is not None and hosted.process.died, roles.may_drive()))
         st.info("Waiting for the engine's first snapshot. The client reconnects on its own; "
                 "check the URL and token in the sidebar if this lasts.")
 

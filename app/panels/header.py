@@ -35,8 +35,10 @@ RESYNC_HELP = ("This dashboard fell behind the engine (or lost its connection), 
                "log have a gap there.")
 
 
-def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, source: Source, died: bool) -> str:
-    """The status line, as HTML: the connection, what the source is, and the engine loop's state."""
+def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, source: Source, died: bool,
+           addresses: bool = True) -> str:
+    """The status line, as HTML: the connection, what the source is, and the engine loop's state;
+    `addresses`: the engine's and its OpenAI server's (not to a shared dashboard's viewers)."""
     what = escape(source.label)
     if hello:
         e = hello.engine
@@ -46,9 +48,10 @@ def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, sou
         if hello.server != "kvscope":
             what += escape(f" · {hello.server}")
     state = "died" if died else conn.state
-    text = (f'<span class="t-{CONNECTION_COLORS.get(state, "red")}">● <b>{state.capitalize()}</b></span> · {what} · '
-            f"<code>{escape(url)}</code>")
-    if hello and hello.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
+    text = f'<span class="t-{CONNECTION_COLORS.get(state, "red")}">● <b>{state.capitalize()}</b></span> · {what}'
+    if addresses:
+        text += f" · <code>{escape(url)}</code>"
+    if addresses and hello and hello.api_url:  # where its prompts go: vLLM's OpenAI server, for curl and other clients
         text += f" · OpenAI API <code>{escape(hello.api_url)}/v1</code>"
     if state not in ("connected", "died"):
         text += ((f" · attempt {conn.attempts}" if state == "reconnecting" else "")
@@ -67,8 +70,8 @@ def status(conn: Status, hello: p.Hello | None, loop: p.LoopState, url: str, sou
     return text
 
 
-def status_of(r: Redraw, source: Source, hosted: Hosted | None) -> str:
-    return status(r.status, r.hello, r.loop, r.url, source, hosted is not None and hosted.process.died)
+def status_of(r: Redraw, source: Source, hosted: Hosted | None, addresses: bool = True) -> str:
+    return status(r.status, r.hello, r.loop, r.url, source, hosted is not None and hosted.process.died, addresses)
 
 
 def usage(view: View) -> dict[str, float]:

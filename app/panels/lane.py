@@ -12,11 +12,14 @@ asks through Streamlit again. A browser that cannot reach the lane's port (a pro
 only Streamlit's) asks through Streamlit, as before, and sees the same views, less often.
 
 Elements are registered weakly, by an unguessable token: a session that ends takes its lane
-with it, and a page sees only its own session's frames.
+with it, and a page sees only its own session's frames. Only the dashboard's own page may connect
+(its Origin names the host it reached the lane by; kvscope_contract/access.py), it must name its
+element within TOKEN_WAIT_S, and at most MAX_CONNECTIONS are open at once.
 """
 from __future__ import annotations
 
 import asyncio
+import http
 import json
 import logging
 import secrets
@@ -27,9 +30,14 @@ from typing import Protocol
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from kvscope_contract.access import is_loopback, lane_refusal
 
 log = logging.getLogger(__name__)
 MAX_ASK = 4096  # bytes: an ask is a small JSON object; anything larger is not one
+TOKEN_WAIT_S = 5.0  # a connection that names no element by then is closed
+MAX_CONNECTIONS = 256  # a tab holds one; far more is not a room of viewers
 
 
 class Served(Protocol):
@@ -47,6 +55,8 @@ class LaneServer:
         self.tokens: weakref.WeakKeyDictionary[Served, str] = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
         self.port: int | None = None
+        self.loopback_only = bool(host) and is_loopback(host)
+        self.connections = 0
         ready = threading.Event()
         threading.Thread(target=lambda: asyncio.run(self._run(host, ready)), name="kvscope-lane", daemon=True).start()
         ready.wait(10)
@@ -54,7 +64,8 @@ class LaneServer:
     async def _run(self, host: str | None, ready: threading.Event) -> None:
         try:
             with listening(host) as sock:
-                async with serve(self._answer, sock=sock, max_size=MAX_ASK, compression=None, logger=log) as server:
+                async with serve(self._answer, sock=sock, max_size=MAX_ASK, compression=None, logger=log,
+                                 process_request=self._admit) as server:
                     self.port = sock.getsockname()[1]
                     ready.set()
                     await server.serve_forever()
@@ -70,11 +81,25 @@ class LaneServer:
                 self.elements[t] = element
             return t
 
+    def _admit(self, conn: ServerConnection, request: Request) -> Response | None:
+        """Before the handshake: only the dashboard's page, and not too many."""
+        if why := lane_refusal(request.headers.get("Origin"), request.headers.get("Host"), self.loopback_only):
+            return conn.respond(http.HTTPStatus.FORBIDDEN, why + "\n")
+        if self.connections >= MAX_CONNECTIONS:
+            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
+        return None
+
     async def _answer(self, ws: ServerConnection) -> None:
         """First the element's token, then per ask (its `sync`) the next frame, or "streamlit"
         when the element's redraw needs a rerun."""
+        self.connections += 1  # on the lane's one event loop: no lock needed
         try:
-            element = self.elements.get(await ws.recv())
+            try:
+                named = await asyncio.wait_for(ws.recv(), TOKEN_WAIT_S)
+            except TimeoutError:
+                await ws.close(4408, "no element named in time")
+                return
+            element = self.elements.get(named) if isinstance(named, str) else None
             if element is None:
                 await ws.close(4404, "no such element (the session ended)")
                 return
@@ -86,6 +111,8 @@ class LaneServer:
                 await ws.send(out if out is not None else "streamlit")
         except (ConnectionClosed, ValueError):
             pass  # a tab closed, or an ask that is not one: the browser asks through Streamlit
+        finally:
+            self.connections -= 1
 
 
 def listening(host: str | None) -> socket.socket:

@@ -8,6 +8,7 @@ import streamlit as st
 
 from kvscope_contract import protocol as p
 from app.link.client import EngineClient, NotConnected
+from app.link.gate import Refused
 
 REPLY_TIMEOUT_S = 15.0
 ERROR_SHOWN_S = 60.0  # the sidebar's "last error" line fades after this long (or the next success)
@@ -18,7 +19,7 @@ def send(client: EngineClient, cmd: p.Command, action: str, quiet: bool = False)
     did ("Submit", "Reset to 12 × 16"); `quiet`: toast errors only."""
     try:
         cid = client.send(cmd)
-    except NotConnected as e:
+    except (NotConnected, Refused) as e:
         _failed(action, str(e))
         return False
     st.session_state.setdefault("pending", {})[cid] = (action, quiet, time.time())

@@ -7,12 +7,14 @@ again with the pool config and pace it last had.
 """
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass, field
 
 import streamlit as st
 
 from kvscope_contract import protocol as p
+from app.link import gate
 from app.link.client import EngineClient
 from app.link.launcher import ServerProcess
 from app.link.source import Source, python_for
@@ -34,12 +36,14 @@ class Hosted:
         self.process = self._spawn(self.args)
 
     def _spawn(self, args: tuple[str, ...]) -> ServerProcess:
-        return ServerProcess(self.module, list(args), python_for(self.module), on_exit=self._exited).start()
+        # a fresh random token each start: no other process on this machine can drive it
+        return ServerProcess(self.module, list(args), python_for(self.module), on_exit=self._exited,
+                             token=secrets.token_urlsafe(24)).start()
 
     def ready_client(self) -> EngineClient | None:
         with self._lock:  # sessions race here when the server comes up
             if self.client is None and self.process.url:
-                self.client = EngineClient(self.process.url)
+                self.client = EngineClient(self.process.url, self.process.token)
             return self.client
 
     def _exited(self, proc: ServerProcess) -> None:
@@ -100,6 +104,7 @@ def resolve(source: Source) -> tuple[EngineClient | None, Hosted | None]:
 def restart(source: Source, dead: ServerProcess | None = None) -> None:
     """Start the child server of `source` again (attached engines: reconnect afresh); `dead`:
     only if that process is still its child."""
+    gate.check()
     if source.kind == "attach":
         attached.clear(source.url, source.token)
     else:

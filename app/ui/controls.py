@@ -11,6 +11,7 @@ import streamlit as st
 
 from kvscope_contract import protocol as p
 from kvscope_contract.kinds import KINDS
+from app.link import gate
 from app.link.client import EngineClient, View
 from app.ui import stale
 from app.ui.commands import last_error, send
@@ -42,7 +43,9 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                                "or a local Hugging Face Llama-family folder", key="src_model", on_change=stale.mark)
         elif kind == "attach":
             st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url", on_change=stale.mark)
-            st.text_input("Token", source.token, type="password", key="src_token", on_change=stale.mark,
+            # never the token it was started with: what a widget holds, the browser holds
+            st.text_input("Token", type="password", key="src_token", on_change=stale.mark,
+                          placeholder="the one given on the command line" if source.token else "",
                           help="Needed when the engine was started with --token")
         elif kind == "vllm":
             st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
@@ -99,7 +102,9 @@ def chosen(source: Source, values) -> Source:
         return Source("embedded", model=values.get("src_model", "").strip() or "smollm2",
                       engine_args=source.engine_args if source.kind == "embedded" else ())
     if kind == "attach":
-        return Source("attach", url=values.get("src_url", "").strip(), token=values.get("src_token", "").strip())
+        url = values.get("src_url", "").strip()
+        kept = source.token if source.kind == "attach" and url == source.url else ""  # the command line's
+        return Source("attach", url=url, token=values.get("src_token", "").strip() or kept)
     if kind == "vllm":
         return Source("vllm", model=values.get("src_vllm", "").strip() or "smollm2",
                       engine_args=source.engine_args if source.kind == "vllm" else ())
@@ -130,6 +135,11 @@ def _refusal(new: Source) -> str | None:
 def _connect(source: Source) -> None:
     """Connect's callback: the session's new source, or why not."""
     new = chosen(source, st.session_state)
+    try:
+        gate.check()  # a new source starts processes and opens connections: the presenter's call
+    except gate.Refused as e:
+        st.session_state[CONNECT_ERROR] = str(e)
+        return
     if error := _refusal(new):
         st.session_state[CONNECT_ERROR] = error
     else:

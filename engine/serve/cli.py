@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
+import os
 import signal
 import sys
 
 from engine.serve.hub import Hub
+from kvscope_contract.access import TOKEN_ENV, VIEW_TOKEN_ENV, is_loopback
 
 log = logging.getLogger("kvscope")
 DEFAULT_PORT = 8765
@@ -18,22 +19,18 @@ DEFAULT_PORT = 8765
 def add_listen_args(ap: argparse.ArgumentParser, port: int = DEFAULT_PORT) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=port, help="0 picks a free port")
-    ap.add_argument("--token", default=None, help="required of clients; needed to bind beyond loopback")
+    ap.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                    help=f"required of clients; needed to bind beyond loopback "
+                         f"(or ${TOKEN_ENV}: `ps` shows no environment)")
+    ap.add_argument("--view-token", default=os.environ.get(VIEW_TOKEN_ENV) or None,
+                    help=f"with a token: a second one that only views (events, /metrics), never commands "
+                         f"(or ${VIEW_TOKEN_ENV})")
 
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[kvscope] %(message)s", stream=sys.stderr)
     # websockets logs every connection, each /metrics scrape included: keep only its warnings
     logging.getLogger("websockets").setLevel(logging.WARNING)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def refuse_open_bind(host: str, token: str | None) -> bool:

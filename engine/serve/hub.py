@@ -18,6 +18,7 @@ import logging
 import queue
 import socket
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from kvscope_contract import protocol as p
+from kvscope_contract.access import engine_refusal
 from kvscope_contract.state import PoolState
 
 log = logging.getLogger("kvscope")
@@ -183,13 +185,16 @@ class Client:
 
 
 class Hub:
-    def __init__(self, backend: Backend, *, token: str | None = None, max_queued_events: int = 256,
+    def __init__(self, backend: Backend, *, token: str | None = None, view_token: str | None = None,
+                 max_queued_events: int = 256,
                  send_buffer: int = 64 * 1024, record: Path | None = None,
                  metrics: Callable[[str | None], tuple[bytes, str]] | None = None,
                  tokenize: Callable[[str], list[int]] | None = None,
                  tokenize_chat: Callable[[list[dict]], list[int]] | None = None):
         self.backend = backend
-        self.token = token
+        self.token = token  # required of every client (None: none, on loopback)
+        self.view_token = view_token  # with a token: one that views (events, /metrics), never commands
+        self._viewing_only: weakref.WeakSet[ServerConnection] = weakref.WeakSet()
         self.metrics = metrics  # GET /metrics: (Accept header) -> (body, content type), off the loop
         self.tokenize = tokenize  # GET /tokenize: a prompt's token ids (the fleet page scores prompts with them)
         self.tokenize_chat = tokenize_chat  # GET /tokenize?messages=JSON: a chat's, with the chat template
@@ -262,8 +267,10 @@ class Hub:
 
     # ------------------------------------------------------------------ connections
     async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
-        """Before the WebSocket handshake: refuse a wrong token; answer GET /metrics and GET /tokenize
-        over HTTP."""
+        """Before the WebSocket handshake: refuse a web page, a foreign Host or a wrong token
+        (kvscope_contract/access.py); answer GET /metrics and GET /tokenize over HTTP."""
+        if why := engine_refusal(request.headers.get("Origin"), request.headers.get("Host"), self.token is not None):
+            return conn.respond(http.HTTPStatus.FORBIDDEN, why + "\n")
         if refused := self._check_token(conn, request):
             return refused
         url = urlsplit(request.path)
@@ -306,9 +313,12 @@ class Hub:
         auth = request.headers.get("Authorization", "")
         if auth.startswith("Bearer "):
             given = auth.removeprefix("Bearer ")
-        if not hmac.compare_digest(given.encode(), self.token.encode()):
-            return conn.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
-        return None
+        if hmac.compare_digest(given.encode(), self.token.encode()):
+            return None
+        if self.view_token and hmac.compare_digest(given.encode(), self.view_token.encode()):
+            self._viewing_only.add(conn)
+            return None
+        return conn.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
 
     async def _handler(self, ws: ServerConnection) -> None:
         ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
@@ -330,6 +340,10 @@ class Hub:
                 if isinstance(cmd, p.SnapshotCmd):
                     self.reply(client, p.Ack(op="snapshot", id=cmd.id))
                     self._resync(client)
+                    continue
+                if ws in self._viewing_only:
+                    self.reply(client, p.Error(code="unsupported", message="this token only views: commands "
+                                               "need the server's token", op=cmd.__struct_config__.tag, id=cmd.id))
                     continue
                 try:
                     self.backend.handle(cmd, client)

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if rec.damage:
         log.warning("%s: %s; replaying the %d whole events before it", args.file, rec.damage, rec.num_events)
-    hub = Hub(Playback(rec, args.speed, args.loop), token=args.token)
+    hub = Hub(Playback(rec, args.speed, args.loop), token=args.token, view_token=args.view_token)
     try:
         serve_until_signal(hub, args.host, args.port, lambda port: log.info(
             ready_line(ws_url(args.host, port), f"replaying {args.file} ({rec.num_events} events)")))

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model.engine import LLMEngine  # torch is imported only once the arguments are sound
 
     engine = LLMEngine(config_from_args(args), progress=lambda msg: log.info(msg))
-    hub = engine_hub(engine, args.step_delay_ms, token=args.token, record=args.record)
+    hub = engine_hub(engine, args.step_delay_ms, token=args.token, view_token=args.view_token, record=args.record)
     serve_until_signal(hub, args.host, args.port, lambda port: _say_ready(engine, args.host, port))
     log.info("stopped")
     return 0

@@ -12,15 +12,16 @@ from tools.launch import CHROMIUM, start_streamlit
 
 @pytest.fixture
 def start_app(tmp_path):
-    """start_app(ARGS) -> (url, process); every app started is stopped after the test."""
+    """start_app(ARGS, options=..., env=...) -> (url, process) (tools/launch.start_streamlit);
+    every app started is stopped after the test."""
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium)")
     started = []
 
-    def start(args: list[str]):
+    def start(args: list[str], **launch):
         log = tmp_path / f"streamlit-{len(started)}.log"
         with log.open("w") as out:
-            proc, url = start_streamlit(args, out=out)
+            proc, url = start_streamlit(args, out=out, **launch)
         started.append((proc, log))
         return url, proc
 

@@ -18,6 +18,9 @@ from tests.grid_canvas import canvas
 from tests.histories import busy_history, view_at
 
 
+PAGE = "http://127.0.0.1:8501"  # the dashboard's page, on Streamlit's port: the only Origin the lane takes
+
+
 @pytest.fixture(scope="module")
 def lane_server() -> LaneServer:
     s = LaneServer("127.0.0.1")
@@ -32,7 +35,7 @@ def test_an_element_answers_by_its_lane_and_says_when_a_rerun_must(lane_server):
     el.compose_lane = lambda sync: el.message(next(views), {}, sync, None, {}, grid.Profile())
     token = lane_server.token(el)
     assert lane_server.token(el) == token  # one token for the element's life
-    with connect(f"ws://127.0.0.1:{lane_server.port}/") as ws:
+    with connect(f"ws://127.0.0.1:{lane_server.port}/", origin=PAGE) as ws:
         ws.send(token)
         held, have = {}, None
         for pull in range(1, 6):
@@ -47,19 +50,19 @@ def test_an_element_answers_by_its_lane_and_says_when_a_rerun_must(lane_server):
 
 
 def test_an_unknown_token_or_a_malformed_ask_closes_only_that_connection(lane_server):
-    with connect(f"ws://127.0.0.1:{lane_server.port}/") as ws:
+    with connect(f"ws://127.0.0.1:{lane_server.port}/", origin=PAGE) as ws:
         ws.send("no-such-token")
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=10)
         assert closed.value.rcvd.code == 4404
     el = grid.Element()
     token = lane_server.token(el)
-    with connect(f"ws://127.0.0.1:{lane_server.port}/") as ws:
+    with connect(f"ws://127.0.0.1:{lane_server.port}/", origin=PAGE) as ws:
         ws.send(token)
         ws.send("{not json")
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
-    with connect(f"ws://127.0.0.1:{lane_server.port}/") as ws:  # the server serves on
+    with connect(f"ws://127.0.0.1:{lane_server.port}/", origin=PAGE) as ws:  # the server serves on
         ws.send(token)
         ws.send(json.dumps({"pull": 1}))
         assert ws.recv(timeout=10) == "streamlit"
