@@ -139,8 +139,6 @@ class PoolState:
     offload_hash64: np.ndarray = None  # uint64 per block of the host tier: `hash_value` of its hash
     offload_group: np.ndarray = None   # uint8 per block of the host tier: the group it caches for
     offload_odd: dict = field(default_factory=dict)  # host-tier block -> a hash not in the protocol's form
-    offload_source: dict = field(default_factory=dict)  # seq_id -> {(group, index): (host-tier block,
-    #                                 device block)}: the entries loads filled, while the sequence lives
     seqs: dict[str, SeqState] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # key -> seq_id of every live sequence
     next_key: int = 1
@@ -212,7 +210,7 @@ class PoolState:
         for name in _ARRAYS:
             setattr(c, name, getattr(self, name).copy())
         c.seqs, c.names, c.odd_hashes = dict(self.seqs), dict(self.names), dict(self.odd_hashes)
-        c.offload_odd, c.offload_source = dict(self.offload_odd), dict(self.offload_source)
+        c.offload_odd = dict(self.offload_odd)
         self._mine, c._mine = set(), set()
         return c
 
@@ -283,15 +281,6 @@ class PoolState:
         """The host tier's blocks that hold content, as the snapshot lists them."""
         return [p.OffloadBlock(t, self.offload_hash_of(t), int(self.offload_group[t]))
                 for t in np.flatnonzero(self.offload_has).tolist()]
-
-    def loaded_entries(self, seq_id: str) -> dict[tuple[int, int], int]:
-        """(group, logical index) -> host-tier block, for the entries of `seq_id`'s tables that a
-        load from the host tier filled (and that still hold that block)."""
-        s = self.seqs.get(seq_id)
-        if s is None:
-            return {}
-        return {(g, i): t for (g, i), (t, b) in self.offload_source.get(seq_id, {}).items()
-                if i < len(s.block_tables[g]) and s.block_tables[g][i] == b}
 
     def prefix_lookup(self, ev: p.AnyEvent) -> int:
         """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the
@@ -648,10 +637,7 @@ class PoolState:
         if self.offload_hash_of(ev.offload_block_id) != ev.hash:
             raise InvariantError(f"host-tier block {ev.offload_block_id} holds "
                                  f"{self.offload_hash_of(ev.offload_block_id)}, not {ev.hash}")
-        self._alloc(ev)
-        loaded = {**self.offload_source.get(ev.seq_id, {}),  # a new dict: a clone may share the old
-                  (ev.kv_group, ev.logical_index): (ev.offload_block_id, ev.block_id)}
-        self.offload_source[ev.seq_id] = loaded
+        self._alloc(ev)  # which entries a load filled is history: app/history/mirror.py's `origins`
 
     def _offload_evict(self, ev: p.OffloadEvict) -> None:
         self._check_offload(ev.offload_block_id)
@@ -710,7 +696,6 @@ class PoolState:
                     self._host_leave(h, s)
         del self.seqs[ev.seq_id], self.names[s.key]
         self._mine.discard(ev.seq_id)
-        self.offload_source.pop(ev.seq_id, None)
 
     def _step(self, ev: p.StepDone) -> None:
         pass
@@ -720,7 +705,7 @@ class PoolState:
         for name in ("config", *_ARRAYS):
             setattr(self, name, getattr(fresh, name))
         self.seqs, self.names, self._mine = {}, {}, set()
-        self.odd_hashes, self.offload_odd, self.offload_source = {}, {}, {}
+        self.odd_hashes, self.offload_odd = {}, {}
 
 
 _ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_ref_counts",

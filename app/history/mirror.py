@@ -143,6 +143,8 @@ class Mirror:
             case p.PrefixHit():
                 tl.first_hit_tokens += hit if first else 0
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "prefix_hit"
+            case p.OffloadLoad():
+                self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "offload_load"
             case p.Cow():
                 tl.cows += 1
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "cow"

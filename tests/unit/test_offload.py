@@ -170,3 +170,22 @@ def test_the_host_tier_survives_both_snapshot_forms():
     for snap in (state.snapshot(), state.columnar_snapshot()):
         again = PoolState.from_snapshot(p.decode_server_message(p.encode_snapshot(snap)))
         assert again.offload_blocks() == state.offload_blocks() and again.snapshot() == state.snapshot()
+
+
+def test_the_misses_say_hit_in_the_host_tier_and_still_add_up():
+    """The dashboard's "why not more?" on the lesson's shape: A's blocks the device evicted and the
+    host tier served are `host_tier`, not `evicted`; every missed token has one reason."""
+    from kvscope_contract.misses import ExplainedPool
+    engine = counting_engine(block_size=4, num_device_blocks=16, num_offload_blocks=32, preemption_mode="recompute")
+    explained = ExplainedPool.from_snapshot(engine.snapshot())
+    a = [1, 2, 3, 4] * 5
+    for prompt in (a, [5] * 30, [6] * 30, a):
+        engine.add_tokens(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    events = engine.drain_events()
+    loads = sum(isinstance(e, p.OffloadLoad) for e in events)
+    closed = [adm for ev in events if (adm := explained.apply(ev)) is not None]
+    last = [adm for adm in closed if adm.seq_id == "r4"][-1]
+    assert last.by_reason()["host_tier"] == loads * 4 > 0 and "evicted" not in last.by_reason()
+    assert sum(last.by_reason().values()) == last.missed == 20 - last.hit
