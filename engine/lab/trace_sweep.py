@@ -209,23 +209,13 @@ def describe(s: TraceSweep) -> str:
 
 
 # ------------------------------------------------------------------------------ the command line
-def _ints(text: str) -> list[int]:
+def _ints(text: str, least: int = 1, what: str = "capacities are positive numbers of blocks") -> list[int]:
     try:
         out = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError("capacities are positive numbers of blocks")
-    return out
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        out = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if not out or any(n < 0 for n in out):
-        raise argparse.ArgumentTypeError("host tier sizes are numbers of blocks, 0 or more")
+    if any(n < least for n in out):
+        raise argparse.ArgumentTypeError(what)
     return out
 
 
@@ -253,7 +243,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="show capacity in this model's KV bytes")
     ap.add_argument("--bytes-per-token", type=int, default=None,
                     help="KV bytes per token of a model given by numbers (the Mooncake paper's: 327680)")
-    ap.add_argument("--host-blocks", type=_sizes, default=[0], metavar="N,...",
+    ap.add_argument("--host-blocks", default=[0], metavar="N,...",
+                    type=lambda t: _ints(t, 0, "host tier sizes are numbers of blocks, 0 or more"),
                     help="host tier sizes in blocks, each replayed at every capacity (0: device only; "
                          "docs/offload.md). Default 0")
     ap.add_argument("--csv", type=Path, help="also write the table as CSV")
@@ -272,7 +263,7 @@ def main(argv: list[str]) -> int:
                   one_at_a_time=args.one_at_a_time, step_ms=args.step_ms,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   model=args.model, bytes_per_token=args.bytes_per_token, progress=progress,
-                  host_blocks=args.host_blocks)
+                  host_blocks=args.host_blocks or [0])
     except (OSError, ValueError) as e:
         print(f"engine.lab: {e}", file=sys.stderr)
         return 2
