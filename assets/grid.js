@@ -12,12 +12,13 @@
 
 // The block records' layout and the state codes are app/panels/grid.py's (its STYLE's `record` and
 // `states`), set by `layout` when the style comes with a frame: this file has no copy of them.
-let DEV, HOST, R, STATE, FREE, CACHED, USED, SHARED, RESERVED;
+let DEV, HOST, TIER, R, STATE, FREE, CACHED, USED, SHARED, RESERVED;
 function layout(st) {
   const d = st.record.dev, h = st.record.host;
-  DEV = d.size; HOST = h.size;  // bytes per device / host block
+  DEV = d.size; HOST = h.size; TIER = st.record.tier.size;  // bytes per device / host / host-tier block
   R = { owner: d.owner / 4, hash: d.hash / 4, ref: d.ref / 2, tokens: d.tokens / 2, state: d.state, touch: d.touch, group: d.group,
-    hOwner: h.owner / 4, hTokens: h.tokens / 2, hTouch: h.touch, hRef: h.ref };  // field offsets in units of their own width
+    hOwner: h.owner / 4, hTokens: h.tokens / 2, hTouch: h.touch, hRef: h.ref,
+    tHash: st.record.tier.hash / 4, tTouch: st.record.tier.touch, tHeld: st.record.tier.held };  // field offsets in units of their own width
   STATE = [];
   for (const [name, code] of Object.entries(st.states)) STATE[code] = name;
   ({ free: FREE, cached: CACHED, used: USED, shared: SHARED, reserved: RESERVED } = st.states);
@@ -40,6 +41,9 @@ const owner = (c, i) => c.u32[DEV / 4 * i + R.owner], hash = (c, i) => c.u32[DEV
 const hOwner = (c, i) => c.u32[HOST / 4 * i + R.hOwner], hTokens = (c, i) => c.u16[HOST / 2 * i + R.hTokens],
   hTouch = (c, i) => c.u8[HOST * i + R.hTouch];
 const hRef = (c, i) => c.u8[HOST * i + R.hRef];  // sequences holding a host block (a fork group swapped together shares it)
+// a block of the host tier (protocol 3): the hash it holds, whether it holds one, what the step did to it
+const tHash = (c, i) => c.u32[TIER / 4 * i + R.tHash], tHeld = (c, i) => c.u8[TIER * i + R.tHeld],
+  tTouch = (c, i) => c.u8[TIER * i + R.tTouch];
 const hState = (c, i) => (hRef(c, i) > 1 ? SHARED : hRef(c, i) ? USED : FREE);  // as on the device
 
 async function inflate(bytes) {
@@ -95,6 +99,7 @@ function apply(s, { head, part }) {
     s.touchList = stillTouched(s.touchList, devIdx, (i) => touch(s.dev, i));
     s.hostTouchList = stillTouched(s.hostTouchList, hostIdx, (i) => hTouch(s.host, i));
   }
+  s.tier = head.o ? columnsDev(part("tier", TIER)) : null;  // sent whole with every frame
   s.token = head.token;
   s.msg = head.msg;  // the message whose panels it now holds (grid.show records panels by message)
   s.data = head;
@@ -360,6 +365,51 @@ function paintHighlight(ctx, g, list, ink) {
   }
 }
 
+// The host tier: a cell per block, hatched like a cached device block while it holds content
+// (no holder: only a prefix lookup reads it), outlined by what the latest step did to it.
+function paintTier(canvas, ctx, s, g) {
+  const sty = s.style, pal = palette(s);
+  if (g.k === 1 && g.c >= DETAIL) {
+    const dpr = prepare(canvas, ctx, g.w, g.h);
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    for (let i = 0; i < g.count; i++) {
+      const [x, y, c] = place(g, i), gap = c >= 10 ? 2 : c >= 5 ? 1 : 0, z = c - gap;
+      ctx.fillStyle = tHeld(s.tier, i) ? sty.cached : sty.free;
+      ctx.fillRect(x, y, z, z);
+      if (tHeld(s.tier, i) && z >= 8) {
+        ctx.strokeStyle = "rgba(255,255,255,0.7)"; ctx.lineWidth = 1;
+        ctx.beginPath(); ctx.moveTo(x, y + z); ctx.lineTo(x + z, y); ctx.stroke();
+      }
+      const t = tTouch(s.tier, i);
+      if (t && z >= 7) {
+        const lw = z >= 16 ? 3 : 2;
+        ctx.strokeStyle = sty.tierTouch[t - 1]; ctx.lineWidth = lw;
+        ctx.strokeRect(x + lw / 2, y + lw / 2, z - lw, z - lw);
+      }
+    }
+    return;
+  }
+  const key = [g.w, g.h, g.k, g.c, s.styles, s.version].join();  // small: painted afresh each frame
+  paintPixels(canvas, ctx, g, (i) => (tHeld(s.tier, i) ? pal.cached : pal.free), () => null, key, s.version);
+  for (let i = 0; i < g.count; i++) {
+    const t = tTouch(s.tier, i);
+    if (!t) continue;
+    const [x, y, c] = place(g, i), z = Math.max(4, c);
+    ctx.fillStyle = sty.tierTouch[t - 1]; ctx.fillRect(x + c / 2 - z / 2, y + c / 2 - z / 2, z, z);
+  }
+}
+
+function tierTip(s, i) {
+  const held = tHeld(s.tier, i);
+  const lines = [`<b>Host tier block T${fmt(i)}</b> · ${held ? "holds a full block a prefix lookup can load back"
+    : "free"}`];
+  if (held) lines.push(`hash ${tHash(s.tier, i).toString(16).padStart(8, "0")}… · ${s.data.bs} / ${s.data.bs} tokens` +
+    '<br><span class="dim">tier: host (no sequence holds it; a device miss of this prefix loads it)</span>');
+  const t = tTouch(s.tier, i);
+  if (t) lines.push(`<span class="tk" style="border-color:${s.style.tierTouch[t - 1]}"></span>${s.style.tierLabels[t - 1]} in step ${s.data.step}`);
+  return lines.join("<br>");
+}
+
 function paint(canvas, ctx, s, g, host) {
   const pal = palette(s);
   if (g.k === 1 && g.c >= DETAIL) paintCells(canvas, ctx, s, g, host);
@@ -392,12 +442,15 @@ function setup(root) {
   s.canvas = el("canvas", "grid main", box);
   s.hostHead = el("div", "head host-head", box);
   s.hostCanvas = el("canvas", "grid", box);
+  s.tierHead = el("div", "head host-head tier-head", box);
+  s.tierCanvas = el("canvas", "grid tier", box);
   s.legend = el("div", "legend", box);
   s.err = el("div", "err", box);
   s.tip = el("div", "tip", root);
   s.octx = s.over.getContext("2d");
   s.ctx = s.canvas.getContext("2d");
   s.hctx = s.hostCanvas.getContext("2d");
+  s.tctx = s.tierCanvas.getContext("2d");
   box.tabIndex = 0;
   s.bar.innerHTML = '<button data-z="all" title="Show the whole pool (Home)">Whole pool</button>' +
     '<button data-z="out" title="Zoom out (−, or the wheel)">−</button><button data-z="in" title="Zoom in (+, or the wheel)">+</button>' +
@@ -415,7 +468,13 @@ function setup(root) {
   wireMain(s);
   wireOverview(s);
   s.hostCanvas.addEventListener("mousemove", (ev) => hoverAt(s, ev, s.hgeo, true));
-  for (const c of [s.canvas, s.over, s.hostCanvas]) c.addEventListener("mouseleave", () => setHover(s, null));
+  s.tierCanvas.addEventListener("mousemove", (ev) => {
+    const i = s.tgeo && s.tier ? blockAt(s.tgeo, s.tierCanvas, ev) : -1;
+    if (i < 0) return setHover(s, null);
+    s.hover = null;
+    showTip(s, ev, tierTip(s, i));
+  });
+  for (const c of [s.canvas, s.over, s.hostCanvas, s.tierCanvas]) c.addEventListener("mouseleave", () => setHover(s, null));
   box.addEventListener("keydown", (ev) => key(s, ev));
   // the width read here, where layout is fresh, not in draw (a read there would lay the page out
   // again after the panels' new HTML); only the width changes what is drawn
@@ -567,7 +626,7 @@ function focusLines(s, i, host) {
 
 function deviceTip(s, i) {
   const d = s.dev, st = STATE[state(d, i)], r = ref(d, i);
-  const lines = [`<b>Block ${fmt(i)}</b> · ${st}${r ? ` · ref count ${r}` : ""}`];
+  const lines = [`<b>Block ${fmt(i)}</b> · ${st}${r ? ` · ref count ${r}` : ""}${s.data.o ? " · tier: device" : ""}`];
   const gs = s.data.groups;
   if (gs && (r || st === "cached")) {  // a hybrid pool: the KV-cache group whose table holds it, or whose cache keeps it
     const [name, colour] = gs[group(d, i)] || [`group ${group(d, i)}`, "#94a3b8"];
@@ -643,6 +702,12 @@ function draw(s) {
     if (s.hgeo.k === 1) s.hgeo = geometry(0, d.m, width, Math.min(90, s.hgeo.rows * Math.max(6, Math.min(22, Math.round(s.geo.c * 0.6)))));
     paint(s.hostCanvas, s.hctx, s, s.hgeo, true);
   }
+  s.tgeo = null;  // a pool without a host tier (--host-blocks 0, the default) has no tier canvas
+  if (d.o && s.tier) {
+    s.tgeo = geometry(0, d.o, width, 90);
+    if (s.tgeo.k === 1) s.tgeo = geometry(0, d.o, width, Math.min(90, s.tgeo.rows * Math.max(6, Math.min(22, Math.round(s.geo.c * 0.6)))));
+    paintTier(s.tierCanvas, s.tctx, s, s.tgeo);
+  }
   header(s, whole);
   s.legend.innerHTML = legend(s);
   refreshTip(s);
@@ -657,7 +722,7 @@ function draw(s) {
   window.__kvscope_grid = { seq: d.seq, step: d.step, drawnAt: now, draws: s.draws, used: k.used, n: d.n, m: d.m, live: d.live, drawMs: ms,
     token: s.token, start: s.range.start, count: s.range.count, kind: d.kind, cell: s.geo.c, perPixel: s.geo.k, overviewPerPixel: whole ? 0 : s.ogeo.k,
     touched: s.touchList.length, connected: d.connected !== false, highlight: (d.highlight || []).length,
-    groups: d.groups ? d.groups.length : 1, mode: s.mode };
+    groups: d.groups ? d.groups.length : 1, mode: s.mode, tier: d.o ? { blocks: d.o, held: d.tier.held } : null };
   const log = (window.__kvscope_draws ||= []);
   log.push([d.seq, now, ms]);
   if (log.length > 20000) log.splice(0, 10000);
@@ -690,6 +755,10 @@ function header(s, whole) {
   }
   s.hostHead.innerHTML = `<b>Host swap pool</b> · ${plural(d.m, "block")} · <span class="num">${fmt(k.host_used)}</span> hold swapped-out blocks`;
   s.hostHead.style.display = s.hostCanvas.style.display = d.m ? "" : "none";
+  const tier = d.tier || { blocks: 0, held: 0 };
+  s.tierHead.innerHTML = `<b>Host tier</b> · ${plural(tier.blocks, "block")} · <span class="num">${fmt(tier.held)}</span> hold full blocks ` +
+    '<small>(stored as they complete; a prefix the device missed is loaded back from here)</small>';
+  s.tierHead.style.display = s.tierCanvas.style.display = d.o ? "" : "none";
 }
 
 function legend(s) {

@@ -33,6 +33,9 @@ def add_engine_args(ap) -> None:
     ap.add_argument("--block-size", type=int, default=pool.block_size)
     ap.add_argument("--num-device-blocks", type=int, default=pool.num_device_blocks)
     ap.add_argument("--num-host-blocks", type=int, default=pool.num_host_blocks)
+    ap.add_argument("--host-blocks", type=int, default=pool.num_offload_blocks, metavar="N",
+                    help="blocks of the host tier: full blocks are stored there as they complete, and a prefix "
+                         "that misses on the device is loaded from there (docs/offload.md; 0: no host tier)")
     ap.add_argument("--max-num-seqs", type=int, default=pool.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     ap.add_argument("--preemption-mode", choices=["swap", "recompute"], default=pool.preemption_mode)
@@ -45,7 +48,7 @@ def add_engine_args(ap) -> None:
 def config_from_args(args) -> EngineConfig:
     pool = PoolConfig(block_size=args.block_size, num_device_blocks=args.num_device_blocks,
                       num_host_blocks=args.num_host_blocks, max_num_seqs=args.max_num_seqs,
-                      preemption_mode=args.preemption_mode,
+                      num_offload_blocks=args.host_blocks, preemption_mode=args.preemption_mode,
                       enable_prefix_caching=not args.no_prefix_caching)
     if args.pool:
         pool = msgspec.json.decode(args.pool, type=PoolConfig)

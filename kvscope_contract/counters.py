@@ -22,13 +22,16 @@ def hit_rate(hit_tokens: int, looked_up_tokens: int) -> float:
 @dataclass
 class EventCounts:
     looked_up_tokens: int = 0    # tokens looked up in the prefix cache at every admission
-    hit_tokens: int = 0          # of those, tokens whose K/V came from the cache
+    hit_tokens: int = 0          # of those, tokens whose K/V came from the (device's) prefix cache
     preemptions: int = 0
     recomputes: int = 0          # preemptions by recompute (the rest swapped)
     swap_outs: int = 0           # sequences moved to the host pool
     swap_ins: int = 0            # and back
     swapped_out_blocks: int = 0  # blocks copied to the host pool
     swapped_in_blocks: int = 0   # and back
+    host_loaded_blocks: int = 0  # prefix blocks the device missed and the host tier served (loaded back)
+    host_stored_blocks: int = 0  # full blocks stored to the host tier
+    host_evicted_blocks: int = 0  # blocks the host tier evicted
 
     def count(self, ev: p.Event, looked_up: int = 0, hit: int = 0) -> None:
         """Fold one event in. `looked_up` and `hit` are `PoolState.prefix_lookup(ev)` and
@@ -46,6 +49,12 @@ class EventCounts:
             case p.SwapIn():
                 self.swap_ins += len(ev.group)
                 self.swapped_in_blocks += len(ev.mapping)
+            case p.OffloadLoad():
+                self.host_loaded_blocks += 1
+            case p.OffloadStore():
+                self.host_stored_blocks += 1
+            case p.OffloadEvict():
+                self.host_evicted_blocks += 1
 
     @property
     def hit_rate(self) -> float:
@@ -60,7 +69,8 @@ class EventCounts:
         """The `LabRow` fields these counters fill."""
         return dict(hit_tokens=self.hit_tokens, looked_up_tokens=self.looked_up_tokens,
                     preemptions=self.preemptions, recomputes=self.recomputes, swap_outs=self.swap_outs,
-                    swap_ins=self.swap_ins, swapped_blocks=self.swapped_blocks)
+                    swap_ins=self.swap_ins, swapped_blocks=self.swapped_blocks,
+                    host_hit_blocks=self.host_loaded_blocks)
 
     @property
     def preemptions_by_mode(self) -> dict[str, int]:

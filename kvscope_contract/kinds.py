@@ -42,6 +42,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("finish", "finished", "#334155"),
     Kind("step", "step done", "#475569", noisy=True),
     Kind("reset", "engine reset", "#475569", marker=True),
+    Kind("offload_store", "stored to the host tier", "#9333ea", block=True),
+    Kind("offload_load", "loaded from the host tier", "#0e7490", touch=10, block=True),
+    Kind("offload_evict", "evicted from the host tier", "#be123c", block=True),
 )}
 assert tuple(KINDS) == p.EVENT_KINDS, "every event kind of the protocol is registered, in order"
 
@@ -65,6 +68,8 @@ def touched_blocks(ev: p.Event) -> tuple[list[int], list[int]]:
             return [b for t in ev.block_tables or [ev.block_ids] for b in t if b != p.NULL_BLOCK], []
         case p.Cow():
             return [ev.src_block_id, ev.dst_block_id], []
+        case p.OffloadStore() | p.OffloadLoad():
+            return [ev.block_id], []
         case p.SwapOut():
             pairs = ev.mapping + ev.shared
             return [d for d, _ in pairs], [h for _, h in pairs]
@@ -129,9 +134,17 @@ def _words(ev: p.Event) -> str:
             return (f"step done in {ev.duration_ms:.1f} ms: {ev.prefill_tokens:,} prefill + {ev.decode_tokens:,} "
                     f"decode tokens; {ev.num_running:,} running, {ev.num_waiting:,} waiting, "
                     f"{ev.num_swapped:,} swapped; {ev.free_blocks:,} free, {ev.cached_blocks:,} cached")
+        case p.OffloadStore():
+            return f"block {ev.block_id} stored to the host tier as T{ev.offload_block_id} (hash {ev.hash[:8]})"
+        case p.OffloadLoad():
+            return (f"logical {ev.logical_index} → block {ev.block_id}, loaded from the host tier's "
+                    f"T{ev.offload_block_id} (hash {ev.hash[:8]})")
+        case p.OffloadEvict():
+            return f"T{ev.offload_block_id} evicted from the host tier (hash {ev.hash[:8]})"
         case p.Reset():
             c = ev.config
             return (f"engine reset: {c.num_device_blocks} blocks of {c.block_size}, {c.num_host_blocks} host, "
+                    + (f"{c.num_offload_blocks} in the host tier, " if c.num_offload_blocks else "") +
                     f"prefix cache {'on' if c.enable_prefix_caching else 'off'}, {c.preemption_mode}")
     return ""
 

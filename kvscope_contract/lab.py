@@ -66,10 +66,15 @@ class LabRow(Struct, kw_only=True):
     # the prefix cache's own yield, not the blocks a preempted sequence finds of its own
     first_hit_tokens: int = 0
     first_looked_up_tokens: int = 0
+    host_hit_blocks: int = 0    # prefix blocks the device missed and the host tier served (protocol 3)
 
     @property
     def hit_rate(self) -> float:
         return counters.hit_rate(self.hit_tokens, self.looked_up_tokens)
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.host_hit_blocks * self.config.pool.block_size
 
 
 class LabReport(Struct, kw_only=True):
@@ -161,17 +166,24 @@ class TracePoint(Struct, kw_only=True):
     bytes: int | None           # tokens x the model's KV bytes per token (None: no model named)
     hit_tokens: int             # prompt tokens served by the prefix cache
     looked_up_tokens: int       # tokens looked up at every admission (re-admissions after recompute too)
-    missed: dict[str, int] = {}  # missed tokens by reason (TRACE_REASONS; they add up to looked_up - hit)
+    missed: dict[str, int] = {}  # missed tokens by reason (TRACE_REASONS; they add up to looked_up - hit - host_hit)
     evictions: int = 0          # cached blocks evicted
     preemptions: int = 0
     rejected: int = 0           # requests this pool can never hold (prompt + output longer than it)
     finished: int = 0
     steps: int = 0              # engine steps the replay took
     seconds: float = 0.0        # wall time of this replay
+    host_blocks: int = 0        # blocks of the host tier (protocol 3; 0: device only)
+    host_hit_tokens: int = 0    # tokens the device missed and the host tier served
 
     @property
     def hit_rate(self) -> float:
         return counters.hit_rate(self.hit_tokens, self.looked_up_tokens)
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """Device and host tier together: tokens not recomputed over tokens looked up."""
+        return counters.hit_rate(self.hit_tokens + self.host_hit_tokens, self.looked_up_tokens)
 
 
 class TraceSweep(Struct, kw_only=True):

@@ -43,6 +43,8 @@ from kvscope_contract.state import PoolState
 
 # every reason, in the order the views stack them; the words say what each means
 REASONS: dict[str, str] = {
+    "host_tier": "missed on the device but found in the host tier: loaded back (a copy of each block's K/V "
+                 "from host memory, not a recompute)",
     "evicted": "cached earlier, evicted before this lookup: a bigger pool would have kept it",
     "cold": "never cached in this pool before: nothing could have hit",
     "diverged": "the prompt shares these tokens with a cached block but parts from it inside the block: "
@@ -57,7 +59,8 @@ REASONS: dict[str, str] = {
                "before this client attached), or the engine missed content cached under another key",
 }
 # each reason in a few words, as the views name it
-LABELS: dict[str, str] = {"evicted": "evicted", "cold": "cold", "diverged": "diverged mid-block",
+LABELS: dict[str, str] = {"host_tier": "hit in the host tier", "evicted": "evicted", "cold": "cold",
+                          "diverged": "diverged mid-block",
                           "partial_block": "partial block", "window": "sliding window",
                           "recomputed": "recomputed after preemption", "caching_off": "caching off",
                           "unknown": "unknown"}
@@ -101,6 +104,7 @@ class Admission:
     tokens: int          # tokens the sequence held (those a lookup covers)
     looked_up: int       # as counted by /metrics and the header: `tokens`, or 0 with caching off
     hit: int = 0         # tokens found in the cache
+    loaded: int = 0      # the end of the blocks loaded from the host tier after the hit (0: none)
     readmission: bool = False  # after a recompute preemption
     spans: list[Span] = field(default_factory=list)
 
@@ -235,6 +239,12 @@ class MissExplainer:
                     o.adm.hit = max(o.adm.hit, (ev.logical_index + 1) * self.block_size)
                 if isinstance(ev, p.Alloc):
                     self._taken(ev.block_id, ev, "alloc", ev.seq_id, before)
+            case p.OffloadLoad():  # a device miss the host tier served: a block taken, as an alloc takes one
+                if ev.seq_id not in self._open:
+                    self._admit(ev, before)
+                if (o := self._open.get(ev.seq_id)) is not None:
+                    o.adm.loaded = max(o.adm.loaded, (ev.logical_index + 1) * self.block_size)
+                self._taken(ev.block_id, ev, "alloc", ev.seq_id, before)
             case p.StatusChange():
                 closed = self._close(ev.seq_id)
             case p.Cached():
@@ -327,8 +337,14 @@ class MissExplainer:
         n, hit = adm.tokens, adm.hit
         if not self.config.enable_prefix_caching:
             return [Span("caching_off", hit, n)] if hit < n else []
+        loaded = [Span("host_tier", hit, adm.loaded)] if adm.loaded > hit else []  # right after the device's hit
+        hit = max(hit, adm.loaded)
         if adm.readmission:
-            return [Span("recomputed", hit, n)] if hit < n else []
+            return loaded + ([Span("recomputed", hit, n)] if hit < n else [])
+        return loaded + self._device_spans(o, n, hit, bs)
+
+    def _device_spans(self, o: _Open, n: int, hit: int, bs: int) -> list[Span]:
+        """The reasons of the tokens past `hit` (the device's hit and the host tier's loads)."""
         m = max(hit // bs, (n - 1) // bs)  # full blocks that could hit (a hit past them is counted as it came)
         out: list[Span] = []
         if not o.statuses:

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-PROTOCOL_VERSION = 2  # 2: KV-cache groups (hybrid models); a version-1 stream is a one-group stream
+PROTOCOL_VERSION = 3  # 2: KV-cache groups (hybrid models); 3: the host tier (offloading). An older
+#                       stream is a stream without those: version 1 one group, versions 1-2 no host tier
 MAX_FRAME_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 64  # new tokens of a request that does not say
 MAX_TEXT_CHARS = 100_000  # of a prompt, or of one chat message
@@ -68,6 +69,9 @@ class PoolConfig(Struct, kw_only=True):
     # Addition (protocol 2): the KV-cache groups, a block table per group per sequence; empty
     # means one full-attention group over every layer, as every protocol-1 pool is.
     kv_groups: list[KVGroup] = []
+    # Addition (protocol 3): blocks of the host tier (docs/offload.md), where full blocks are stored
+    # as they complete and a prefix lookup that misses on the device finds them; 0: no host tier.
+    num_offload_blocks: int = 0
 
     @property
     def groups(self) -> list[KVGroup]:
@@ -172,6 +176,34 @@ class WindowFree(Event, tag="window_free"):
     ref_count: int
 
 
+class OffloadStore(Event, tag="offload_store"):
+    """Addition (protocol 3): cached device block `block_id` is stored to block `offload_block_id`
+    of the host tier (a free one: an `offload_evict` made room first), under its hash."""
+    block_id: int
+    offload_block_id: int
+    hash: str
+    kv_group: int = 0
+
+
+class OffloadLoad(Event, tag="offload_load"):
+    """Addition (protocol 3): a prefix lookup missed on the device and found the block in the host
+    tier: it is loaded into free device block `block_id`, entry `logical_index` of `seq_id`'s
+    table (as an `alloc` does; a `cached` of the same hash follows)."""
+    seq_id: str
+    offload_block_id: int
+    block_id: int
+    logical_index: int
+    hash: str
+    kv_group: int = 0
+
+
+class OffloadEvict(Event, tag="offload_evict"):
+    """Addition (protocol 3): the host tier's least recently used block leaves it (room for a store)."""
+    offload_block_id: int
+    hash: str
+    kv_group: int = 0
+
+
 class Preempt(Event, tag="preempt"):
     seq_id: str
     mode: PreemptionMode
@@ -242,7 +274,8 @@ class Reset(Event, tag="reset"):
 
 
 AnyEvent = Union[RequestAdded, Fork, Alloc, PrefixHit, Cached, Evict, Cow, Free, WindowFree, Preempt,
-                 SwapOut, SwapIn, Append, StatusChange, Finish, StepDone, Reset]
+                 SwapOut, SwapIn, Append, StatusChange, Finish, StepDone, Reset, OffloadStore, OffloadLoad,
+                 OffloadEvict]
 EVENT_KINDS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in AnyEvent.__args__)
 
 
@@ -254,6 +287,13 @@ class DeviceBlock(Struct, omit_defaults=True):
     hash: str | None
     num_tokens: int
     kv_group: int = 0  # addition (protocol 2): the group whose table holds it or whose cache keeps it
+
+
+class OffloadBlock(Struct):
+    """Addition (protocol 3): a block the host tier holds, and the content it holds."""
+    id: int
+    hash: str
+    kv_group: int = 0
 
 
 class HostBlock(Struct):
@@ -359,6 +399,8 @@ class Snapshot(Struct, tag_field="type", tag="snapshot", kw_only=True, omit_defa
     # `device_blocks`, `host_blocks` and every `block_table` / `host_table` are then empty.
     columns: SnapshotColumns | None = None
     counters: Counters | None = None  # addition: the server's tally at `seq`, where it keeps one
+    # Addition (protocol 3): the host tier's blocks that hold content, by id (in either form).
+    offload_blocks: list[OffloadBlock] = []
 
 
 class Events(Struct, tag_field="type", tag="events"):
@@ -433,6 +475,7 @@ class ResetConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool | UnsetType = UNSET
     preemption_mode: PreemptionMode | UnsetType = UNSET
     max_num_seqs: MaxNumSeqs | UnsetType = UNSET
+    num_offload_blocks: NumHostBlocks | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         if self.block_size is not UNSET and self.block_size & (self.block_size - 1):
@@ -530,6 +573,8 @@ def encode_snapshot(snap: Snapshot, piece: int = 8192) -> bytes:
     out = [b'{"type":"snapshot","seq":', encode(snap.seq), b',"config":', encode(snap.config),
            b',"device_blocks":', items(snap.device_blocks), b',"host_blocks":', items(snap.host_blocks),
            b',"seqs":', items(snap.seqs)]
+    if snap.offload_blocks:
+        out += [b',"offload_blocks":', items(snap.offload_blocks)]
     if (c := snap.columns) is not None:
         fields = [b'"%s":%s' % (name.encode(), b'"%s"' % base64.b64encode(v) if isinstance(v, bytes) else encode(v))
                   for name in c.__struct_fields__ if (v := getattr(c, name)) is not None]

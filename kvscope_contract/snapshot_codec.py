@@ -95,13 +95,14 @@ def encode(st) -> p.Snapshot:
             st.ref_counts.tolist(), _hash_list(st), st.tokens.tolist(), st.kv_group.tolist()))],
         host_blocks=[p.HostBlock(i, o, n, r) for i, (o, n, r) in enumerate(zip(
             st.host_first_holders(), st.host_tokens.tolist(), st.host_ref_counts.tolist()))],
-        seqs=_seq_infos(st, with_tables=True))
+        seqs=_seq_infos(st, with_tables=True), offload_blocks=st.offload_blocks())
 
 
 def encode_columns(st) -> p.Snapshot:
     """The same snapshot with its pools and tables as packed arrays (feature `columnar`)."""
     return p.Snapshot(seq=st.last_event, config=st.config, device_blocks=[], host_blocks=[],
-                      seqs=_seq_infos(st, with_tables=False), columns=_pack_columns(st))
+                      seqs=_seq_infos(st, with_tables=False), columns=_pack_columns(st),
+                      offload_blocks=st.offload_blocks())
 
 
 def _hash_list(st) -> list[str | None]:

@@ -135,6 +135,10 @@ class PoolState:
     host_tokens: np.ndarray = None  # TOKENS per host block (the most among its holders)
     kv_group: np.ndarray = None     # uint8 per device block: the group whose table holds it, or
     #                                 whose prefix cache keeps it (0 when free; all 0 with one group)
+    offload_has: np.ndarray = None  # bool per block of the host tier (protocol 3): holds content
+    offload_hash64: np.ndarray = None  # uint64 per block of the host tier: `hash_value` of its hash
+    offload_group: np.ndarray = None   # uint8 per block of the host tier: the group it caches for
+    offload_odd: dict = field(default_factory=dict)  # host-tier block -> a hash not in the protocol's form
     seqs: dict[str, SeqState] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # key -> seq_id of every live sequence
     next_key: int = 1
@@ -143,12 +147,13 @@ class PoolState:
     # ------------------------------------------------------------------ construction
     @classmethod
     def empty(cls, config: p.PoolConfig, last_event: int = 0) -> PoolState:
-        n, m = config.num_device_blocks, config.num_host_blocks
+        n, m, o = config.num_device_blocks, config.num_host_blocks, config.num_offload_blocks
         return cls(config=config, last_event=last_event, ref_counts=np.zeros(n, np.int32),
                    has_hash=np.zeros(n, bool), hash64=np.zeros(n, "<u8"), tokens=np.zeros(n, TOKENS),
                    holder=np.zeros(n, np.int32), host_ref_counts=np.zeros(m, np.int32),
                    host_holder=np.zeros(m, np.int32), host_tokens=np.zeros(m, TOKENS),
-                   kv_group=np.zeros(n, np.uint8))
+                   kv_group=np.zeros(n, np.uint8), offload_has=np.zeros(o, bool),
+                   offload_hash64=np.zeros(o, "<u8"), offload_group=np.zeros(o, np.uint8))
 
     @classmethod
     def from_snapshot(cls, snap: p.Snapshot) -> PoolState:
@@ -157,15 +162,20 @@ class PoolState:
         seqs = [SeqState(s.seq_id, s.request_id, s.status, tables, host_tables, s.num_tokens, s.prompt_tokens,
                          s.output_tokens, s.max_tokens, s.text)
                 for s, tables, host_tables in zip(snap.seqs, d.block_tables, d.host_tables)]
-        return cls.build(snap.config, snap.seq, d.ref_counts, d.hashes, seqs, d.kv_groups)
+        return cls.build(snap.config, snap.seq, d.ref_counts, d.hashes, seqs, d.kv_groups,
+                         [(b.id, b.hash, b.kv_group) for b in snap.offload_blocks])
 
     @classmethod
     def build(cls, config: p.PoolConfig, last_event: int, ref_counts, hashes, seqs: list[SeqState],
-              kv_groups=None) -> PoolState:
+              kv_groups=None, offload: list[tuple[int, str, int]] = ()) -> PoolState:
         """A state from the wire's columns (ref counts; hashes: `hash_columns` of them; the
-        group of each block, where it matters: None with one group) and every live sequence in
-        creation order; host owners and the derived columns follow from the tables."""
+        group of each block, where it matters: None with one group), every live sequence in
+        creation order and the host tier's (block, hash, group); host owners and the derived
+        columns follow from the tables. (Which entries came from the host tier is history: a
+        snapshot does not carry it.)"""
         st = cls.empty(config, last_event)
+        for t, h, g in offload:
+            st._offload_set(t, h, g)
         st.ref_counts[:] = ref_counts
         st.has_hash[:], st.hash64[:], odd = hashes
         st.odd_hashes = dict(odd)
@@ -200,6 +210,7 @@ class PoolState:
         for name in _ARRAYS:
             setattr(c, name, getattr(self, name).copy())
         c.seqs, c.names, c.odd_hashes = dict(self.seqs), dict(self.names), dict(self.odd_hashes)
+        c.offload_odd = dict(self.offload_odd)
         self._mine, c._mine = set(), set()
         return c
 
@@ -260,13 +271,24 @@ class PoolState:
         states = self.block_states() if states is None else states
         return int(self.tokens[states >= USED].sum(dtype=np.int64))
 
+    def offload_hash_of(self, t: int) -> str | None:
+        """The hash host-tier block t holds, or None when it is free."""
+        if not self.offload_has[t]:
+            return None
+        return self.offload_odd.get(t) or f"{int(self.offload_hash64[t]):016x}"
+
+    def offload_blocks(self) -> list[p.OffloadBlock]:
+        """The host tier's blocks that hold content, as the snapshot lists them."""
+        return [p.OffloadBlock(t, self.offload_hash_of(t), int(self.offload_group[t]))
+                for t in np.flatnonzero(self.offload_has).tolist()]
+
     def prefix_lookup(self, ev: p.AnyEvent) -> int:
         """Tokens the engine looks up in the prefix cache at the admission that `ev` begins (the
         first `prefix_hit` or `alloc` of a waiting sequence that holds no block: every token it
         holds so far, a re-admission after a recompute preemption included); 0 for any other
         event, and with prefix caching off. Call it before applying `ev`. Counted here, hits
         (`prefix_hit_tokens`) never outnumber the tokens looked up, at any event."""
-        if not (isinstance(ev, (p.PrefixHit, p.Alloc)) and self.config.enable_prefix_caching):
+        if not (isinstance(ev, (p.PrefixHit, p.Alloc, p.OffloadLoad)) and self.config.enable_prefix_caching):
             return 0
         s = self.seqs.get(ev.seq_id)
         if s is None or s.status != "waiting" or any(s.block_tables):
@@ -587,6 +609,43 @@ class PoolState:
             s.block_tables = [[to_device[h] for h in t] for t in tables]
             s.status = "running"
 
+    def _check_offload(self, t: int) -> None:
+        if not 0 <= t < len(self.offload_has):
+            raise InvariantError(f"host-tier block {t} is outside the host tier of {len(self.offload_has)}")
+
+    def _offload_set(self, t: int, h: str | None, group: int) -> None:
+        self._check_offload(t)
+        self.offload_has[t], self.offload_group[t] = h is not None, group
+        self.offload_hash64[t], canonical = hash_value(h) if h is not None else (0, True)
+        if not canonical:
+            self.offload_odd[t] = h
+        elif self.offload_odd:
+            self.offload_odd.pop(t, None)
+
+    def _offload_store(self, ev: p.OffloadStore) -> None:
+        self._check_block(ev.block_id)
+        self._check_offload(ev.offload_block_id)
+        if self.hash_of(ev.block_id) != ev.hash:
+            raise InvariantError(f"block {ev.block_id} carries hash {self.hash_of(ev.block_id)}, not {ev.hash}")
+        if self.offload_has[ev.offload_block_id]:
+            raise InvariantError(f"host-tier block {ev.offload_block_id} is not free "
+                                 f"(it holds {self.offload_hash_of(ev.offload_block_id)})")
+        self._offload_set(ev.offload_block_id, ev.hash, ev.kv_group)
+
+    def _offload_load(self, ev: p.OffloadLoad) -> None:
+        self._check_offload(ev.offload_block_id)
+        if self.offload_hash_of(ev.offload_block_id) != ev.hash:
+            raise InvariantError(f"host-tier block {ev.offload_block_id} holds "
+                                 f"{self.offload_hash_of(ev.offload_block_id)}, not {ev.hash}")
+        self._alloc(ev)  # which entries a load filled is history: app/history/mirror.py's `origins`
+
+    def _offload_evict(self, ev: p.OffloadEvict) -> None:
+        self._check_offload(ev.offload_block_id)
+        if self.offload_hash_of(ev.offload_block_id) != ev.hash:
+            raise InvariantError(f"host-tier block {ev.offload_block_id} holds "
+                                 f"{self.offload_hash_of(ev.offload_block_id)}, not {ev.hash}")
+        self._offload_set(ev.offload_block_id, None, 0)
+
     def _host_leave(self, h: int, s: SeqState) -> None:
         """`s` stops holding host block h: its tokens are then the most among the holders left."""
         self.host_ref_counts[h] -= 1
@@ -646,10 +705,11 @@ class PoolState:
         for name in ("config", *_ARRAYS):
             setattr(self, name, getattr(fresh, name))
         self.seqs, self.names, self._mine = {}, {}, set()
+        self.odd_hashes, self.offload_odd = {}, {}
 
 
 _ARRAYS = ("ref_counts", "has_hash", "hash64", "tokens", "holder", "host_ref_counts",
-           "host_holder", "host_tokens", "kv_group")
+           "host_holder", "host_tokens", "kv_group", "offload_has", "offload_hash64", "offload_group")
 
 _HANDLERS = {
     p.RequestAdded: PoolState._request_added, p.Fork: PoolState._fork, p.Alloc: PoolState._alloc,
@@ -657,5 +717,6 @@ _HANDLERS = {
     p.Cow: PoolState._cow, p.Free: PoolState._free, p.WindowFree: PoolState._window_free,
     p.Preempt: PoolState._preempt, p.SwapOut: PoolState._swap_out, p.SwapIn: PoolState._swap_in,
     p.Append: PoolState._append, p.StatusChange: PoolState._status, p.Finish: PoolState._finish,
-    p.StepDone: PoolState._step, p.Reset: PoolState._reset,
+    p.StepDone: PoolState._step, p.Reset: PoolState._reset, p.OffloadStore: PoolState._offload_store,
+    p.OffloadLoad: PoolState._offload_load, p.OffloadEvict: PoolState._offload_evict,
 }

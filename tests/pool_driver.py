@@ -137,11 +137,11 @@ class PoolDriver:
         for seq in group:
             self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
             seq.status = SeqStatus.SWAPPED
-        return self.bm.swap_out(group)
+        return self.bm.swap.swap_out(group)
 
     def swap_in(self, group: Sequence | list[Sequence]) -> list[tuple[int, int]]:
         group = group if isinstance(group, list) else [group]
-        mapping = self.bm.swap_in(group)
+        mapping = self.bm.swap.swap_in(group)
         for seq in group:
             seq.status = SeqStatus.RUNNING
         return mapping

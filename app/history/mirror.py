@@ -152,6 +152,8 @@ class Mirror:
                 self.origins.get(ev.seq_id, {}).pop((ev.kv_group, ev.logical_index), None)
             case p.PrefixHit():
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "prefix_hit"
+            case p.OffloadLoad():
+                self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "offload_load"
             case p.Cow():
                 self.origins.setdefault(ev.seq_id, {})[ev.kv_group, ev.logical_index] = "cow"
             case p.WindowFree():

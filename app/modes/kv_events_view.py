@@ -15,7 +15,7 @@ import streamlit as st
 from app.panels.prefix_tree import render
 from app.link.source import Source
 from kvscope_contract.prefix_forest import Node
-from integrations.kv_events.model import Extra, GroupSpec, KVEventsState
+from integrations.kv_events.model import Extra, GroupSpec, KVEventsState, tier_label
 from integrations.kv_events.subscriber import KVEventsSubscriber
 
 
@@ -108,7 +108,9 @@ def page(source: Source) -> None:
         cols = st.columns(max(1, len(media)) + 1)
         for col, (m, n) in zip(cols, sorted(media.items())):
             prefixes, dup = content[m]
-            col.metric(f"cached on {m}", n, help="physical blocks, every KV-cache group's")
+            col.metric(f"cached on {tier_label(m)}", n, help="physical blocks, every KV-cache group's; an "
+                       "offloading server's host tier (vLLM's CPU, SGLang's CPU_TIER1) counts each block once "
+                       "however often it is announced")
             col.caption(f"{prefixes:,} blocks of content · {dup:,} duplicated"
                         + (f" · {len(groups)} KV-cache groups" if len(groups) > 1 else ""))
         bad, unknown, missed, orphan, errors = health
@@ -129,7 +131,7 @@ def page(source: Source) -> None:
             if not forests:
                 st.info("No cached block yet: send the server a request.")
             for m, body in forests.items():
-                st.caption(f"{m}: each block (its hash and the text of its tokens) under the block its prefix "
+                st.caption(f"{tier_label(m)}: each block (its hash and the text of its tokens) under the block its prefix "
                            "continues; a row is a chain, branches are where prompts part; hover a block for its "
                            "tokens" + ("; each block once, however many KV-cache groups store it" if rows else ""))
                 st.html(body)

@@ -42,6 +42,11 @@ _CODE = {k: i + 1 for i, k in enumerate(TOUCH_KINDS)}  # touch code sent to the 
 DEV = np.dtype([("owner", "<u4"), ("hash", "<u4"), ("ref", "<u2"), ("tokens", "<u2"),
                 ("state", "u1"), ("touch", "u1"), ("group", "u1"), ("pad", "u1")])
 HOST = np.dtype([("owner", "<u4"), ("tokens", "<u2"), ("touch", "u1"), ("ref", "u1")])
+# a block of the host tier (protocol 3, docs/offload.md): the first 32 bits of the hash it holds (0:
+# free), what the latest step did to it (TIER_TOUCH's index + 1) and whether it holds content; sent
+# whole with every frame (a tier is small beside the device pool)
+TIER = np.dtype([("hash", "<u4"), ("touch", "u1"), ("held", "u1"), ("pad", "<u2")])
+TIER_TOUCH = ("offload_store", "offload_load", "offload_evict")
 MAGIC = b"KVG1"
 COMPRESS_ABOVE = 256 * 1024  # whole frames larger than this go deflated
 
@@ -126,10 +131,11 @@ class Frame:
     host: Columns                # HOST's fields per host block
     seqs: dict[int, list]        # key -> [seq_id, colour index, status]
     info: dict                   # event number, live, step, counts, what the step touched
+    tier: np.ndarray = None      # TIER records of the host tier's blocks (none without a tier)
 
     @property
     def nbytes(self) -> int:
-        return self.dev.nbytes + self.host.nbytes
+        return self.dev.nbytes + self.host.nbytes + self.tier.nbytes
 
 
 _tokens = itertools.count(1)
@@ -156,7 +162,21 @@ def build(view: View, colors: dict[str, int]) -> Frame:
             "touched": {k: [events[k], blocks[k]] for k in TOUCH_KINDS if blocks[k] or events[k]}}
     if len(cfg.groups) > 1:  # a hybrid pool: each group's name, colour and blocks, for the hover and "colour by group"
         info["groups"] = group_legend(pool, states)
-    return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info)
+    tier = tier_records(pool, view.step_events)
+    info["tier"] = {"blocks": len(tier), "held": int(tier["held"].sum())}
+    return Frame(next(_tokens), (n, m, cfg.block_size), dev, host, seqs, info, tier)
+
+
+def tier_records(pool, step_events) -> np.ndarray:
+    """The host tier's blocks as TIER records: the hash each holds, and what the step did to it
+    (a block evicted and stored again in one step shows its store)."""
+    out = np.zeros(len(pool.offload_has), TIER)
+    out["held"] = pool.offload_has
+    out["hash"] = pool.offload_hash64.view("<u4")[1::2] if len(out) else 0
+    for ev in step_events:
+        if (kind := ev.__struct_config__.tag) in TIER_TOUCH and 0 <= ev.offload_block_id < len(out):
+            out["touch"][ev.offload_block_id] = TIER_TOUCH.index(kind) + 1
+    return out
 
 
 def group_legend(pool, states: np.ndarray) -> list[list]:
@@ -238,7 +258,7 @@ def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: l
     locates ([offset, count] from the start of the body)."""
     t_message = time.perf_counter()
     head = {**frame.info, **(extra or {}), "token": frame.token, "n": frame.shape[0],
-            "m": frame.shape[1], "bs": frame.shape[2]}
+            "m": frame.shape[1], "bs": frame.shape[2], "o": len(frame.tier)}
     body, parts = bytearray(), {}
 
     def part(name: str, arr: np.ndarray) -> None:
@@ -265,6 +285,8 @@ def message(frame: Frame, base: Frame | None, extra: dict | None = None, also: l
         head |= {"kind": "full", "seqs": [[k, *v] for k, v in frame.seqs.items()]}
         part("dev", frame.dev.records())
         part("host", frame.host.records())
+    if len(frame.tier):
+        part("tier", frame.tier)
     if prof is not None:
         t_delta = time.perf_counter()
     if len(body) > COMPRESS_ABOVE:
@@ -289,7 +311,7 @@ def read(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     body = data[-(-(8 + size) // 16) * 16:]
     if head.get("deflated"):
         body = zlib.decompress(body)
-    kinds = {"dev": DEV, "host": HOST, "devIdx": np.dtype("<u4"), "hostIdx": np.dtype("<u4")}
+    kinds = {"dev": DEV, "host": HOST, "devIdx": np.dtype("<u4"), "hostIdx": np.dtype("<u4"), "tier": TIER}
     return head, {k: np.frombuffer(body, kinds[k], n, off) for k, (off, n) in head["parts"].items()}
 
 
@@ -332,7 +354,8 @@ def _layout(record: np.dtype) -> dict[str, int]:
 
 
 STYLE = {"palette": list(SEQ_COLORS), "free": FREE, "cached": CACHED, "shared": SHARED, "reserved": RESERVED,
-         "accent": ACCENT, "ink": INK, "record": {"dev": _layout(DEV), "host": _layout(HOST)},
+         "accent": ACCENT, "ink": INK, "record": {"dev": _layout(DEV), "host": _layout(HOST), "tier": _layout(TIER)},
+         "tierTouch": [KINDS[k].color for k in TIER_TOUCH], "tierLabels": [KINDS[k].label for k in TIER_TOUCH],
          "states": {name: code for code, name in enumerate(STATE_NAMES)},
          "touch": [KINDS[k].color for k in TOUCH_KINDS], "touchKinds": list(TOUCH_KINDS),
          "touchLabels": [KINDS[k].label for k in TOUCH_KINDS]}

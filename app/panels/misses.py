@@ -23,7 +23,7 @@ from kvscope_contract.misses import (REASONS, by_request, evicted_cases, evictio
 
 MAX_BARS = 60
 LABELS = {"hit": "hit", **REASON_LABELS}
-COLORS = {"hit": "#2563eb", "evicted": "#e15759", "cold": "#94a3b8", "diverged": "#f28e2b",
+COLORS = {"hit": "#2563eb", "host_tier": "#0e7490", "evicted": "#e15759", "cold": "#94a3b8", "diverged": "#f28e2b",
           "partial_block": "#edc948", "window": "#17becf", "recomputed": "#b07aa1", "caching_off": "#334155",
           "unknown": "#cbd5e1"}
 assert COLORS.keys() == LABELS.keys(), "a reason needs its colour here"
@@ -97,6 +97,14 @@ def panel(client: EngineClient, view: View) -> None:
     else:
         st.markdown(f"**Prefix caching is off**: nothing was looked up; the {t.tokens:,} tokens of {t.admissions:,} "
                     f"admissions since {tl.since} were all computed: {why}")
+    if loaded := t.by_reason.get("host_tier", 0):  # what the host tier's hits cost: copies, not recomputes
+        cfg = view.mirror.config
+        blocks, size = loaded // cfg.block_size, cfg.bytes_per_block
+        copied = blocks * size
+        cost = (f" ({copied / 2**20:,.1f} MiB" if copied >= 2**20 else f" ({copied / 2**10:,.0f} KiB") \
+            + " copied from host memory)" if size else ""
+        st.caption(f"**{loaded:,} tokens hit in the host tier**: {blocks:,} blocks the device had evicted, loaded "
+                   f"back{cost} instead of recomputed (docs/offload.md measures a load against a recompute).")
     recomputed = t.by_reason.get("recomputed", 0)
     if client.hello and client.hello.server.startswith("vllm"):
         first = hit_rate(t.first_hit, t.first_looked_up)

@@ -72,6 +72,11 @@ KEY_GROUPS = ('<div class="key">a row per KV-cache group (groups whose tables lo
               '<i>Every KV-cache group</i> shows each) · <span class="ch null" style="display:inline-block;height:auto;'
               'line-height:1.3">∅</span> no block: the sliding window has passed it, freed '
               f'(<span class="dot" style="background:{KINDS["window_free"].color}"></span> left the window)</div>')
+KEY_TIER = ('<div class="key"><span class="dot" style="background:' + KINDS["offload_load"].color + '"></span> '
+            'loaded from the host tier: the device missed it, the host tier had it (copied back, not recomputed)</div>')
+# how a chip says where its block came from, in the order a run of several says the first found
+ORIGIN_WORDS = {"prefix_hit": " · from the prefix cache", "offload_load": " · loaded from the host tier",
+                "cow": " · copied on write"}
 STATUS_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
 SORTS = {
     "blocks held": lambda s: (-(held_blocks(s) + host_blocks(s)), s.key),
@@ -151,7 +156,7 @@ class _Card:
         ref, origin = int(self.pool.ref_counts[b]), self.origins.get(i, "")
         title = (f"logical {i} → physical block {b} · {held}/{bs} tokens · {part}"
                  + (f" · shared by {ref}" if ref > 1 else "")
-                 + {"prefix_hit": " · from the prefix cache", "cow": " · copied on write"}.get(origin, "")
+                 + ORIGIN_WORDS.get(origin, "")
                  + self.others(i))
         label = f"{b}" + (f"<sup>×{ref}</sup>" if ref > 1 else "")
         cls = ("shared " if ref > 1 else "") + ("lit" if b in self.highlight else "")
@@ -178,7 +183,7 @@ class _Card:
         lo, hi = min(first, last), max(first, last)
         shared = 0 if self.host else int((self.pool.ref_counts[lo:hi + 1] > 1).sum())
         origins = {self.origins[j] for j in range(i, i + n) if j in self.origins}
-        mark = KINDS["prefix_hit"].color if "prefix_hit" in origins else KINDS["cow"].color if origins else ""
+        mark = next((KINDS[k].color for k in ORIGIN_WORDS if k in origins), "")
         label = ("H" if self.host else "") + f"{first}–{last}"  # ×n means a ref count elsewhere: not here
         alike = (" · groups " + ", ".join(f"{g}: {self.tables[g][i]}–{self.tables[g][i + n - 1]}" for g in self.alike)
                  if self.alike else "")
@@ -288,7 +293,8 @@ def render(view: View, colors: dict[str, int], seqs: list[SeqState] | None = Non
     pin = view.mirror.state.seqs.get(pinned) if pinned else None
     cards = ([card(view, pin, colors, True, open_runs, highlight, every_group)] if pin else []) + [
         card(view, s, colors, False, open_runs, highlight, every_group) for s in seqs if s is not pin]
-    key = KEY + (KEY_GROUPS if len(view.mirror.config.groups) > 1 else "")
+    key = (KEY + (KEY_GROUPS if len(view.mirror.config.groups) > 1 else "")
+           + (KEY_TIER if view.mirror.config.num_offload_blocks else ""))
     return CSS + f'<div class="bt" data-event="{view.event}">{key}{"".join(cards)}</div>'
 
 

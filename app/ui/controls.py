@@ -313,7 +313,7 @@ def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
     in some tabs, and Reset applied it), and a pool changed by another tab or a reset gets
     widgets of its own; the user's edits stand while the pool stays."""
     pool = (f"{cfg.block_size}-{cfg.num_device_blocks}-{cfg.num_host_blocks}-{cfg.max_num_seqs}-"
-            f"{cfg.preemption_mode}-{cfg.enable_prefix_caching:d}")
+            f"{cfg.preemption_mode}-{cfg.enable_prefix_caching:d}-{cfg.num_offload_blocks}")
     with st.form("reset", border=False):
         st.select_slider("Block size (tokens)", p.BLOCK_SIZES, cfg.block_size, key=f"reset_bs@{pool}",
                          help="Small: little waste, long tables. Large: short tables, more waste.")
@@ -325,16 +325,20 @@ def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
         modes = ["swap", "recompute"]
         c[1].selectbox("Preemption", modes, modes.index(cfg.preemption_mode), key=f"reset_mode@{pool}")
         st.toggle("Prefix caching", cfg.enable_prefix_caching, key=f"reset_caching@{pool}")
+        st.number_input("Host tier blocks", 0, p.MAX_HOST_BLOCKS, cfg.num_offload_blocks, key=f"reset_tier@{pool}",
+                        help="Offloading (docs/offload.md): full blocks are stored to the host tier as they "
+                             "complete, and a prefix the device missed is loaded back from there. 0: none.")
         st.caption("A reset aborts every request; the model stays loaded.")
         st.form_submit_button("Reset engine", width="stretch", disabled=_not_here(client, "reset") is not None,
                               on_click=_reset, args=(client, pool))
 
 
 def _reset(client: EngineClient, pool: str) -> None:
-    v = {name: st.session_state[f"reset_{name}@{pool}"] for name in ("bs", "dev", "host", "seqs", "mode", "caching")}
+    v = {name: st.session_state[f"reset_{name}@{pool}"] for name in ("bs", "dev", "host", "seqs", "mode", "caching", "tier")}
     send(client, p.ResetCmd(config=p.ResetConfig(
         block_size=int(v["bs"]), num_device_blocks=int(v["dev"]), num_host_blocks=int(v["host"]),
-        max_num_seqs=int(v["seqs"]), preemption_mode=v["mode"], enable_prefix_caching=v["caching"])),
+        max_num_seqs=int(v["seqs"]), preemption_mode=v["mode"], enable_prefix_caching=v["caching"],
+        num_offload_blocks=int(v["tier"]))),
         f"Reset to {int(v['dev'])} × {int(v['bs'])}")
     st.session_state["travel"] = None
 
@@ -348,7 +352,9 @@ def engine_panel(client: EngineClient, view: View) -> None:
     pacing(client)
     requests(client, view)
     st.caption(f"Pool: {plural(cfg.num_device_blocks, 'block')} × {plural(cfg.block_size, 'token')} · "
-               f"{plural(cfg.num_host_blocks, 'host block')} · prefix caching "
+               f"{plural(cfg.num_host_blocks, 'host block')} · "
+               + (f"{plural(cfg.num_offload_blocks, 'block')} in the host tier · " if cfg.num_offload_blocks else "")
+               + "prefix caching "
                f"{'on' if cfg.enable_prefix_caching else 'off'} · {cfg.preemption_mode}")
     if client.supports("reset"):
         with st.expander("Reset pool"):

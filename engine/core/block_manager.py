@@ -1,4 +1,5 @@
-"""Each sequence's block tables over one device pool, a prefix cache and a host pool for swap.
+"""Each sequence's block tables over one device pool, a prefix cache, a host pool for swap and a
+host tier for offloading.
 
 A model's layers form KV-cache groups (kvscope_contract/kv_groups.py): one for a full-attention
 model, several for a hybrid one (Gemma 3: five sliding-window groups and one full-attention
@@ -7,8 +8,9 @@ BlockManager is the coordinator, as vLLM v1's KVCacheCoordinator: what differs b
 group is asked of each group's manager (engine/core/group_managers.py: how much a table covers at
 admission, which blocks a window has passed, how long a prefix hit each kind serves), the ref
 counts and the LRU are the BlockPool's (engine/core/block_pool.py), swapping is the Swapper's
-(engine/core/swap.py). A prefix hit is the longest prefix that every group can serve. Every
-change of state emits its protocol events, in order, through the event log.
+(engine/core/swap.py), the host tier the HostTier's (engine/core/offload.py). A prefix hit is the
+longest prefix that every group can serve. Every change of state emits its protocol events, in
+order, through the event log.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from engine.core.capture import PoolCapture
 from engine.core.events import EventLog
 from engine.core.group_managers import GroupManager, group_managers
 from engine.core.host_pool import HostPool
+from engine.core.offload import HostTier
 from engine.core.prefix_cache import PrefixCache, chain_hash
 from engine.core.sequence import Sequence
 from engine.core.swap import Swapper
@@ -67,6 +70,9 @@ class BlockManager:
                 f"{config.num_device_blocks} device blocks ({usable} above the watermark) cannot give a "
                 f"request one block in each of the model's {len(groups)} KV-cache groups: use at least "
                 f"{len(groups) + len(config.reserved_blocks) + watermark + 1} blocks"))
+        if config.num_offload_blocks and (len(groups) > 1 or not config.enable_prefix_caching):
+            raise p.CommandError("invalid_argument", "the host tier finds blocks by their prefix hash: it needs "
+                                 "prefix caching on and a pool of one KV-cache group (no hybrid model yet)")
 
     def _build(self, config: p.PoolConfig) -> None:
         self.check(config)
@@ -81,6 +87,7 @@ class BlockManager:
         self.cache = PrefixCache(n, len(self.groups), self.log)
         self.pool = BlockPool(n, self.cache)
         self.host = HostPool(config.num_host_blocks)
+        self.offload = HostTier(config.num_offload_blocks, self.log) if config.num_offload_blocks else None
         self.swap = Swapper(self.pool, self.cache, self.host, self.log, self._release, self.new_tables)
         self.watermark_blocks = int(self.watermark * n)
 
@@ -180,7 +187,7 @@ class BlockManager:
         Args:
             group: running sequences swapped together (a fork group, or one sequence).
         Returns:
-            True when `swap_out(group)` would not raise.
+            True when `swap.swap_out(group)` would not raise.
         """
         return self.swap.can_swap_out(group)
 
@@ -248,7 +255,9 @@ class BlockManager:
             tokens = seq.block_tokens(i, bs)
             for g, table in enumerate(seq.block_tables):
                 if table[i] != NULL:
-                    self.cache.register(table[i], g, h, tokens, parent, seq.seq_id)
+                    fresh = self.cache.register(table[i], g, h, tokens, parent, seq.seq_id)
+                    if fresh and self.offload is not None:  # computed by this step: stored after its forward
+                        self.offload.store(table[i], g, h, tokens)
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def clear_prefix_cache(self) -> int:
@@ -295,6 +304,8 @@ class BlockManager:
                     self.log.emit(p.PrefixHit(seq_id=seq.seq_id, block_id=b, logical_index=i, kv_group=g,
                                               hash=hash_hex(self.cache.hashes[b])))
         hit = len(hits[0])
+        if self.offload is not None:  # the rest of the prefix, as far as the host tier holds it
+            hit += self.offload.load_prefix(seq, hit, self.block_size, self._block_hash, self.pool, self.cache)
         for g, table in enumerate(seq.block_tables):
             m = self.managers[g]
             for i in range(hit, m.blocks_for(m.admitted_tokens(len(seq), hit * self.block_size, budget))):
@@ -393,22 +404,6 @@ class BlockManager:
         self.swap.drop_host_tables(seq)
         seq.num_registered_blocks = 0
 
-    def swap_out(self, group: list[Sequence]) -> list[tuple[int, int]]:
-        """Move `group` (a fork group, or one sequence) to the host pool: `Swapper.swap_out`.
-
-        Returns:
-            The (device, host) pairs to copy.
-        """
-        return self.swap.swap_out(group)
-
-    def swap_in(self, group: list[Sequence]) -> list[tuple[int, int]]:
-        """Bring `group` back to the device pool: `Swapper.swap_in`.
-
-        Returns:
-            The (host, device) pairs to copy.
-        """
-        return self.swap.swap_in(group)
-
     # ------------------------------------------------------------------ observation
     def capture(self, seqs: Iterable[Sequence]) -> PoolCapture:
         """A copy of the pools, given every live sequence (in creation order): cheap enough to
@@ -419,7 +414,8 @@ class BlockManager:
         Returns:
             A PoolCapture whose `state()` is the reducer's PoolState at the log's last event.
         """
-        return PoolCapture.of(self.config, self.log.seq, self.pool.ref_counts, self.cache, seqs)
+        return PoolCapture.of(self.config, self.log.seq, self.pool.ref_counts, self.cache, seqs,
+                              self.offload.keys() if self.offload is not None else ())
 
     def state(self, seqs: Iterable[Sequence]) -> PoolState:
         """The pools as the reducer sees them, given every live sequence (in creation order)."""

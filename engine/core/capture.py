@@ -14,7 +14,7 @@ import numpy as np
 from kvscope_contract import protocol as p
 from engine.core.prefix_cache import PrefixCache
 from engine.core.sequence import Sequence
-from kvscope_contract.snapshot_codec import MASK64
+from kvscope_contract.snapshot_codec import MASK64, hash_hex
 from kvscope_contract.state import PoolState, SeqState
 
 
@@ -26,17 +26,18 @@ class PoolCapture:
     hashes: list[int | None]
     cached_groups: list[int] | None  # the group each hashed block is cached for (None: one group)
     seqs: list[SeqState]
+    offload: list[tuple[int, int, int]]  # the host tier's (block, group, hash) holding content
 
     @classmethod
     def of(cls, config: p.PoolConfig, last_event: int, ref_counts: list[int], cache: PrefixCache,
-           seqs: Iterable[Sequence]) -> PoolCapture:
+           seqs: Iterable[Sequence], offload: list[tuple[int, int, int]] = ()) -> PoolCapture:
         """A copy of the pools: their ref counts, the prefix cache's hashes, every live sequence
-        (in creation order)."""
+        (in creation order), the host tier's keys."""
         return cls(config, last_event, ref_counts[:], cache.hashes[:],
                    cache.group_of[:] if len(config.groups) > 1 else None, [
             SeqState(s.seq_id, s.request_id, s.status.value, [list(t) for t in s.block_tables],
                      [list(t) for t in s.host_tables], s.num_computed_tokens, s.num_prompt_tokens,
-                     s.num_output_tokens, s.params.max_tokens, s.text) for s in seqs])
+                     s.num_output_tokens, s.params.max_tokens, s.text) for s in seqs], list(offload))
 
     def state(self) -> PoolState:
         """The reducer's state: each hash's `hash_hex` digits as the number they spell."""
@@ -44,4 +45,5 @@ class PoolCapture:
         values = np.zeros(len(self.hashes), np.uint64)
         values[has] = np.fromiter((h & MASK64 for h in self.hashes if h is not None), np.uint64)
         groups = None if self.cached_groups is None else np.where(has, self.cached_groups, 0)
-        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs, groups)
+        return PoolState.build(self.config, self.last_event, self.ref_counts, (has, values, {}), self.seqs, groups,
+                               [(t, hash_hex(h), g) for t, g, h in self.offload])

@@ -183,6 +183,8 @@ class EngineCore(ABC):
             for row in batch.rows:
                 self._finish(row.seq, "error")
             raise RuntimeError(f"step {self.log.step} failed: {e}") from e
+        if self.block_manager.offload is not None:  # the step's stores are copied: loadable from the next step on
+            self.block_manager.offload.end_step()
         decode = sum(1 for r in batch.rows if r.num_tokens == 1 and r.seq.num_output_tokens)
         prefill = sum(r.num_tokens for r in batch.rows) - decode
         finished = self._postprocess(batch, payloads)

@@ -40,6 +40,8 @@ class Batch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) to copy first
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     copies: list[tuple[int, int]] = field(default_factory=list)    # copy-on-write (src, dst)
+    loads: list[tuple[int, int]] = field(default_factory=list)   # (host tier, device) before the forward
+    stores: list[tuple[int, int]] = field(default_factory=list)  # (device, host tier) after it
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.swap_out or self.swap_in)
@@ -114,6 +116,8 @@ class Scheduler:
         budget, preempted = self.schedule_running(batch, self.max_num_batched_tokens)
         if not preempted:
             self.schedule_queued(batch, budget)
+        if self.bm.offload is not None:
+            batch.loads, batch.stores = self.bm.offload.take_copies()
         return batch
 
     def schedule_running(self, batch: Batch, budget: int) -> tuple[int, bool]:
@@ -159,7 +163,7 @@ class Scheduler:
                 break
             for seq in group:
                 self.swapped.remove(seq)
-            batch.swap_in += self.bm.swap_in(group)
+            batch.swap_in += self.bm.swap.swap_in(group)
             for seq in group:
                 self.add_running(seq)
                 seats += _width(seq)
@@ -215,7 +219,7 @@ class Scheduler:
                 self.log.emit(p.Preempt(seq_id=seq.seq_id, mode="swap"))
                 seq.status = SeqStatus.SWAPPED
                 self.swapped.append(seq)
-            batch.swap_out += self.bm.swap_out(group)
+            batch.swap_out += self.bm.swap.swap_out(group)
             return group
         # recompute, or the host pool is full
         self.running.remove(victim)

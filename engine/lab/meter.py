@@ -24,7 +24,7 @@ from engine.core.events import EventLog
 
 # events that can change what the scheduler's queued part decides (admission, swap-in)
 CHANGES = frozenset({p.RequestAdded, p.Fork, p.Alloc, p.PrefixHit, p.Cached, p.Evict, p.Cow, p.Free,
-                     p.Preempt, p.SwapOut, p.SwapIn, p.StatusChange, p.Finish})
+                     p.Preempt, p.SwapOut, p.SwapIn, p.StatusChange, p.Finish, p.OffloadLoad})
 
 
 class Meter(EventLog):
@@ -39,6 +39,8 @@ class Meter(EventLog):
         self.counts = EventCounts()       # hits, lookups, preemptions, swaps: the contract's fold
         self.first_hit = self.first_looked_up = 0  # the same at first admissions (vLLM's counters)
         self.recomputed: set[str] = set()  # live sequences preempted by recompute: their admissions are not first
+        self.loaded: dict[str, int] = {}  # tokens the admission under way loaded from the host tier, by sequence
+        self.admission_loaded = 0  # of the last admission
         self.computed = 0
         self.finished = 0
         self.steps = 0
@@ -73,6 +75,12 @@ class Meter(EventLog):
     def _alloc(self, ev: p.Alloc) -> None:
         self.entries += 1
 
+    def _offload_load(self, ev: p.OffloadLoad) -> None:
+        """A new entry, like an alloc; its tokens are computed at admission but are no prefix-cache hit."""
+        self.entries += 1
+        self.counts.count(ev)
+        self.loaded[ev.seq_id] = self.loaded.get(ev.seq_id, 0) + self.bs
+
     def _prefix_hit(self, ev: p.PrefixHit) -> None:
         self.entries += 1
         if self.core.block_manager.pool.ref_counts[ev.block_id] > 1:
@@ -83,10 +91,12 @@ class Meter(EventLog):
         self.entered.append(ev.seq_id)
         if self.caching:  # every token it holds was looked up (the rule of PoolState.prefix_lookup)
             self.counts.looked_up_tokens += len(seq)
-            self.counts.hit_tokens += seq.num_computed_tokens  # the admission's hit, every group's once
+            self.admission_loaded = self.loaded.pop(ev.seq_id, 0)
+            hit = seq.num_computed_tokens - self.admission_loaded  # the device's: not the host tier's
+            self.counts.hit_tokens += hit  # the admission's hit, every group's once
             if ev.seq_id not in self.recomputed:
                 self.first_looked_up += len(seq)
-                self.first_hit += seq.num_computed_tokens
+                self.first_hit += hit
         self.held += seq.num_computed_tokens
 
     def _fork(self, ev: p.Fork) -> None:
@@ -212,6 +222,8 @@ _HANDLERS = {
     p.Alloc: Meter._alloc, p.PrefixHit: Meter._prefix_hit, p.StatusChange: Meter._status,
     p.Fork: Meter._fork, p.Cow: Meter._cow, p.Free: Meter._free, p.Preempt: Meter._preempt,
     p.SwapOut: Meter._swap_out, p.SwapIn: Meter._swap_in, p.Finish: Meter._finish, p.StepDone: Meter._step,
+    p.OffloadLoad: Meter._offload_load,
+    p.OffloadStore: lambda m, ev: m.counts.count(ev), p.OffloadEvict: lambda m, ev: m.counts.count(ev),
 }
 _ON = {kind: (kind in CHANGES, _HANDLERS.get(kind)) for kind in p.AnyEvent.__args__}
 _NOTHING = (False, None)

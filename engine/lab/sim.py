@@ -222,6 +222,9 @@ class Lab(EngineCore):
             sched.schedule_queued(batch, budget)
             self._queued_key = (self.meter.changes, budget) if self.meter.changes == before else None
         self._postprocess(batch, None)
+        if bm.offload is not None:  # no copies to make here: the step's stores are loadable from the next on
+            bm.offload.take_copies()
+            bm.offload.end_step()
         touched = due + [r.seq for r in batch.rows[len(due):]] + [self.seqs[i] for i in self.meter.entered
                                                                    if i in self.seqs]
         pushed = set()

@@ -177,7 +177,7 @@ class TraceMeter(Meter):
         """Split the admission's missed tokens by reason (after Meter counted its lookup)."""
         seq: Sequence = self.core.seqs[seq_id]
         bm, bs = self.core.block_manager, self.bs
-        n, hit = len(seq), seq.num_computed_tokens
+        n, hit = len(seq), seq.num_computed_tokens  # the host tier's loads included: no miss of any reason
         if seq_id in self.recomputed:
             self.missed["recomputed"] += n - hit
             return

@@ -4,6 +4,7 @@ table, and the models whose KV bytes per token turn blocks into bytes.
     python -m engine.lab trace:conversation_trace.jsonl --policy lru,lfu,opt --requests 2000
     python -m engine.lab trace:my.jsonl --sweep 1000,4000,16000 --one-at-a-time --model smollm2
     python -m engine.lab trace:my.jsonl --bytes-per-token 327680 --csv sweep.csv --json > sweep.json
+    python -m engine.lab trace:conversation_trace.jsonl --sweep 500,2000 --host-blocks 0,8000
 
 `sweep()` is the API (the dashboard runs this module as a subprocess with --json and decodes
 `kvscope_contract.lab.TraceSweep`). The trace is read and checked once before any replay (a bad
@@ -61,19 +62,21 @@ def unlimited_blocks(index: TraceIndex, watermark: float = 0.01) -> int:
 
 
 def lab_config(blocks: int, block_size: int, max_num_batched_tokens: int = BATCH_TOKENS,
-               max_num_seqs: int = MAX_SEQS, watermark: float = 0.01) -> LabConfig:
-    """The replay's engine: recompute preemption and no host pool (vLLM v1's), prefix caching on."""
+               max_num_seqs: int = MAX_SEQS, watermark: float = 0.01, host_blocks: int = 0) -> LabConfig:
+    """The replay's engine: recompute preemption and no swap pool (vLLM v1's), prefix caching on,
+    a host tier of `host_blocks` (docs/offload.md)."""
     pool = p.PoolConfig(block_size=block_size, num_device_blocks=blocks, num_host_blocks=0,
-                        preemption_mode="recompute", max_num_seqs=max_num_seqs)
+                        preemption_mode="recompute", max_num_seqs=max_num_seqs, num_offload_blocks=host_blocks)
     return LabConfig(pool=pool, watermark=watermark, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def replay(index: TraceIndex, blocks: int, policy: str, *, step_ms: float = STEP_MS, one_at_a_time: bool = False,
            max_num_batched_tokens: int = BATCH_TOKENS, max_num_seqs: int = MAX_SEQS, watermark: float = 0.01,
-           bytes_per_token: int | None = None) -> TracePoint:
-    """One point: the trace (as far as `index` read it) through a pool of `blocks` under `policy`."""
+           bytes_per_token: int | None = None, host_blocks: int = 0) -> TracePoint:
+    """One point: the trace (as far as `index` read it) through a pool of `blocks` under `policy`,
+    with a host tier of `host_blocks`."""
     t0 = time.perf_counter()
-    cfg = lab_config(blocks, index.block_size, max_num_batched_tokens, max_num_seqs, watermark)
+    cfg = lab_config(blocks, index.block_size, max_num_batched_tokens, max_num_seqs, watermark, host_blocks)
     lab = TraceLab(cfg, index, load_policy(policy)(), step_ms=step_ms, one_at_a_time=one_at_a_time,
                    limit=index.requests)
     row = lab.run()
@@ -84,16 +87,18 @@ def replay(index: TraceIndex, blocks: int, policy: str, *, step_ms: float = STEP
                       hit_tokens=row.hit_tokens, looked_up_tokens=row.looked_up_tokens,
                       missed={r: m.missed.get(r, 0) for r in TRACE_REASONS}, evictions=m.evictions,
                       preemptions=row.preemptions, rejected=len(row.rejected), finished=row.finished,
-                      steps=row.steps, seconds=time.perf_counter() - t0)
+                      steps=row.steps, seconds=time.perf_counter() - t0, host_blocks=host_blocks,
+                      host_hit_tokens=row.host_hit_tokens)
 
 
 def sweep(path: Path | str, capacities: list[int] | None = None, policies: list[str] = ("lru",), *,
           block_size: int = TRACE_BLOCK, requests: int | None = None, one_at_a_time: bool = False,
           step_ms: float = STEP_MS, max_num_batched_tokens: int = BATCH_TOKENS, max_num_seqs: int = MAX_SEQS,
           watermark: float = 0.01, model: str | None = None, bytes_per_token: int | None = None,
-          progress: Callable[[TracePoint], None] | None = None) -> TraceSweep:
+          progress: Callable[[TracePoint], None] | None = None, host_blocks: list[int] = (0,)) -> TraceSweep:
     """Replay the trace's first `requests` (None: all) at each capacity (blocks; None: the
-    default log-spaced points) under each policy (a name, or `module:Class`).
+    default log-spaced points) under each policy (a name, or `module:Class`), with each host tier
+    size of `host_blocks` (0: device only).
 
     Raises:
         TraceError: a bad line or block size, before anything runs.
@@ -117,19 +122,20 @@ def sweep(path: Path | str, capacities: list[int] | None = None, policies: list[
                      ceiling_hit_tokens=index.ceiling_hit_tokens, unlimited_blocks=unlimited_blocks(index, watermark))
     for blocks in capacities:
         for spec in policies:
-            point = replay(index, blocks, spec, step_ms=step_ms, one_at_a_time=one_at_a_time,
-                           max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                           watermark=watermark, bytes_per_token=bytes_per_token)
-            out.points.append(point)
-            if progress:
-                progress(point)
+            for host in host_blocks:
+                point = replay(index, blocks, spec, step_ms=step_ms, one_at_a_time=one_at_a_time,
+                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                               watermark=watermark, bytes_per_token=bytes_per_token, host_blocks=host)
+                out.points.append(point)
+                if progress:
+                    progress(point)
     out.seconds = time.perf_counter() - t0
     return out
 
 
 # ------------------------------------------------------------------------------ the table
 COLUMNS = ("policy", "blocks", "tokens", "bytes", "hit_rate", "of_ceiling", *TRACE_REASONS, "evictions",
-           "preemptions", "rejected", "seconds")
+           "preemptions", "rejected", "seconds", "host_blocks", "host_hit", "with_host")
 
 
 def point_values(s: TraceSweep, pt: TracePoint) -> dict:
@@ -139,7 +145,8 @@ def point_values(s: TraceSweep, pt: TracePoint) -> dict:
         pt.policy, pt.blocks, pt.tokens, pt.bytes, round(pt.hit_rate, 4),
         round(pt.hit_rate / s.ceiling, 4) if s.ceiling else None,
         *(round(pt.missed.get(r, 0) / look, 4) for r in TRACE_REASONS), pt.evictions, pt.preemptions,
-        pt.rejected, round(pt.seconds, 2))))
+        pt.rejected, round(pt.seconds, 2), pt.host_blocks, round(pt.host_hit_tokens / look, 4),
+        round(pt.tier_hit_rate, 4))))
 
 
 def to_csv(s: TraceSweep) -> str:
@@ -166,15 +173,18 @@ def _bytes(n: int | None) -> str:
 
 
 def format_table(s: TraceSweep) -> str:
+    tiers = any(pt.host_blocks for pt in s.points)  # the host tier's columns, where one ran
     heads = ["policy", "blocks", "tokens", "bytes", "hit rate", "of ceiling", "cold", "evicted", "in flight",
-             "partial", "recomp", "evictions", "preempt", "rejected", "s"]
+             "partial", "recomp", "evictions", "preempt", "rejected", "s"] + (
+             ["host tier", "host hit", "with host"] if tiers else [])
     rows = []
     for pt in s.points:
         v = point_values(s, pt)
         rows.append([pt.policy, f"{pt.blocks:,}", _size(pt.tokens), _bytes(pt.bytes), f"{pt.hit_rate:.1%}",
                      "-" if v["of_ceiling"] is None else f"{v['of_ceiling']:.0%}",
                      *(f"{v[r]:.1%}" for r in TRACE_REASONS), f"{pt.evictions:,}", f"{pt.preemptions:,}",
-                     f"{pt.rejected:,}", f"{pt.seconds:.1f}"])
+                     f"{pt.rejected:,}", f"{pt.seconds:.1f}"]
+                    + ([f"{pt.host_blocks:,}", f"{v['host_hit']:.1%}", f"{pt.tier_hit_rate:.1%}"] if tiers else []))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)]
     line = lambda xs: "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(xs, widths)))  # noqa: E731
     return "\n".join([line(heads), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -192,17 +202,20 @@ def describe(s: TraceSweep) -> str:
             f"{s.unlimited_blocks:,} blocks never evicts\n"
             f"misses as shares of the tokens looked up: cold (never cached), evicted (cached before), in flight "
             f"(a running request was still computing it), partial (the block of the prompt's last token), "
-            f"recomp (re-admissions after a recompute preemption)")
+            f"recomp (re-admissions after a recompute preemption)"
+            + ("; host hit: the tokens the device missed and the host tier served (loaded, not recomputed); "
+               "with host: the device's hit rate and the host tier's together" if any(
+                   pt.host_blocks for pt in s.points) else ""))
 
 
 # ------------------------------------------------------------------------------ the command line
-def _ints(text: str) -> list[int]:
+def _ints(text: str, least: int = 1, what: str = "capacities are positive numbers of blocks") -> list[int]:
     try:
         out = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError("capacities are positive numbers of blocks")
+    if any(n < least for n in out):
+        raise argparse.ArgumentTypeError(what)
     return out
 
 
@@ -230,6 +243,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="show capacity in this model's KV bytes")
     ap.add_argument("--bytes-per-token", type=int, default=None,
                     help="KV bytes per token of a model given by numbers (the Mooncake paper's: 327680)")
+    ap.add_argument("--host-blocks", default=[0], metavar="N,...",
+                    type=lambda t: _ints(t, 0, "host tier sizes are numbers of blocks, 0 or more"),
+                    help="host tier sizes in blocks, each replayed at every capacity (0: device only; "
+                         "docs/offload.md). Default 0")
     ap.add_argument("--csv", type=Path, help="also write the table as CSV")
     ap.add_argument("--json", action="store_true", help="print the sweep as JSON (kvscope_contract.lab.TraceSweep)")
     args = ap.parse_args(argv)
@@ -237,14 +254,16 @@ def main(argv: list[str]) -> int:
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
 
     def progress(pt: TracePoint) -> None:
-        print(f"  {pt.policy} at {pt.blocks:,} blocks: hit rate {pt.hit_rate:.1%} ({pt.seconds:.1f} s)",
+        host = f", with {pt.host_blocks:,} in the host tier {pt.tier_hit_rate:.1%}" if pt.host_blocks else ""
+        print(f"  {pt.policy} at {pt.blocks:,} blocks: hit rate {pt.hit_rate:.1%}{host} ({pt.seconds:.1f} s)",
               file=sys.stderr)
 
     try:
         s = sweep(path, args.sweep, policies, block_size=args.block_size, requests=args.requests,
                   one_at_a_time=args.one_at_a_time, step_ms=args.step_ms,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  model=args.model, bytes_per_token=args.bytes_per_token, progress=progress)
+                  model=args.model, bytes_per_token=args.bytes_per_token, progress=progress,
+                  host_blocks=args.host_blocks or [0])
     except (OSError, ValueError) as e:
         print(f"engine.lab: {e}", file=sys.stderr)
         return 2

@@ -146,7 +146,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.windows = [w or 0 for w in (loaded.layer_kinds or [None] * self.num_layers)]
         self.memory_fraction = memory_fraction
-        self.kv_cache = self.host_cache = None
+        self.kv_cache = self.host_cache = self.offload_cache = None
         self.allocate(pool)
         if self.device.type == "cpu":
             load_cpu_kernels()
@@ -172,14 +172,15 @@ class ModelRunner:
     def check_fits(self, pool: PoolConfig) -> None:
         """Refuse pools that would take more than their share of free memory."""
         per_block = self.bytes_per_block(pool)
-        need = per_block * (pool.num_device_blocks + pool.num_host_blocks)
-        held = self.kv_cache.nbytes + self.host_cache.nbytes if self.kv_cache is not None else 0
+        need = per_block * (pool.num_device_blocks + pool.num_host_blocks + pool.num_offload_blocks)
+        held = (self.kv_cache.nbytes + self.host_cache.nbytes + self.offload_cache.nbytes
+                if self.kv_cache is not None else 0)
         limit = int((_available_memory(self.device) + held) * self.memory_fraction)
         if need > limit:
             raise CommandError(
                 "invalid_argument",
                 f"the pools would take {need / 2**30:.2f} GiB ({pool.num_device_blocks} + "
-                f"{pool.num_host_blocks} blocks of {per_block:,} bytes); at most "
+                f"{pool.num_host_blocks} + {pool.num_offload_blocks} blocks of {per_block:,} bytes); at most "
                 f"{limit / 2**30:.2f} GiB is allowed here: use fewer or smaller blocks")
 
     def _check_groups(self, groups: list[list[int]]) -> None:
@@ -193,13 +194,14 @@ class ModelRunner:
         groups = _group_layers(pool, self.num_layers)
         self._check_groups(groups)
         self.check_fits(pool)
-        self.kv_cache = self.host_cache = None  # free the old pools before taking new ones
+        self.kv_cache = self.host_cache = self.offload_cache = None  # free the old pools before taking new ones
         self.layers_per_group = kv_groups.layers_per_group(pool.kv_groups, self.num_layers)
         shape = (self.layers_per_group, 2, pool.block_size, self.num_kv_heads, self.head_dim)
         make = lambda n, **kw: torch.zeros(shape[:2] + (n,) + shape[2:], dtype=self.dtype, **kw)  # noqa: E731
         self.block_size = pool.block_size
         self.kv_cache = make(pool.num_device_blocks, device=self.device)
         self.host_cache = make(pool.num_host_blocks, pin_memory=self.device.type == "cuda")
+        self.offload_cache = make(pool.num_offload_blocks, pin_memory=self.device.type == "cuda")  # the host tier
         # per layer: its slot of the pool tensor, and which of the step's attention metadata it reads
         # (one per group and window: a group's layers share its tables; in a one-group pool of a
         # model with sliding windows, they differ in window)
@@ -225,6 +227,8 @@ class ModelRunner:
             kernels.swap_blocks(self.host_cache, self.kv_cache, batch.swap_in)
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, batch.copies)
+        if batch.loads:  # prefix blocks found in the host tier, into their new device blocks
+            kernels.swap_blocks(self.offload_cache, self.kv_cache, batch.loads)
         if not batch.rows:
             return None
         bs = self.block_size
@@ -252,7 +256,10 @@ class ModelRunner:
             metas.append(kernels.build_attention_metadata(query_lens, seq_lens, group_tables, group_slots[g], bs,
                                                           self.device, window))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return self.forward(as_tensor(ids), as_tensor(positions), metas, as_tensor(last_rows))
+        logits = self.forward(as_tensor(ids), as_tensor(positions), metas, as_tensor(last_rows))
+        if batch.stores:  # the full blocks this forward computed, to the host tier
+            kernels.swap_blocks(self.kv_cache, self.offload_cache, batch.stores)
+        return logits
 
     def _ropes(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
         """cos/sin [T, head_dim] per rotary embedding the layers take (per layer type in Gemma)."""

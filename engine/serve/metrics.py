@@ -168,6 +168,10 @@ class EngineMetrics:
             ("kvscope_shared_blocks", "Device blocks held by two or more sequences.", counts.shared),
             ("kvscope_host_blocks", "Host (swap) blocks in the pool.", cfg.num_host_blocks),
             ("kvscope_host_used_blocks", "Host blocks holding a swapped-out block.", counts.host_used),
+            ("kvscope_host_tier_blocks", "Blocks of the host tier (offloading, docs/offload.md; 0: none).",
+             cfg.num_offload_blocks),
+            ("kvscope_host_tier_used_blocks", "Host tier blocks holding a stored block.",
+             int(state.offload_has.sum())),
             ("kvscope_block_size_tokens", "Tokens per block.", cfg.block_size),
             ("kvscope_slot_utilisation", "Tokens stored in used blocks over their slots (used blocks x "
              "block size): 1 minus the internal fragmentation. 1 when no block is used.",
@@ -189,7 +193,15 @@ class EngineMetrics:
             ("kvscope_forks", "Sequences forked from a parent (parallel sampling).", tot.forks),
             ("kvscope_evictions", "Cached blocks evicted from the prefix cache.", tot.evictions),
             ("kvscope_engine_steps", "Engine steps run.", tot.steps),
+            ("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU (here: from the "
+             "host tier to the device pool).", tot.events.host_loaded_blocks * cfg.bytes_per_block),
+            ("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage (here: from the "
+             "device pool to the host tier).", tot.events.host_stored_blocks * cfg.bytes_per_block),
         ])
+        yield self._by("kvscope_host_tier_moved_blocks", "Blocks stored to the host tier, loaded back from it "
+                       "on a device miss, and evicted from it.", "op",
+                       {"store": tot.events.host_stored_blocks, "load": tot.events.host_loaded_blocks,
+                        "evict": tot.events.host_evicted_blocks}, ("store", "load", "evict"))
         yield self._by("vllm:request_success", "Count of finished sequences, by finish reason.",
                        "finished_reason", tot.finished, p.FinishReason.__args__)
         yield self._by("kvscope_prefix_cache_miss_tokens", "Tokens an admission looked up in the prefix cache "

@@ -7,7 +7,9 @@ first item is the type (`["BlockStored", block_hashes, parent_block_hash, token_
 lora_id, medium, lora_name, extra_keys, group_idx, ...]`, as older vLLM and other servers send).
 Both decode to the same `Stored` / `Removed` / `Cleared`, with what a hybrid model's stream adds
 (the KV-cache group that stored a block, its kind and sliding window), the tier's locality and
-the extra keys a block's hash covers (LoRA, cache salt). Keys it does not know are ignored;
+the extra keys a block's hash covers (LoRA, cache salt). An offloading tier's store may carry no
+tokens and a block size of 0 (vLLM's OffloadingConnector, unless its events are self-describing).
+Keys it does not know are ignored;
 optional fields of the wrong type read as absent; a frame that cannot be read raises
 `FrameError`, an event that cannot be read is counted as unknown, never more.
 """
@@ -128,8 +130,9 @@ def _event(raw: Any) -> KVEvent:
     if kind == "BlockStored":
         m = _as_map(raw, _STORED_FIELDS)
         hashes, tokens, size = m.get("block_hashes"), m.get("token_ids") or [], m.get("block_size")
-        if not isinstance(hashes, list) or not isinstance(size, int) or size <= 0:
-            raise FrameError("BlockStored needs block_hashes (a list) and block_size (> 0)")
+        if not isinstance(hashes, list) or not isinstance(size, int) or size < 0 or (size == 0 and tokens):
+            raise FrameError("BlockStored needs block_hashes (a list) and block_size (> 0, or 0 without "
+                             "token_ids: an offloading tier's announcement)")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise FrameError("BlockStored token_ids must be a list of ints")
         parent = m.get("parent_block_hash")

@@ -57,6 +57,29 @@ class Extra:
         return ", ".join(parts)
 
 
+# Each server's medium names, onto the tiers KVScope's own engine has (docs/offload.md): vLLM's
+# (GPU; CPU and STORAGE from its OffloadingConnector, CPU_TIERED from older releases), SGLang
+# HiCache's (GPU, CPU_TIER1 for host memory, CPU_TIER2 for its storage tier) and LMCache's names.
+TIERS = {"GPU": "device", "CPU": "host", "CPU_TIERED": "host", "CPU_PINNED": "host", "CPU_TIER1": "host",
+         "LocalCPUBackend": "host", "STORAGE": "storage", "DISK": "storage", "CPU_TIER2": "storage",
+         "LocalDiskBackend": "storage"}
+# an offloading tier keys its blocks by hash: it holds one block per hash however often a store
+# announces it (vLLM re-announces a shared prefix once per chunk), so its count is of hashes
+ANNOUNCED = frozenset({"host", "storage"})
+TIER_WORDS = {"device": "the device", "host": "the host tier", "storage": "the storage tier"}
+
+
+def tier_kind(medium: str) -> str | None:
+    """The tier a medium names (device, host or storage), or None for a name no server here uses."""
+    return TIERS.get(medium.split(" ")[0])
+
+
+def tier_label(name: str) -> str:
+    """How the page names a tier: 'the host tier (CPU)'; an unknown medium by its own name."""
+    kind = tier_kind(name)
+    return f"{TIER_WORDS[kind]} ({name})" if kind else name
+
+
 def tier(medium: str, locality: str | None) -> str:
     """Where a block lives: its medium, and `(remote)` for a remote tier of an offloading connector."""
     return medium if locality in (None, "LOCAL") else f"{medium} ({locality.lower()})"
@@ -169,8 +192,10 @@ class KVEventsState:
         return sum(self.per_medium().values())
 
     def per_medium(self) -> dict[str, int]:
-        """Cached physical blocks per tier, every group's (copies of the same content counted)."""
-        out = {name: sum(f.copies() for f in groups.values()) for name, groups in self.caches.items()}
+        """Cached physical blocks per tier, every group's (copies of the same content counted on the
+        device; an offloading tier's repeated announcements of a block are one block)."""
+        out = {name: sum(len(f.nodes) if tier_kind(name) in ANNOUNCED else f.copies() for f in groups.values())
+               for name, groups in self.caches.items()}
         return {name: n for name, n in out.items() if n}
 
     def per_group(self, name: str) -> dict[int, int]:

@@ -227,3 +227,26 @@ def test_the_docs_list_every_metric_the_server_serves(serve):
     rules = (Path(__file__).resolve().parents[2] / "docs" / "prometheus" / "alerts.yml").read_text()
     alert = re.search(r"expr: (\S+) > 0\.90", rules)  # the free-blocks alert (docs/prometheus.md)
     assert alert and alert.group(1) in served
+
+
+def test_the_host_tier_counters_match_its_events(serve):
+    """Issue 36: prompts that fill a small host tier (it evicts) and push a system prompt out of a
+    small device pool, then that prompt again, loaded back from the tier: /metrics counts the tier's
+    stores, loads and evictions as its events do, and vLLM's offload byte counters at bytes_per_block
+    each."""
+    srv, _ = serve(block_size=4, num_device_blocks=24, num_host_blocks=0, num_offload_blocks=24,
+                   preemption_mode="recompute")
+    c = Client(srv.url)
+    numbers, fox = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14", "The quick brown fox jumps over the lazy dog. " * 3
+    for i, prompt in enumerate([numbers, SYSTEM, fox, numbers, SYSTEM]):
+        c.request(op="submit", prompt=prompt, max_tokens=4, request_id=f"q{i}")
+        run_to_end(c, [f"q{i}"])
+    kinds = Counter(e.__struct_config__.tag for e in c.events)
+    m = scrape(srv.url)
+    size = c.hello["config"]["bytes_per_block"]
+    assert kinds["offload_load"] and kinds["offload_evict"]  # the tier filled, and served the system prompt
+    assert [m["kvscope_host_tier_moved_blocks_total", op] for op in ("store", "load", "evict")] == [
+        kinds["offload_store"], kinds["offload_load"], kinds["offload_evict"]]
+    assert m["vllm:kv_offload_store_bytes_total", ""] == kinds["offload_store"] * size > 0
+    assert m["vllm:kv_offload_load_bytes_total", ""] == kinds["offload_load"] * size > 0
+    assert (m["kvscope_host_tier_blocks", ""], m["kvscope_host_tier_used_blocks", ""]) == (24, 24)

@@ -38,7 +38,7 @@ def make_server(tiny, serve_engine):
 def test_hello_snapshot_then_submit_ack_and_events_through_finish(make_server, tiny):
     srv = make_server()
     c = Client(srv.url)
-    assert c.hello["protocol"] == p.PROTOCOL_VERSION == 2 and c.hello["engine"]["num_kv_heads"] == 2
+    assert c.hello["protocol"] == p.PROTOCOL_VERSION == 3 and c.hello["engine"]["num_kv_heads"] == 2
     assert c.hello["config"]["bytes_per_block"] == 16 * 2 * 2 * 16 * 2 * tiny.dtype.itemsize
     assert c.state.last_event == 0 and len(c.state.ref_counts) == 256
     ack = c.request(op="submit", prompt="Hello there", max_tokens=5, ignore_eos=True, id=42)

@@ -155,3 +155,28 @@ def test_default_capacities_are_log_spaced_up_to_never_evicting():
     caps = default_capacities(ix)
     assert len(caps) == 12 and caps == sorted(caps) and caps[-1] == unlimited_blocks(ix)
     assert caps[0] >= 2 * ix.largest_request
+
+
+def test_a_host_tier_serves_what_the_device_evicted_at_the_same_device_size():
+    """Device-only against device + host tier (issue 36) on a slice of the conversation trace, one
+    request at a time: at the same device size a host tier turns evicted misses into host hits (this
+    trace reuses a conversation's prefix long after: a tier of half the blocks the slice takes
+    serves some), never more than the ceiling, the reasons still adding up; a tier as large as every
+    block the slice takes serves every eviction, so the two tiers reach the ceiling together."""
+    path = mooncake("conversation")
+    ix = scan(path, 512, SLICE)
+    small = 2 * ix.largest_request + 2
+    s = sweep(path, [small], ["lru"], requests=SLICE, one_at_a_time=True, host_blocks=[0, unlimited_blocks(ix) // 2, unlimited_blocks(ix)])
+    alone, some, ample = s.points
+    assert alone.host_hit_tokens == 0 and alone.missed["evicted"] > 0
+    assert alone.hit_tokens == some.hit_tokens == ample.hit_tokens  # the device's own hits do not change
+    assert 0 < some.host_hit_tokens < ample.host_hit_tokens
+    assert ample.hit_tokens + ample.host_hit_tokens == s.ceiling_hit_tokens and ample.missed["evicted"] == 0
+    for pt in s.points:
+        assert sum(pt.missed.values()) == pt.looked_up_tokens - pt.hit_tokens - pt.host_hit_tokens
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert lab_main([f"trace:{path}", "--requests", "60", "--sweep", str(small), "--one-at-a-time",
+                         "--host-blocks", "0,500"]) == 0
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("lru ")]
+    assert len(rows) == 2 and "host tier" in out.getvalue() and rows[1].split()[-3] == "500"

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 import kernels
 from engine.model import model_runner
@@ -18,7 +17,7 @@ from engine.model.model_loader import apply_chat_template, load_model
 from engine.core.sequence import SamplingParams
 from kvscope_contract.invariants import check_invariants
 from kvscope_contract.state import PoolState
-from tests.tiny_engine import make
+from tests.tiny_engine import hf_greedy, make
 
 PROMPTS = [
     "The capital of France is",
@@ -28,14 +27,6 @@ PROMPTS = [
     "Paged attention stores the keys and values of every token in fixed-size blocks, so that",
     "Q:",
 ]
-
-
-def hf_greedy(loaded, prompt_ids: list[int], max_new: int) -> list[int]:
-    out = loaded.model.generate(
-        torch.tensor([prompt_ids], device=loaded.device), attention_mask=None,
-        generation_config=GenerationConfig(max_new_tokens=max_new, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0))
-    return out[0, len(prompt_ids):].tolist()
 
 
 def run_with_events(engine: LLMEngine, prompts, params: SamplingParams):

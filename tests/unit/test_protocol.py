@@ -30,6 +30,9 @@ EVENTS = [
     p.StepDone(num_running=1, num_waiting=0, num_swapped=0, prefill_tokens=20,
                decode_tokens=0, duration_ms=3.5, free_blocks=2, cached_blocks=0),
     p.Reset(config=CONFIG),
+    p.OffloadStore(block_id=3, offload_block_id=0, hash="00ff00ff00ff00ff"),
+    p.OffloadLoad(seq_id="r1", offload_block_id=0, block_id=2, logical_index=0, hash="00ff00ff00ff00ff"),
+    p.OffloadEvict(offload_block_id=0, hash="00ff00ff00ff00ff"),
 ]
 MESSAGES = [
     p.Hello(engine=p.EngineInfo(model="tiny", device="cpu", dtype="float32", num_layers=2,

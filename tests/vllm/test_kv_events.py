@@ -54,7 +54,7 @@ def test_garbage_payloads_are_frame_errors(payload):
 
 def test_unreadable_events_are_skipped_and_counted_the_rest_kept():
     batch = decode_batch(pack([1.0, [{"type": "BlockWarmed"}, 42, ["BlockStored", "nope"],
-                                     stored_map([H1], size=0), stored_map([True]),
+                                     stored_map([H1], size=0, tokens=[1, 2]), stored_map([True]),
                                      stored_map([H2], tokens=["a"]), stored_map([H3])]]))
     assert len(batch.unknown) == 6 and batch.events == [Stored([vllm_hash_hex(H3)], None, [0, 1], 2, "GPU")]
     assert "unknown event type 'BlockWarmed'" in batch.unknown[0]
@@ -263,7 +263,7 @@ def test_the_page_shows_a_hybrid_models_cache_per_group_and_each_prefix_once(mon
     st.cache_resource.clear()
     try:
         at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=30)
-        at = wait(lambda: (a := at.run()) and any(m.label == "cached on GPU" and m.value == "12" for m in a.metric)
+        at = wait(lambda: (a := at.run()) and any(m.label == "cached on the device (GPU)" and m.value == "12" for m in a.metric)
                   and a, 30, "the page to count the six groups' blocks")
         assert any("2 blocks of content · 0 duplicated · 6 KV-cache groups" in c.value for c in at.caption)
         rows = at.dataframe[0].value
