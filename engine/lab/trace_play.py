@@ -10,8 +10,9 @@ One capacity under one eviction policy, as one point of a sweep (`python -m engi
 trace:PATH`): the same TraceLab, run by `EngineCore.step` (the lab's stepwise path, whose numbers
 equal its fast path's), so the hit rate it reaches at the end is that point's. The step pace is the
 server's (`--step-delay-ms`, and the dashboard's pace control while it plays); pause, step and
-run-to-the-next-key-event work as on the engine. It takes no prompts and no reset: the trace is
-the traffic.
+run-to-the-next-key-event work as on the engine. It starts once a client holds the pool's first
+snapshot (so a dashboard counts every lookup), and takes no prompts and no reset: the trace is the
+traffic.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ from engine.serve.server import engine_hub
 
 log = logging.getLogger("kvscope")
 SUPPORTS = [*PACING_COMMANDS, "snapshot", "abort", "clear_prefix_cache"]
+# steps' events queued for a client before the hub drops them for a snapshot: far more than an engine's
+# 256, since a dashboard counts the played point's hit rate from the events it saw (a loaded machine
+# lags seconds behind a fast pace); a step's events are a few KB
+QUEUED_STEPS = 8192
 NOT_HERE = "a trace replay plays its trace: it takes no prompts and no reset (start another replay instead)"
 
 
@@ -57,6 +62,17 @@ class TracePlayer(TraceLab):
         self.loaded = SimpleNamespace(name=f"trace {self.name}")
         self.arrivals = _Arrivals(self, 2 * max_num_seqs)
         self.t0 = time.monotonic()
+        self.watched = False  # a client has asked for the pool: until then nothing plays
+
+    def capture(self):
+        """The pool for a snapshot: the first one a client asks for starts the play, so the
+        client's counters see every lookup from the trace's first request on."""
+        self.watched = True
+        return super().capture()
+
+    def snapshot(self) -> p.Snapshot:
+        """The pool for the server's metrics (at its start): not a client watching."""
+        return super().capture().state().snapshot()
 
     def hello(self) -> p.Hello:
         info = p.EngineInfo(model=f"trace {self.name}: {self.index.requests:,} requests, {self.policy} eviction",
@@ -64,7 +80,7 @@ class TracePlayer(TraceLab):
         return p.Hello(engine=info, config=self.pool, server="kvscope trace replay", supports=list(SUPPORTS))
 
     def has_unfinished(self) -> bool:
-        return bool(self.arrivals) or self.scheduler.has_work()
+        return self.watched and (bool(self.arrivals) or self.scheduler.has_work())
 
     def step(self) -> StepResult:
         pending, sched = self.arrivals, self.scheduler
@@ -110,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, p.CommandError) as e:  # a bad line names it; a pool the manager refuses
         log.error("%s", e)
         return 2
-    hub = engine_hub(player, args.step_delay_ms, token=args.token)
+    hub = engine_hub(player, args.step_delay_ms, token=args.token, max_queued_events=QUEUED_STEPS)
     serve_until_signal(hub, args.host, args.port, lambda port: log.info(ready_line(
         ws_url(args.host, port), f"playing {player.index.requests:,} requests of {args.trace.name} on "
                                  f"{args.blocks:,} blocks of {args.block_size} ({player.policy})")))

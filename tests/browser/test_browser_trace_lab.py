@@ -9,33 +9,16 @@ from __future__ import annotations
 import csv
 import io
 import json
-import random
 import re
 import subprocess
 import sys
 
 from kvscope_contract.lab import TRACE_REASONS, decode_sweep
+from tests.traces import write_trace
 from tools.launch import CHROMIUM, FLAGS, ROOT
 
 REQUESTS, CAPACITIES, POLICIES = 200, (60, 120, 240), ("lru", "opt")
 POINT = re.compile(r"^(\w+) at (\d+) blocks: (\d+) of (\d+) tokens hit, (\d+) evictions$")
-
-
-def write_trace(path, requests: int = REQUESTS, seed: int = 35) -> None:
-    """Five system prompts of 2-4 blocks, forty conversations each on one of them, every request a
-    turn of one (a few busy ones, many quiet) adding a block or two to its chain; arrivals 0-400 ms apart."""
-    rng = random.Random(seed)
-    fresh = iter(range(10 ** 9))
-    systems = [[next(fresh) for _ in range(rng.randint(2, 4))] for _ in range(5)]
-    chats = [list(rng.choice(systems)) for _ in range(40)]
-    t = 0
-    with open(path, "w") as f:
-        for _ in range(requests):
-            chat = chats[min(int(rng.expovariate(1 / 8)), len(chats) - 1)]
-            chat.extend(next(fresh) for _ in range(rng.randint(1, 2)))
-            f.write(json.dumps({"timestamp": t, "input_length": (len(chat) - 1) * 512 + rng.randint(1, 512),
-                                "output_length": rng.randint(16, 256), "hash_ids": chat}) + "\n")
-            t += rng.randint(0, 400)
 
 
 def cli_sweep(trace):
@@ -56,7 +39,7 @@ def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     trace, bad = tmp_path / "chats.jsonl", tmp_path / "bad.jsonl"
-    write_trace(trace)
+    write_trace(trace, REQUESTS)
     lines = trace.read_text().splitlines()[:5]
     broken = json.loads(lines[2])
     broken["input_length"] = len(broken["hash_ids"]) * 512 + 1  # one block more than its ids say

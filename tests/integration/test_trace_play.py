@@ -31,15 +31,15 @@ def test_a_played_trace_reaches_the_sweeps_point_through_the_websocket(policy):
     path = mooncake("conversation")
     blocks = 400  # small enough to evict on this slice
     player = TracePlayer(path, blocks, policy, requests=SLICE)
-    hub = engine_hub(player)
-    hub.backend.pacing.paused = True  # nothing runs before the client holds the first snapshot
-    srv = serve_in_thread(hub)
+    srv = serve_in_thread(engine_hub(player))  # it plays once a client asks for the pool: none yet
+    time.sleep(1)
+    assert player.log.seq == 0
     client = EngineClient(srv.url)
     try:
         _until(lambda: client.bounds() is not None)
         assert client.hello.server == "kvscope trace replay" and not client.supports("submit")
         assert client.wait_reply(client.send(p.Submit(prompt="hi"))).code == "unsupported"
-        client.send(p.Resume())
+        assert client.view().mirror.tally.since == "engine start"  # it counts from the trace's start
         seen = []
         _until(lambda: (seen.append(client.bounds()[1]) or not player.has_unfinished())
                and client.bounds()[1] == player.log.seq)
