@@ -203,8 +203,10 @@ class TraceLab(Lab):
     meter_class = TraceMeter
 
     def __init__(self, config: LabConfig, index: TraceIndex, policy: EvictionPolicy, *, step_ms: float,
-                 one_at_a_time: bool = False, limit: int | None = None, keep_events: bool = False):
+                 one_at_a_time: bool = False, limit: int | None = None, keep_events: bool = False,
+                 long_prefill_token_threshold: int = 0):
         super().__init__(config, Workload(index.path, []), keep_events)
+        self.scheduler.long_prefill_token_threshold = long_prefill_token_threshold
         self.index, self.step_ms, self.one_at_a_time, self.limit = index, step_ms, one_at_a_time, limit
         self.future = TraceFuture(index)
         self.meter.future = self.future

@@ -155,3 +155,31 @@ def test_default_capacities_are_log_spaced_up_to_never_evicting():
     caps = default_capacities(ix)
     assert len(caps) == 12 and caps == sorted(caps) and caps[-1] == unlimited_blocks(ix)
     assert caps[0] >= 2 * ix.largest_request
+
+
+def test_a_request_admitted_while_another_prefills_its_prefix_misses_it_in_flight(tmp_path):
+    """Two requests share a 20-block prefix and arrive together. With the whole budget (8,192
+    tokens) the first one's prefill takes every step until its last chunk, whose step admits the
+    second with what is left: by then every shared block is registered, and it hits them all, so
+    `in_flight` is 0. With a prefill capped at 2,048 tokens a step (vLLM's
+    long_prefill_token_threshold), the second is admitted in the first step, when only the first
+    chunk's 4 blocks are registered: it hits those and misses the other 15 shared blocks that the
+    first request is still to compute, in flight."""
+    ids = list(range(20))
+    path = write(tmp_path, [req(0, ids), req(0, ids)])
+    whole, capped = (sweep(path, [1000], ["lru"], long_prefill_token_threshold=cap).points[0] for cap in (0, 2048))
+    assert whole.missed["in_flight"] == 0 and whole.hit_tokens == 19 * 512
+    assert capped.hit_tokens == 4 * 512 and capped.missed["in_flight"] == 15 * 512
+    assert sum(capped.missed.values()) == capped.looked_up_tokens - capped.hit_tokens
+
+
+def test_in_flight_misses_on_a_mooncake_slice_with_capped_prefills():
+    """On the synthetic trace's slice, with the prefill chunk capped at one block a step, requests
+    are admitted while an earlier one still prefills the prefix they share: some misses are in
+    flight. (The conversation trace's turns arrive after the turn before has answered: none there.)"""
+    path = mooncake("synthetic")
+    whole, capped = (sweep(path, [10**6], ["lru"], requests=SLICE, long_prefill_token_threshold=cap).points[0]
+                     for cap in (0, 512))
+    assert whole.missed["in_flight"] == 0 < capped.missed["in_flight"]
+    assert capped.hit_tokens < whole.hit_tokens  # the pool never evicts: the in-flight misses are what it lost
+    assert capped.missed["evicted"] == 0 and sum(capped.missed.values()) == capped.looked_up_tokens - capped.hit_tokens
