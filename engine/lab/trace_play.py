@@ -50,13 +50,15 @@ class TracePlayer(TraceLab):
 
     def __init__(self, path: Path | str, blocks: int, policy: str = "lru", *, block_size: int = TRACE_BLOCK,
                  requests: int | None = None, step_ms: float = STEP_MS, one_at_a_time: bool = False,
-                 max_num_batched_tokens: int = BATCH_TOKENS, max_num_seqs: int = MAX_SEQS):
+                 max_num_batched_tokens: int = BATCH_TOKENS, max_num_seqs: int = MAX_SEQS,
+                 long_prefill_token_threshold: int = 0):
         index = scan(path, block_size, requests)  # the whole slice checked before anything plays
         if not index.requests:
             raise TraceError(f"{path}: no requests")
         cfg = lab_config(blocks, block_size, max_num_batched_tokens, max_num_seqs)
         super().__init__(cfg, index, load_policy(policy)(), step_ms=step_ms, one_at_a_time=one_at_a_time,
-                         limit=index.requests, keep_events=True)
+                         limit=index.requests, keep_events=True,
+                         long_prefill_token_threshold=long_prefill_token_threshold)
         self.policy = policy_name(policy)
         self.name = Path(path).name
         self.loaded = SimpleNamespace(name=f"trace {self.name}")
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-at-a-time", action="store_true", help="each request once the one before finished")
     ap.add_argument("--max-num-batched-tokens", type=int, default=BATCH_TOKENS)
     ap.add_argument("--max-num-seqs", type=int, default=MAX_SEQS)
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0, help="a prefill's most tokens a step")
     ap.add_argument("--step-delay-ms", type=float, default=50.0, help="wall time between steps (the pace)")
     add_listen_args(ap, port=0)
     args = ap.parse_args(argv)
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         player = TracePlayer(args.trace, args.blocks, args.policy, block_size=args.block_size,
                              requests=args.requests, step_ms=args.step_ms, one_at_a_time=args.one_at_a_time,
-                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                             long_prefill_token_threshold=args.long_prefill_token_threshold)
     except (OSError, ValueError, p.CommandError) as e:  # a bad line names it; a pool the manager refuses
         log.error("%s", e)
         return 2

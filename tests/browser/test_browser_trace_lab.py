@@ -15,6 +15,7 @@ import sys
 
 from kvscope_contract.lab import TRACE_REASONS, decode_sweep
 from tests.traces import write_trace
+from tests.lab_page import fill, sweep_trace
 from tools.launch import CHROMIUM, FLAGS, ROOT
 
 REQUESTS, CAPACITIES, POLICIES = 200, (60, 120, 240), ("lru", "opt")
@@ -27,12 +28,6 @@ def cli_sweep(trace):
                           "--model", "smollm2", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     return decode_sweep(out.stdout)
-
-
-def fill(page, label: str, value: str) -> None:
-    box = page.get_by_label(label, exact=True)
-    box.fill(value)
-    box.press("Enter")
 
 
 def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
@@ -53,16 +48,8 @@ def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
-        page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click(timeout=120_000)
+        sweep_trace(page, trace, REQUESTS, CAPACITIES)
         main = page.get_by_test_id("stMain")
-        main.get_by_text("Trace", exact=True).click()
-        main.get_by_text("A file on this machine", exact=True).click()
-        fill(page, "Trace file", str(trace))
-        fill(page, "First N requests (0: the whole file)", str(REQUESTS))
-        fill(page, "Capacities (blocks)", ",".join(map(str, CAPACITIES)))
-        page.get_by_role("button", name="Remove LFU").click()
-        expect(page.get_by_role("button", name="Remove LFU")).to_have_count(0)
-        page.get_by_role("button", name="Run the sweep").click()
 
         # the chart: a point per policy and capacity, its exact counts in its description
         points = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label*=' tokens hit, ']")

@@ -10,17 +10,12 @@ import time
 
 from engine.lab.trace_sweep import sweep
 from tests.traces import write_trace
+from tests.lab_page import fill, sweep_trace
 from tools.launch import CHROMIUM, FLAGS, ROOT
 
 REQUESTS, CAPACITIES, PLAYED = 100, (60, 120, 240), 120
 MARK = re.compile(r"^playing (\w+) at (\d+) blocks: hit rate ([\d.]+) so far, (\d+) of (\d+) tokens, "
                   r"at (live|event [\d,]+) \(event (\d+)\)(.*)$")
-
-
-def fill(page, label: str, value: str) -> None:
-    box = page.get_by_label(label, exact=True)
-    box.fill(value)
-    box.press("Enter")
 
 
 def mark(page) -> tuple | None:
@@ -47,15 +42,7 @@ def test_the_lab_plays_a_trace_in_the_pool_with_its_point_on_the_curve(start_app
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
-        page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click(timeout=120_000)
-        main = page.get_by_test_id("stMain")
-        main.get_by_text("Trace", exact=True).click()
-        main.get_by_text("A file on this machine", exact=True).click()
-        fill(page, "Trace file", str(trace))
-        fill(page, "First N requests (0: the whole file)", str(REQUESTS))
-        fill(page, "Capacities (blocks)", ",".join(map(str, CAPACITIES)))
-        page.get_by_role("button", name="Remove LFU").click()
-        page.get_by_role("button", name="Run the sweep").click()
+        sweep_trace(page, trace, REQUESTS, CAPACITIES)
         points = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label*=' tokens hit, ']")
         expect(points).to_have_count(2 * len(CAPACITIES), timeout=120_000)
 
