@@ -45,7 +45,8 @@ def decode_tokens_per_s(eng: LLMEngine, seqs: int, tokens: int, rng: random.Rand
     """Decode throughput of `seqs` fresh prompts of 32 tokens generating `tokens` each (the prefill
     step left out): nothing is loaded, so a host tier only stores the blocks as they complete."""
     for _ in range(seqs):
-        eng.add_tokens([rng.randrange(100, 40000) for _ in range(32)], SamplingParams(max_tokens=tokens, ignore_eos=True))
+        eng.add_tokens([rng.randrange(100, 40000) for _ in range(32)],
+                       SamplingParams(max_tokens=tokens, ignore_eos=True))
     eng.step()  # the prefills
     t0, n = time.perf_counter(), 0
     while eng.has_unfinished():

@@ -196,6 +196,7 @@ class TraceSweep(Struct, kw_only=True):
     one_at_a_time: bool         # True: each request admitted once the one before finished
     step_ms: float              # wall time of one engine step (arrivals: timestamp / step_ms)
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0  # a prefill's most tokens a step (0: no cap)
     model: str | None = None    # whose KV bytes per token size `bytes`
     bytes_per_token: int | None = None
     ceiling_hit_tokens: int = 0  # the exact reuse ceiling (an unlimited pool, one request at a time)

@@ -3,6 +3,7 @@ reuse ceiling computed straight from the hash ids (independently of engine/lab/t
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,20 @@ def ceiling_512(path: Path, limit: int) -> tuple[int, int]:
             total += length
             full.update(ids[:length // 512])
     return hit, total
+
+
+def write_trace(path: Path, requests: int, seed: int = 35) -> None:
+    """Five system prompts of 2-4 blocks, forty conversations each on one of them, every request a
+    turn of one (a few busy ones, many quiet) adding a block or two to its chain; arrivals 0-400 ms apart."""
+    rng = random.Random(seed)
+    fresh = iter(range(10 ** 9))
+    systems = [[next(fresh) for _ in range(rng.randint(2, 4))] for _ in range(5)]
+    chats = [list(rng.choice(systems)) for _ in range(40)]
+    t = 0
+    with open(path, "w") as f:
+        for _ in range(requests):
+            chat = chats[min(int(rng.expovariate(1 / 8)), len(chats) - 1)]
+            chat.extend(next(fresh) for _ in range(rng.randint(1, 2)))
+            f.write(json.dumps({"timestamp": t, "input_length": (len(chat) - 1) * 512 + rng.randint(1, 512),
+                                "output_length": rng.randint(16, 256), "hash_ids": chat}) + "\n")
+            t += rng.randint(0, 400)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import numpy as np
@@ -96,7 +96,8 @@ class Mirror:
         """Count from here on (a clean slate); the pool itself is untouched."""
         old = self.tally  # the rate is not a counter: it carries on
         if (b := self.server_base) is not None:  # the server counted on: its count when this tally begins
-            self.server_base = msgspec.structs.replace(b, **{n: getattr(b, n) + getattr(old, n) for n in STREAM_COUNTERS})
+            self.server_base = msgspec.structs.replace(
+                b, **{n: getattr(b, n) + getattr(old, n) for n in STREAM_COUNTERS})
         self.tally = Tally(since=since, last_step=old.last_step, steps=deque(old.steps, maxlen=RATE_STEPS),
                            step_tokens=old.step_tokens, preempted=set(old.preempted))
 

@@ -44,8 +44,9 @@ class Status:
     last_error: str = ""
     cause: str = ""            # why the last connection ended (kept while retrying: then last_error is the retry's)
     since: float = field(default_factory=time.time)
-    resyncs: int = 0           # snapshots that took the place of events: asked for after a gap, or sent by a server this client fell behind
-    skipped: int = 0           # the events they skipped (their counts come with the snapshot, where the server keeps them)
+    # snapshots that took the place of events: asked for after a gap, or sent by a server this client fell behind
+    resyncs: int = 0
+    skipped: int = 0  # the events they skipped (their counts come with the snapshot, where the server keeps them)
 
     def resynced(self) -> str:
         """'resynced 3 times, 1,204 events skipped', or '' when it never was."""

@@ -9,9 +9,12 @@ KV-event stream of a vLLM / SGLang / TensorRT-LLM server.
     streamlit run app/main.py -- --vllm [MODEL] [--num-blocks 128]      # other flags go to vllm serve
     streamlit run app/main.py -- --kv-events tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558] [--tokenizer DIR]
     streamlit run app/main.py -- --fleet fleet.toml                    # many engines side by side (docs/fleet.md)
+    streamlit run app/main.py -- --trace TRACE.jsonl [--blocks 1048576 --block-size 16 --policy lru ...]
+                                                    # play a request trace in the pool (docs/traces.md)
 
 The same settings can come from the environment (KVSCOPE_ENGINE, KVSCOPE_TOKEN,
-KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_VLLM, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER, KVSCOPE_FLEET), which is how
+KVSCOPE_REPLAY, KVSCOPE_MODEL, KVSCOPE_VLLM, KVSCOPE_KV_EVENTS, KVSCOPE_TOKENIZER, KVSCOPE_FLEET,
+KVSCOPE_TRACE), which is how
 the tests choose.
 """
 from __future__ import annotations
@@ -33,13 +36,13 @@ VLLM_PYTHON = (ROOT / os.environ.get("KVSCOPE_VLLM_VENV", ".venv-vllm")) / "bin"
 
 @dataclass(frozen=True)
 class Source:
-    kind: Literal["embedded", "attach", "replay", "vllm", "kv_events", "fleet"] = "embedded"
+    kind: Literal["embedded", "attach", "replay", "vllm", "kv_events", "fleet", "trace"] = "embedded"
     url: str = ""                       # attach, kv_events
     token: str = ""                     # attach
-    path: str = ""                      # replay; fleet: its fleet file ("": an empty fleet)
+    path: str = ""                      # replay; fleet: its fleet file ("": an empty fleet); trace: the trace
     speed: float = 1.0                  # replay
     model: str = "smollm2"              # embedded; fleet: the engines a fleet lesson starts
-    engine_args: tuple[str, ...] = ()   # embedded: further engine.serve.server flags; vllm: serve's
+    engine_args: tuple[str, ...] = ()  # embedded: further engine.serve.server flags; vllm: serve's; trace: player's
     tokenizer: str = ""                 # kv_events: a folder with tokenizer.json, for block text
 
     @property
@@ -54,7 +57,14 @@ class Source:
             return f"KV events from {self.url}"
         if self.kind == "fleet":
             return f"fleet of {Path(self.path).name}" if self.path else "fleet"
+        if self.kind == "trace":
+            return f"trace replay of {Path(self.path).name}"
         return f"embedded engine ({self.model})"
+
+    def trace_option(self, flag: str, default: str) -> str:
+        """A trace source's player flag (`--blocks`, `--policy`, ...), as given or its default."""
+        args = list(self.engine_args)
+        return args[args.index(flag) + 1] if flag in args[:-1] else default
 
     def server_args(self) -> tuple[str, tuple[str, ...]]:
         """The module and flags of the child server an embedded, replay or vLLM source runs."""
@@ -62,6 +72,8 @@ class Source:
             return "engine.serve.replay", (self.path, "--port", "0", "--loop", "--speed", f"{self.speed:g}")
         if self.kind == "vllm":
             return "integrations.vllm.serve", (self.model, "--port", "0", "--kvscope-port", "0", *self.engine_args)
+        if self.kind == "trace":
+            return "engine.lab.trace_play", (self.path, "--port", "0", *self.engine_args)
         return "engine.serve.server", ("--model", self.model, "--port", "0", *self.engine_args)
 
 
@@ -112,6 +124,9 @@ def parser(env: dict[str, str] | None = None, prog: str = "streamlit run app/mai
                     help="subscribe to a ZMQ KV-event stream: tcp://HOST:5557[?topic=T&replay=tcp://HOST:5558]")
     ap.add_argument("--tokenizer", default=env.get("KVSCOPE_TOKENIZER", ""),
                     help="with --kv-events: a folder with tokenizer.json, for block text")
+    ap.add_argument("--trace", default=env.get("KVSCOPE_TRACE", ""),
+                    help="play a request trace in the pool (other flags go to python -m engine.lab.trace_play: "
+                         "--blocks, --block-size, --policy, --requests, --step-delay-ms)")
     ap.add_argument("--fleet", nargs="?", const="", default=env.get("KVSCOPE_FLEET"),
                     help="a fleet file listing engines (docs/fleet.md); alone: an empty fleet, filled from the sidebar")
     ap.add_argument("--share", action="store_true",
@@ -130,6 +145,8 @@ def from_command_line(argv: list[str] | None = None, env: dict[str, str] | None 
     if args.fleet is not None:
         return Source("fleet", path=str(Path(args.fleet).expanduser().resolve()) if args.fleet else "",
                       model=args.model)
+    if args.trace:
+        return Source("trace", path=str(Path(args.trace).expanduser().resolve()), engine_args=tuple(rest))
     if args.kv_events:
         return Source("kv_events", url=args.kv_events, tokenizer=args.tokenizer)
     if args.vllm is not None:

@@ -125,7 +125,8 @@ def card(row: EngineRow, picture: str | None, drawn: int = 0) -> str:
             ("preemptions", _n(row.preemptions), ""),
             ("running / waiting", f"{_n(row.running)} / {_n(row.waiting)}", ""),
             ("tokens/s", _n(row.tokens_per_s, "{:.1f}"), "over the engine steps of the last few seconds"),
-            ("last event", _n(row.last_event_age_s, "{:.1f} s ago"), ""), ("stream gaps", f"{row.gaps:,}" + (f" · {row.skipped:,} events skipped" if row.skipped else ""),
+            ("last event", _n(row.last_event_age_s, "{:.1f} s ago"), ""), ("stream gaps",
+             f"{row.gaps:,}" + (f" · {row.skipped:,} events skipped" if row.skipped else ""),
              "snapshots that took the place of events this page fell behind on (or lost with its connection): "
              "the pool is exact, and KVScope's engines send the counts the skipped events made")]
     body = "".join(f'<span title="{html.escape(tip)}">{k}</span><b>{html.escape(v)}</b>' for k, v, tip in nums)

@@ -22,7 +22,8 @@ import streamlit as st
 
 from kvscope_contract.lab import TRACE_REASONS, TracePoint, TraceSweep
 from app.link.lab_run import run_sweep, sweep_args
-from app.link.source import ROOT
+from app.link.source import ROOT, Source
+from app.ui import stale, travel
 
 # where a checkout keeps the Mooncake FAST'25 traces, if it has them (never needed: a user's own file works)
 MOONCAKE_DIRS = (ROOT.parent / "shared" / "traces" / "mooncake", ROOT / "shared" / "traces" / "mooncake")
@@ -35,6 +36,9 @@ PAPER_BYTES_PER_TOKEN = 327_680  # the Mooncake paper's 320 KB/token
 REASONS = {"cold": "cold", "evicted": "evicted", "in_flight": "in flight", "partial_block": "partial block",
            "recomputed": "recomputed"}
 CEILING = "#334155"
+PLAYING = "trace_playing"  # session state: the sweep whose curve the played point is marked on (trace_play_view)
+PLAY_ERROR = "trace_play_error"  # session state: why the last Play was refused
+PRODUCTION_BLOCKS = 1 << 20  # a production pool: 1,048,576 blocks
 DEFAULT_POINTS = 12  # engine/lab/trace_sweep.py POINTS: the capacities it picks when none is given
 
 
@@ -122,6 +126,7 @@ def page() -> None:
     sweep: TraceSweep | None = st.session_state.get("lab_sweep")
     if sweep is not None:
         show(sweep, st.session_state.get("lab_sweep_command", ""))
+    play_form(sweep, path, upload, policies, int(requests) or None, block_size, one)
 
 
 def run(path: str, upload, policies: list[str], caps: list[int], requests: int | None, block_size: int,
@@ -192,17 +197,18 @@ def to_csv(s: TraceSweep) -> str:
     return out.getvalue()
 
 
-def chart(s: TraceSweep) -> dict:
+def chart(s: TraceSweep, playing: dict | None = None, height: int = 340) -> dict:
     """Hit rate against capacity (log blocks; tokens on the top axis), a line and points per
     policy, the ceiling a labelled rule. Each point's description (its aria-label in the SVG)
-    carries its exact counts."""
+    carries its exact counts. `playing`: the point a trace replay is playing, marked (policy,
+    blocks, hit rate, description: app/modes/trace_play_view.py)."""
     rows = []
     for pt in s.points:
         rows.append({**{k: v for k, v in point_row(s, pt).items() if k != "KV bytes"}, "bytes": _bytes(pt.bytes),
                      "description": f"{pt.policy} at {pt.blocks} blocks: {pt.hit_tokens} of {pt.looked_up_tokens} "
                                     f"tokens hit, {pt.evictions} evictions"})
     top = max([s.ceiling, *(pt.hit_rate for pt in s.points)] or [0.0])
-    xs = [pt.blocks for pt in s.points] or [1]
+    xs = [pt.blocks for pt in s.points] + ([playing["blocks"]] if playing else []) or [1]
     lo, hi = min(xs) / 1.15, max(xs) * 1.15
     x_scale = alt.Scale(type="log", domain=[lo, hi], nice=False)
     ticks = (sorted(set(xs)) if len(set(xs)) <= 6 else  # a few capacities of the user's: each labelled
@@ -245,7 +251,15 @@ def chart(s: TraceSweep) -> dict:
         description=alt.Description("label:N"))
     text = ceiling.mark_text(align="left", baseline="bottom", dx=4, dy=-4, color=CEILING, fontSize=12).encode(
         x=alt.value(0), y="ceiling:Q", text="label:N")
-    spec = alt.layer(lines, points, rule, text).properties(height=340).to_dict()
+    layers = [lines, points, rule, text]
+    if playing:
+        played = alt.Chart(alt.Data(values=[playing])).encode(x="blocks:Q", y="hit rate:Q")
+        layers += [played.mark_point(shape="diamond", size=320, filled=True, stroke="#111827", strokeWidth=2,
+                                     opacity=1).encode(color=color, description=alt.Description("description:N"),
+                                                       tooltip=[alt.Tooltip("description:N", title="playing")]),
+                   played.mark_text(align="right", baseline="bottom", dx=-10, dy=-8, fontSize=12,
+                                    fontWeight="bold").encode(text="label:N")]
+    spec = alt.layer(*layers).properties(height=height).to_dict()
     # svg: each point is an element with its description as aria-label (screen readers; the browser test)
     spec["usermeta"] = {"embedOptions": {"renderer": "svg"}}
     return spec
@@ -278,3 +292,47 @@ def show(s: TraceSweep, command: str = "") -> None:
                           icon=":material/download:", key="lab_trace_csv")
     if command:
         cc[1].code(command, language="bash", wrap_lines=True)
+
+
+# ------------------------------------------------------------------ watch it in the pool
+def play_form(sweep: TraceSweep | None, path: str, upload, policies: list[str], requests: int | None,
+         block_size: int, one: bool) -> None:
+    """Play the chosen trace at one capacity under one policy, in the pool."""
+    st.subheader("Watch it in the pool")
+    st.caption("One capacity under one policy, played step by step through the real allocator: every "
+               "block it hands out, hits and evicts in the grid, with time travel, the misses panel and "
+               "the block tables; the sweep's curve above the pool marks the point being played.")
+    c = st.columns([1, 1, 1, 1])
+    c[0].number_input("Pool (blocks)", 1, 1 << 20, PRODUCTION_BLOCKS, step=1024, key="play_blocks",
+                      help="Up to 1,048,576 blocks: a production pool")
+    c[1].selectbox("Policy", policies or ["lru"], format_func=lambda x: POLICIES.get(x, x),
+                            key="play_policy")
+    c[2].number_input("Step pace (ms)", 0, 5000, 50, step=10, key="play_pace",
+                             help="Wall time between engine steps; the sidebar's pace changes it while it plays")
+    c[3].button("Play in the pool", type="primary", icon=":material/play_arrow:", key="play_trace",
+                disabled=upload is None and not path.strip(), on_click=_play,
+                args=(sweep, path, upload, ["--block-size", str(block_size),
+                                            *(["--requests", str(requests)] if requests else []),
+                                            *(["--one-at-a-time"] if one else [])]))
+    if error := st.session_state.pop(PLAY_ERROR, None):
+        st.error(error)
+
+
+def _play(sweep: TraceSweep | None, path: str, upload, args: list[str]) -> None:
+    """The Play click's callback (before the mode's widget is drawn): the trace becomes the source,
+    the page the live pool. The play's own inputs are read here, as they are at the click."""
+    ss = st.session_state
+    args = ["--blocks", str(ss["play_blocks"]), "--policy", ss["play_policy"] or "lru",
+            "--step-delay-ms", f"{ss['play_pace']:g}", *args]
+    trace = Path(path.strip()).expanduser()
+    if upload is not None:  # the player runs apart: it needs the file on disk for as long as it plays
+        trace = Path(tempfile.mkdtemp(prefix="kvscope-trace-")) / Path(upload.name).name
+        trace.write_bytes(upload.getvalue())
+    if not trace.is_file():
+        st.session_state[PLAY_ERROR] = f"No trace at {trace}"
+        return
+    st.session_state[PLAYING] = sweep
+    st.session_state["source"] = Source("trace", path=str(trace.resolve()), engine_args=tuple(args))
+    st.session_state["mode"] = "Explore"
+    travel.go_live()
+    stale.mark()

@@ -16,7 +16,7 @@ from typing import Callable
 
 import streamlit as st
 
-from app.modes import lessons_view
+from app.modes import lessons_view, trace_play_view
 from app.panels import grid, header, history_panels, lane, misses, tables_panel
 from app.ui import icons, roles, stale, travel
 from app.ui.icons import icon
@@ -342,7 +342,10 @@ def connecting(client: EngineClient, source: Source, hosted: Hosted | None) -> N
 
 
 def page(source: Source) -> None:
-    """The live views (the pool grid beside the block tables), the history panel below."""
+    """The live views (the pool grid beside the block tables), the history panel below; a trace
+    being played has its capacity curve above them."""
+    if source.kind == "trace":
+        st.fragment(fragment_of(lambda c, s, h: trace_play_view.curve(c, s)), run_every=1.0, key="trace_curve")(source)
     # run by the grid: the browser asks for the next frame when it holds the last
     st.fragment(fragment_of(live_views), run_every=HEARTBEAT_S, key="live")(source)
     st.fragment(fragment_of(timeline_or_log), run_every=2.0, key="panel")(source)

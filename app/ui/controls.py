@@ -23,7 +23,7 @@ from app.derived.words import plural
 
 SOURCE_KINDS = {"embedded": "Embedded engine", "attach": "Attach to a running engine", "replay": "Replay a recording",
          "vllm": "vLLM with the KVScope plugin", "kv_events": "KV events of a server (ZMQ)",
-                "fleet": "A fleet of engines"}
+                "fleet": "A fleet of engines", "trace": "Play a request trace"}
 PACES = (0, 20, 50, 100, 200, 500, 1000, 2000)
 _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay unique across sessions
 
@@ -56,6 +56,10 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                           help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
             st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok", on_change=stale.mark,
                           help="a folder with tokenizer.json, to show the text of each block")
+        elif kind == "trace":
+            st.text_input("Trace file", source.path if source.kind == "trace" else "", key="src_trace",
+                          on_change=stale.mark,
+                          help="A request trace (docs/traces.md); the Lab's Trace workload plays one with its curve")
         elif kind == "fleet":
             st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
                           on_change=stale.mark,
@@ -76,9 +80,9 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
         cols = st.columns(2)
         cols[0].button("Connect", type="primary", disabled=chosen(source, st.session_state) == source,
                        width="stretch", on_click=_connect, args=(source,))
-        if source.kind in ("embedded", "replay", "vllm"):
+        if source.kind in ("embedded", "replay", "vllm", "trace"):
             cols[1].button({"embedded": "Restart engine", "replay": "Restart replay",
-                            "vllm": "Restart vLLM"}[source.kind],
+                            "vllm": "Restart vLLM", "trace": "Play it again"}[source.kind],
                            width="stretch", on_click=restart, args=(source,),
                            help="Start it again (an engine with the pool config and pace it last had)")
         if hosted is not None:
@@ -112,6 +116,9 @@ def chosen(source: Source, values) -> Source:
         return Source("kv_events", url=values.get("src_zmq", "").strip(), tokenizer=values.get("src_tok", "").strip())
     if kind == "fleet":
         return Source("fleet", path=_path(values.get("src_fleet", "")))
+    if kind == "trace":
+        return Source("trace", path=_path(values.get("src_trace", "")),
+                      engine_args=source.engine_args if source.kind == "trace" else ())
     picked = values.get("src_file") or OTHER_FILE
     if picked == OTHER_FILE:
         picked = values.get("src_path", "")
@@ -125,6 +132,8 @@ def _refusal(new: Source) -> str | None:
         return f"No recording at {new.path}"
     if new.kind == "vllm" and not VLLM_PYTHON.exists():
         return "vLLM is not installed here: `make vllm-venv` builds .venv-vllm (about 5 minutes)"
+    if new.kind == "trace" and not Path(new.path).is_file():
+        return f"No trace at {new.path}"
     if new.kind == "fleet" and new.path and not Path(new.path).is_file():
         return f"No fleet file at {new.path}"
     if new.kind == "kv_events" and not new.url.startswith(("tcp://", "ipc://")):
@@ -334,7 +343,8 @@ def reset_form(client: EngineClient, cfg: p.PoolConfig) -> None:
 
 
 def _reset(client: EngineClient, pool: str) -> None:
-    v = {name: st.session_state[f"reset_{name}@{pool}"] for name in ("bs", "dev", "host", "seqs", "mode", "caching", "tier")}
+    names = ("bs", "dev", "host", "seqs", "mode", "caching", "tier")
+    v = {name: st.session_state[f"reset_{name}@{pool}"] for name in names}
     send(client, p.ResetCmd(config=p.ResetConfig(
         block_size=int(v["bs"]), num_device_blocks=int(v["dev"]), num_host_blocks=int(v["host"]),
         max_num_seqs=int(v["seqs"]), preemption_mode=v["mode"], enable_prefix_caching=v["caching"],

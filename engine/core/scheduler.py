@@ -7,7 +7,9 @@ preempted, swapped sequences come back (a request's samples together); then, if 
 swapped, waiting ones are admitted first come, first served (a sequence preempted by recompute
 goes back to the front), all under `max_num_seqs` sequences (a request's samples count before
 they fork) and `max_num_batched_tokens` tokens. Admission stops at the first waiting sequence
-that does not fit, so a long prompt is never overtaken.
+that does not fit, so a long prompt is never overtaken. `long_prefill_token_threshold` (vLLM's
+name; 0, the default, is off) caps one sequence's prefill chunk a step, so a long prompt leaves
+budget for others to be admitted while it is still being prefilled.
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class Scheduler:
     def __init__(self, bm: BlockManager, log: EventLog, max_num_batched_tokens: int):
         self.bm, self.log = bm, log
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = 0  # a prefill chunk's most tokens a step (0: no cap)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -134,7 +137,7 @@ class Scheduler:
         while i < len(self.running) and budget:
             seq = self.running[i]
             self.bm.free_window(seq)
-            while not self.bm.can_append(seq, min(len(seq) - seq.num_computed_tokens, budget)):
+            while not self.bm.can_append(seq, self.chunk(seq, budget)):
                 gone = self._preempt(self.running[-1], i, batch)  # the latest arrival gives way
                 preempted = True
                 if seq in gone:
@@ -168,17 +171,18 @@ class Scheduler:
                 self.add_running(seq)
                 seats += _width(seq)
             for seq in group:
-                if budget and self.bm.can_append(seq, min(len(seq) - seq.num_computed_tokens, budget)):
+                if budget and self.bm.can_append(seq, self.chunk(seq, budget)):
                     budget -= self.schedule_seq(seq, budget, batch)
         if not self.swapped:
             while self.waiting and budget:
                 seq = self.waiting[0]
                 if self.running and seats + _width(seq) > self.max_num_seqs:
                     break
-                if not self.bm.can_allocate(seq, budget):
+                first = min(budget, self.long_prefill_token_threshold or budget)  # its first chunk at most
+                if not self.bm.can_allocate(seq, first):
                     break
                 self.waiting.popleft()
-                seq.num_computed_tokens = self.bm.allocate(seq, budget)
+                seq.num_computed_tokens = self.bm.allocate(seq, first)
                 self.log.emit(p.StatusChange(seq_id=seq.seq_id, status="running"))
                 self.add_running(seq)
                 seats += _width(seq)
@@ -198,12 +202,19 @@ class Scheduler:
         Returns:
             The tokens scheduled.
         """
-        n = min(len(seq) - seq.num_computed_tokens, budget)
+        n = self.chunk(seq, budget)
         self.bm.free_window(seq)
         batch.copies += self.bm.append_slot(seq, n)
         self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         batch.rows.append(Scheduled(seq, n))
         return n
+
+    def chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens of `seq` the step computes with `budget` left: all it has to compute, at most
+        the budget and (a prefill) `long_prefill_token_threshold`."""
+        n = min(len(seq) - seq.num_computed_tokens, budget)
+        cap = self.long_prefill_token_threshold
+        return min(n, cap) if cap else n
 
     def _preempt(self, victim: Sequence, scheduled: int, batch: Batch) -> list[Sequence]:
         """Preempt `victim` (the last running sequence); by swap, together with the samples of

@@ -205,7 +205,7 @@ class Lab(EngineCore):
         tokens, blocks = len(running) - len(due), 0
         for seq in due:
             self._materialize(seq, step)
-            tokens += len(seq.token_ids) - seq.num_computed_tokens
+            tokens += sched.chunk(seq, budget_all)
             blocks += bm.blocks_to_append(seq)
         if tokens > budget_all or blocks > bm.num_allocatable_blocks:
             self._full_step(step)

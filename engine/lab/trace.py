@@ -26,6 +26,9 @@ import msgspec
 import numpy as np
 
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
+# a hash id is a prompt token when a trace is played over the protocol, whose token ids are uint32;
+# the one above is the replay's output token
+MAX_HASH_ID = 2 ** 32 - 2
 
 
 class TraceError(ValueError):
@@ -55,7 +58,7 @@ def read_trace(path: Path | str, limit: int | None = None) -> Iterator[TraceRequ
 
     Raises:
         TraceError: at the first bad line, naming `path:line` and the rule: not a JSON object of
-            the four fields with their types; a negative length or id, or no output token; a
+            the four fields with their types; a length below 1, an id outside 0 to 2**32 - 2; a
             timestamp before the previous one; `len(hash_ids) != ceil(input_length / 512)`; a hash
             chain that contradicts itself (an id seen before following an id never seen, or an id
             seen before under another parent: prefix-chained ids make both impossible).
@@ -92,8 +95,8 @@ def read_trace(path: Path | str, limit: int | None = None) -> Iterator[TraceRequ
 def _check_chain(ids: list[int], parent: dict[int, int], where: str) -> None:
     prev, new_at = -1, None
     for i, h in enumerate(ids):
-        if h < 0:
-            raise TraceError(f"{where}: hash_ids[{i}] = {h}: ids are non-negative integers")
+        if not 0 <= h <= MAX_HASH_ID:
+            raise TraceError(f"{where}: hash_ids[{i}] = {h}: ids are integers from 0 to {MAX_HASH_ID:,}")
         known = parent.get(h)
         if known is None:
             parent[h] = prev

@@ -30,10 +30,12 @@ from engine.core.prefix_cache import PrefixCache
 from engine.core.sequence import SamplingParams, Sequence
 from engine.lab.meter import Meter
 from engine.lab.sim import Lab
-from engine.lab.trace import TRACE_BLOCK, TraceIndex, TraceRequest, read_trace
+from engine.lab.trace import MAX_HASH_ID, TRACE_BLOCK, TraceIndex, TraceRequest, read_trace
 from engine.lab.workload import Workload
 
-OUTPUT = -1       # the token every output is (the trace has none; never a hash id, which is >= 0)
+# the token every output is (the trace has none): the largest token id the protocol carries (uint32),
+# above every hash id (read_trace refuses ids that high)
+OUTPUT = MAX_HASH_ID + 1
 PROMPT_KEY = -2   # a full prompt block's content: (PROMPT_KEY, hash id, place in its 512-token block)
 TAIL_KEY = -3     # a block holding output tokens: (TAIL_KEY, the hash id of its prompt part or -1, prompt tokens in it)
 
@@ -201,8 +203,10 @@ class TraceLab(Lab):
     meter_class = TraceMeter
 
     def __init__(self, config: LabConfig, index: TraceIndex, policy: EvictionPolicy, *, step_ms: float,
-                 one_at_a_time: bool = False, limit: int | None = None):
-        super().__init__(config, Workload(index.path, []))
+                 one_at_a_time: bool = False, limit: int | None = None, keep_events: bool = False,
+                 long_prefill_token_threshold: int = 0):
+        super().__init__(config, Workload(index.path, []), keep_events)
+        self.scheduler.long_prefill_token_threshold = long_prefill_token_threshold
         self.index, self.step_ms, self.one_at_a_time, self.limit = index, step_ms, one_at_a_time, limit
         self.future = TraceFuture(index)
         self.meter.future = self.future

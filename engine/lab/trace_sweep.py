@@ -72,13 +72,14 @@ def lab_config(blocks: int, block_size: int, max_num_batched_tokens: int = BATCH
 
 def replay(index: TraceIndex, blocks: int, policy: str, *, step_ms: float = STEP_MS, one_at_a_time: bool = False,
            max_num_batched_tokens: int = BATCH_TOKENS, max_num_seqs: int = MAX_SEQS, watermark: float = 0.01,
-           bytes_per_token: int | None = None, host_blocks: int = 0) -> TracePoint:
+           bytes_per_token: int | None = None, host_blocks: int = 0,
+           long_prefill_token_threshold: int = 0) -> TracePoint:
     """One point: the trace (as far as `index` read it) through a pool of `blocks` under `policy`,
     with a host tier of `host_blocks`."""
     t0 = time.perf_counter()
     cfg = lab_config(blocks, index.block_size, max_num_batched_tokens, max_num_seqs, watermark, host_blocks)
     lab = TraceLab(cfg, index, load_policy(policy)(), step_ms=step_ms, one_at_a_time=one_at_a_time,
-                   limit=index.requests)
+                   limit=index.requests, long_prefill_token_threshold=long_prefill_token_threshold)
     row = lab.run()
     m = lab.meter
     tokens = blocks * index.block_size
@@ -95,10 +96,13 @@ def sweep(path: Path | str, capacities: list[int] | None = None, policies: list[
           block_size: int = TRACE_BLOCK, requests: int | None = None, one_at_a_time: bool = False,
           step_ms: float = STEP_MS, max_num_batched_tokens: int = BATCH_TOKENS, max_num_seqs: int = MAX_SEQS,
           watermark: float = 0.01, model: str | None = None, bytes_per_token: int | None = None,
-          progress: Callable[[TracePoint], None] | None = None, host_blocks: list[int] = (0,)) -> TraceSweep:
+          long_prefill_token_threshold: int = 0, progress: Callable[[TracePoint], None] | None = None,
+          host_blocks: list[int] = (0,)) -> TraceSweep:
     """Replay the trace's first `requests` (None: all) at each capacity (blocks; None: the
     default log-spaced points) under each policy (a name, or `module:Class`), with each host tier
     size of `host_blocks` (0: device only).
+    `long_prefill_token_threshold`: a prefill's most tokens a step (vLLM's; 0: none), so requests are
+    admitted while a long prompt still prefills (the `in_flight` misses: docs/traces.md).
 
     Raises:
         TraceError: a bad line or block size, before anything runs.
@@ -118,6 +122,7 @@ def sweep(path: Path | str, capacities: list[int] | None = None, policies: list[
     out = TraceSweep(trace=str(path), requests=index.requests, prompt_tokens=index.prompt_tokens,
                      output_tokens=index.output_tokens, block_size=block_size, one_at_a_time=one_at_a_time,
                      step_ms=step_ms, max_num_batched_tokens=max_num_batched_tokens,
+                     long_prefill_token_threshold=long_prefill_token_threshold,
                      model=MODELS[model][0] if model else None, bytes_per_token=bytes_per_token,
                      ceiling_hit_tokens=index.ceiling_hit_tokens, unlimited_blocks=unlimited_blocks(index, watermark))
     for blocks in capacities:
@@ -125,7 +130,8 @@ def sweep(path: Path | str, capacities: list[int] | None = None, policies: list[
             for host in host_blocks:
                 point = replay(index, blocks, spec, step_ms=step_ms, one_at_a_time=one_at_a_time,
                                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                               watermark=watermark, bytes_per_token=bytes_per_token, host_blocks=host)
+                               watermark=watermark, bytes_per_token=bytes_per_token, host_blocks=host,
+                               long_prefill_token_threshold=long_prefill_token_threshold)
                 out.points.append(point)
                 if progress:
                     progress(point)
@@ -240,6 +246,8 @@ def main(argv: list[str]) -> int:
                     help=f"tokens one step computes (default {BATCH_TOKENS})")
     ap.add_argument("--max-num-seqs", type=int, default=MAX_SEQS,
                     help=f"running sequences at most (default {MAX_SEQS})")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                    help="a prefill's most tokens a step (vLLM's; 0: no cap): others are admitted meanwhile")
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="show capacity in this model's KV bytes")
     ap.add_argument("--bytes-per-token", type=int, default=None,
                     help="KV bytes per token of a model given by numbers (the Mooncake paper's: 327680)")
@@ -263,7 +271,7 @@ def main(argv: list[str]) -> int:
                   one_at_a_time=args.one_at_a_time, step_ms=args.step_ms,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   model=args.model, bytes_per_token=args.bytes_per_token, progress=progress,
-                  host_blocks=args.host_blocks or [0])
+                  host_blocks=args.host_blocks or [0], long_prefill_token_threshold=args.long_prefill_token_threshold)
     except (OSError, ValueError) as e:
         print(f"engine.lab: {e}", file=sys.stderr)
         return 2

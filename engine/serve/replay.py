@@ -54,7 +54,8 @@ class Playback:
         return self.pacing.stamp(msgspec.structs.replace(self.rec.hello, replay=True, supports=list(REPLAY_COMMANDS)))
 
     def request_snapshot(self) -> None:
-        self.hub.deliver_snapshot(self.state.clone(), counters=self.counter.wire())  # same loop: after every event so far
+        # same loop: after every event so far
+        self.hub.deliver_snapshot(self.state.clone(), counters=self.counter.wire())
 
     def handle(self, cmd: p.AnyCommand, client: Client) -> None:
         if not self.pacing.handle(cmd):

@@ -9,33 +9,17 @@ from __future__ import annotations
 import csv
 import io
 import json
-import random
 import re
 import subprocess
 import sys
 
 from kvscope_contract.lab import TRACE_REASONS, decode_sweep
+from tests.traces import write_trace
+from tests.lab_page import fill, sweep_trace
 from tools.launch import CHROMIUM, FLAGS, ROOT
 
 REQUESTS, CAPACITIES, POLICIES = 200, (60, 120, 240), ("lru", "opt")
 POINT = re.compile(r"^(\w+) at (\d+) blocks: (\d+) of (\d+) tokens hit, (\d+) evictions$")
-
-
-def write_trace(path, requests: int = REQUESTS, seed: int = 35) -> None:
-    """Five system prompts of 2-4 blocks, forty conversations each on one of them, every request a
-    turn of one (a few busy ones, many quiet) adding a block or two to its chain; arrivals 0-400 ms apart."""
-    rng = random.Random(seed)
-    fresh = iter(range(10 ** 9))
-    systems = [[next(fresh) for _ in range(rng.randint(2, 4))] for _ in range(5)]
-    chats = [list(rng.choice(systems)) for _ in range(40)]
-    t = 0
-    with open(path, "w") as f:
-        for _ in range(requests):
-            chat = chats[min(int(rng.expovariate(1 / 8)), len(chats) - 1)]
-            chat.extend(next(fresh) for _ in range(rng.randint(1, 2)))
-            f.write(json.dumps({"timestamp": t, "input_length": (len(chat) - 1) * 512 + rng.randint(1, 512),
-                                "output_length": rng.randint(16, 256), "hash_ids": chat}) + "\n")
-            t += rng.randint(0, 400)
 
 
 def cli_sweep(trace):
@@ -46,17 +30,11 @@ def cli_sweep(trace):
     return decode_sweep(out.stdout)
 
 
-def fill(page, label: str, value: str) -> None:
-    box = page.get_by_label(label, exact=True)
-    box.fill(value)
-    box.press("Enter")
-
-
 def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     trace, bad = tmp_path / "chats.jsonl", tmp_path / "bad.jsonl"
-    write_trace(trace)
+    write_trace(trace, REQUESTS)
     lines = trace.read_text().splitlines()[:5]
     broken = json.loads(lines[2])
     broken["input_length"] = len(broken["hash_ids"]) * 512 + 1  # one block more than its ids say
@@ -70,16 +48,8 @@ def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
-        page.get_by_test_id("stSidebar").get_by_text("Lab", exact=True).click(timeout=120_000)
+        sweep_trace(page, trace, REQUESTS, CAPACITIES)
         main = page.get_by_test_id("stMain")
-        main.get_by_text("Trace", exact=True).click()
-        main.get_by_text("A file on this machine", exact=True).click()
-        fill(page, "Trace file", str(trace))
-        fill(page, "First N requests (0: the whole file)", str(REQUESTS))
-        fill(page, "Capacities (blocks)", ",".join(map(str, CAPACITIES)))
-        page.get_by_role("button", name="Remove LFU").click()
-        expect(page.get_by_role("button", name="Remove LFU")).to_have_count(0)
-        page.get_by_role("button", name="Run the sweep").click()
 
         # the chart: a point per policy and capacity, its exact counts in its description
         points = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label*=' tokens hit, ']")

@@ -166,7 +166,8 @@ def test_a_host_tier_serves_what_the_device_evicted_at_the_same_device_size():
     path = mooncake("conversation")
     ix = scan(path, 512, SLICE)
     small = 2 * ix.largest_request + 2
-    s = sweep(path, [small], ["lru"], requests=SLICE, one_at_a_time=True, host_blocks=[0, unlimited_blocks(ix) // 2, unlimited_blocks(ix)])
+    s = sweep(path, [small], ["lru"], requests=SLICE, one_at_a_time=True,
+              host_blocks=[0, unlimited_blocks(ix) // 2, unlimited_blocks(ix)])
     alone, some, ample = s.points
     assert alone.host_hit_tokens == 0 and alone.missed["evicted"] > 0
     assert alone.hit_tokens == some.hit_tokens == ample.hit_tokens  # the device's own hits do not change
@@ -180,3 +181,31 @@ def test_a_host_tier_serves_what_the_device_evicted_at_the_same_device_size():
                          "--host-blocks", "0,500"]) == 0
     rows = [line for line in out.getvalue().splitlines() if line.startswith("lru ")]
     assert len(rows) == 2 and "host tier" in out.getvalue() and rows[1].split()[-3] == "500"
+
+
+def test_a_request_admitted_while_another_prefills_its_prefix_misses_it_in_flight(tmp_path):
+    """Two requests share a 20-block prefix and arrive together. With the whole budget (8,192
+    tokens) the first one's prefill takes every step until its last chunk, whose step admits the
+    second with what is left: by then every shared block is registered, and it hits them all, so
+    `in_flight` is 0. With a prefill capped at 2,048 tokens a step (vLLM's
+    long_prefill_token_threshold), the second is admitted in the first step, when only the first
+    chunk's 4 blocks are registered: it hits those and misses the other 15 shared blocks that the
+    first request is still to compute, in flight."""
+    ids = list(range(20))
+    path = write(tmp_path, [req(0, ids), req(0, ids)])
+    whole, capped = (sweep(path, [1000], ["lru"], long_prefill_token_threshold=cap).points[0] for cap in (0, 2048))
+    assert whole.missed["in_flight"] == 0 and whole.hit_tokens == 19 * 512
+    assert capped.hit_tokens == 4 * 512 and capped.missed["in_flight"] == 15 * 512
+    assert sum(capped.missed.values()) == capped.looked_up_tokens - capped.hit_tokens
+
+
+def test_in_flight_misses_on_a_mooncake_slice_with_capped_prefills():
+    """On the synthetic trace's slice, with the prefill chunk capped at one block a step, requests
+    are admitted while an earlier one still prefills the prefix they share: some misses are in
+    flight. (The conversation trace's turns arrive after the turn before has answered: none there.)"""
+    path = mooncake("synthetic")
+    whole, capped = (sweep(path, [10**6], ["lru"], requests=SLICE, long_prefill_token_threshold=cap).points[0]
+                     for cap in (0, 512))
+    assert whole.missed["in_flight"] == 0 < capped.missed["in_flight"]
+    assert capped.hit_tokens < whole.hit_tokens  # the pool never evicts: the in-flight misses are what it lost
+    assert capped.missed["evicted"] == 0 and sum(capped.missed.values()) == capped.looked_up_tokens - capped.hit_tokens

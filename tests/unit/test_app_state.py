@@ -287,6 +287,14 @@ def test_command_line_and_environment():
     assert Source("embedded", model="tiny").server_args() == ("engine.serve.server", ("--model", "tiny", "--port", "0"))
 
 
+def test_command_line_for_a_trace_to_play():
+    t = from_command_line(["--trace", "t.jsonl", "--blocks", "4096", "--policy", "opt"], {})
+    assert t.kind == "trace" and t.path.endswith("/t.jsonl") and t.label == "trace replay of t.jsonl"
+    assert t.server_args() == ("engine.lab.trace_play", (t.path, "--port", "0", "--blocks", "4096", "--policy", "opt"))
+    assert (t.trace_option("--blocks", "1"), t.trace_option("--block-size", "512")) == ("4096", "512")
+    assert from_command_line([], {"KVSCOPE_TRACE": "u.jsonl"}).kind == "trace"
+
+
 def test_command_line_for_vllm_and_its_kv_events():
     v = from_command_line(["--vllm", "--num-blocks", "64"], {})
     assert v == Source("vllm", engine_args=("--num-blocks", "64"))

@@ -31,7 +31,8 @@ def test_reads_a_good_trace_and_its_slice(tmp_path):
     (json.dumps(req(9, [1])), "follows nothing here but 0"),
     (json.dumps(req(2, [0, 9])), "timestamp 2 is before the previous line's 5"),
     (json.dumps(req(9, [0, 9], out=0)), "output_length must be at least 1"),
-    (json.dumps(req(9, [0, -4])), "non-negative"),
+    (json.dumps(req(9, [0, -4])), "ids are integers from 0"),
+    (json.dumps(req(9, [0, 2 ** 32 - 1])), "ids are integers from 0"),
     ("", "empty line"),
 ])
 def test_each_bad_line_is_named(tmp_path, line, words):

@@ -210,7 +210,8 @@ def test_a_restarted_publisher_is_said_and_followed_anew():
     for replay in (True, False):
         pub = Publisher()
         try:
-            url = f"tcp://127.0.0.1:{pub.port}?topic=kv" + (f"&replay=tcp://127.0.0.1:{pub.replay_port}" if replay else "")
+            url = f"tcp://127.0.0.1:{pub.port}?topic=kv" + (
+                f"&replay=tcp://127.0.0.1:{pub.replay_port}" if replay else "")
             sub = KVEventsSubscriber(url)
             try:
                 seq = iter(range(1000))
@@ -263,7 +264,8 @@ def test_the_page_shows_a_hybrid_models_cache_per_group_and_each_prefix_once(mon
     st.cache_resource.clear()
     try:
         at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=30)
-        at = wait(lambda: (a := at.run()) and any(m.label == "cached on the device (GPU)" and m.value == "12" for m in a.metric)
+        label = "cached on the device (GPU)"
+        at = wait(lambda: (a := at.run()) and any(m.label == label and m.value == "12" for m in a.metric)
                   and a, 30, "the page to count the six groups' blocks")
         assert any("2 blocks of content · 0 duplicated · 6 KV-cache groups" in c.value for c in at.caption)
         rows = at.dataframe[0].value

@@ -349,7 +349,8 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
     finishes(c, 1)
     at = dashboard(KVSCOPE_KV_EVENTS=vllm.kv_events, KVSCOPE_TOKENIZER=str(BUNDLED))
     cached = c.state.hash_strings(np.flatnonzero(c.state.has_hash))  # vLLM may cache the same content in two blocks
-    wait(lambda: any(m.label == "cached on the device (GPU)" and m.value == str(len(cached)) for m in at.run().metric), 60,
+    label = "cached on the device (GPU)"
+    wait(lambda: any(m.label == label and m.value == str(len(cached)) for m in at.run().metric), 60,
          "the page to count vLLM's cached blocks")
     forest = next(h.value for h in at.html if 'class="pt"' in h.value)  # the prefix tree's view
     assert forest.count('class="id"') == len(set(cached)) and not at.exception  # a chip per content
