@@ -132,8 +132,9 @@ def page(source: Source) -> None:
                 st.info("No cached block yet: send the server a request.")
             for m, body in forests.items():
                 st.caption(f"{tier_label(m)}: each block (its hash and the text of its tokens) under the block "
-                           "its prefix continues; a row is a chain, branches are where prompts part; hover a block for its "
-                           "tokens" + ("; each block once, however many KV-cache groups store it" if rows else ""))
+                           "its prefix continues; a row is a chain, branches are where prompts part; hover a block "
+                           "for its tokens"
+                           + ("; each block once, however many KV-cache groups store it" if rows else ""))
                 st.html(body)
         with right:
             st.subheader("Stored, removed, cleared")

@@ -1,8 +1,9 @@
 """Watch a request trace in the pool: the Lab's Trace workload plays one capacity under one policy
 through the real allocator (`python -m engine.lab.trace_play`, a child server like the embedded
 engine's: app/modes/lab_trace_view.py `play_form`), and the live views (grid, block tables, misses,
-time travel) draw its events as they draw an engine's. Above the pool, the sweep's curve with the point being played marked: its
-capacity and policy, and the hit rate so far at the event shown (live, or travelled to).
+time travel) draw its events as they draw an engine's. Above the pool, the sweep's curve with the
+point being played marked: its capacity and policy, and the hit rate so far at the event shown
+(live, or travelled to).
 """
 from __future__ import annotations
 
