@@ -122,7 +122,7 @@ vllm-gemma3: $(GEMMA3_DIR)/config.json
 
 VLLM_TESTS := tests/vllm/test_hooks.py tests/vllm/test_vllm.py tests/vllm/test_vllm_gemma.py \
 	tests/vllm/test_kv_events.py tests/vllm/test_run_fleet.py tests/vllm/test_vllm_faults.py \
-	tests/vllm/test_vllm_plugin_safety.py
+	tests/vllm/test_vllm_plugin_safety.py tests/vllm/test_offload_events.py
 # the tests against a real vLLM (tests/vllm/), SmolLM2 and Gemma 3; `make test` skips them without .venv-vllm
 test-vllm: install vllm-venv vllm-gemma3
 	$(VLLM_ENV) $(PY) -m pytest -q -rs --timeout=1800 $(PYTEST_ARGS) $(VLLM_TESTS)
