@@ -379,6 +379,9 @@ class Counters(Struct, kw_only=True, omit_defaults=True):
     swap_ins: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    host_loaded_blocks: int = 0
+    host_stored_blocks: int = 0
+    host_evicted_blocks: int = 0
     requests: int = 0
     first_looked_up_tokens: int = 0
     first_hit_tokens: int = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -189,3 +190,24 @@ def test_the_misses_say_hit_in_the_host_tier_and_still_add_up():
     last = [adm for adm in closed if adm.seq_id == "r4"][-1]
     assert last.by_reason()["host_tier"] == loads * 4 > 0 and "evicted" not in last.by_reason()
     assert sum(last.by_reason().values()) == last.missed == 20 - last.hit
+
+
+def test_the_servers_counters_of_a_run_with_a_host_tier_go_on_the_wire():
+    """Every snapshot a server sends carries its tally (`StreamCounter.wire`): the host tier's
+    counts travel with the rest, and decode to what was folded (a field the wire lacked broke
+    every snapshot of every server)."""
+    from kvscope_contract.counters import STREAM_COUNTERS, StreamCounter
+    engine = counting_engine(block_size=4, num_device_blocks=16, num_offload_blocks=32, preemption_mode="recompute")
+    state, counter = PoolState.from_snapshot(engine.snapshot()), StreamCounter()
+    a = [1, 2, 3, 4] * 5
+    for prompt in (a, [5] * 30, [6] * 30, a):
+        engine.add_tokens(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    for ev in engine.drain_events():
+        counter.observe(ev, state)
+        state.apply(ev)
+    snap = msgspec.structs.replace(state.snapshot(), counters=counter.wire())
+    wired = p.decode_server_message(p.encode_snapshot(snap)).counters
+    assert {n: getattr(wired, n) for n in STREAM_COUNTERS} == counter.counts.numbers()
+    assert wired.host_loaded_blocks > 0 and wired.host_stored_blocks > 0
