@@ -17,9 +17,8 @@ from pathlib import Path
 
 from app.link.client import EngineClient
 from bench.trace_sweep import TRACES
-from engine.lab.trace_play import QUEUED_STEPS, TracePlayer
+from engine.lab.trace_play import TracePlayer, player_hub
 from engine.serve.hub import serve_in_thread
-from engine.serve.server import engine_hub
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = Path(args.trace) if args.trace.endswith(".jsonl") else TRACES / f"{args.trace}_trace.jsonl"
     player = TracePlayer(path, args.blocks, args.policy, block_size=args.block_size, requests=args.requests)
-    srv = serve_in_thread(engine_hub(player, 0, max_queued_events=QUEUED_STEPS))
+    srv = serve_in_thread(player_hub(player))
     client = EngineClient(srv.url)
     t0 = time.monotonic()
     while client.bounds() is None or player.has_unfinished() or client.bounds()[1] < player.log.seq:

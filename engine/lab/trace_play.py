@@ -104,6 +104,12 @@ class TracePlayer(TraceLab):
         raise p.CommandError("unsupported", NOT_HERE)
 
 
+def player_hub(player: TracePlayer, step_delay_ms: float = 0.0, **hub_kw):
+    """The player behind the engine server's hub, whose clients may lag `QUEUED_STEPS` steps
+    before a snapshot replaces their events."""
+    return engine_hub(player, step_delay_ms, max_queued_events=QUEUED_STEPS, **hub_kw)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="a request trace in the Mooncake format (docs/traces.md)")
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, p.CommandError) as e:  # a bad line names it; a pool the manager refuses
         log.error("%s", e)
         return 2
-    hub = engine_hub(player, args.step_delay_ms, token=args.token, max_queued_events=QUEUED_STEPS)
+    hub = player_hub(player, args.step_delay_ms, token=args.token)
     serve_until_signal(hub, args.host, args.port, lambda port: log.info(ready_line(
         ws_url(args.host, port), f"playing {player.index.requests:,} requests of {args.trace.name} on "
                                  f"{args.blocks:,} blocks of {args.block_size} ({player.policy})")))

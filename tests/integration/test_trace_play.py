@@ -10,10 +10,9 @@ import pytest
 from kvscope_contract import protocol as p
 from app.link.client import EngineClient
 from engine.lab.trace import scan
-from engine.lab.trace_play import TracePlayer, main as play_main
+from engine.lab.trace_play import TracePlayer, main as play_main, player_hub
 from engine.lab.trace_sweep import replay
 from engine.serve.hub import serve_in_thread
-from engine.serve.server import engine_hub
 from tests.traces import mooncake, req, write
 
 SLICE = 80
@@ -31,7 +30,7 @@ def test_a_played_trace_reaches_the_sweeps_point_through_the_websocket(policy):
     path = mooncake("conversation")
     blocks = 400  # small enough to evict on this slice
     player = TracePlayer(path, blocks, policy, requests=SLICE)
-    srv = serve_in_thread(engine_hub(player))  # it plays once a client asks for the pool: none yet
+    srv = serve_in_thread(player_hub(player))  # it plays once a client asks for the pool: none yet
     time.sleep(1)
     assert player.log.seq == 0
     client = EngineClient(srv.url)
@@ -50,6 +49,7 @@ def test_a_played_trace_reaches_the_sweeps_point_through_the_websocket(policy):
         point = replay(scan(path, 512, SLICE), blocks, policy)
         tally = view.mirror.tally
         assert (tally.hit_tokens, tally.looked_up_tokens) == (point.hit_tokens, point.looked_up_tokens)
+        assert client.status.resyncs == 0, "the client fell behind the player's queue"
         assert point.evictions > 0 and sum(isinstance(e, p.Evict) for e in client.events_before(None, 10**6)) \
             == point.evictions
     finally:
