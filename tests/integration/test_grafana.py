@@ -45,7 +45,8 @@ def test_the_board_is_a_grafana_10_dashboard_with_the_alert_threshold_drawn():
         assert all(t["datasource"]["uid"] == "${datasource}" and t["expr"] for t in panel["targets"])
     titles = " ".join(panel["title"] for panel in b["panels"]).lower()
     for what in ("kv-cache usage", "blocks", "hit rate", "preemptions", "running and waiting by reason",
-                 "throughput", "cached prompt tokens", "block lifetime", "idle time before eviction", "reuse gap"):
+                 "throughput", "cached prompt tokens", "block lifetime", "idle time before eviction", "reuse gap",
+                 "blocks by tier", "moves between tiers"):
         assert what in titles, what
     # the alert's threshold, as alerts.yml says it, drawn on the usage panel and the blocks panel
     threshold = float(re.search(r"vllm:kv_cache_usage_perc > ([\d.]+)", ALERTS.read_text()).group(1))
