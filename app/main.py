@@ -61,7 +61,8 @@ def main() -> None:
         return live.connecting(client, source, hosted)
     with st.sidebar:
         controls.unsupported_note(client)
-        st.segmented_control("Mode", list(MODES) if drives else ["Explore"], format_func=MODES.get, key="mode",
+        modes = list(MODES) if drives else ["Explore", "Lessons"]  # a viewer reads the presenter's lesson along
+        st.segmented_control("Mode", modes, format_func=MODES.get, key="mode",
                              default="Lessons" if lessons_view.autostarting() else "Explore",
                              label_visibility="collapsed", on_change=_mode_changed)
         if live.mode() == "Lessons":

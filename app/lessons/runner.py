@@ -56,14 +56,14 @@ class LessonRun(StopWalk):
         engine to a new one (returns None: live)."""
         if self.forward(seen):
             self._run(client, len(self.reached))
-        return None if self.pending is not None else self._travel_target()
+        return None if self.pending is not None else self.travel_target()
 
     def back(self, seen: int | None = None) -> int | None:
         """Show the previous stop, as the history kept it."""
         self.backward(seen)
-        return self._travel_target()
+        return self.travel_target()
 
-    def _travel_target(self) -> int | None:
+    def travel_target(self) -> int | None:
         if self.viewing < 0:
             return None
         last = self.viewing == len(self.reached) - 1

@@ -1,6 +1,10 @@
 """The Lessons mode: pick a lesson; Next runs the engine to the next stop (or shows one reached
 before), Back shows the previous one as the history kept it, Restart starts over. Each stop's
-caption is drawn above the grid, and its blocks are highlighted in the grid and the tables."""
+caption is drawn above the grid, and its blocks are highlighted in the grid and the tables.
+
+A shared dashboard's viewers read along (app/ui/roles.py): their Lessons mode shows the lesson the
+presenter runs on the same source, the stop the presenter shows (their views travel to it each
+time it changes, and are theirs in between), never a control of it."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -15,11 +19,18 @@ from app.lessons.runner import LessonRun
 from app.modes import fleet_lesson_view
 from app.link.source import Source
 from app.derived.words import plural
+from app.ui import roles
 
 KEY = "lesson"  # session state: the LessonRun in progress
 BEFORE = "pool_before_lesson"  # session state: (ResetConfig, paused, pace) the engine had before a lesson
 AUTOSTART = "lesson_autostart"  # session state: the lesson to start once the engine started for it is ready
 SOURCE_BEFORE = "source_before_lesson"  # session state: the source before a lesson's own engine
+FOLLOWED = "lesson_followed"  # session state, a viewer's: the presenter's stop its views last travelled to
+PANEL_OPENED = "lesson_panel_opened"  # session state: the stop whose panel this session opened
+
+# the lesson run last started on each source, which a shared dashboard's viewers read along: the
+# presenter's session drives it (`drive` polls it), a viewer's only reads it
+_presented: dict[Source, LessonRun] = {}
 
 
 @lru_cache(maxsize=1)
@@ -28,7 +39,10 @@ def lessons() -> dict[str, Lesson]:
 
 
 def current() -> LessonRun | None:
-    return st.session_state.get(KEY)
+    """This session's lesson run; a viewer's: the one the presenter runs on its source."""
+    if roles.may_drive():
+        return st.session_state.get(KEY)
+    return _presented.get(st.session_state.get("source"))
 
 
 def _travel(n: int | None) -> None:
@@ -45,6 +59,7 @@ def _start(client: EngineClient, key: str) -> None:
             enable_prefix_caching=cfg.enable_prefix_caching, preemption_mode=cfg.preemption_mode,
             max_num_seqs=cfg.max_num_seqs), client.loop.paused, client.loop.step_delay_ms)
     run = st.session_state[KEY] = LessonRun(lessons()[key])
+    _presented[st.session_state.get("source")] = run
     run.next(client)
     _travel(None)
 
@@ -69,7 +84,10 @@ def hybrid(client: EngineClient) -> bool:
 
 
 def sidebar(client: EngineClient) -> None:
-    """The lesson picker and its controls (a fragment body: it also notices a stop reached)."""
+    """The lesson picker and its controls (a fragment body: it also notices a stop reached); a
+    viewer's: the presenter's lesson, read only."""
+    if not roles.may_drive():
+        return _read_along()
     run = current()
     if run is not None:
         run.poll(client)  # the other views follow on their own timers
@@ -112,17 +130,32 @@ def sidebar(client: EngineClient) -> None:
                 help="Show the previous stop as it was (time travel)")
     c[1].button("Restart", icon=":material/replay:", key="lesson_restart", width="stretch",
                 disabled=not can_drive, on_click=_start, args=(client, pick))
+    _outline(run)
+    for msg in run.errors[-3:]:
+        st.caption(f":red[{msg}]")
+    for note in run.notes[-3:]:
+        st.caption(f":orange[{note}]")
+    back_from_own_engine()
+
+
+def _outline(run: LessonRun) -> None:
     outline = []
     for i, stop in enumerate(run.lesson.stops):
         mark = ("▶" if i == run.viewing else "✓") if i < len(run.reached) else (
             "…" if run.pending and run.pending.index == i else "○")
         outline.append(f"{mark} {i + 1}. {stop.title or stop.caption.split('.')[0][:40]}")
     st.caption("  \n".join(outline))
-    for msg in run.errors[-3:]:
-        st.caption(f":red[{msg}]")
-    for note in run.notes[-3:]:
-        st.caption(f":orange[{note}]")
-    back_from_own_engine()
+
+
+def _read_along() -> None:
+    run = current()
+    if run is None:
+        st.caption("When the presenter starts a lesson, you read along here: its stops, and each stop's "
+                   "explanation above the pool.")
+        return
+    st.markdown(f"**{run.lesson.title}**")
+    st.caption("The presenter's lesson: your views go to each stop the presenter shows, and are yours in between.")
+    _outline(run)
 
 
 def _own_engine(lesson: Lesson) -> None:
@@ -199,7 +232,11 @@ def drive(client: EngineClient) -> None:
     run = current()
     if run is None:
         return
-    run.poll(client)
+    if roles.may_drive():
+        run.poll(client)
+    elif st.session_state.get(FOLLOWED) != (shown := (id(run), run.viewing, len(run.reached), run.pending is None)):
+        st.session_state[FOLLOWED] = shown  # the presenter moved: the viewer's views go where the presenter's are
+        _travel(None if run.pending is not None or run.at_latest else run.travel_target())
     if run.pending is None and run.viewing >= 0:
         memo_key = (client.epoch, run.viewing, len(run.reached))
         if run.memo.get("key") != memo_key:  # the stop's words change only when it does
@@ -212,6 +249,10 @@ def stage() -> list[int]:
     run = current()
     if run is None:
         st.session_state["lesson_blocks"] = []
+        if not roles.may_drive():
+            st.info("The presenter has no lesson running: when one starts, its explanations show here, stop by "
+                    "stop.", icon=":material/school:")
+            return []
         st.info("Pick a lesson in the sidebar and press **Start**: it resets the engine to its own pool, "
                 "submits its requests and stops at each key moment with an explanation.", icon=":material/school:")
         return []
@@ -233,11 +274,12 @@ def stage() -> list[int]:
                     + (f" · *{stop.title}*" if stop.title else "")
                     + ("" if run.at_latest else " · :orange[a stop reached earlier]"))
         st.markdown(caption(stop, values))
-        if stop.panel and run.memo.get("panel_opened") != memo_key:  # once per stop: the reader may pick another
-            run.memo["panel_opened"] = memo_key
+        opened = (id(run), memo_key)
+        if stop.panel and st.session_state.get(PANEL_OPENED) != opened:  # once per stop: the reader may pick another
+            st.session_state[PANEL_OPENED] = opened
             st.session_state["panel_shown"] = stop.panel
             st.session_state["log_version"] = st.session_state.get("log_version", 0) + 1  # remounts the picker
-        if run.at_end:
+        if run.at_end and roles.may_drive():
             st.caption("End of the lesson: **Restart** runs it again; pick another lesson in the sidebar.")
         st.session_state["lesson_blocks"] = fx.blocks
         return fx.blocks

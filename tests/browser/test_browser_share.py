@@ -2,7 +2,8 @@
 its engine too (read from /proc, as `ss -ltn` does). Shared (Streamlit's address 0.0.0.0, as
 `kvscope --share` sets it): a viewer's page has the live views and no control, nor the engine's
 address, and travels in time on its own; the presenter's link gives its page every control, leaves
-the address bar at once, and what the presenter does shows in the viewer's page."""
+the address bar at once, and what the presenter does shows in the viewer's page, lessons included:
+a viewer reads the presenter's lesson along, stop by stop, with no control of it."""
 from __future__ import annotations
 
 import secrets
@@ -10,6 +11,7 @@ import secrets
 from app.streamlit_argv import PRESENTER_KEY
 from tests.processes import descendants, listening
 from tools.launch import CHROMIUM, FLAGS, open_grid
+from tools.shoot_docs import walk_lesson
 
 DRIVING = ("Connect", "Submit", "Pause", "Reset engine", "Clear prefix cache", "Clean slate", "Restart engine")
 
@@ -48,7 +50,7 @@ def test_a_viewer_watches_and_only_the_presenter_drives(start_app):
         expect(side(viewer).get_by_text("You are viewing", exact=False)).to_be_visible()
         for name in DRIVING:
             expect(viewer.get_by_role("button", name=name, exact=True)).to_have_count(0)
-        expect(viewer.get_by_role("button", name="Lessons")).to_have_count(0)
+        expect(side(viewer).get_by_text("Lab", exact=True)).to_have_count(0)
         expect(side(viewer).get_by_text("Connection", exact=True)).to_have_count(0)
 
         presenter = open_grid(browser, f"{url}/?presenter={key}", errors, 256)
@@ -72,6 +74,24 @@ def test_a_viewer_watches_and_only_the_presenter_drives(start_app):
         viewer.mouse.click(track["x"] + track["width"] * 0.3, track["y"] + track["height"] / 2)
         viewer.wait_for_function("!window.__kvscope_grid.live", timeout=30_000)
         assert presenter.evaluate("window.__kvscope_grid.live"), "a viewer's time travel moved the presenter's page"
+
+        # a lesson: the presenter drives it, the viewer reads it along (the stop the presenter shows)
+        walk_lesson(presenter, "1. Block tables and on-demand allocation", 1, timeout_ms=120_000)
+        side(viewer).get_by_text("Lessons", exact=True).click()
+        viewer.wait_for_function("document.body.innerText.includes('stop 1 of 5') && "
+                                 "document.body.innerText.includes('Admission, on demand')", timeout=60_000)
+        expect(side(viewer).get_by_text("The presenter's lesson", exact=False)).to_be_visible()
+        for name in ("Next", "Back", "Restart", "Start the lesson"):
+            expect(viewer.get_by_role("button", name=name, exact=True)).to_have_count(0)
+        expect(side(viewer).get_by_label("Lesson")).to_have_count(0)
+        side(presenter).get_by_role("button", name="Next").click()
+        viewer.wait_for_function("document.body.innerText.includes('stop 2 of 5') && "
+                                 "document.body.innerText.includes('One decode step')", timeout=120_000)
+        side(presenter).get_by_role("button", name="Back").click()  # a stop reached before: both travel to it
+        presenter.wait_for_function("document.body.innerText.includes('stop 1 of 5')", timeout=30_000)
+        viewer.wait_for_function("document.body.innerText.includes('stop 1 of 5') && !window.__kvscope_grid.live",
+                                 timeout=30_000)
+        side(viewer).get_by_text("Explore", exact=True).click()
 
         engine = next(line for line in viewer.evaluate("document.body.innerText").splitlines() if "Connected" in line)
         assert "ws://" not in engine and "ws://" in presenter.evaluate("document.body.innerText")
