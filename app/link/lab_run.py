@@ -60,29 +60,32 @@ def run_lab(workload: str, args: list[str]) -> LabReport:
 
 def sweep_args(trace: Path | str, policies: list[str], capacities: list[int] | None = None, *,
                requests: int | None = None, block_size: int = 512, one_at_a_time: bool = False,
-               model: str | None = None, bytes_per_token: int | None = None) -> list[str]:
-    """The command line of `python -m engine.lab trace:PATH` for these choices (docs/traces.md)."""
+               model: str | None = None, bytes_per_token: int | None = None, host_blocks: int = 0) -> list[str]:
+    """The command line of `python -m engine.lab trace:PATH` for these choices (docs/traces.md);
+    `host_blocks`: each point also with a host tier of that many blocks (docs/offload.md)."""
     return ([f"trace:{trace}", "--policy", ",".join(policies)]
             + (["--sweep", ",".join(map(str, capacities))] if capacities else [])
             + (["--requests", str(requests)] if requests else [])
             + (["--block-size", str(block_size)] if block_size != 512 else [])
             + (["--one-at-a-time"] if one_at_a_time else [])
             + (["--model", model] if model else [])
-            + (["--bytes-per-token", str(bytes_per_token)] if bytes_per_token else []))
+            + (["--bytes-per-token", str(bytes_per_token)] if bytes_per_token else [])
+            + (["--host-blocks", f"0,{host_blocks}"] if host_blocks else []))
 
 
 def run_sweep(trace: Path | str, policies: list[str], capacities: list[int] | None = None, *,
               requests: int | None = None, block_size: int = 512, one_at_a_time: bool = False,
-              model: str | None = None, bytes_per_token: int | None = None,
+              model: str | None = None, bytes_per_token: int | None = None, host_blocks: int = 0,
               progress: Callable[[str], None] | None = None, timeout: float = SWEEP_TIMEOUT_S) -> TraceSweep:
     """Replay a request trace (the Mooncake format) at each capacity (blocks; None: the lab's
     log-spaced default) under each eviction policy: `python -m engine.lab trace:PATH ... --json`.
-    `model` ("smollm2", "gemma3") or `bytes_per_token` sizes the capacities in bytes. `progress`
+    `model` ("smollm2", "gemma3") or `bytes_per_token` sizes the capacities in bytes; `host_blocks`
+    adds each point with a host tier of that size beside the device-only one. `progress`
     gets a line per replay ("lru at 1,000 blocks: hit rate 3.7% (0.4 s)"). Raises RuntimeError
     with the lab's message: a bad trace line names its file:line, nothing is run."""
     args = sweep_args(Path(trace).expanduser().absolute(), policies, capacities, requests=requests,
                       block_size=block_size, one_at_a_time=one_at_a_time, model=model,
-                      bytes_per_token=bytes_per_token)
+                      bytes_per_token=bytes_per_token, host_blocks=host_blocks)
     return decode_sweep(lab_child(args, timeout, progress))
 
 

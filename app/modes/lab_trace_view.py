@@ -103,11 +103,16 @@ def page() -> None:
                                      help="LRU as vLLM v1, LFU, Belady's OPT (the bound at each capacity, one "
                                           "request at a time), or your own class by its import path, e.g. "
                                           "`mypolicies:MRU` (docs/traces.md, *Your own policy*).")
-        cc = st.columns([1, 1])
+        cc = st.columns([1, 1, 1])
         capacities = cc[0].text_input("Capacities (blocks)", "", key="lab_trace_caps",
                                       placeholder=f"{DEFAULT_POINTS} log-spaced points, or e.g. 500,2000",
                                       help="Comma-separated pool sizes in blocks. Empty: "
                                            f"{DEFAULT_POINTS} log-spaced up to a pool that never evicts.")
+        host = int(cc[2].number_input("Host tier (blocks)", 0, 1 << 24, 0, step=1000, key="lab_trace_host",
+                                      help="0: the device pool alone. N: each point also with a host tier of N "
+                                           "blocks (vLLM v1's CPU offloading, docs/offload.md): blocks stored as "
+                                           "they complete, a device miss loaded back from it, its own LRU; drawn "
+                                           "dashed, device and host hits together."))
         model_label = cc[1].selectbox("Capacity in bytes for", list(MODELS), key="lab_trace_model",
                                       help="KV bytes per token from the model's config (every layer's K and V "
                                            "in bf16), or a model given by its numbers.")
@@ -122,7 +127,7 @@ def page() -> None:
         st.error("Capacities take comma-separated positive numbers of blocks.")
         return
     if st.button("Run the sweep", type="primary", icon=":material/science:", key="lab_trace_run"):
-        run(path, upload, policies, caps, int(requests) or None, block_size, one, model, per_token)
+        run(path, upload, policies, caps, int(requests) or None, block_size, one, model, per_token, host)
     sweep: TraceSweep | None = st.session_state.get("lab_sweep")
     if sweep is not None:
         show(sweep, st.session_state.get("lab_sweep_command", ""))
@@ -130,7 +135,7 @@ def page() -> None:
 
 
 def run(path: str, upload, policies: list[str], caps: list[int], requests: int | None, block_size: int,
-        one: bool, model: str | None, per_token: int | None) -> None:
+        one: bool, model: str | None, per_token: int | None, host: int = 0) -> None:
     """Run the sweep; a failure (a bad trace line names its file:line) is said as an error and
     leaves no result drawn."""
     st.session_state.pop("lab_sweep", None)
@@ -140,7 +145,7 @@ def run(path: str, upload, policies: list[str], caps: list[int], requests: int |
     if upload is None and not path.strip():
         st.error("Give a trace: a path on this machine, or upload a file.")
         return
-    total = len(policies) * (len(caps) or DEFAULT_POINTS)
+    total = len(policies) * (len(caps) or DEFAULT_POINTS) * (2 if host else 1)
     bar = st.progress(0.0, text="Reading the trace…")
     done = [0]
 
@@ -157,7 +162,7 @@ def run(path: str, upload, policies: list[str], caps: list[int], requests: int |
             trace = Path(tmp) / name
             trace.write_bytes(upload.getvalue())
         kwargs = dict(requests=requests, block_size=block_size, one_at_a_time=one, model=model,
-                      bytes_per_token=per_token)
+                      bytes_per_token=per_token, host_blocks=host)
         try:
             sweep = run_sweep(trace, policies, caps or None, progress=progress, **kwargs)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -172,12 +177,23 @@ def run(path: str, upload, policies: list[str], caps: list[int], requests: int |
     st.session_state["lab_sweep_command"] = "python -m engine.lab " + shlex.join(argv)
 
 
+def tiered(s: TraceSweep) -> bool:
+    """Whether the sweep has points with a host tier (each beside its device-only twin)."""
+    return any(pt.host_blocks for pt in s.points)
+
+
+def series(pt: TracePoint) -> str:
+    """A point's line on the chart: its policy, and its host tier if it has one."""
+    return f"{pt.policy} + host tier of {pt.host_blocks:,}" if pt.host_blocks else f"{pt.policy}, device only"
+
+
 def point_row(s: TraceSweep, pt: TracePoint) -> dict:
     """One point as the table shows it: capacity three ways, the hit rate, the misses as shares
     of the tokens looked up (as the CLI's table), and the counts."""
     look = max(1, pt.looked_up_tokens)
+    tier = {"host tier": pt.host_blocks, "device + host": pt.tier_hit_rate} if tiered(s) else {}
     return {"policy": pt.policy, "blocks": pt.blocks, "tokens": pt.tokens, "KV bytes": _bytes(pt.bytes),
-            "hit rate": pt.hit_rate, "of ceiling": pt.hit_rate / s.ceiling if s.ceiling else None,
+            "hit rate": pt.hit_rate, **tier, "of ceiling": pt.tier_hit_rate / s.ceiling if s.ceiling else None,
             **{REASONS[r]: pt.missed.get(r, 0) / look for r in TRACE_REASONS},
             "evictions": pt.evictions, "preemptions": pt.preemptions, "rejected": pt.rejected,
             "hit tokens": pt.hit_tokens, "looked up": pt.looked_up_tokens}
@@ -186,14 +202,16 @@ def point_row(s: TraceSweep, pt: TracePoint) -> dict:
 def to_csv(s: TraceSweep) -> str:
     """Every point with exact counts: the misses in tokens, by reason."""
     heads = ["policy", "blocks", "tokens", "bytes", "hit_tokens", "looked_up_tokens", "hit_rate",
-             *(f"missed_{r}" for r in TRACE_REASONS), "evictions", "preemptions", "rejected", "finished", "steps"]
+             *(f"missed_{r}" for r in TRACE_REASONS), "evictions", "preemptions", "rejected", "finished", "steps",
+             "host_blocks", "host_hit_tokens"]
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(heads)
     for pt in s.points:
         w.writerow([pt.policy, pt.blocks, pt.tokens, "" if pt.bytes is None else pt.bytes, pt.hit_tokens,
                     pt.looked_up_tokens, round(pt.hit_rate, 6), *(pt.missed.get(r, 0) for r in TRACE_REASONS),
-                    pt.evictions, pt.preemptions, pt.rejected, pt.finished, pt.steps])
+                    pt.evictions, pt.preemptions, pt.rejected, pt.finished, pt.steps, pt.host_blocks,
+                    pt.host_hit_tokens])
     return out.getvalue()
 
 
@@ -203,17 +221,21 @@ def chart(s: TraceSweep, playing: dict | None = None, height: int = 340) -> dict
     carries its exact counts. `playing`: the point a trace replay is playing, marked (policy,
     blocks, hit rate, description: app/modes/trace_play_view.py)."""
     rows = []
-    for pt in s.points:
+    for pt in s.points:  # a point with a host tier: its device and host hits together, on a dashed line
+        host = f" + a host tier of {pt.host_blocks}: {pt.host_hit_tokens} more from it" if pt.host_blocks else ""
         rows.append({**{k: v for k, v in point_row(s, pt).items() if k != "KV bytes"}, "bytes": _bytes(pt.bytes),
+                     "hit rate": pt.tier_hit_rate, "device hit rate": pt.hit_rate, "series": series(pt),
+                     "tier": "device + host tier" if pt.host_blocks else "device only",
                      "description": f"{pt.policy} at {pt.blocks} blocks: {pt.hit_tokens} of {pt.looked_up_tokens} "
-                                    f"tokens hit, {pt.evictions} evictions"})
-    top = max([s.ceiling, *(pt.hit_rate for pt in s.points)] or [0.0])
+                                    f"tokens hit, {pt.evictions} evictions{host}"})
+    top = max([s.ceiling, *(pt.tier_hit_rate for pt in s.points)] or [0.0])
     xs = [pt.blocks for pt in s.points] + ([playing["blocks"]] if playing else []) or [1]
     lo, hi = min(xs) / 1.15, max(xs) * 1.15
     x_scale = alt.Scale(type="log", domain=[lo, hi], nice=False)
     ticks = (sorted(set(xs)) if len(set(xs)) <= 6 else  # a few capacities of the user's: each labelled
              [m * 10 ** e for e in range(0, 10) for m in (1, 2, 5) if lo <= m * 10 ** e <= hi] or xs)
-    y = alt.Y("hit rate:Q", title="token hit rate", axis=alt.Axis(format="%"),
+    y = alt.Y("hit rate:Q", title="token hit rate" + (" (device and host tier)" if tiered(s) else ""),
+              axis=alt.Axis(format="%"),
               scale=alt.Scale(domain=[0, max(top * 1.15, 0.01)], nice=False))
     policies = [p for p in POLICIES if any(pt.policy == p for pt in s.points)] + \
         sorted({pt.policy for pt in s.points} - set(POLICIES))
@@ -227,6 +249,14 @@ def chart(s: TraceSweep, playing: dict | None = None, height: int = 340) -> dict
                *(alt.Tooltip(f"{label}:Q", format=".1%", title=f"missed: {label}") for label in REASONS.values()),
                alt.Tooltip("evictions:Q", format=","), alt.Tooltip("preemptions:Q", format=","),
                alt.Tooltip("rejected:Q", format=",")]
+    by_tier = {}
+    if tiered(s):  # each policy twice: device only (solid) and with the host tier (dashed)
+        tooltip[1:1] = ["tier:N", alt.Tooltip("host tier:Q", format=","),
+                        alt.Tooltip("device hit rate:Q", format=".2%")]
+        by_tier = dict(strokeDash=alt.StrokeDash("tier:N", legend=alt.Legend(orient="top", title=None),
+                                                 scale=alt.Scale(domain=["device only", "device + host tier"],
+                                                                 range=[[1, 0], [6, 3]])),
+                       detail="series:N")
     # each tick in blocks, tokens and (a model named) bytes, one line each
     lines_expr = ["format(datum.value, ',')", f"format(datum.value * {s.block_size}, '.3~s') + ' tokens'"]
     if s.bytes_per_token:
@@ -240,7 +270,7 @@ def chart(s: TraceSweep, playing: dict | None = None, height: int = 340) -> dict
         x=alt.X("blocks:Q", scale=x_scale, title=title,
                 axis=alt.Axis(labelExpr="[" + ", ".join(lines_expr) + "]", grid=True, labelFlush=False,
                               values=ticks, labelPadding=4)),
-        y=y, color=color)
+        y=y, color=color, **by_tier)
     lines = base.mark_line(strokeWidth=2, opacity=0.8)
     points = base.mark_point(filled=True, size=60, opacity=1).encode(
         tooltip=tooltip, description=alt.Description("description:N"))
@@ -277,16 +307,19 @@ def show(s: TraceSweep, command: str = "") -> None:
                "Misses are shares of the tokens looked up: cold (never cached), evicted (cached before: a bigger "
                "pool or a better policy keeps it), in flight (a running request was still computing it), partial "
                "block (the block of the prompt's last token), recomputed (re-admissions after a preemption). "
-               "docs/traces.md says how a trace is replayed.")
+               "docs/traces.md says how a trace is replayed."
+               + (" Dashed: the same device pool with a host tier (docs/offload.md); its hit rate counts the "
+                  "tokens the device missed and the host tier served, which are loaded back, not recomputed."
+                  if tiered(s) else ""))
     st.vega_lite_chart(chart(s), width="stretch", key="lab_trace_chart")
     df = pd.DataFrame([point_row(s, pt) for pt in s.points])
     pct = {name: st.column_config.NumberColumn(name, format="percent")
-           for name in ("hit rate", "of ceiling", *REASONS.values())}
+           for name in ("hit rate", "device + host", "of ceiling", *REASONS.values())}
     st.dataframe(df, hide_index=True, width="stretch", key="lab_trace_table", column_config={
         **pct, "blocks": st.column_config.NumberColumn("blocks", format="localized"),
         "tokens": st.column_config.NumberColumn("tokens", format="localized"),
         **{name: st.column_config.NumberColumn(name, format="localized")
-           for name in ("evictions", "preemptions", "rejected", "hit tokens", "looked up")}})
+           for name in ("host tier", "evictions", "preemptions", "rejected", "hit tokens", "looked up")}})
     cc = st.columns([1, 4])
     cc[0].download_button("Download CSV", to_csv(s), file_name=f"{Path(s.trace).stem}_sweep.csv", mime="text/csv",
                           icon=":material/download:", key="lab_trace_csv")

@@ -2,7 +2,7 @@
 Mooncake format, conversations sharing system prompts and growing turn by turn) swept at three
 capacities under LRU and OPT; the chart's points (each point's description, its aria-label in the
 SVG) and the table's data (its CSV download) are the numbers `python -m engine.lab trace:... --json`
-gives for the same arguments. A trace with a bad line shows the lab's error naming the line, and no
+gives for the same arguments; with a host tier, each point again beside it. A trace with a bad line shows the lab's error naming the line, and no
 chart."""
 from __future__ import annotations
 
@@ -77,6 +77,14 @@ def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
         assert len({pt.hit_tokens for pt in s.points}) > 1, "the capacities and policies should differ"
         shown = main.get_by_text(f"{s.ceiling:.1%}", exact=False).first
         expect(shown).to_be_visible()  # the ceiling the lab computed, in the caption and the rule's label
+
+        # with a host tier: each policy and capacity again, dashed, its host hits in its description
+        fill(page, "Host tier (blocks)", "120")
+        page.get_by_role("button", name="Run the sweep").click()
+        tiered = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label*=' + a host tier of 120: ']")
+        expect(tiered).to_have_count(len(POLICIES) * len(CAPACITIES), timeout=120_000)
+        expect(points).to_have_count(2 * len(POLICIES) * len(CAPACITIES))
+        expect(main.get_by_text("Dashed: the same device pool with a host tier", exact=False)).to_be_visible()
 
         # a bad line: the lab's message naming it, and nothing of the sweep left drawn
         fill(page, "Trace file", str(bad))

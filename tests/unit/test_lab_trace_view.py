@@ -90,3 +90,30 @@ def test_the_child_reports_each_replay_and_a_bad_lines_message(tmp_path):
                                                      "opt at 16 blocks"]
     with pytest.raises(RuntimeError, match=f"{bad}:2: 2 hash_ids for input_length 1100"):
         run_sweep(bad, ["lru"], [8])
+
+
+def test_a_sweep_with_a_host_tier_draws_each_policy_twice_device_only_and_with_the_tier(tmp_path):
+    """The Lab's host tier (issue 36): the child sweeps each point with and without it; the chart
+    draws the tier's points dashed at device + host hits, their exact counts in their descriptions;
+    the table and the CSV say the tier and its hits."""
+    assert sweep_args("t.jsonl", ["lru"], [8], host_blocks=64)[-2:] == ["--host-blocks", "0,64"]
+    trace = tmp_path / "t.jsonl"  # a shared prefix, others that push it out of 7 blocks, then it again
+    rows = [[0, 1, 2], [10, 11, 12], [20, 21, 22], [0, 1, 3]]
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1536, "output_length": 2, "hash_ids": ids})
+                             + "\n" for i, ids in enumerate(rows)))
+    s = run_sweep(trace, ["lru"], [7], one_at_a_time=True, host_blocks=64)
+    alone, tier = sorted(s.points, key=lambda pt: pt.host_blocks)
+    assert (alone.host_blocks, tier.host_blocks) == (0, 64) and alone.hit_tokens == tier.hit_tokens == 0
+    assert tier.host_hit_tokens == 2 * 512 and tier.tier_hit_rate > alone.tier_hit_rate == 0
+    spec = view.chart(s)
+    points = layers(spec)["point"]
+    drawn = {r["tier"]: (r["hit rate"], r["device hit rate"], r["description"]) for r in points["data"]["values"]}
+    assert drawn["device only"][:2] == (0, 0)
+    assert drawn["device + host tier"][:2] == (tier.tier_hit_rate, 0)
+    assert drawn["device + host tier"][2].endswith("a host tier of 64: 1024 more from it")
+    assert points["encoding"]["strokeDash"]["field"] == "tier" and points["encoding"]["detail"]["field"] == "series"
+    row = view.point_row(s, tier)
+    assert row["host tier"] == 64 and row["device + host"] == tier.tier_hit_rate and row["hit rate"] == 0
+    table = list(csv.DictReader(io.StringIO(view.to_csv(s))))
+    assert sorted((int(r["host_blocks"]), int(r["host_hit_tokens"])) for r in table) == [(0, 0), (64, 1024)]
+    assert "strokeDash" not in layers(view.chart(a_sweep()))["point"]["encoding"]  # no tier: drawn as before
