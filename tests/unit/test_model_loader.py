@@ -251,7 +251,10 @@ def test_gemma3(monkeypatch: pytest.MonkeyPatch) -> None:
                                          "<end_of_turn>\n<start_of_turn>model\n")  # the GGUF has none: ours
     assert chat.count(lm.tokenizer.bos_token_id) == 1 and 106 in chat  # <end_of_turn>: special tokens, not text
     assert "quantization_config" not in json.loads((dest / "config.json").read_text())
-    assert not list(default_cache_dir().rglob("*.gguf"))
+    # the assembled GGUF is in neither the model's folders nor a conversion's scratch folder (the
+    # cache may hold other GGUFs: bench/llamacpp.py's llama.cpp and its F32/BF16 conversions)
+    assert not [g for d in (dest, dest.with_name(f"{dest.name}-tokenizer")) for g in d.rglob("*.gguf")]
+    assert not list(default_cache_dir().glob(f".{dest.name}*.tmp-*"))
     ids = lm.tokenizer("The capital of France is", return_tensors="pt")
     out = lm.model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids.input_ids.shape[1]:]
     assert lm.tokenizer.decode(out) == " the capital of the country of France. It is the largest"
