@@ -85,6 +85,8 @@ def load(path: Path) -> Lesson:
     lesson = read_lesson(path, Lesson, PLACEHOLDERS, RECORDED)
     if not lesson.stops or lesson.stops[0].reset is None:
         raise ValueError(f"{path.name}: the first stop must reset the pool (a lesson starts from a known pool)")
+    if lesson.stops[0].reset.num_offload_blocks is msgspec.UNSET:  # no host tier unless the lesson asks for one
+        lesson.stops[0].reset.num_offload_blocks = 0
     return lesson
 
 
