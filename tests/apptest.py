@@ -18,7 +18,7 @@ from tests.waiting import wait
 
 MAIN = str(streamlit_argv.MAIN)  # app/main.py
 DEFAULT_POOL = p.ResetConfig(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=16,
-                             enable_prefix_caching=True, preemption_mode="swap")
+                             enable_prefix_caching=True, preemption_mode="swap", num_offload_blocks=0)
 LESSONS = {lesson.key: lesson for lesson in all_lessons()}
 
 

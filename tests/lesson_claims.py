@@ -346,8 +346,152 @@ def l6_recompute(at: AtStop) -> None:
     assert lost > 0 and len(freed) == math.ceil(lost / at.state.config.block_size)
 
 
-# ---------------------------------------------------------------- 7. sizing
-def l7_bytes(at: AtStop) -> None:
+# ---------------------------------------------------------------- 7. offloading
+@dataclass
+class Rerun:
+    """What one run of the offloading lesson did before A2's admission: A's and A2's requests (the
+    same prompt), where A2's admission starts (its first hit, load or allocation), the blocks the
+    device evicted before it (A's, as (A's logical index, event)) and A's cached chain."""
+    a: p.RequestAdded
+    a2: p.RequestAdded
+    admission: int
+    evicted: list[tuple[int, p.Evict]]
+    chain: list[p.Cached]
+
+
+def _rerun(at: AtStop) -> Rerun:
+    ev, bs = at.events, at.state.config.block_size
+    added = {e.request_id: e for e in ev if isinstance(e, p.RequestAdded)}
+    a, a2 = added["A"], added["A2"]
+    assert a.prompt_token_ids == a2.prompt_token_ids and len(added) == 4
+    admission = min(e.seq for e in ev if isinstance(e, (p.PrefixHit, p.OffloadLoad, p.Alloc)) and e.seq_id == a2.seq_id)
+    table = {e.logical_index: e.block_id for e in ev if isinstance(e, p.Alloc) and e.seq_id == a.seq_id}
+    index = {b: i for i, b in table.items()}
+    fin = next(e.seq for e in ev if isinstance(e, p.Finish) and e.seq_id == a.seq_id)
+    chain = [e for e in ev if isinstance(e, p.Cached) and e.seq_id == a.seq_id and e.seq < fin]
+    assert [e.block_id for e in chain] == [table[i] for i in range(len(chain))]  # A's full blocks, in order
+    assert len(chain) >= (a.prompt_tokens - 1) // bs
+    evicted = []
+    for e in [e for e in ev if isinstance(e, p.Evict) and e.seq < admission]:
+        assert at.last_holder(e.block_id, e.seq) == a.seq_id  # only A's blocks: the fillers fit beside the rest
+        taker = next(x for x in ev if isinstance(x, (p.Alloc, p.PrefixHit)) and x.seq > e.seq
+                     and x.block_id == e.block_id)
+        assert isinstance(taker, p.Alloc) and taker.seq_id in ("F1", "F2"), taker  # a filler's allocation evicted it
+        evicted.append((index[e.block_id], e))
+    return Rerun(a, a2, admission, evicted, chain)
+
+
+def _device_hits(at: AtStop, r: Rerun) -> int:
+    """A2's hits on the device, A's chain from its beginning; the step's only prompt is A2's."""
+    hits = [e for e in at.events if isinstance(e, p.PrefixHit)]
+    assert {e.seq_id for e in hits} <= {r.a2.seq_id}  # the only hits since the reset: A2's, in this step
+    assert [e.logical_index for e in hits] == list(range(len(hits)))
+    assert [e.block_id for e in hits] == [c.block_id for c in r.chain[:len(hits)]]
+    assert num(at.values["hits"]) == len(hits) > 0
+    assert num(at.values["hit_tokens"]) == len(hits) * at.state.config.block_size
+    return len(hits)
+
+
+def _tail_of_the_chain(r: Rerun, hits: int, bs: int) -> None:
+    """The device evicted A's chain from its end (least recently used first: A freed its blocks tail
+    first), down to the beginning it kept: the blocks A2's lookup could hit and did not."""
+    indices = [i for i, _ in r.evicted]
+    assert indices == sorted(indices, reverse=True) and indices
+    assert sorted(indices) == list(range(hits, (r.a2.prompt_tokens - 1) // bs))
+
+
+def _one_at_a_time(at: AtStop) -> None:
+    assert at.state.config.max_num_seqs == 1 and all(e.num_running <= 1 for e in at.events if isinstance(e, p.StepDone))
+
+
+def _prefill(at: AtStop, computed: int) -> None:
+    (step,) = at.of(p.StepDone)
+    assert step.num_running == 1 and num(at.values["prefill"]) == step.prefill_tokens == computed
+
+
+def l7_no_tier(at: AtStop) -> None:
+    """No host tier; {total} blocks of {bs}, one request at a time; A finished with its full blocks cached;
+    the fillers' allocations evicted A's cached blocks from the end of its chain, least recently used first;
+    {what}: A2 admitted, A's prompt again, {prompt} tokens in {pblocks} blocks; {hits} from the device's cache,
+    the beginning of A's chain; the rest computed again ({why_seq}): {prefill} prompt tokens in this step."""
+    v, cfg = at.values, at.state.config
+    bs = cfg.block_size
+    assert cfg.num_offload_blocks == 0 and cfg.enable_prefix_caching and cfg.preemption_mode == "recompute"
+    assert num(v["total"]) == cfg.num_device_blocks and num(v["bs"]) == bs
+    _one_at_a_time(at)
+    r = _rerun(at)
+    assert not [e for e in at.events if isinstance(e, (p.OffloadStore, p.OffloadLoad))]
+    (seq,) = at.seqs("A2")
+    assert seq.status == "running" and v["seq"] == seq.seq_id and v["what"].startswith(f"{seq.seq_id} admitted")
+    n = r.a2.prompt_tokens
+    assert num(v["prompt"]) == n and num(v["pblocks"]) == math.ceil(n / bs)
+    hits = _device_hits(at, r)
+    _tail_of_the_chain(r, hits, bs)
+    last_full = (n - 1) // bs
+    evicted, partial = (last_full - hits) * bs, n - last_full * bs
+    assert v["why_seq"] == (f"{hits * bs:,} of its {n:,} tokens hit; evicted {evicted:,}, "
+                            f"partial block {partial:,} missed")
+    _prefill(at, n - hits * bs)
+
+
+def _records(at: AtStop) -> dict[str, list[str]]:
+    """{records}' rows: name -> cells."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in at.values["records"].splitlines()[2:]]
+    return {row[0]: row[1:] for row in rows}
+
+
+def l7_loaded(at: AtStop) -> None:
+    """A host tier of 64; every full block a step computed (A's, the fillers') stored to it as it completed;
+    A2 found {hits} blocks on the device; the host tier held the blocks the device had evicted, {host_loads}
+    loaded into {blocks} (highlighted); {prefill} computed; side by side, the device's hits and hit rate
+    ({hit_rate}) the same both times, the extra hits all the host tier's; `Why not more?` counts them as
+    hit in the host tier."""
+    st, v, cfg = at.state, at.values, at.state.config
+    bs = cfg.block_size
+    assert cfg.num_offload_blocks == 64 and cfg.enable_prefix_caching and cfg.preemption_mode == "recompute"
+    _one_at_a_time(at)
+    r = _rerun(at)
+    loads = [e for e in at.events if isinstance(e, p.OffloadLoad)]
+    assert loads and loads == at.of(p.OffloadLoad) and {e.seq_id for e in loads} == {r.a2.seq_id}
+    stores = [e for e in at.events if isinstance(e, p.OffloadStore) and e.seq < r.admission]
+    computed = [e for e in at.events if isinstance(e, p.Cached) and e.seq < r.admission]
+    assert [(e.block_id, e.hash, e.step) for e in stores] == [(e.block_id, e.hash, e.step) for e in computed]
+    assert not [e for e in at.events if isinstance(e, p.OffloadEvict)]
+    hits = _device_hits(at, r)
+    _tail_of_the_chain(r, hits, bs)
+    assert [e.logical_index for e in loads] == list(range(hits, hits + len(loads)))
+    assert [e.hash for e in loads] == [e.hash for _, e in sorted(r.evicted, key=lambda x: x[0])]  # the ones evicted
+    assert all(st.offload_hash_of(e.offload_block_id) == e.hash for e in loads)
+    assert sorted(at.blocks) == sorted(e.block_id for e in loads) and num(v["host_loads"]) == len(loads)
+    n = r.a2.prompt_tokens
+    _prefill(at, n - (hits + len(loads)) * bs)
+    rows = _records(at)
+    assert list(rows) == ["no host tier", "host tier of 64"]
+    (hit0, loads0, prefill0, rate0), (hit1, loads1, prefill1, rate1) = rows.values()
+    assert hit0 == hit1 == v["hit_tokens"] and rate0 == rate1 == v["hit_rate"]  # the device's, the same both times
+    assert num(loads0) == 0 and num(loads1) == len(loads) and num(prefill0) - num(prefill1) == len(loads) * bs
+    assert f"hit in the host tier {len(loads) * bs:,}" in v["why_seq"]
+
+
+def l7_cost(at: AtStop) -> None:
+    """{what}: A2 finished; its {host_loads} loads, each a copy of {bytes_per_block} bytes ({kib_per_block} KiB)
+    for {model}, in place of computing {bs} tokens through {layers} layers; the host tier still holds every
+    block it loaded, and the device caches them again ({cached} cached blocks)."""
+    st, v, cfg = at.state, at.values, at.state.config
+    (fin,) = at.of(p.Finish)
+    assert not at.seqs("A2") and v["what"].startswith(f"{fin.seq_id} finished") and fin.seq_id == v["seq"]
+    loads = [e for e in at.events if isinstance(e, p.OffloadLoad)]
+    assert loads and {e.seq_id for e in loads} == {fin.seq_id} and num(v["host_loads"]) == len(loads)
+    l8_bytes(at)
+    assert v["kib_per_block"] == f"{cfg.bytes_per_block / 1024:,.1f}" and num(v["bs"]) == cfg.block_size
+    for e in loads:
+        assert st.offload_hash_of(e.offload_block_id) == e.hash  # copied, not moved
+        assert st.hash_of(e.block_id) == e.hash and st.ref_counts[e.block_id] == 0  # cached on the device again
+    assert num(v["cached"]) == st.counts().cached
+
+
+# ---------------------------------------------------------------- 8. sizing
+def l8_bytes(at: AtStop) -> None:
     """bytes per block = bs x layers x KV heads x head dim x 2 x dtype bytes, the pool's own number."""
     v, cfg = at.values, at.state.config
     product = cfg.block_size * num(v["layers"]) * num(v["kv_heads"]) * num(v["head_dim"]) * 2 * num(v["dtype_bytes"])
@@ -356,7 +500,7 @@ def l7_bytes(at: AtStop) -> None:
     assert num(v["tokens_per_gib"]) == (1 << 30) // product * cfg.block_size
 
 
-# ---------------------------------------------------------------- 8. sliding windows and hybrid models
+# ---------------------------------------------------------------- 9. sliding windows and hybrid models
 def _groups(at: AtStop) -> tuple[list[int], list[int]]:
     """The pool's sliding-window and full-attention groups: the lesson's goal says it has both."""
     groups = at.state.config.groups
@@ -371,7 +515,7 @@ def _window(at: AtStop) -> int:
     return at.state.config.groups[sliding[0]].window
 
 
-def l8_tables(at: AtStop) -> None:
+def l9_tables(at: AtStop) -> None:
     """A admitted: its prompt takes ⌈prompt / bs⌉ blocks in each of its {ngroups} tables ({used} in all,
     those highlighted); {ngroups} groups of {group_layers} layers of the model's {layers}; bytes per block
     = bs × group_layers × KV heads × head dim × 2 × dtype bytes, the pool's own number."""
@@ -393,7 +537,7 @@ def l8_tables(at: AtStop) -> None:
     assert num(v["window"]) == _window(at)
 
 
-def l8_window(at: AtStop) -> None:
+def l9_window(at: AtStop) -> None:
     """{freed} blocks left A's sliding-window tables (and only those) in this step, each wholly before the
     last {window} tokens; their entries are empty now; the blocks keep their hashes (cached, no holder);
     the full-attention table keeps every block."""
@@ -414,7 +558,7 @@ def l8_window(at: AtStop) -> None:
         (a.num_tokens + 1) / bs)
 
 
-def l8_saved(at: AtStop) -> None:
+def l9_saved(at: AtStop) -> None:
     """A's full-attention table: {full_table} blocks; each sliding table holds {sliding_held}, no more than
     its window reads; full attention everywhere = groups × the full group's blocks; the pool holds {used};
     the windows save the difference, in blocks, MiB and share."""
@@ -434,7 +578,7 @@ def l8_saved(at: AtStop) -> None:
     assert v["window_saved_pct"] == f"{(everywhere - used) / everywhere:.0%}"
 
 
-def l8_hit(at: AtStop) -> None:
+def l9_hit(at: AtStop) -> None:
     """B's prompt shares A's document: the full group hits {hit_full} blocks from block 0; each sliding group
     only the ⌈(W-1)/bs⌉ blocks before the hit's end, from {hit_from}; B's entries before them empty; the
     hit's tokens count once ({hit_tokens} = hit_full × bs, the only hit since the lesson's reset)."""
@@ -455,7 +599,7 @@ def l8_hit(at: AtStop) -> None:
     assert num(v["hit_tokens"]) == len(full) * bs
 
 
-def l8_every_group(at: AtStop) -> None:
+def l9_every_group(at: AtStop) -> None:
     """The cache was cleared of every unheld block first; C admitted; the full group had {full_only} blocks
     of C's prompt cached, the sliding groups not; C found {hit_full} (none) in the cache and computes every
     prompt token; A still holds those full-attention blocks."""
@@ -495,10 +639,11 @@ CLAIMS = {
     ("04_prefix_caching", 2): l4_finished, ("04_prefix_caching", 3): l4_eviction, ("04_prefix_caching", 4): l4_why,
     ("05_copy_on_write", 0): l5_fork, ("05_copy_on_write", 1): l5_cow, ("05_copy_on_write", 2): l5_still_shared,
     ("06_preemption", 0): l6_swapped, ("06_preemption", 1): l6_back, ("06_preemption", 2): l6_recompute,
-    ("07_sizing", 0): l7_bytes, ("07_sizing", 1): l7_bytes,
-    ("08_sliding_windows", 0): l8_tables, ("08_sliding_windows", 1): l8_window,
-    ("08_sliding_windows", 2): l8_saved, ("08_sliding_windows", 3): l8_hit,
-    ("08_sliding_windows", 4): l8_every_group,
+    ("07_offloading", 0): l7_no_tier, ("07_offloading", 1): l7_loaded, ("07_offloading", 2): l7_cost,
+    ("08_sizing", 0): l8_bytes, ("08_sizing", 1): l8_bytes,
+    ("09_sliding_windows", 0): l9_tables, ("09_sliding_windows", 1): l9_window,
+    ("09_sliding_windows", 2): l9_saved, ("09_sliding_windows", 3): l9_hit,
+    ("09_sliding_windows", 4): l9_every_group,
 }
 
 
@@ -512,7 +657,8 @@ def _pools(lesson) -> list:
     out, cfg = [], {}
     for stop in lesson.stops:
         if stop.reset is not None:
-            cfg = {**cfg, **{k: v for k, v in msgspec.structs.asdict(stop.reset).items() if v is not None}}
+            cfg = {**cfg, **{k: v for k, v in msgspec.structs.asdict(stop.reset).items()
+                             if v is not None and v is not msgspec.UNSET}}
         out.append(cfg)
     return out
 
@@ -574,11 +720,40 @@ def g6(lesson, stops: list[AtStop]) -> None:
 
 
 def g7(lesson, stops: list[AtStop]) -> None:
-    """The running model's own numbers (checked at each stop by l7_bytes)."""
-    assert all(num(at.values["bytes_per_block"]) == at.state.config.bytes_per_block for at in stops)
+    """The same four requests twice on the same device pool, one at a time (A, two fillers, A2 with A's
+    prompt); without a host tier what the device evicted is computed again, with one A's evicted
+    blocks are loaded back; the bench's figures quoted as docs/offload.md has them."""
+    runs = [stop.submit for stop in lesson.stops if stop.submit]
+    assert len(runs) == 2 and runs[0] == runs[1] and [r.request_id for r in runs[0]] == ["A", "F1", "F2", "A2"]
+    assert runs[0][0].prompt == runs[0][3].prompt
+    pools = [c for stop, c in zip(lesson.stops, _pools(lesson)) if stop.submit]
+    assert [c.pop("num_offload_blocks") for c in map(dict, pools)] == [0, 64]
+    assert {k: x for k, x in pools[0].items() if k != "num_offload_blocks"} == \
+        {k: x for k, x in pools[1].items() if k != "num_offload_blocks"}
+    without, with_tier = _rerun(stops[0]), _rerun(stops[1])
+    assert [i for i, _ in without.evicted] == [i for i, _ in with_tier.evicted]  # the same blocks of A, both times
+    assert not any(isinstance(e, p.OffloadLoad) for e in stops[0].events)
+    loaded = [e.hash for e in stops[1].events if isinstance(e, p.OffloadLoad)]
+    assert loaded == [e.hash for _, e in sorted(with_tier.evicted, key=lambda x: x[0])]
+    # the bench figures of the last stop, as docs/offload.md ("What a load costs against a recompute") has them
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "offload.md").read_text()
+    bench = [(f"{int(t):,}", r) for t, r in re.findall(r"^\| (\d+) \|[^|\n]+\|[^|\n]+\| ([\d.]+x) \|$", doc, re.M)]
+    text = " ".join(lesson.stops[-1].caption.split())
+    quoted = [(t, r) for r, t in re.findall(r"([\d.]+x) (?:as long as loading them )?at (\d+(?:,\d{3})*)", text)]
+    assert quoted == bench and len(bench) == 4, (quoted, bench)
+    ratio = {t: float(r[:-1]) for t, r in bench}
+    assert abs(ratio["16"] - 1) < 0.1 and all(x > 1 for t, x in ratio.items() if t != "16")  # even at one block
+    assert "SmolLM2-135M, blocks of 16" in text and "SmolLM2-135M, blocks of 16 tokens" in doc
+    assert "2-core" in text and "2-core" in doc
 
 
 def g8(lesson, stops: list[AtStop]) -> None:
+    """The running model's own numbers (checked at each stop by l8_bytes)."""
+    assert all(num(at.values["bytes_per_block"]) == at.state.config.bytes_per_block for at in stops)
+
+
+def g9(lesson, stops: list[AtStop]) -> None:
     """A hybrid model: sliding-window and full-attention groups in one pool, a table per group,
     blocks freed as the window moves, a hit as long as every group serves it, what the windows save."""
     sliding, full = _groups(stops[0])
@@ -589,4 +764,5 @@ def g8(lesson, stops: list[AtStop]) -> None:
 
 
 GOALS = {"01_block_tables": g1, "02_fragmentation": g2, "03_reservation": g3, "04_prefix_caching": g4,
-         "05_copy_on_write": g5, "06_preemption": g6, "07_sizing": g7, "08_sliding_windows": g8}
+         "05_copy_on_write": g5, "06_preemption": g6, "07_offloading": g7,
+         "08_sizing": g8, "09_sliding_windows": g9}

@@ -85,7 +85,7 @@ def shoot_explore(page, path: Path) -> None:
 def walk_hybrid_lesson(page, stops: int) -> None:
     """The sliding windows lesson started with its one click (on an engine without sliding
     windows it starts a Gemma 3 engine of its own, then the lesson on it), up to stop `stops`."""
-    walk_lesson(page, "8. Sliding windows and hybrid models", stops, 900_000, start="Start gemma3 and the lesson")
+    walk_lesson(page, "9. Sliding windows and hybrid models", stops, 900_000, start="Start gemma3 and the lesson")
 
 
 def shoot_hybrid(page, path: Path) -> None:

@@ -85,6 +85,8 @@ def load(path: Path) -> Lesson:
     lesson = read_lesson(path, Lesson, PLACEHOLDERS, RECORDED)
     if not lesson.stops or lesson.stops[0].reset is None:
         raise ValueError(f"{path.name}: the first stop must reset the pool (a lesson starts from a known pool)")
+    if lesson.stops[0].reset.num_offload_blocks is msgspec.UNSET:  # no host tier unless the lesson asks for one
+        lesson.stops[0].reset.num_offload_blocks = 0
     return lesson
 
 
@@ -119,6 +121,7 @@ PLACEHOLDERS = {
     "seq": "the sequence the stop is about", "table": "its block table, logical → physical",
     "tables": "every live sequence's table", "tokens": "its tokens in the cache",
     "prompt": "its prompt tokens", "pblocks": "blocks its prompt needs", "hits": "its prefix hits this step",
+    "prefill": "prompt tokens the step computed",
     "last_fill": "tokens in its last block", "bs": "block size", "total": "device blocks",
     "used": "blocks in use", "free": "free blocks", "cached": "cached blocks (no holder)", "shared": "shared blocks",
     "slot_util": "slot utilisation", "waste": "empty slots in used blocks", "entries": "block-table entries",
@@ -132,6 +135,7 @@ PLACEHOLDERS = {
     "why_seq": "the stop's sequence's last admission: its hit, and why the rest missed",
     "cows": "copies on write", "forks": "forks", "preemptions": "preemptions", "recomputes": "recompute preemptions",
     "swap_outs": "swaps out", "swap_ins": "swaps in", "moved": "blocks copied by swaps in this step",
+    "host_loads": "blocks loaded from the host tier instead of computed, since the lesson last reset the pool",
     "lost": "tokens dropped by recompute preemptions in this step (computed again later)",
     "hash": "the stop event's block hash", "parent_hash": "its parent's hash",
     "model": "model", "layers": "layers", "kv_heads": "KV heads", "head_dim": "head dim", "dtype": "dtype",
@@ -143,7 +147,7 @@ PLACEHOLDERS = {
     **hybrid.PLACEHOLDERS,
 }
 RECORDED = ("bs", "total", "used", "slot_util", "waste", "entries", "paged_slots", "reserved_slots", "hit_rate",
-            "preemptions", "recomputes", "swap_outs", "moved", "lost")
+            "preemptions", "recomputes", "swap_outs", "moved", "lost", "hit_tokens", "host_loads", "prefill")
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,7 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
     seq = pool.seqs.get(seq_id) if seq_id else next(iter(pool.seqs.values()), None)
     seq_id = seq_id or (seq.seq_id if seq else "-")
     ev = fx.events[-1] if fx.events else None
-    hits = sum(1 for e in fx.events if isinstance(e, p.PrefixHit) and e.seq_id == seq_id)
+    hits = sum(1 for e in fx.step_events if isinstance(e, p.PrefixHit) and e.seq_id == seq_id)
     bpb = cfg.bytes_per_block or 0
     dtype = engine.dtype if engine else "?"
     out = {
@@ -227,7 +231,8 @@ def context(fx: Focus, mirror, before, engine: p.EngineInfo | None, records: dic
         "reserved_mib": _mib(u["reserved_bytes"]), "paged_mib": _mib(u["paged_bytes"]),
         "hit_tokens": f"{tl.hit_tokens:,}", "hit_rate": _pct(tl.hit_rate), "cows": str(tl.cows),
         "forks": str(tl.forks), "preemptions": str(tl.preemptions), "recomputes": str(tl.recomputes),
-        "swap_outs": str(tl.swap_outs), "swap_ins": str(tl.swap_ins),
+        "swap_outs": str(tl.swap_outs), "swap_ins": str(tl.swap_ins), "host_loads": str(tl.host_loaded_blocks),
+        "prefill": f"{sum(e.prefill_tokens for e in fx.step_events if isinstance(e, p.StepDone)):,}",
         "moved": str(sum(len(e.mapping) for e in fx.step_events if isinstance(e, (p.SwapOut, p.SwapIn)))),
         "lost": str(sum(before.state.seqs[e.seq_id].num_tokens for e in fx.step_events if isinstance(e, p.Preempt)
                         and e.mode == "recompute" and before is not None and e.seq_id in before.state.seqs)),
@@ -292,7 +297,8 @@ def records_table(records: dict[str, dict], columns: list[str] = ()) -> str:
     names = {"bs": "block size", "total": "blocks", "used": "used", "slot_util": "slot util", "waste": "empty slots",
              "entries": "table entries", "paged_slots": "paged slots", "reserved_slots": "reserved slots",
              "hit_rate": "hit rate", "preemptions": "preemptions", "recomputes": "recomputes",
-             "swap_outs": "swaps out", "moved": "blocks copied", "lost": "tokens lost"}
+             "swap_outs": "swaps out", "moved": "blocks copied", "lost": "tokens lost", "hit_tokens": "hit tokens",
+             "host_loads": "blocks loaded from the host tier", "prefill": "prompt tokens computed"}
     head = "| | " + " | ".join(names[c] for c in cols) + " |\n|---|" + "---:|" * len(cols) + "\n"
     return head + "\n".join(f"| {name} | " + " | ".join(r[c] for c in cols) + " |" for name, r in rows)
 

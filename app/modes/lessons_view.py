@@ -57,7 +57,8 @@ def _start(client: EngineClient, key: str) -> None:
         st.session_state[BEFORE] = (p.ResetConfig(
             block_size=cfg.block_size, num_device_blocks=cfg.num_device_blocks, num_host_blocks=cfg.num_host_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching, preemption_mode=cfg.preemption_mode,
-            max_num_seqs=cfg.max_num_seqs), client.loop.paused, client.loop.step_delay_ms)
+            max_num_seqs=cfg.max_num_seqs, num_offload_blocks=cfg.num_offload_blocks), client.loop.paused,
+            client.loop.step_delay_ms)
     run = st.session_state[KEY] = LessonRun(lessons()[key])
     _presented[st.session_state.get("source")] = run
     run.next(client)
@@ -292,8 +293,9 @@ def highlight() -> list[int]:
 
 
 def _describe(cfg) -> str:
+    tier = f"a host tier of {plural(cfg.num_offload_blocks, 'block')}, " if cfg.num_offload_blocks else ""
     return (f"{plural(cfg.num_device_blocks, 'block')} of {cfg.block_size}, "
-            f"{plural(cfg.num_host_blocks, 'host block')}, "
+            f"{plural(cfg.num_host_blocks, 'host block')}, {tier}"
             f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, {cfg.preemption_mode}")
 
 

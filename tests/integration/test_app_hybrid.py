@@ -32,7 +32,7 @@ def engine():
 
 
 def test_the_lesson_on_sliding_windows_is_a_lesson_of_its_own():
-    assert HYBRID == ["08_sliding_windows"] and LESSONS[HYBRID[0]].model == "gemma3"
+    assert HYBRID == ["09_sliding_windows"] and LESSONS[HYBRID[0]].model == "gemma3"
 
 
 @pytest.mark.parametrize("key", HYBRID)

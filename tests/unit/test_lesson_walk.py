@@ -34,3 +34,9 @@ def test_the_end_of_a_lesson():
     while not run.forward(seen=run.viewing) and run.viewing < len(lesson.stops) - 1:
         pass
     assert run.at_end and not run.forward(seen=run.viewing)  # nowhere to go
+
+
+def test_a_lesson_starts_with_no_host_tier_unless_it_asks_for_one():
+    """A lesson's first reset is its whole pool: one that names no host tier gets none, so it never
+    inherits the engine's (a pool without prefix caching refuses one)."""
+    assert {lesson.stops[0].reset.num_offload_blocks for lesson in all_lessons()} == {0}
