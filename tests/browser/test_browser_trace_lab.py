@@ -2,8 +2,8 @@
 Mooncake format, conversations sharing system prompts and growing turn by turn) swept at three
 capacities under LRU and OPT; the chart's points (each point's description, its aria-label in the
 SVG) and the table's data (its CSV download) are the numbers `python -m engine.lab trace:... --json`
-gives for the same arguments; with a host tier, each point again beside it. A trace with a bad line shows the lab's error naming the line, and no
-chart."""
+gives for the same arguments; with a host tier, each point again beside it. A trace with a bad
+line shows the lab's error naming the line, and no chart."""
 from __future__ import annotations
 
 import csv
