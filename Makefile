@@ -11,7 +11,7 @@ PROMTOOL := /usr/bin/promtool
 PORT ?= 8501
 ARGS ?=
 
-.PHONY: install lint test test-slow test-wheel run bench bench-dashboard clean vllm-venv vllm-gemma3 test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
+.PHONY: install lint test test-slow test-wheel run bench bench-dashboard bench-llamacpp clean vllm-venv vllm-gemma3 test-vllm test-vllm-smoke run-vllm bench-vllm check-arm64 run-fleet
 
 $(STAMP): requirements.txt tests/requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -75,6 +75,13 @@ run: install
 
 bench-dashboard: install $(CHROMIUM)
 	$(PY) -m bench.dashboard
+
+# the engine beside llama.cpp's llama-bench on both bundled models, F32 and BF16, interleaved
+# (docs/benchmarks.md); the first run builds llama.cpp into the cache (~6 min on 2 cores), with cmake
+bench-llamacpp: install
+	command -v cmake >/dev/null \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake; }
+	$(PY) -m bench.llamacpp
 
 # ---------------------------------------------------------------------------- vLLM (docs/vllm.md)
 # vLLM pins its own torch and transformers, so it lives in its own virtualenv, with this project

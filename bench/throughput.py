@@ -99,7 +99,7 @@ class KVScopeSide:
         self.engines: dict[tuple, LLMEngine] = {}
 
     def run(self, job: Job) -> tuple[float, list[list[int]]]:
-        key = (len(job.prompts), job.new_tokens)
+        key = (tuple(map(len, job.prompts)), job.new_tokens)  # a pool sized for these prompts
         if key not in self.engines:
             self.engines[key] = make_engine(self.loaded, job.prompts, job.new_tokens, len(job.prompts))
         engine = self.engines[key]
