@@ -40,6 +40,22 @@ def run_to(page, stop: str, tries: int = 12) -> None:
     raise AssertionError(f"no stop at {stop!r}; the page says:\n{page.inner_text('body')[:3000]}")
 
 
+def remove_chip(side, label: str, tries: int = 8) -> None:
+    """Remove a kind from the key events to stop at. Its chip is in an expander that a rerun on a
+    busy machine may draw closed again, or that is still opening when looked at (a click then
+    closes it): open it until the chip shows, however often that takes."""
+    chip = side.get_by_role("button", name=f"Remove {label}", exact=True)
+    for _ in range(tries):
+        if not chip.is_visible():
+            side.get_by_text("Key events to stop at").click()
+        try:
+            chip.click(timeout=15_000)
+            return
+        except Exception:
+            continue
+    raise AssertionError(f"the chip {label!r} never showed in the key events' expander")
+
+
 @pytest.mark.slow
 def test_each_reason_is_shown_and_an_eviction_is_travelled_to(replay_url):
     from playwright.sync_api import sync_playwright
@@ -53,10 +69,7 @@ def test_each_reason_is_shown_and_an_eviction_is_travelled_to(replay_url):
         side = page.get_by_test_id("stSidebar")
         side.get_by_role("button", name="Pause", exact=True).click()
         for kind in ("fork", "cow", "evict", "swap_out", "swap_in"):  # stop at prefix hits and preemptions
-            chip = side.get_by_role("button", name=f"Remove {KINDS[kind].label}", exact=True)
-            if not chip.is_visible():  # the expander: opened, or drawn closed again by a rerun on a busy machine
-                side.get_by_text("Key events to stop at").click()
-            chip.click(timeout=60_000)
+            remove_chip(side, KINDS[kind].label)
         page.get_by_role("button", name="Why not more?").click()
         # at long1's admission after its preemption, the reasons since the reset (caching on)
         run_to(page, "long1 reuses")
