@@ -224,7 +224,20 @@ def reservation_card(view: View) -> str:
             f'memory · {cfg.bytes_per_block:,} bytes per block of {plural(cfg.block_size, "token")}'
             + (f' (one group\'s {plural(len(cfg.groups[0].layers), "layer")})'
                if hybrid and cfg.groups[0].layers else "")
-            + f'{body}</div>')
+            + f'{body}{host_tier(view)}</div>')
+
+
+def host_tier(view: View) -> str:
+    """The card's line on a pool with a host tier (docs/offload.md): what the tier holds, and what
+    its loads saved computing again, as counted since the client's counters began (HTML)."""
+    cfg, mirror = view.mirror.config, view.mirror
+    if not cfg.num_offload_blocks:
+        return ""
+    held, loaded, bpb = int(mirror.state.offload_has.sum()), mirror.tally.host_loaded_blocks, cfg.bytes_per_block
+    memory = (f" ({_mib(held * bpb)} of host memory)", f", {_mib(loaded * bpb)} copied") if bpb else ("", "")
+    return (f'<div style="margin-top:6px">Host tier: <b>{held:,}</b> of {plural(cfg.num_offload_blocks, "block")} '
+            f'hold a stored block{memory[0]}; <b>{plural(loaded, "block")}</b> loaded back instead of computed '
+            f'again ({plural(loaded * cfg.block_size, "token")}{memory[1]}, since {mirror.tally.since}).</div>')
 
 
 def by_group(u: dict, cfg) -> str:

@@ -75,6 +75,10 @@ def test_both_tiers_live_a_load_from_the_host_tier_in_grid_table_and_misses(engi
         chips.first.wait_for(timeout=60_000)
         assert chips.count() >= len(loaded) or "–" in chips.first.inner_text()
 
+        # the header's card: what the tier holds, and what its loads saved computing again
+        said(page, f"{len(loaded)} block{'s' * (len(loaded) != 1)} loaded back instead of computed again "
+                   f"({len(loaded) * 4} tokens")
+
         # why not more: the reason, and what it cost
         page.get_by_role("button", name="Why not more?").click()
         said(page, "hit in the host tier")

@@ -211,3 +211,32 @@ def test_the_servers_counters_of_a_run_with_a_host_tier_go_on_the_wire():
     wired = p.decode_server_message(p.encode_snapshot(snap)).counters
     assert {n: getattr(wired, n) for n in STREAM_COUNTERS} == counter.counts.numbers()
     assert wired.host_loaded_blocks > 0 and wired.host_stored_blocks > 0
+
+
+def test_what_paging_saves_says_what_the_host_tier_holds_and_what_its_loads_saved():
+    """The header's card on a pool with a host tier (the lesson's shape): the tier's blocks that
+    hold content and the blocks its loads brought back, as the events count them; none without a tier."""
+    from app.history.event_history import EventHistory
+    from app.panels.header import reservation_card
+    from tests.histories import view_at
+
+    def card(host: int) -> tuple[str, list[p.Event]]:
+        engine = counting_engine(block_size=4, num_device_blocks=16, num_offload_blocks=host,
+                                 preemption_mode="recompute")
+        h = EventHistory(engine.snapshot(), checkpoint_every=50)
+        a = [1, 2, 3, 4] * 5
+        for prompt in (a, [5] * 30, [6] * 30, a):
+            engine.add_tokens(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+        events = engine.drain_events()
+        for ev in events:
+            h.append(ev)
+        return reservation_card(view_at(h, h.last_event)), events
+
+    text, events = card(32)
+    loads = sum(isinstance(e, p.OffloadLoad) for e in events)
+    stores = sum(isinstance(e, p.OffloadStore) for e in events) - sum(isinstance(e, p.OffloadEvict) for e in events)
+    assert loads and f"Host tier: <b>{stores:,}</b> of 32 blocks hold a stored block" in text
+    assert f"<b>{loads} blocks</b> loaded back instead of computed again ({loads * 4} tokens" in text
+    assert "Host tier" not in card(0)[0]
