@@ -36,6 +36,7 @@ from typing import Callable
 from kvscope_contract import protocol as p
 from engine.core.detokenizer import Detokenizer
 from engine.serve.hub import Client, Hub
+from integrations.vllm import SNAPSHOT_INTERVAL_S
 from integrations.vllm.forward import Forwarder, Submission
 from integrations.vllm.observer import VLLM_NULL_BLOCK, PoolObserver, build, kv_groups, request_group
 from kvscope_contract.state import PoolState
@@ -47,7 +48,6 @@ ORPHAN_EXIT_S = 30.0  # after SIGTERM, then SIGKILL
 CLOSE_GOING_AWAY = 1001
 CLOSE_INTERNAL_ERROR = 1011
 MAX_QUEUED_BATCHES = 1024   # scheduler calls' events waiting for the hub's loop; past it they give way to a snapshot
-SNAPSHOT_INTERVAL_S = 0.2   # at most one snapshot of vLLM's pool this often, shared by every client waiting
 
 
 @dataclass

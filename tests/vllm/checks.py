@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+from integrations.vllm import SNAPSHOT_INTERVAL_S
 from kvscope_contract import protocol as p
 from tests.protocol_client import Client
 
@@ -14,9 +15,12 @@ def compare_live_snapshot(c: Client, attempts: int = 20) -> int:
     it equals the client's mirror of the events up to the same event. A snapshot supersedes the
     events still queued for this client (docs/protocol.md), so one that is ahead of the mirror
     cannot be compared: it is taken and asked for again. The mirror is compared before the
-    snapshot replaces it (the client's reader would apply it on arrival). Returns how many
-    snapshots it asked for."""
+    snapshot replaces it (the client's reader would apply it on arrival). Asked no more often than
+    the plugin takes them (SNAPSHOT_INTERVAL_S): one asked sooner waits for its turn while vLLM
+    steps on, and is always ahead. Returns how many snapshots it asked for."""
     for asked in range(1, attempts + 1):
+        time.sleep(max(0.0, getattr(c, "snapshot_asked", 0.0) + 1.5 * SNAPSHOT_INTERVAL_S - time.monotonic()))
+        c.snapshot_asked = time.monotonic()
         c.send(op="snapshot", id=f"s{time.monotonic_ns()}")
         c.wire.mirrors = False  # events still apply; the snapshot is compared, then taken
         try:
