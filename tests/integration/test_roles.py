@@ -84,7 +84,11 @@ def test_a_viewer_has_no_control_and_its_commands_are_refused(engine, observer, 
                     "Clean slate", "Run to the next key event", "Restart it when it dies"):
         assert control not in labels, f"a viewer sees {control!r}"
     assert not viewer.sidebar.expander or all(e.label != "Connection" for e in viewer.sidebar.expander)
-    assert _modes(viewer) == ["Explore"]
+    assert _modes(viewer) == ["Explore", "Lessons"]  # the presenter's lesson read along; never the Lab
+    viewer.segmented_control(key="mode").set_value("Lessons").run()
+    assert "The presenter has no lesson running" in " ".join(i.value for i in viewer.info)
+    assert not {"Start the lesson", "Next", "Back", "Restart", "Lesson"} & _labels(viewer)  # no picker, no control
+    viewer.segmented_control(key="mode").set_value("Explore").run()
     assert "Connected" in panels(viewer)["status"] and engine.url not in panels(viewer)["status"]
 
     before = observer.view().mirror.config
