@@ -68,7 +68,8 @@ setup(
     package_dir={PACKAGE: PACKAGE, **{f"{PACKAGE}.{o}": o for o in OURS}},
     package_data={f"{PACKAGE}.kernels": ["cpu/*.cpp"],  # the C++ CPU kernels' source, compiled on the user's machine
                   f"{PACKAGE}.app": [".streamlit/config.toml"],  # Streamlit reads it beside main.py: loopback only
-                  f"{PACKAGE}.app.lessons": ["*.toml", "fleet/*.toml"],
-                  f"{PACKAGE}.assets": ["*.js", "*.css", "*.jsonl", "*.svg"]},  # not the README's screenshots
+                  f"{PACKAGE}.app.lessons": ["*.toml", "fleet/*.toml", "trace/*.toml"],
+                  # not the README's screenshots; the lesson's trace slice with its licence
+                  f"{PACKAGE}.assets": ["*.js", "*.css", "*.jsonl", "*.svg", "mooncake/*"]},
     cmdclass={"build_py": BuildPy},
 )

@@ -16,6 +16,7 @@ engine. Each stop runs on a thread of its own; the page polls `pending` and `rea
 """
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ import msgspec
 from kvscope_contract import protocol as p
 from app.fleet import load as fleet_load
 from app.lessons.lesson import read_lesson
-from app.lessons.walk import StopWalk
+from app.lessons.walk import ThreadedWalk
 from app.fleet.engines import Endpoint, Fleet, FleetEngine
 from app.fleet.content import chain_ids
 from app.fleet.index import EngineCache, FleetIndex, pick
@@ -121,13 +122,14 @@ def launch(fleet: Fleet, model: str, say: Callable[[str], None] = lambda s: None
             return names
         say(f"starting two KVScope engines ({model}) for the lesson")
         procs = [ServerProcess("engine.serve.server", ["--model", model, "--port", "0", "--block-size", "16",
-                                                        "--num-device-blocks", "128", "--num-host-blocks", "0"]).start()
+                                                        "--num-device-blocks", "128", "--num-host-blocks", "0"],
+                               token=secrets.token_urlsafe(24)).start()  # as every engine the dashboard starts
                  for _ in names]
         _LAUNCHED.setdefault(id(fleet), []).extend(procs)
         for name, proc in zip(names, procs):
             if not proc.wait_ready(STOP_TIMEOUT_S):
                 raise RuntimeError(f"{name} did not start: " + " | ".join(proc.tail(5)))
-            fleet.add(Endpoint(name, proc.url))
+            fleet.add(Endpoint(name, proc.url, token=proc.token))
         return names
 
 
@@ -162,7 +164,7 @@ class Phase:
 
 
 @dataclass
-class FleetLessonRun(StopWalk):
+class FleetLessonRun(ThreadedWalk):
     lesson: FleetLesson
     fleet: Fleet
     model: str = "smollm2"                          # for the engines the lesson starts, if it must
@@ -180,25 +182,8 @@ class FleetLessonRun(StopWalk):
     def words(self) -> dict[str, str]:
         return self.reached[self.viewing]
 
-    # ------------------------------------------------------------------ moving
-    def next(self, seen: int | None = None) -> None:
-        """Show the next stop: one reached already, or run to a new one (on a thread)."""
-        if not self.forward(seen) or self.errors:
-            return
-        self.pending = len(self.reached)
-        self.progress = "starting"
-        self._thread = threading.Thread(target=self._run, args=(self.pending,), daemon=True, name="fleet-lesson")
-        self._thread.start()
-
-    def back(self, seen: int | None = None) -> None:
-        self.backward(seen)
-
-    def wait(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Until the stop in progress is reached (for scripts and tests)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self, index: int) -> None:
+    # ------------------------------------------------------------------ a stop
+    def _reach(self, index: int) -> None:
         stop = self.lesson.stops[index]
         try:
             if not self.engines:

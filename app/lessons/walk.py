@@ -7,6 +7,7 @@ which stop was shown when it was drawn (`seen`), and a click drawn at another st
 """
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 
@@ -55,3 +56,34 @@ class StopWalk:
         """Show the previous stop reached."""
         if self.pending is None and self.viewing > 0 and seen in (None, self.viewing):
             self.viewing -= 1
+
+
+class ThreadedWalk(StopWalk):
+    """A walk whose new stops are run on a thread of their own (the fleet and trace lessons: a stop
+    takes seconds to minutes and the page polls `pending`): `_reach(index)` runs one, appends to
+    `reached` and sets `viewing`, or appends to `errors`, and clears `pending` either way. It
+    keeps `progress` (what the pending stop does, in words) and `errors` (Next stops at one)."""
+    progress: str
+    errors: list[str]
+    _thread: threading.Thread | None
+
+    def next(self, seen: int | None = None) -> None:
+        """Show the next stop: one reached already, or run to a new one (on a thread)."""
+        if not self.forward(seen) or self.errors:
+            return
+        self.pending = len(self.reached)
+        self.progress = "starting"
+        self._thread = threading.Thread(target=self._reach, args=(self.pending,), daemon=True,
+                                        name=type(self).__name__)
+        self._thread.start()
+
+    def back(self, seen: int | None = None) -> None:
+        self.backward(seen)
+
+    def wait(self, timeout: float = 600.0) -> None:
+        """Until the stop in progress is reached (for scripts and tests)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _reach(self, index: int) -> None:
+        raise NotImplementedError

@@ -22,11 +22,13 @@ import streamlit as st
 
 from kvscope_contract.lab import TRACE_REASONS, TracePoint, TraceSweep
 from app.link.lab_run import run_sweep, sweep_args
-from app.link.source import ROOT, Source
+from app.link.source import ASSETS, ROOT, Source
 from app.ui import stale, travel
 
 # where a checkout keeps the Mooncake FAST'25 traces, if it has them (never needed: a user's own file works)
 MOONCAKE_DIRS = (ROOT.parent / "shared" / "traces" / "mooncake", ROOT / "shared" / "traces" / "mooncake")
+# its first 1,000 requests, bundled (assets/mooncake/README.md: source and licence): on every machine
+BUNDLED = {"Mooncake conversation, first 1,000 (bundled)": ASSETS / "mooncake" / "conversation_trace_first1000.jsonl"}
 BLOCK_SIZES = [2 ** k for k in range(10)]  # the divisors of the trace's 512-token blocks
 POLICIES = {"lru": "LRU (vLLM v1's)", "lfu": "LFU", "opt": "OPT (Belady, clairvoyant)"}
 POLICY_COLORS = {"lru": "#4e79a7", "lfu": "#59a14f", "opt": "#e15759"}
@@ -43,12 +45,12 @@ DEFAULT_POINTS = 12  # engine/lab/trace_sweep.py POINTS: the capacities it picks
 
 
 def mooncake_traces() -> dict[str, Path]:
-    """The Mooncake traces found beside the checkout, by a label: {} when there are none."""
+    """The Mooncake traces found beside the checkout, by a label, then the bundled slice."""
     for folder in MOONCAKE_DIRS:
         found = {f"Mooncake {f.stem.removesuffix('_trace')}": f for f in sorted(folder.glob("*_trace.jsonl"))}
         if found:
-            return found
-    return {}
+            return found | BUNDLED
+    return dict(BUNDLED)
 
 
 def _capacities(text: str) -> list[int]:

@@ -21,7 +21,7 @@ from app.link.client import EngineClient
 from app.link.lab_run import run_lab, session_recording
 from app.ui.palette import USED, block_color
 from app.link.source import recordings
-from app.modes import lab_trace_view
+from app.modes import lab_trace_view, trace_lesson_view
 
 # what a preset runs on (engine/lab/workload.py)
 PRESET_POOL = (p.PoolConfig().num_device_blocks, p.PoolConfig().block_size)
@@ -42,6 +42,7 @@ def page(client: EngineClient) -> None:
                    "model (prompts are the trace's block hash ids), at each pool capacity under each eviction "
                    "policy: the token hit rate against capacity, beside the trace's exact reuse ceiling, each "
                    "point's misses by reason.")
+        st.fragment(trace_lesson_view.panel, run_every=trace_lesson_view.REDRAW_S)()
         return lab_trace_view.page()
     st.caption("The workload's token streams go through the engine's real scheduler and block manager under "
                "each config, with no model: each sample's outputs are replayed. A block size given without "

@@ -16,7 +16,7 @@ from app.link.client import EngineClient
 from app.ui.commands import send
 from app.lessons.lesson import Lesson, all_lessons, caption
 from app.lessons.runner import LessonRun
-from app.modes import fleet_lesson_view
+from app.modes import fleet_lesson_view, trace_lesson_view
 from app.link.source import Source
 from app.derived.words import plural
 from app.ui import roles
@@ -89,16 +89,21 @@ def sidebar(client: EngineClient) -> None:
     viewer's: the presenter's lesson, read only."""
     if not roles.may_drive():
         return _read_along()
+    if st.session_state.get("mode") != "Lessons":  # a click here opened a lesson elsewhere (the Lab)
+        st.rerun(scope="app")
     run = current()
     if run is not None:
         run.poll(client)  # the other views follow on their own timers
     all_ = lessons()
+    traces = {TRACE + k: v for k, v in trace_lesson_view.lessons().items()}  # lessons on a trace, in the Lab
     fleet = {FLEET + k: v for k, v in fleet_lesson_view.lessons().items()}  # lessons over two engines
-    keys = list(all_) + list(fleet)
+    keys = list(all_) + list(traces) + list(fleet)
     auto = st.session_state.get(AUTOSTART)
     pick = st.selectbox("Lesson", keys, key="lesson_pick",
                         index=keys.index(run.lesson.key) if run else keys.index(auto) if auto in keys else 0,
-                        format_func=lambda k: f"{keys.index(k) + 1}. {(all_ | fleet)[k].title}")
+                        format_func=lambda k: f"{keys.index(k) + 1}. {(all_ | traces | fleet)[k].title}")
+    if pick in traces:
+        return _trace_lesson(pick)
     if pick in fleet:
         return _fleet_lesson(fleet[pick])
     lesson = all_[pick]
@@ -202,6 +207,21 @@ def _back_to(before: Source) -> None:
 
 
 FLEET = "fleet:"  # the picker's key of a lesson that runs on the fleet page
+TRACE = "trace:"  # the picker's key of a lesson that runs on the Lab's Trace page
+
+
+def _trace_lesson(pick: str) -> None:
+    """A lesson on a request trace runs in the Lab, with no engine: say so and go there."""
+    lesson = trace_lesson_view.lessons()[pick.removeprefix(TRACE)]
+    st.caption(lesson.goal)
+    st.caption("It runs in the Lab (workload Trace), on a trace bundled with KVScope: the engine here is left as "
+               "it is.")
+    st.button("Open it in the Lab", type="primary", icon=":material/science:", key="lesson_trace_open",
+              width="stretch", on_click=_open_trace, args=(pick.removeprefix(TRACE),))
+
+
+def _open_trace(key: str) -> None:
+    st.session_state.update({"mode": "Lab", "lab_source": "Trace", trace_lesson_view.OPEN: key})
 
 
 def _fleet_lesson(lesson) -> None:

@@ -3,7 +3,8 @@
 vLLM calls `register()` in each of its processes. With KVSCOPE_PORT set, every vLLM scheduler
 built afterwards (the engine core's) gets a PoolObserver, and a KVScope WebSocket server starts
 in that process on KVSCOPE_HOST:KVSCOPE_PORT (default 127.0.0.1; port 0 picks a free one;
-KVSCOPE_TOKEN is required beyond loopback). Submits go to vLLM's OpenAI server at
+KVSCOPE_TOKEN is required beyond loopback; KVSCOPE_VIEW_TOKEN, beside it, views and never commands).
+Submits go to vLLM's OpenAI server at
 KVSCOPE_VLLM_URL (default http://127.0.0.1:8000). See docs/vllm.md.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 
 log = logging.getLogger("kvscope")
-ENV_PORT, ENV_HOST, ENV_TOKEN, ENV_API = "KVSCOPE_PORT", "KVSCOPE_HOST", "KVSCOPE_TOKEN", "KVSCOPE_VLLM_URL"
+ENV_PORT, ENV_HOST, ENV_API = "KVSCOPE_PORT", "KVSCOPE_HOST", "KVSCOPE_VLLM_URL"
 
 
 def register() -> None:
@@ -37,11 +38,13 @@ def attach(scheduler) -> None:
     """Observe `scheduler` and serve it; any failure is logged and leaves vLLM as it was."""
     from engine.serve.cli import refuse_open_bind
     from engine.serve.hub import Hub, serve_in_thread
+    from kvscope_contract.access import TOKEN_ENV, VIEW_TOKEN_ENV
     from kvscope_contract.ready import ready_line
     from integrations.vllm.backend import VllmBackend
     from integrations.vllm.observer import UnsupportedEngine
 
-    host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(ENV_TOKEN) or None
+    host, token = os.environ.get(ENV_HOST, "127.0.0.1"), os.environ.get(TOKEN_ENV) or None
+    view_token = os.environ.get(VIEW_TOKEN_ENV) or None  # with a token: one that views (events, /metrics)
     if not (value := os.environ.get(ENV_PORT)):  # a process forked from one that had it set
         return
     try:
@@ -56,7 +59,7 @@ def attach(scheduler) -> None:
         port += rank  # one server per data-parallel engine core, as vLLM offsets its KV-event port
     try:
         backend = VllmBackend(scheduler, os.environ.get(ENV_API, "http://127.0.0.1:8000"))
-        serving = serve_in_thread(Hub(backend, token=token), host, port)
+        serving = serve_in_thread(Hub(backend, token=token, view_token=view_token), host, port)
     except UnsupportedEngine as e:
         return refuse(str(e))
     except Exception as e:

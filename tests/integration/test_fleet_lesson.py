@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
+from websockets.exceptions import InvalidStatus
 
 from app.fleet import load as fleet_load
 from app.link.client import EngineClient
@@ -36,9 +37,10 @@ class Engine:
     name: str
     url: str
     observer: EngineClient
+    token: str | None = None
 
     def snapshot(self):
-        c = Client(self.url)
+        c = Client(self.url, token=self.token)
         try:
             return c.state, c.hello
         finally:
@@ -236,9 +238,11 @@ def test_the_routing_lesson_on_two_engines_it_starts(monkeypatch):
             if not engines:  # the lesson started its own two engines; observe them from here on
                 assert run.engines == ["lesson-a", "lesson-b"]
                 for name in run.engines:
-                    url = run.fleet.engines[name].endpoint.url
-                    obs = EngineClient(url)
-                    engines.append(Engine(name, url, obs))
+                    url, token = run.fleet.engines[name].endpoint.url, run.fleet.engines[name].endpoint.token
+                    with pytest.raises(InvalidStatus, match="401"):  # its engines take their own token only
+                        Client(url)
+                    obs = EngineClient(url, token)
+                    engines.append(Engine(name, url, obs, token))
                 wait(lambda: all(e.observer.view() is not None for e in engines), 30, "the observers")
                 assert not any("No engine yet" in x.value for x in at.info)  # its two engines are the fleet's
             text = card(at)

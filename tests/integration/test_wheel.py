@@ -82,6 +82,8 @@ def test_the_wheel_carries_what_a_user_needs(venv):
     # one top-level name of ours: the checkout's folders live inside `kvscope`
     assert {n.split("/")[0] for n in names} == {"kvscope", "kvscope-0.2.0.dist-info"}
     for need in ("app/main.py", "app/lessons/04_prefix_caching.toml", "app/lessons/fleet/routing.toml",
+                 "app/lessons/trace/sizing_real_traffic.toml", "assets/mooncake/conversation_trace_first1000.jsonl",
+                 "assets/mooncake/LICENSE-APACHE", "assets/mooncake/README.md",
                  "assets/grid.js", "assets/grid.css",
                  "assets/live.js", "assets/live.css", "assets/favicon.svg", "assets/demo_recording.jsonl",
                  "kernels/cpu/kvscope_cpu.cpp",

@@ -61,13 +61,15 @@ def test_the_table_and_the_csv_hold_every_point_with_its_misses_by_reason():
     assert {r: int(table[0][f"missed_{r}"]) for r in TRACE_REASONS} == s.points[0].missed
 
 
-def test_the_mooncake_traces_are_offered_only_where_they_are(tmp_path, monkeypatch):
+def test_the_mooncake_traces_are_offered_where_they_are_and_the_bundled_slice_everywhere(tmp_path, monkeypatch):
     monkeypatch.setattr(view, "MOONCAKE_DIRS", (tmp_path / "nowhere", tmp_path / "mooncake"))
-    assert view.mooncake_traces() == {}
+    assert view.mooncake_traces() == view.BUNDLED
+    (bundled,) = view.BUNDLED.values()
+    assert bundled.is_file() and (bundled.parent / "LICENSE-APACHE").is_file()
     (tmp_path / "mooncake").mkdir()
     for name in ("conversation_trace.jsonl", "synthetic_trace.jsonl"):
         (tmp_path / "mooncake" / name).write_text("")
-    assert list(view.mooncake_traces()) == ["Mooncake conversation", "Mooncake synthetic"]
+    assert list(view.mooncake_traces()) == ["Mooncake conversation", "Mooncake synthetic", *view.BUNDLED]
 
 
 def test_the_sweeps_command_line():
