@@ -87,3 +87,11 @@ class ThreadedWalk(StopWalk):
 
     def _reach(self, index: int) -> None:
         raise NotImplementedError
+
+    def outline(self) -> str:
+        """The stops on one line (Markdown): the one shown bold, ✓ reached, … being run to."""
+        def one(i: int, title: str) -> str:
+            bold = "**" if i == self.viewing else ""
+            mark = " ✓" if i < len(self.reached) else " …" if self.pending == i else ""
+            return f"{bold}{i + 1}. {title}{bold}{mark}"
+        return " · ".join(one(i, s.title) for i, s in enumerate(self.lesson.stops))

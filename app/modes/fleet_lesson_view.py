@@ -60,10 +60,7 @@ def _card(fleet: Fleet, source: Source, run: FleetLessonRun | None, lesson) -> N
                 args=(run.viewing,))
     c[2].button("Restart", icon=":material/replay:", key="fleet_lesson_restart", width="stretch",
                 disabled=run.pending is not None, on_click=_start, args=(fleet, run.lesson.key, source.model))
-    outline = " · ".join(("**" if i == run.viewing else "") + f"{i + 1}. {s.title}" + ("**" if i == run.viewing else "")
-                         + (" ✓" if i < len(run.reached) else " …" if run.pending == i else "")
-                         for i, s in enumerate(run.lesson.stops))
-    c[3].caption(outline)
+    c[3].caption(run.outline())
     for msg in run.errors[-3:]:
         st.error(msg)
     if run.pending is not None:

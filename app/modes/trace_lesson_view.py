@@ -58,10 +58,7 @@ def _card(run: TraceLessonRun | None, lesson) -> None:
                 disabled=run.pending is not None or run.viewing <= 0, on_click=run.back, args=(run.viewing,))
     c[2].button("Restart", icon=":material/replay:", key="trace_lesson_restart", width="stretch",
                 disabled=run.pending is not None, on_click=_start, args=(lesson.key,))
-    c[3].caption(" · ".join(("**" if i == run.viewing else "") + f"{i + 1}. {s.title}"
-                            + ("**" if i == run.viewing else "")
-                            + (" ✓" if i < len(run.reached) else " …" if run.pending == i else "")
-                            for i, s in enumerate(lesson.stops)))
+    c[3].caption(run.outline())
     for msg in run.errors[-3:]:
         st.error(msg)
     if run.pending is not None:

@@ -3,7 +3,8 @@ Mooncake format, conversations sharing system prompts and growing turn by turn) 
 capacities under LRU and OPT; the chart's points (each point's description, its aria-label in the
 SVG) and the table's data (its CSV download) are the numbers `python -m engine.lab trace:... --json`
 gives for the same arguments; with a host tier, each point again beside it. A trace with a bad
-line shows the lab's error naming the line, and no chart."""
+line shows the lab's error naming the line, and no chart. The lesson on real traffic, from the
+Lessons list to its end in the Lab."""
 from __future__ import annotations
 
 import csv
@@ -94,5 +95,48 @@ def test_the_lab_sweeps_a_trace_and_says_a_bad_line(start_app, tmp_path):
         expect(error).to_contain_text("hash_ids")
         expect(page.get_by_test_id("stVegaLiteChart")).to_have_count(0)
         expect(page.get_by_test_id("stDataFrame")).to_have_count(0)
+        assert not errors, errors
+        browser.close()
+
+
+def test_the_traffic_lesson_from_the_lessons_list_in_a_browser(start_app):
+    """Lessons, lesson 10, Open it in the Lab, Start, Next to its end and Back: each stop's card
+    with its caption and its chart, the point it is about marked (its aria-label), the ceiling the
+    test computes from the bundled slice itself; on a replay, since the lesson needs no engine."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from app.lessons.trace_lesson import all_trace_lessons
+    from tests.traces import ceiling_512
+
+    (lesson,) = all_trace_lessons()
+    hit, total = ceiling_512(lesson.path, 1000)
+    url, _ = start_app(["--replay", str(ROOT / "assets" / "demo_recording.jsonl")])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1400})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        side, main = page.get_by_test_id("stSidebar"), page.get_by_test_id("stMain")
+        side.get_by_text("Lessons", exact=True).click(timeout=120_000)
+        side.get_by_role("combobox", name="Lesson").click()
+        page.get_by_role("option").filter(has_text=lesson.title).click()
+        side.get_by_role("button", name="Open it in the Lab").click()
+        main.get_by_role("button", name="Start the lesson").click(timeout=60_000)
+        card = page.locator(".st-key-trace_lesson_card")
+        marked = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label^='marked: ']")
+        for i, stop in enumerate(lesson.stops):
+            expect(card).to_contain_text(f"stop {i + 1} of {len(lesson.stops)} · {stop.title}", timeout=180_000)
+            expect(marked).to_have_count(1)
+            expect(card).to_contain_text("python -m engine.lab trace:")
+            if i == 0:
+                expect(card).to_contain_text(f"{hit:,} of them: {hit / total:.1%}")
+                assert marked.get_attribute("aria-label").startswith("marked: lru at 100000 blocks, nothing evicted")
+            if i + 1 < len(lesson.stops):
+                card.get_by_role("button", name="Next").click()
+        expect(card).to_contain_text("End of the lesson")
+        assert "with 16,384 host blocks" in marked.get_attribute("aria-label")
+        card.get_by_role("button", name="Back").click()
+        expect(card).to_contain_text(f"stop 2 of 3 · {lesson.stops[1].title}")
         assert not errors, errors
         browser.close()
