@@ -119,10 +119,19 @@ def test_the_traffic_lesson_from_the_lessons_list_in_a_browser(start_app):
         page.goto(url)
         side, main = page.get_by_test_id("stSidebar"), page.get_by_test_id("stMain")
         side.get_by_text("Lessons", exact=True).click(timeout=120_000)
-        side.get_by_role("combobox", name="Lesson").click()
+        side.get_by_role("combobox", name="Lesson").click(timeout=60_000)
         page.get_by_role("option").filter(has_text=lesson.title).click()
-        side.get_by_role("button", name="Open it in the Lab").click()
-        main.get_by_role("button", name="Start the lesson").click(timeout=60_000)
+        expect(side.get_by_text("It runs in the Lab", exact=False)).to_be_visible(timeout=60_000)
+        start = main.get_by_role("button", name="Start the lesson")
+        # the sidebar is a fragment redrawn twice a second: on a loaded machine a click can land
+        # while it redraws, and is lost (as a user's would be: they click again)
+        for _ in range(6):
+            if start.count():
+                break
+            if (open_ := side.get_by_role("button", name="Open it in the Lab")).count():
+                open_.click()
+            page.wait_for_timeout(10_000)
+        start.click(timeout=60_000)
         card = page.locator(".st-key-trace_lesson_card")
         marked = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label^='marked: ']")
         for i, stop in enumerate(lesson.stops):
