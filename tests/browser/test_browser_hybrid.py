@@ -168,7 +168,12 @@ def test_the_sliding_windows_lesson_starts_its_own_gemma3_engine_in_one_click(st
         side.get_by_role("button", name="Back to the embedded engine (tiny)").click()
         # 120 s: beside the Gemma engine's lesson run, with other processes busy on both cores, the
         # tiny engine's first redraw took more than 60 s once (make test-slow three times in a row)
-        page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.groups === 1", timeout=120_000)
+        try:
+            page.wait_for_function("window.__kvscope_grid && window.__kvscope_grid.groups === 1", timeout=120_000)
+        except Exception as e:  # say what the page showed instead
+            grid = page.evaluate("window.__kvscope_grid && {groups: window.__kvscope_grid.groups, "
+                                 "seq: window.__kvscope_grid.seq, live: window.__kvscope_grid.live}")
+            raise AssertionError(f"no tiny engine's grid: grid {grid}, page:\n{page.inner_text('body')[:3000]}") from e
         expect(page.get_by_text("embedded engine (tiny)").first).to_be_visible()
         assert not errors, errors
         browser.close()
