@@ -53,3 +53,22 @@ def open_grid(browser, url: str, errors: list[str], blocks: int | None = None, *
     drawn = f"=== {blocks}" if blocks is not None else "> 0"
     page.wait_for_function(f"window.__kvscope_grid && window.__kvscope_grid.n {drawn}", timeout=timeout_ms)
     return page
+
+
+def click_until(page, button, done: str, arg=None, *, tries: int = 6, wait_ms: int = 30_000) -> None:
+    """Click `button` (a locator: its first match) until the page's JS predicate `done(arg)` holds,
+    clicking again after `wait_ms` without it. A click in a Streamlit fragment that redraws on a
+    timer (the lessons' sidebar, twice a second) can land while a slow machine redraws it (its old
+    copy is shown beside the new one meanwhile) and be lost; a user clicks again. `done` must hold
+    as soon as a click is taken (a lesson's "running until" too), so that no click is taken twice."""
+    for _ in range(tries):
+        if page.evaluate(done, arg):
+            return
+        if button.count():
+            button.first.click(timeout=wait_ms)
+        try:
+            page.wait_for_function(done, arg=arg, timeout=wait_ms)
+            return
+        except Exception:  # playwright's TimeoutError: not taken (yet); the button, if still there, again
+            pass
+    raise AssertionError(f"{done} did not hold after {tries} clicks; the page says: {page.inner_text('body')[:2500]}")

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid, start_streamlit
+from tools.launch import CHROMIUM, FLAGS, ROOT, click_until, open_grid, start_streamlit
 
 TOP = "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })"
 
@@ -49,8 +49,10 @@ def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000,
     page.get_by_role("option", name=key_title).click()
     side.get_by_role("button", name=start).click()
     for i in range(stops):
-        if i:
-            side.get_by_role("button", name="Next").click()
+        if i:  # taken once the lesson runs on, or has reached the next stop
+            click_until(page, side.get_by_role("button", name="Next"),
+                        "n => { const t = document.body.innerText; "
+                        "return t.includes('running until') || t.includes(`stop ${n} of`); }", i + 1)
         try:
             page.wait_for_function("n => { const t = document.body.innerText; "
                                    "return t.includes(`stop ${n} of`) && !t.includes('running until'); }",

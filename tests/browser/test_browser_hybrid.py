@@ -12,7 +12,7 @@ import re
 import pytest
 
 from app.link.launcher import ServerProcess
-from tools.launch import CHROMIUM, FLAGS, open_grid
+from tools.launch import CHROMIUM, FLAGS, click_until, open_grid
 from tools.shoot_docs import walk_hybrid_lesson
 
 BLOCKS, WINDOW = 2048, 64
@@ -161,11 +161,11 @@ def test_the_sliding_windows_lesson_starts_its_own_gemma3_engine_in_one_click(st
                                timeout=30_000)
         assert "gemma-3-270m" in page.inner_text("body")
         side = page.get_by_test_id("stSidebar")
-        side.get_by_role("button", name="Back", exact=True).click()
-        page.wait_for_function("() => { const t = document.body.innerText; "
-                               "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }",
-                               timeout=30_000)
-        side.get_by_role("button", name="Back to the embedded engine (tiny)").click()
+        click_until(page, side.get_by_role("button", name="Back", exact=True),
+                    "() => { const t = document.body.innerText; "
+                    "return t.includes('stop 4 of 5') && t.includes('a stop reached earlier'); }", wait_ms=60_000)
+        back = side.get_by_role("button", name="Back to the embedded engine (tiny)")
+        click_until(page, back, "() => !document.body.innerText.includes('Back to the embedded engine')")
         # 120 s: beside the Gemma engine's lesson run, with other processes busy on both cores, the
         # tiny engine's first redraw took more than 60 s once (make test-slow three times in a row)
         try:

@@ -17,7 +17,7 @@ import sys
 from kvscope_contract.lab import TRACE_REASONS, decode_sweep
 from tests.traces import write_trace
 from tests.lab_page import fill, sweep_trace
-from tools.launch import CHROMIUM, FLAGS, ROOT
+from tools.launch import CHROMIUM, FLAGS, ROOT, click_until
 
 REQUESTS, CAPACITIES, POLICIES = 200, (60, 120, 240), ("lru", "opt")
 POINT = re.compile(r"^(\w+) at (\d+) blocks: (\d+) of (\d+) tokens hit, (\d+) evictions$")
@@ -122,16 +122,10 @@ def test_the_traffic_lesson_from_the_lessons_list_in_a_browser(start_app):
         side.get_by_role("combobox", name="Lesson").click(timeout=60_000)
         page.get_by_role("option").filter(has_text=lesson.title).click()
         expect(side.get_by_text("It runs in the Lab", exact=False)).to_be_visible(timeout=60_000)
-        start = main.get_by_role("button", name="Start the lesson")
-        # the sidebar is a fragment redrawn twice a second: on a loaded machine a click can land
-        # while it redraws, and is lost (as a user's would be: they click again)
-        for _ in range(6):
-            if start.count():
-                break
-            if (open_ := side.get_by_role("button", name="Open it in the Lab")).count():
-                open_.click()
-            page.wait_for_timeout(10_000)
-        start.click(timeout=60_000)
+        click_until(page, side.get_by_role("button", name="Open it in the Lab"),
+                    "() => [...document.querySelectorAll('[data-testid=stMain] button')]"
+                    ".some(b => b.innerText.includes('Start the lesson'))", wait_ms=10_000)
+        main.get_by_role("button", name="Start the lesson").click(timeout=60_000)
         card = page.locator(".st-key-trace_lesson_card")
         marked = page.locator("[data-testid='stVegaLiteChart'] svg [aria-label^='marked: ']")
         for i, stop in enumerate(lesson.stops):
