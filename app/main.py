@@ -68,6 +68,7 @@ def main() -> None:
         if live.mode() == "Lessons":
             st.subheader("Lessons")
             st.fragment(live.fragment_of(lambda c, s, h: lessons_view.sidebar(c)), run_every=0.5, key="lessons")(source)
+            lessons_view.back_from_own_engine()
         elif live.mode() == "Explore" and drives:
             lessons_view.left_behind(client)
             st.subheader("Prompt")

@@ -121,7 +121,6 @@ def sidebar(client: EngineClient) -> None:
         st.button("Start the lesson", type="primary", icon=":material/school:", key="lesson_start", width="stretch",
                   disabled=not can_drive, on_click=_start, args=(client, pick),
                   help="Resets the engine to the lesson's pool and submits its requests")
-        back_from_own_engine()
         return
     # keyed by the stop shown: Streamlit delivers a click again in the run after one a newer rerun cut
     # off, with the arguments that cut-off run drew; the stop's key keeps the click on the stop it was for
@@ -141,7 +140,6 @@ def sidebar(client: EngineClient) -> None:
         st.caption(f":red[{msg}]")
     for note in run.notes[-3:]:
         st.caption(f":orange[{note}]")
-    back_from_own_engine()
 
 
 def _outline(run: LessonRun) -> None:
@@ -173,7 +171,6 @@ def _own_engine(lesson: Lesson) -> None:
     if source is not None and source.kind == "embedded" and source.model == lesson.model:
         st.error(f"This engine runs `{lesson.model}` but its pool has a single KV-cache group: it gives the "
                  "model's sliding-window layers no groups of their own, so the lesson cannot show them.")
-        back_from_own_engine()
         return
     st.caption(f"It needs a model with sliding-window layers, which this engine's pool has not: the dashboard "
                f"starts an engine of its own on `{lesson.model}` (under a minute; the first time it converts the "
@@ -192,7 +189,9 @@ def _open_own_engine(lesson: Lesson) -> None:
 
 
 def back_from_own_engine() -> None:
-    """On the engine a lesson started for itself: the way back to the one before."""
+    """On the engine a lesson started for itself: the way back to the one before. Drawn outside
+    the sidebar's fragment: a click on a fragment redrawn twice a second could be lost while a
+    slow machine redraws it (CI lost this one once), and this one needs a whole page anyway."""
     before = st.session_state.get(SOURCE_BEFORE)
     if before is None or st.session_state.get("source") == before:
         return
