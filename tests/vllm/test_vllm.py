@@ -355,7 +355,10 @@ def test_h_the_dashboards_kv_events_page_shows_vllms_cached_blocks(vllm, c, dash
     wait(lambda: any(m.label == label and m.value == str(len(cached)) for m in at.run().metric), 60,
          "the page to count vLLM's cached blocks")
     forest = next(h.value for h in at.html if 'class="pt"' in h.value)  # the prefix tree's view
-    assert forest.count('class="id"') == len(set(cached)) and not at.exception  # a chip per content
+    # a chip per content, or a "… N more …" in a chain longer than the view draws (one becomes longer
+    # when vLLM evicts a branch beside it; CI drew 45 chips for 46 contents once: 24 of 25 and a gap)
+    elided = sum(int(n) for n in re.findall(r"… (\d+) more …", forest))
+    assert forest.count('class="id"') + elided == len(set(cached)) and not at.exception
     assert "librarian who answers every question" in forest  # a block's text, on hover
 
 
