@@ -19,12 +19,12 @@ def synthetic_engine(blocks: int, live: int, fill: float = 0.0, **pool) -> Synth
 BS, BLOCKS = 16, 64
 
 
-def synthetic_server(port: int = 0) -> ServerProcess:
+def synthetic_server(port: int = 0, step_delay_ms: float = 0) -> ServerProcess:
     """A synthetic engine server of BLOCKS blocks of BS tokens, idle until asked, once it listens
-    (on `port`, or a free one)."""
+    (on `port`, or a free one), resting `step_delay_ms` after each step."""
     proc = ServerProcess("engine.synthetic",
                          ["--port", str(port), "--num-device-blocks", str(BLOCKS), "--num-host-blocks", "0",
                                              "--block-size", str(BS), "--live", "0", "--fill", "0", "--warm-steps", "0",
-                                             "--step-delay-ms", "0", "--max-num-seqs", "8"]).start()
+                                             "--step-delay-ms", str(step_delay_ms), "--max-num-seqs", "8"]).start()
     assert proc.wait_ready(120), "\n".join(proc.tail(30))
     return proc

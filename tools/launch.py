@@ -72,3 +72,40 @@ def click_until(page, button, done: str, arg=None, *, tries: int = 6, wait_ms: i
         except Exception:  # playwright's TimeoutError: not taken (yet); the button, if still there, again
             pass
     raise AssertionError(f"{done} did not hold after {tries} clicks; the page says: {page.inner_text('body')[:2500]}")
+
+
+def open_expander(panel, *, tries: int = 4, wait_ms: int = 10_000) -> None:
+    """Open a Streamlit expander (`panel`, a locator of its <details>) as a user does: click its
+    title until its content takes clicks. Its `open` attribute is no sign: an expander that the
+    app closes keeps it through the closing animation, while its content is already inert."""
+    is_open = "d => d.open && !d.querySelector('[data-testid=stExpanderDetails]').inert"
+    for _ in range(tries):
+        if panel.evaluate(is_open):
+            return
+        panel.locator("summary").click(timeout=wait_ms)
+        deadline = time.monotonic() + wait_ms / 1000
+        while time.monotonic() < deadline and not panel.evaluate(is_open):
+            time.sleep(0.1)
+    raise AssertionError(f"the expander did not open after {tries} clicks: {panel.inner_text()[:500]}")
+
+
+def reset_pool(page, blocks: int, *, tries: int = 4, wait_ms: int = 30_000) -> None:
+    """The sidebar's Reset pool form, filled with `blocks` device blocks and submitted, until the
+    grid draws that pool. The form lives in the engine panel, a fragment redrawn on a timer: a
+    click, or the expander's opening, can be lost to a redraw as in `click_until`."""
+    side = page.get_by_test_id("stSidebar")
+    done = f"window.__kvscope_grid && window.__kvscope_grid.n === {blocks}"
+    for _ in range(tries):
+        field = side.get_by_label("Device blocks")
+        if not field.is_visible():
+            side.get_by_text("Reset pool").click()
+            field.wait_for(timeout=wait_ms)
+        field.fill(str(blocks))
+        side.get_by_role("button", name="Reset engine", exact=True).click(timeout=wait_ms)
+        try:
+            page.wait_for_function(done, timeout=wait_ms)
+            return
+        except Exception:  # playwright's TimeoutError: not taken; the form again
+            pass
+    raise AssertionError(f"no pool of {blocks} blocks after {tries} resets; the page says: "
+                         f"{page.inner_text('body')[:2500]}")

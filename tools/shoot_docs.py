@@ -48,17 +48,27 @@ def walk_lesson(page, key_title: str, stops: int, timeout_ms: int = 180_000,
     side.get_by_label("Lesson").click()
     page.get_by_role("option", name=key_title).click()
     side.get_by_role("button", name=start).click()
-    for i in range(stops):
-        if i:  # taken once the lesson runs on, or has reached the next stop
-            click_until(page, side.get_by_role("button", name="Next"),
-                        "n => { const t = document.body.innerText; "
-                        "return t.includes('running until') || t.includes(`stop ${n} of`); }", i + 1)
-        try:
-            page.wait_for_function("n => { const t = document.body.innerText; "
-                                   "return t.includes(`stop ${n} of`) && !t.includes('running until'); }",
-                                   arg=i + 1, timeout=timeout_ms)
-        except Exception as e:
-            raise AssertionError(f"stop {i + 1} not reached; the page says: {page.inner_text('body')[:2500]}") from e
+    reach_stop(page, 1, timeout_ms)
+    for n in range(2, stops + 1):
+        next_stop(page, n, timeout_ms)
+
+
+def next_stop(page, n: int, timeout_ms: int = 180_000) -> None:
+    """Next, from stop n - 1 of a running lesson, until stop `n` is reached."""
+    click_until(page, page.get_by_test_id("stSidebar").get_by_role("button", name="Next"),
+                "n => { const t = document.body.innerText; "
+                "return t.includes('running until') || t.includes(`stop ${n} of`); }", n)  # taken
+    reach_stop(page, n, timeout_ms)
+
+
+def reach_stop(page, n: int, timeout_ms: int) -> None:
+    """Wait until the lesson's card shows stop `n`, its run done."""
+    try:
+        page.wait_for_function("n => { const t = document.body.innerText; "
+                               "return t.includes(`stop ${n} of`) && !t.includes('running until'); }",
+                               arg=n, timeout=timeout_ms)
+    except Exception as e:
+        raise AssertionError(f"stop {n} not reached; the page says: {page.inner_text('body')[:2500]}") from e
 
 
 def shoot_explore(page, path: Path) -> None:

@@ -30,39 +30,44 @@ _runs = itertools.count(1)  # scenario runs, process-wide: request ids stay uniq
 
 def connection(source: Source, client: EngineClient | None, hosted: Hosted | None) -> None:
     """Choose the source. Connect and Restart act in their click's callback, before the run they
-    start draws anything: a busy page's fragments may cut that run short, and must not lose the click."""
-    with st.expander("Connection", expanded=client is None or client.status.state != "connected"):
+    start draws anything: a busy page's fragments may cut that run short, and must not lose the click.
+    The panel is open while there is no live connection, and from the user's first change in it
+    until Connect: Streamlit applies a changed `expanded` over the user's own opening, so a
+    connection made (or made again) must not close the panel under a choice being made."""
+    choosing = dict(on_change=_choosing, args=(source,))
+    expanded = client is None or client.status.state != "connected" or st.session_state.get(CHOOSING) == source
+    with st.expander("Connection", expanded=expanded):
         if client is not None and client.notices:
             for t, level, text in list(client.notices)[-3:]:
                 st.caption(f"{'⚠️' if level == 'warning' else '❌'} {text}")
         kind = st.radio("Source", list(SOURCE_KINDS), format_func=SOURCE_KINDS.get,
-                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind", on_change=stale.mark)
+                        index=list(SOURCE_KINDS).index(source.kind), key="src_kind", **choosing)
         if kind == "embedded":
             st.text_input("Model", source.model if source.kind == "embedded" else "smollm2",
                           help="smollm2 (bundled SmolLM2-135M-Instruct), tiny (random weights, fast) "
-                               "or a local Hugging Face Llama-family folder", key="src_model", on_change=stale.mark)
+                               "or a local Hugging Face Llama-family folder", key="src_model", **choosing)
         elif kind == "attach":
-            st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url", on_change=stale.mark)
+            st.text_input("Engine URL", source.url or "ws://127.0.0.1:8765/", key="src_url", **choosing)
             # never the token it was started with: what a widget holds, the browser holds
-            st.text_input("Token", type="password", key="src_token", on_change=stale.mark,
+            st.text_input("Token", type="password", key="src_token", **choosing,
                           placeholder="the one given on the command line" if source.token else "",
                           help="Needed when the engine was started with --token")
         elif kind == "vllm":
             st.text_input("Model", source.model if source.kind == "vllm" else "smollm2", key="src_vllm",
-                          on_change=stale.mark,
+                          **choosing,
                           help="smollm2 (bundled) or a model folder; vLLM runs from .venv-vllm (make vllm-venv)")
         elif kind == "kv_events":
-            st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq", on_change=stale.mark,
+            st.text_input("Endpoint", source.url or "tcp://127.0.0.1:5557", key="src_zmq", **choosing,
                           help="the PUB socket; add ?replay=tcp://HOST:PORT to catch up, ?topic=T to filter")
-            st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok", on_change=stale.mark,
+            st.text_input("Tokenizer folder (optional)", source.tokenizer, key="src_tok", **choosing,
                           help="a folder with tokenizer.json, to show the text of each block")
         elif kind == "trace":
             st.text_input("Trace file", source.path if source.kind == "trace" else "", key="src_trace",
-                          on_change=stale.mark,
+                          **choosing,
                           help="A request trace (docs/traces.md); the Lab's Trace workload plays one with its curve")
         elif kind == "fleet":
             st.text_input("Fleet file (optional)", source.path if source.kind == "fleet" else "", key="src_fleet",
-                          on_change=stale.mark,
+                          **choosing,
                           help="a TOML file listing engines (docs/fleet.md); empty: add them on the fleet page")
         else:
             files = [str(f) for f in recordings()]
@@ -70,11 +75,11 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
                 files.insert(0, source.path)
             picked = st.selectbox("Recording", files + [OTHER_FILE], format_func=lambda f: Path(f).name,
                                   index=files.index(source.path) if source.path in files else 0, key="src_file",
-                                  on_change=stale.mark)
+                                  **choosing)
             if picked == OTHER_FILE or not files:
-                st.text_input("Path to a recording (.jsonl)", key="src_path", on_change=stale.mark)
+                st.text_input("Path to a recording (.jsonl)", key="src_path", **choosing)
             st.select_slider("Speed", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0], source.speed, key="src_speed",
-                             on_change=stale.mark)
+                             **choosing)
         if error := st.session_state.pop(CONNECT_ERROR, None):
             st.error(error)
         cols = st.columns(2)
@@ -93,6 +98,13 @@ def connection(source: Source, client: EngineClient | None, hosted: Hosted | Non
 
 OTHER_FILE = "other file…"
 CONNECT_ERROR = "connect_error"  # session state: why the last Connect was refused
+CHOOSING = "choosing_source"  # session state: the source the Connection panel was changed under
+
+
+def _choosing(source: Source) -> None:
+    """on_change of the Connection panel's widgets: it stays open until Connect changes the source."""
+    st.session_state[CHOOSING] = source
+    stale.mark()
 
 
 def _path(text: str) -> str:

@@ -32,6 +32,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from engine.serve.admission import Admission
 from kvscope_contract import protocol as p
 from kvscope_contract.access import engine_refusal
 from kvscope_contract.state import PoolState
@@ -190,8 +191,10 @@ class Hub:
                  send_buffer: int = 64 * 1024, record: Path | None = None,
                  metrics: Callable[[str | None], tuple[bytes, str]] | None = None,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 tokenize_chat: Callable[[list[dict]], list[int]] | None = None):
+                 tokenize_chat: Callable[[list[dict]], list[int]] | None = None,
+                 admission: Admission | None = None):
         self.backend = backend
+        self.admission = admission  # how fast new connections get in (None: as fast as they come)
         self.token = token  # required of every client (None: none, on loopback)
         self.view_token = view_token  # with a token: one that views (events, /metrics), never commands
         self._viewing_only: weakref.WeakSet[ServerConnection] = weakref.WeakSet()
@@ -268,7 +271,11 @@ class Hub:
     # ------------------------------------------------------------------ connections
     async def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         """Before the WebSocket handshake: refuse a web page, a foreign Host or a wrong token
-        (kvscope_contract/access.py); answer GET /metrics and GET /tokenize over HTTP."""
+        (kvscope_contract/access.py); answer GET /metrics and GET /tokenize over HTTP. With an
+        admission, each waits its turn first, or is refused when its turn is too far off."""
+        if self.admission is not None and not await self.admission.admit():
+            return conn.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections at once: try again in a "
+                                "few seconds\n")
         if why := engine_refusal(request.headers.get("Origin"), request.headers.get("Host"), self.token is not None):
             return conn.respond(http.HTTPStatus.FORBIDDEN, why + "\n")
         if refused := self._check_token(conn, request):

@@ -37,7 +37,9 @@ def register() -> None:
 def attach(scheduler) -> None:
     """Observe `scheduler` and serve it; any failure is logged and leaves vLLM as it was."""
     from engine.serve.cli import refuse_open_bind
+    from engine.serve.admission import Admission
     from engine.serve.hub import Hub, serve_in_thread
+    from integrations.vllm import ADMIT_BURST, ADMIT_PER_S
     from kvscope_contract.access import TOKEN_ENV, VIEW_TOKEN_ENV
     from kvscope_contract.ready import ready_line
     from integrations.vllm.backend import VllmBackend
@@ -59,7 +61,8 @@ def attach(scheduler) -> None:
         port += rank  # one server per data-parallel engine core, as vLLM offsets its KV-event port
     try:
         backend = VllmBackend(scheduler, os.environ.get(ENV_API, "http://127.0.0.1:8000"))
-        serving = serve_in_thread(Hub(backend, token=token, view_token=view_token), host, port)
+        admission = Admission(rate=ADMIT_PER_S, burst=ADMIT_BURST)
+        serving = serve_in_thread(Hub(backend, token=token, view_token=view_token, admission=admission), host, port)
     except UnsupportedEngine as e:
         return refuse(str(e))
     except Exception as e:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid
+from tools.launch import CHROMIUM, FLAGS, ROOT, open_grid, reset_pool
 from tests.processes import children
 
 SHOT = ROOT / "out" / "test_browser.png"
@@ -140,9 +140,7 @@ def test_two_tabs_follow_the_engine_and_a_killed_engine_restarts_with_its_pool(a
         except AssertionError:  # whose side was it: the tab that clicked, or the one that follows?
             print("the tab that clicked Resume:", side(one).inner_text(), sep="\n")
             raise
-        side(one).get_by_text("Reset pool").click()
-        side(one).get_by_label("Device blocks").fill("512")
-        side(one).get_by_role("button", name="Reset engine", exact=True).click()
+        reset_pool(one, 512)
         expect(side(two).get_by_text("Pool: 512 blocks × 16 tokens")).to_be_visible(timeout=30_000)
         two.wait_for_function("window.__kvscope_grid.n === 512", timeout=15_000)
 
@@ -222,10 +220,8 @@ def test_a_pool_without_host_blocks_and_a_pool_of_one_block_draw_frame_after_fra
                     if "stopped at event" not in str(e) or attempt == len(presets) - 1:
                         raise
 
-        sidebar.get_by_text("Reset pool").click()
-        sidebar.get_by_label("Device blocks").fill("1")
-        sidebar.get_by_role("button", name="Reset engine", exact=True).click()
-        page.wait_for_function("window.__kvscope_grid.n === 1 && window.__kvscope_grid.m === 0", timeout=60_000)
+        reset_pool(page, 1)
+        assert page.evaluate("window.__kvscope_grid.m") == 0
         sidebar.get_by_label("Prompt").fill("Hi")
         sidebar.get_by_label("max tokens").fill("8")
         sidebar.get_by_text("More", exact=True).click()

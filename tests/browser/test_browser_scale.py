@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.link.launcher import ServerProcess
-from tools.launch import CHROMIUM, FLAGS, open_grid
+from tools.launch import CHROMIUM, FLAGS, open_expander, open_grid
 
 BLOCKS = 1 << 20
 
@@ -100,11 +100,10 @@ def test_leaving_a_busy_million_block_engine_for_a_replay_and_back_never_waits_o
             page.wait_for_function("window.__kvscope_grid.draws > 2 && window.__kvscope_grid.live", timeout=60_000)
             sidebar = page.get_by_test_id("stSidebar")
             panel = sidebar.locator("details", has_text="Connection")
-            if panel.get_attribute("open") is None:
-                panel.get_by_text("Connection", exact=True).click()
-            expect(panel).to_have_attribute("open", "", timeout=30_000)
+            open_expander(panel)
             # the choice can reach the server with a fragment's timed rerun: the page must still redraw
-            # the Connection panel with it (app/ui/stale.py; before, Connect stayed disabled for 60 s)
+            # the Connection panel with it (app/ui/stale.py; before, Connect stayed disabled for 60 s),
+            # still open: a panel holding a choice stays open until Connect (app/ui/controls.py)
             panel.get_by_text("Replay a recording", exact=True).click()
             connect = sidebar.get_by_role("button", name="Connect")
             expect(connect).to_be_enabled(timeout=60_000)

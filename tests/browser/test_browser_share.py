@@ -10,8 +10,8 @@ import secrets
 
 from app.streamlit_argv import PRESENTER_KEY
 from tests.processes import descendants, listening
-from tools.launch import CHROMIUM, FLAGS, open_grid
-from tools.shoot_docs import walk_lesson
+from tools.launch import CHROMIUM, FLAGS, click_until, open_grid
+from tools.shoot_docs import next_stop, walk_lesson
 
 DRIVING = ("Connect", "Submit", "Pause", "Reset engine", "Clear prefix cache", "Clean slate", "Restart engine")
 
@@ -84,11 +84,11 @@ def test_a_viewer_watches_and_only_the_presenter_drives(start_app):
         for name in ("Next", "Back", "Restart", "Start the lesson"):
             expect(viewer.get_by_role("button", name=name, exact=True)).to_have_count(0)
         expect(side(viewer).get_by_label("Lesson")).to_have_count(0)
-        side(presenter).get_by_role("button", name="Next").click()
+        next_stop(presenter, 2, timeout_ms=120_000)
         viewer.wait_for_function("document.body.innerText.includes('stop 2 of 5') && "
                                  "document.body.innerText.includes('One decode step')", timeout=120_000)
-        side(presenter).get_by_role("button", name="Back").click()  # a stop reached before: both travel to it
-        presenter.wait_for_function("document.body.innerText.includes('stop 1 of 5')", timeout=30_000)
+        click_until(presenter, side(presenter).get_by_role("button", name="Back"),  # reached before: both travel to it
+                    "() => document.body.innerText.includes('stop 1 of 5')")
         viewer.wait_for_function("document.body.innerText.includes('stop 1 of 5') && !window.__kvscope_grid.live",
                                  timeout=30_000)
         side(viewer).get_by_text("Explore", exact=True).click()

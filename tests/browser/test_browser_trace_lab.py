@@ -20,6 +20,7 @@ from tests.lab_page import fill, sweep_trace
 from tools.launch import CHROMIUM, FLAGS, ROOT, click_until
 
 REQUESTS, CAPACITIES, POLICIES = 200, (60, 120, 240), ("lru", "opt")
+CARD_SHOWS = "s => (document.querySelector('.st-key-trace_lesson_card') || {innerText: ''}).innerText.includes(s)"
 POINT = re.compile(r"^(\w+) at (\d+) blocks: (\d+) of (\d+) tokens hit, (\d+) evictions$")
 
 
@@ -135,11 +136,11 @@ def test_the_traffic_lesson_from_the_lessons_list_in_a_browser(start_app):
             if i == 0:
                 expect(card).to_contain_text(f"{hit:,} of them: {hit / total:.1%}")
                 assert marked.get_attribute("aria-label").startswith("marked: lru at 100000 blocks, nothing evicted")
-            if i + 1 < len(lesson.stops):
-                card.get_by_role("button", name="Next").click()
+            if i + 1 < len(lesson.stops):  # the card is a fragment redrawn while a stop runs: as a user, again
+                click_until(page, card.get_by_role("button", name="Next"), CARD_SHOWS, f"stop {i + 2} of")
         expect(card).to_contain_text("End of the lesson")
         assert "with 16,384 host blocks" in marked.get_attribute("aria-label")
-        card.get_by_role("button", name="Back").click()
+        click_until(page, card.get_by_role("button", name="Back"), CARD_SHOWS, "stop 2 of")
         expect(card).to_contain_text(f"stop 2 of 3 · {lesson.stops[1].title}")
         assert not errors, errors
         browser.close()

@@ -239,13 +239,19 @@ def test_abort_clear_prefix_cache_and_pace(at, observer):
     rerun_until(at, lambda a: grid_data(a)["counts"]["cached"] == 0)
 
 
+def connection_panel_open(at: AppTest) -> bool:
+    return next(e for e in at.sidebar.expander if e.label == "Connection").proto.expanded
+
+
 def test_bad_input_is_explained_and_loses_nothing(at, observer):
     at.radio(key="src_kind").set_value("attach")
     at.run()
+    assert not connection_panel_open(at)  # connected, nothing changed: the panel is closed
     at.text_input(key="src_url").set_value("http://not-a-websocket").run()
+    assert connection_panel_open(at)  # a choice being made: a redraw must not close it under the user
     next(b for b in at.sidebar.button if b.label == "Connect").click()
     at.run()
-    assert any("ws://" in e.value for e in at.sidebar.error)
+    assert any("ws://" in e.value for e in at.sidebar.error) and connection_panel_open(at)
     assert grid_data(at)  # still drawing the engine it had
     at.number_input(key="prompt_max").set_value(4096)
     submit(at, "x " * 3000)  # can never fit the pool: the engine's error reaches the user

@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies
@@ -16,6 +18,7 @@ from websockets.exceptions import InvalidStatus
 from kvscope_contract import protocol as p
 from engine.config import EngineConfig
 from engine.model.engine import LLMEngine
+from engine.serve.admission import Admission
 from engine.serve.hub import Hub, serve_in_thread
 from engine.serve.replay import Playback
 from kvscope_contract.recording import Recording
@@ -268,6 +271,29 @@ def test_a_mirroring_client_holds_exactly_what_a_fresh_snapshot_says(make_server
 
 def run_replay(path, speed: float = 1.0, loop: bool = False):
     return serve_in_thread(Hub(Playback(Recording(path), speed, loop)))
+
+
+def test_a_reconnect_loop_gets_in_at_the_hubs_admission_rate():
+    """Issue 37: a client reconnecting in a loop costs the serving process (vLLM's, for the
+    plugin) a handshake, a hello and a snapshot each time. With an admission of a burst of 2 and
+    4 a second, six connections in a row take at least (6 - 2) / 4 s: the loop is slowed, and
+    each one still gets its hello and snapshot. A connection whose turn is too far off gets a 503."""
+    demo = Recording(Path(__file__).resolve().parents[2] / "assets" / "demo_recording.jsonl")
+    serving = serve_in_thread(Hub(Playback(demo, 1.0, False), admission=Admission(rate=4.0, burst=2)))
+    start = time.monotonic()
+    for _ in range(6):
+        c = Client(serving.url)
+        assert c.snapshots == 1
+        c.ws.close()
+    assert time.monotonic() - start >= 0.99
+    serving.stop()
+    # a turn further off than the admission's longest wait: refused at once, to try again later
+    serving = serve_in_thread(Hub(Playback(demo, 1.0, False), admission=Admission(rate=0.5, burst=1, max_wait_s=1.0)))
+    Client(serving.url).ws.close()
+    with pytest.raises(InvalidStatus) as refused:
+        Client(serving.url)
+    assert refused.value.response.status_code == 503
+    serving.stop()
 
 
 def test_replaying_a_recording_reproduces_the_recorded_final_state(make_server, tmp_path):

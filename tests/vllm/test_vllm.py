@@ -21,6 +21,7 @@ import pytest
 from kvscope_contract import protocol as p
 from kvscope_contract.invariants import check_invariants
 from tests.protocol_client import Client
+from integrations.vllm import ADMIT_BURST, ADMIT_PER_S
 from integrations.vllm.serve import BUNDLED
 from tests.vllm.checks import compare_live_snapshot, finishes
 from tests.vllm.vllm_server import NO_VLLM, SAME_HASHES, VLLM_PYTHON, VllmServer, vllm_version
@@ -219,6 +220,19 @@ def test_f2_vllm_serves_every_vllm_metric_the_grafana_board_and_the_alerts_read(
         served = {s.name for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
     assert VLLM_METRICS <= served, VLLM_METRICS - served
     assert set(re.findall(r"vllm:\w+", ALERTS.read_text())) <= served
+
+
+def test_f3_a_client_reconnecting_in_a_loop_is_let_in_at_the_plugins_pace(vllm):
+    """Issue 37: every connection costs vLLM's engine core a handshake, a hello and a snapshot.
+    Past a burst of ADMIT_BURST the plugin lets a reconnect loop in at ADMIT_PER_S a second (it
+    measured within 5% of vLLM's quiet ITL p99 that way: docs/vllm.md), each with its snapshot."""
+    n = ADMIT_BURST + 4
+    start = time.monotonic()
+    for _ in range(n):
+        client = Client(vllm.ws)
+        assert client.snapshots == 1
+        client.ws.close()
+    assert time.monotonic() - start >= 0.99 * (n - ADMIT_BURST) / ADMIT_PER_S
 
 
 def test_g_the_dashboard_attached_to_vllm_draws_its_pool_with_the_null_block_reserved(vllm, c, dashboard):
