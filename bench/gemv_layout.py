@@ -1,0 +1,115 @@
+"""The GEMV's weight layout end to end: batch-1 decode with the weights as the engine lays them
+out beside the same model with the other layout, interleaved.
+
+kernels/linear.py streams bf16 weights (a bf16 copy of fp32 ones in `float32+bfloat16`, or the
+weights of `bfloat16`) packed by gemv_pack into one sequential stream, which was 1.3-1.8x the
+row-major rows on the machine it was measured on; which layout reads faster depends on the
+machine (docs/benchmarks.md, "The GEMV's weight layout"). bench/gemv.py times each shape alone;
+this times what a user sees: the 140+128 job's decode (its time less a 140-token prefill's), on
+two copies of the model, one with every GEMV's weights switched to the other layout, A B, B A, ...
+Reports tokens/s medians (min..max), the median of per-round ratios, and whether both sides
+generated the same tokens (both layouts sum in the same order, so they should).
+
+    python -m bench.gemv_layout [--models smollm2,gemma3] [--dtypes bfloat16,float32+bfloat16] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.prompts import make_prompts
+from bench.rounds import interleave, ratios, spread
+from bench.throughput import cpu_report, machine, make_engine
+from engine.core.sequence import SamplingParams
+from engine.model.engine import LLMEngine
+from engine.model.model_loader import load_model
+from engine.model.model_runner import load_cpu_kernels
+from kernels import cpu_build
+from kernels.linear import Linear
+
+PROMPT, NEW = 140, 128
+
+
+def other_layout(lin: Linear) -> None:
+    """Switch one Linear's GEMV operand to the layout the engine does not choose for it."""
+    ops = cpu_build.ops()
+    if lin.packed:  # back to row-major: the same values, in rows
+        rows = unpack(lin.plain)
+        assert torch.equal(ops.gemv_pack(rows), lin.plain), "unpack no longer inverts kvscope.gemv_pack"
+        lin.plain = rows
+    else:
+        lin.plain = ops.gemv_pack(lin.plain)
+    lin.packed = not lin.packed
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """gemv_pack's inverse (kernels/cpu/kvscope_cpu.cpp: blocks of 16 rows, groups of 8, chunks
+    of 32 elements): [N/16, 2, K/32, 8, 32] back to [N, K]; other_layout checks it."""
+    n, k = packed.shape
+    return packed.view(n // 16, 2, k // 32, 8, 32).permute(0, 1, 3, 2, 4).contiguous().view(n, k)
+
+
+def engine(spec: str, dtype: str, switched: bool) -> tuple[LLMEngine, list[int]]:
+    loaded = load_model(spec, device="cpu", dtype=dtype)
+    prompt = next(x for x in make_prompts(loaded.tokenizer, 64) if len(x) >= PROMPT)[:PROMPT]
+    eng = make_engine(loaded, [prompt], NEW + 1, 1)
+    if switched:
+        for lin in gemv_linears(eng):
+            other_layout(lin)
+    return eng, prompt
+
+
+def gemv_linears(eng: LLMEngine) -> list[Linear]:
+    """The engine's Linears that run the GEMV at batch 1 (choose_backend may leave one to oneDNN)."""
+    runner = eng.runner
+    lins = [lin for w in runner.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [runner.lm_head]
+    return [lin for lin in lins if lin is not None and lin.gemv]
+
+
+def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> float:
+    """Decode tokens/s: the 140+128 job less a 140-token prefill, both run now."""
+    times = []
+    for new in (NEW + 1, 1):
+        eng.clear_prefix_cache()
+        t0 = time.perf_counter()
+        out = eng.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))
+        times.append(time.perf_counter() - t0)
+        if new > 1:
+            tokens[name] = out
+    return NEW / (times[0] - times[1])
+
+
+def compare(spec: str, dtype: str, rounds: int) -> str:
+    chosen, prompt = engine(spec, dtype, False)
+    other, _ = engine(spec, dtype, True)
+    ours = "packed" if gemv_linears(chosen)[0].packed else "row-major"
+    theirs = "row-major" if ours == "packed" else "packed"
+    tokens: dict = {}
+    sides = {f"{ours} (chosen)": lambda: decode_rate(chosen, prompt, tokens, "chosen"),
+             theirs: lambda: decode_rate(other, prompt, tokens, "other")}
+    for side in sides.values():  # warm up
+        side()
+    res = interleave(sides, rounds)
+    a, b = res.values()
+    return (f"{spec} {dtype}: " + ", ".join(f"{k} {spread(v)} tok/s" for k, v in res.items())
+            + f"; chosen / other {spread(ratios(b, a), '.2f')}x; same tokens: {tokens['chosen'] == tokens['other']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--dtypes", default="bfloat16,float32+bfloat16")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if not load_cpu_kernels():
+        raise SystemExit("the C++ CPU kernels did not load: the GEMV is theirs")
+    print(f"bench.gemv_layout, {machine()}, {torch.get_num_threads()} threads\n{cpu_report()}", flush=True)
+    for spec in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            print(compare(spec, dtype, args.rounds), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""bench/gemv_layout.py switches a Linear's GEMV weights between layouts without changing a value."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.gemv_layout import other_layout
+from kernels import cpu_build, linear
+
+ok, why = cpu_build.supported()
+pytestmark = pytest.mark.skipif(not ok, reason=f"C++ CPU kernels cannot be built here: {why}")
+
+
+@pytest.mark.parametrize("dtype,gemv_dtype", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)],
+                         ids=["bfloat16", "float32+bfloat16"])
+def test_the_other_layout_gives_the_same_outputs_and_switches_back(isa, dtype, gemv_dtype):
+    torch.manual_seed(0)
+    lin = linear.Linear([torch.nn.Linear(640, 96, bias=False).to(dtype)], "torch", gemv=True, gemv_dtype=gemv_dtype)
+    x = torch.randn(1, 640, dtype=dtype)
+    chosen, weights = lin(x), lin.plain.clone()
+    other_layout(lin)
+    assert lin.packed is False and not torch.equal(lin.plain, weights)  # the engine packs bf16 weights
+    assert torch.equal(lin(x), chosen)  # the same sums in the same order, from the other layout
+    other_layout(lin)
+    assert lin.packed is True and torch.equal(lin.plain, weights)
