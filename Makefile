@@ -77,11 +77,12 @@ bench-dashboard: install $(CHROMIUM)
 	$(PY) -m bench.dashboard
 
 # the engine beside llama.cpp's llama-bench on both bundled models, F32 and BF16, interleaved
-# (docs/benchmarks.md); the first run builds llama.cpp into the cache (~6 min on 2 cores), with cmake
+# (docs/benchmarks.md); the first run builds llama.cpp into the cache (~6 min on 2 cores), with cmake;
+# ARGS="--isa avx2" holds both sides to AVX2 (a second llama.cpp build), ARGS="--models gemma3 ..."
 bench-llamacpp: install
 	command -v cmake >/dev/null \
 		|| { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake; }
-	$(PY) -m bench.llamacpp
+	$(PY) -m bench.llamacpp $(ARGS)
 
 # ---------------------------------------------------------------------------- vLLM (docs/vllm.md)
 # vLLM pins its own torch and transformers, so it lives in its own virtualenv, with this project

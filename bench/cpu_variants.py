@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--jobs", default="batch", help="comma-separated prefixes of job names (default: both batches)")
     ap.add_argument("--linear", default=None, choices=["torch", "onednn", "torch+gemv", "onednn+gemv"],
                     help="the GEMM backend (and GEMV or not) on every side; by default each side times the "
-                         "choice (kernels.linear.choose_backend), which on a loaded machine can flip between "
-                         "sides and runs, so an A/B of kernel code should pin it")
+                         "choice (kernels.linear.choose_backend and choose_gemv), which on a loaded machine "
+                         "can flip between sides and runs, so an A/B of kernel code should pin it")
     ap.add_argument("--emulate", choices=sorted(ISA_ENV), default=None, help="limit torch and oneDNN to this ISA")
     args = ap.parse_args()
     if args.emulate:
@@ -80,6 +80,7 @@ def main() -> None:
     if args.linear:
         backend, _, gemv = args.linear.partition("+")
         model_runner.choose_backend = lambda layers, repeats=5, gemv_dtype=None: (backend, bool(gemv))
+        model_runner.choose_gemv = lambda lins, rounds=3: None  # the GEMV's operand stays as built: rows
     sides = [VariantSide(spec, args.model) for spec in args.sides.split(",")]
     jobs = [j for j in make_jobs(sides[0].loaded.tokenizer, args.requests, args.new_tokens)
             if any(j.name.startswith(x) for x in args.jobs.split(","))]

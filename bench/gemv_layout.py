@@ -2,11 +2,11 @@
 out beside the same model with the other layout, interleaved.
 
 kernels/linear.py streams bf16 weights (a bf16 copy of fp32 ones in `float32+bfloat16`, or the
-weights of `bfloat16`) packed by gemv_pack into one sequential stream, which was 1.3-1.8x the
-row-major rows on the machine it was measured on; which layout reads faster depends on the
-machine (docs/benchmarks.md, "The GEMV's weight layout"). bench/gemv.py times each shape alone;
-this times what a user sees: the 140+128 job's decode (its time less a 140-token prefill's), on
-two copies of the model, one with every GEMV's weights switched to the other layout, A B, B A, ...
+weights of `bfloat16`) in rows or packed by gemv_pack into one sequential stream, whichever
+`choose_gemv` timed faster for each kind of layer where the model loads (docs/benchmarks.md,
+"The GEMV's weight layout"). bench/gemv.py times each shape alone; this checks the choice where a
+user sees it: the 140+128 job's decode (its time less a 140-token prefill's), on two copies of the
+model, one with every GEMV's weights switched to the other layout, A B, B A, ...
 Reports tokens/s medians (min..max), the median of per-round ratios, and whether both sides
 generated the same tokens (both layouts sum in the same order, so they should).
 
@@ -26,29 +26,14 @@ from engine.core.sequence import SamplingParams
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import load_model
 from engine.model.model_runner import load_cpu_kernels
-from kernels import cpu_build
-from kernels.linear import Linear
+from kernels.linear import Linear, gemv_way, relayout
 
 PROMPT, NEW = 140, 128
 
 
 def other_layout(lin: Linear) -> None:
-    """Switch one Linear's GEMV operand to the layout the engine does not choose for it."""
-    ops = cpu_build.ops()
-    if lin.packed:  # back to row-major: the same values, in rows
-        rows = unpack(lin.plain)
-        assert torch.equal(ops.gemv_pack(rows), lin.plain), "unpack no longer inverts kvscope.gemv_pack"
-        lin.plain = rows
-    else:
-        lin.plain = ops.gemv_pack(lin.plain)
-    lin.packed = not lin.packed
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """gemv_pack's inverse (kernels/cpu/kvscope_cpu.cpp: blocks of 16 rows, groups of 8, chunks
-    of 32 elements): [N/16, 2, K/32, 8, 32] back to [N, K]; other_layout checks it."""
-    n, k = packed.shape
-    return packed.view(n // 16, 2, k // 32, 8, 32).permute(0, 1, 3, 2, 4).contiguous().view(n, k)
+    """Switch one Linear's GEMV operand to the layout the engine did not choose for it."""
+    relayout(lin, not lin.packed)
 
 
 def engine(spec: str, dtype: str, switched: bool) -> tuple[LLMEngine, list[int]]:
@@ -62,10 +47,17 @@ def engine(spec: str, dtype: str, switched: bool) -> tuple[LLMEngine, list[int]]
 
 
 def gemv_linears(eng: LLMEngine) -> list[Linear]:
-    """The engine's Linears that run the GEMV at batch 1 (choose_backend may leave one to oneDNN)."""
+    """The engine's Linears that run the GEMV at batch 1 (choose_gemv may leave a kind to the GEMM)."""
     runner = eng.runner
     lins = [lin for w in runner.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [runner.lm_head]
     return [lin for lin in lins if lin is not None and lin.gemv]
+
+
+def layouts(eng: LLMEngine) -> str:
+    """Each kind of layer's layout, as the first layer has it."""
+    first, lm_head = eng.runner.layers[0], eng.runner.lm_head
+    kinds = {"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down, "lm_head": lm_head}
+    return " ".join(f"{k}:{gemv_way(lin)}" for k, lin in kinds.items() if lin)
 
 
 def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> float:
@@ -84,8 +76,7 @@ def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> f
 def compare(spec: str, dtype: str, rounds: int) -> str:
     chosen, prompt = engine(spec, dtype, False)
     other, _ = engine(spec, dtype, True)
-    ours = "packed" if gemv_linears(chosen)[0].packed else "row-major"
-    theirs = "row-major" if ours == "packed" else "packed"
+    ours, theirs = layouts(chosen), layouts(other)
     tokens: dict = {}
     sides = {f"{ours} (chosen)": lambda: decode_rate(chosen, prompt, tokens, "chosen"),
              theirs: lambda: decode_rate(other, prompt, tokens, "other")}

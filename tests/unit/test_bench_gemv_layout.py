@@ -19,7 +19,7 @@ def test_the_other_layout_gives_the_same_outputs_and_switches_back(isa, dtype, g
     x = torch.randn(1, 640, dtype=dtype)
     chosen, weights = lin(x), lin.plain.clone()
     other_layout(lin)
-    assert lin.packed is False and not torch.equal(lin.plain, weights)  # the engine packs bf16 weights
+    assert lin.packed is True and not torch.equal(lin.plain, weights)  # a Linear starts in rows
     assert torch.equal(lin(x), chosen)  # the same sums in the same order, from the other layout
     other_layout(lin)
-    assert lin.packed is True and torch.equal(lin.plain, weights)
+    assert lin.packed is False and torch.equal(lin.plain, weights)

@@ -37,3 +37,12 @@ def test_table_gives_medians_spreads_and_per_round_ratios():
     assert len(lines) == 2 + len(lc.MEASURES) and lines[2].startswith("| decode |")
     # medians (min..max); the ratio is KVScope's over llama.cpp's, round by round: 0.5, 1.5, 2
     assert lines[2] == "| decode | 20.0 (10.0..30.0) | 20.0 (10.0..20.0) | **1.50x** (0.50..2.00) | 6.0 (5.0..7.0) |"
+
+
+def test_held_to_avx2_llama_cpp_is_its_own_build_without_avx512():
+    """--isa avx2: llama-bench from a second build, for AVX2 and not the CPU's own instructions."""
+    runs = lc.llama_bench_runs(lc.Path("m.gguf"), threads=2, isa="avx2")
+    assert {r[0] for r in runs} == {str(lc.binary("llama-bench", "avx2"))}
+    assert lc.binary("llama-bench", "avx2").parent != lc.binary("llama-bench").parent
+    flags = lc.BUILD_FLAGS["avx2"]
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags and not any("AVX512" in f for f in flags)

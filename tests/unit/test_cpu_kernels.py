@@ -5,6 +5,7 @@ cannot build them (no g++, not Linux), which `kernels.cpu_build.supported` names
 from __future__ import annotations
 
 import platform
+import time
 
 import pytest
 import torch
@@ -224,26 +225,64 @@ def test_linear_backend_is_checked_and_falls_back(monkeypatch):
     assert linear.choose_backend(odd) == ("torch", False)
 
 
-@pytest.mark.parametrize("dtype,gemv_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                              (torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
-                         ids=["fp32", "bf16", "fp32-packed-bf16", "fp32-packed"])
+@pytest.mark.parametrize("dtype,gemv_dtype",
+                         [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "fp32+bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, rows, bias):
-    """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it;
-    on a packed copy of the weights in bf16, = F.linear on those rounded weights in fp32 arithmetic."""
+def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, packed, rows, bias):
+    """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it,
+    from either layout of the weights; on a bf16 copy of them, = F.linear on those rounded weights
+    in fp32 arithmetic."""
     torch.manual_seed(rows)
     layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
     x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576]  # rows strided, as the engine's views are
     streamed = lambda w: w.to(gemv_dtype or dtype).double()
     with torch.inference_mode():
-        out = linear.Linear(layers, "torch", gemv=True, gemv_dtype=gemv_dtype)(x)
+        lin = linear.Linear(layers, "torch", gemv=True, gemv_dtype=gemv_dtype)
+        linear.relayout(lin, packed)
+        out = lin(x)
         expected = torch.cat([torch.nn.functional.linear(x.double(), streamed(layer.weight),
                                                          None if layer.bias is None else layer.bias.double())
                               for layer in layers], dim=1)
     assert out.dtype == dtype and out.shape == (rows, 1024)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype,gemv_dtype,fast", [
+    (torch.bfloat16, None, "rows"), (torch.bfloat16, None, "packed"), (torch.bfloat16, None, "off"),
+    (torch.float32, None, "rows"), (torch.float32, None, "off"),
+    (torch.float32, torch.bfloat16, "rows"), (torch.float32, torch.bfloat16, "packed"),
+    (torch.float32, torch.bfloat16, "off")], ids=lambda v: str(v).removeprefix("torch."))
+def test_each_kind_of_layer_runs_its_few_rows_the_fastest_way(isa, monkeypatch, dtype, gemv_dtype, fast):
+    """choose_gemv times the ways of a kind of layer (here every way but `fast` is made 2 ms a
+    call slower) and leaves the whole kind in the fastest; the layouts give the same outputs, the
+    GEMM the same within rounding; weights streamed in their own dtype are not copied unless
+    packed; a bf16 copy of fp32 weights is streamed whatever the timing says (it is that mode)."""
+    torch.manual_seed(0)
+    lins = [linear.Linear([torch.nn.Linear(k, n, bias=False).to(dtype)], "torch", gemv=True, gemv_dtype=gemv_dtype)
+            for n, k in [(96, 64), (48, 128), (96, 64)]]
+    xs = [torch.randn(1, lin.in_features, dtype=dtype) for lin in lins]
+    with torch.inference_mode():
+        before = [lin(x) for lin, x in zip(lins, xs)]
+        call = linear.Linear.__call__
+
+        def timed(lin, x):
+            if linear.gemv_way(lin) != fast:
+                time.sleep(0.002)
+            return call(lin, x)
+        monkeypatch.setattr(linear.Linear, "__call__", timed)
+        chosen = linear.choose_gemv(lins)
+        monkeypatch.undo()
+        assert chosen == fast or (gemv_dtype and fast == "off" and chosen in ("rows", "packed"))
+        assert [linear.gemv_way(lin) for lin in lins] == [chosen] * 3
+        after = [lin(x) for lin, x in zip(lins, xs)]
+    for a, b in zip(after, before):
+        assert torch.equal(a, b) if chosen != "off" else torch.allclose(a, b, atol=1e-2, rtol=1e-2)
+    if gemv_dtype is None and chosen != "packed":
+        assert all(lin.plain.data_ptr() == lin.weight.data_ptr() for lin in lins)
 
 
 def test_gemv_refuses_what_it_cannot_do(isa):
