@@ -6,7 +6,7 @@ weights of `bfloat16`) in rows or packed by gemv_pack into one sequential stream
 `choose_gemv` timed faster for each kind of layer where the model loads (docs/benchmarks.md,
 "The GEMV's weight layout"). bench/gemv.py times each shape alone; this checks the choice where a
 user sees it: the 140+128 job's decode (its time less a 140-token prefill's), on two copies of the
-model, one with every GEMV's weights switched to the other layout, A B, B A, ...
+model, the second with each GEMV's weights in the layout the first did not choose, A B, B A, ...
 Reports tokens/s medians (min..max), the median of per-round ratios, and whether both sides
 generated the same tokens (both layouts sum in the same order, so they should).
 
@@ -26,7 +26,7 @@ from engine.core.sequence import SamplingParams
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import load_model
 from engine.model.model_runner import load_cpu_kernels
-from kernels.linear import Linear, gemv_way, relayout
+from kernels.linear import Linear, gemv_way, relayout, set_gemv
 
 PROMPT, NEW = 140, 128
 
@@ -36,21 +36,25 @@ def other_layout(lin: Linear) -> None:
     relayout(lin, not lin.packed)
 
 
-def engine(spec: str, dtype: str, switched: bool) -> tuple[LLMEngine, list[int]]:
+def engine(spec: str, dtype: str) -> tuple[LLMEngine, list[int]]:
     loaded = load_model(spec, device="cpu", dtype=dtype)
     prompt = next(x for x in make_prompts(loaded.tokenizer, 64) if len(x) >= PROMPT)[:PROMPT]
-    eng = make_engine(loaded, [prompt], NEW + 1, 1)
-    if switched:
-        for lin in gemv_linears(eng):
-            other_layout(lin)
-    return eng, prompt
+    return make_engine(loaded, [prompt], NEW + 1, 1), prompt
 
 
-def gemv_linears(eng: LLMEngine) -> list[Linear]:
-    """The engine's Linears that run the GEMV at batch 1 (choose_gemv may leave a kind to the GEMM)."""
+def linears(eng: LLMEngine) -> list[Linear]:
     runner = eng.runner
     lins = [lin for w in runner.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [runner.lm_head]
-    return [lin for lin in lins if lin is not None and lin.gemv]
+    return [lin for lin in lins if lin is not None]
+
+
+def mirror(chosen: list[Linear], other: list[Linear]) -> None:
+    """Give `other` (the same model's Linears loaded again, whose own choice may differ) each of
+    `chosen`'s GEMVs in the other layout; one `chosen` leaves to the GEMM stays there."""
+    for a, b in zip(chosen, other, strict=True):
+        set_gemv(b, gemv_way(a))
+        if b.gemv:
+            other_layout(b)
 
 
 def layouts(eng: LLMEngine) -> str:
@@ -74,8 +78,9 @@ def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> f
 
 
 def compare(spec: str, dtype: str, rounds: int) -> str:
-    chosen, prompt = engine(spec, dtype, False)
-    other, _ = engine(spec, dtype, True)
+    chosen, prompt = engine(spec, dtype)
+    other, _ = engine(spec, dtype)
+    mirror(linears(chosen), linears(other))
     ours, theirs = layouts(chosen), layouts(other)
     tokens: dict = {}
     sides = {f"{ours} (chosen)": lambda: decode_rate(chosen, prompt, tokens, "chosen"),

@@ -22,7 +22,7 @@ per kind of layer, calling every layer's weights in turn as a decode step does.
 """
 from __future__ import annotations
 
-import time
+from time import perf_counter
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from kernels import cpu_build
 
 PACK_ROWS = 32  # oneDNN's layout hint: the decode batch; the same layout was best up to 2,048 rows
 GEMV_ROWS = 4  # kvscope.gemv takes up to this many rows
+# packed is chosen only this much faster than the other ways: it is a copy, and SmolLM2's small
+# kinds (a pass of ~1 ms) timed within a few % of the rows, flipping between loads (bench.gemv_layout)
+PACKED_MARGIN = 1.05
 _choice: dict[tuple, tuple[str, bool]] = {}
 
 
@@ -108,7 +111,8 @@ def choose_gemv(lins: list[Linear], rounds: int = 3) -> str:
     finds them: timed as a step calls them, one after another, each way in turn (rotated each
     round), the best of two passes after a warm one (weights just laid out are partly in
     cache), the median over rounds. The ways: the GEMV on rows, or packed (bf16 operands: which
-    reads faster depends on the machine, docs/benchmarks.md), or off, the backend's GEMM (not
+    reads faster depends on the machine, docs/benchmarks.md; chosen only PACKED_MARGIN faster
+    than the others), or off, the backend's GEMM (not
     for a GEMV copy in another dtype, whose half the bytes are that mode's point). Returns the
     way chosen."""
     lins = [lin for lin in lins if lin.gemv]
@@ -121,10 +125,10 @@ def choose_gemv(lins: list[Linear], rounds: int = 3) -> str:
     def best_pass() -> float:
         times = []
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0 = perf_counter()
             for lin in lins:
                 lin(xs[lin.in_features, lin.dtype])
-            times.append(time.perf_counter() - t0)
+            times.append(perf_counter() - t0)
         return min(times[1:])
 
     times: dict[str, list[float]] = {way: [] for way in ways}
@@ -133,7 +137,8 @@ def choose_gemv(lins: list[Linear], rounds: int = 3) -> str:
             for lin in lins:
                 set_gemv(lin, way)
             times[way].append(best_pass())
-    best = min(ways, key=lambda way: sorted(times[way])[rounds // 2] if times[way] else 0.0)
+    median = {way: sorted(t)[rounds // 2] if t else 0.0 for way, t in times.items()}
+    best = min(ways, key=lambda way: median[way] * (PACKED_MARGIN if way == "packed" else 1.0))
     for lin in lins:
         set_gemv(lin, best)
     return best
@@ -177,11 +182,11 @@ def _fastest(layers: list[torch.nn.Linear], backends: list[str], rows: int, repe
         times: dict[str, list[float]] = {b: [] for b in lins}
         for i in range(repeats + 1):  # the first round warms each up
             for b, group in lins.items():
-                t0 = time.perf_counter()
+                t0 = perf_counter()
                 for lin, x in zip(group, inputs):
                     lin(x)
                 if i:
-                    times[b].append(time.perf_counter() - t0)
+                    times[b].append(perf_counter() - t0)
     except (RuntimeError, AttributeError):
         return backends[0]
     return min(times, key=lambda b: min(times[b]))  # the best round: other processes only ever add time

@@ -285,6 +285,18 @@ def test_each_kind_of_layer_runs_its_few_rows_the_fastest_way(isa, monkeypatch, 
         assert all(lin.plain.data_ptr() == lin.weight.data_ptr() for lin in lins)
 
 
+@pytest.mark.parametrize("packed_cost,chosen", [(0.97, "rows"), (0.90, "packed")])
+def test_packed_is_chosen_only_when_clearly_faster(isa, monkeypatch, packed_cost, chosen):
+    """Packed is a copy, and within a few % of the rows the two flip between loads: it must be
+    PACKED_MARGIN faster (a clock that each call advances by its way's cost, so no timing)."""
+    lins = [linear.Linear([torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)], "torch", gemv=True)]
+    cost, now = {"rows": 1.0, "packed": packed_cost, "off": 2.0}, [0.0]
+    monkeypatch.setattr(linear, "perf_counter", lambda: now[0])
+    step = lambda lin, x: now.__setitem__(0, now[0] + cost[linear.gemv_way(lin)])  # noqa: E731
+    monkeypatch.setattr(linear.Linear, "__call__", step)
+    assert linear.choose_gemv(lins) == chosen
+
+
 def test_gemv_refuses_what_it_cannot_do(isa):
     w = torch.randn(32, 64)
     with pytest.raises(RuntimeError, match="M <= 4"):
