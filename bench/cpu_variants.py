@@ -80,7 +80,7 @@ def main() -> None:
     if args.linear:
         backend, _, gemv = args.linear.partition("+")
         model_runner.choose_backend = lambda layers, repeats=5, gemv_dtype=None: (backend, bool(gemv))
-        model_runner.choose_gemv = lambda lins, rounds=3: None  # the GEMV's operand stays as built: rows
+        model_runner.choose_gemv = lambda lins, **_: None  # the GEMV's operand stays as built: rows
     sides = [VariantSide(spec, args.model) for spec in args.sides.split(",")]
     jobs = [j for j in make_jobs(sides[0].loaded.tokenizer, args.requests, args.new_tokens)
             if any(j.name.startswith(x) for x in args.jobs.split(","))]

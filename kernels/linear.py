@@ -105,21 +105,21 @@ def gemv_way(lin: Linear) -> str:
 
 
 @torch.inference_mode()
-def choose_gemv(lins: list[Linear], rounds: int = 3) -> str:
+def choose_gemv(lins: list[Linear], rounds: int = 3, gemm: bool = True) -> str:
     """Run the one-row calls of `lins` (one kind of layer, say every layer's q|k|v) the way that
     streams their weights fastest on this machine, from memory or the cache as a decode step
     finds them: timed as a step calls them, one after another, each way in turn (rotated each
     round), the best of two passes after a warm one (weights just laid out are partly in
     cache), the median over rounds. The ways: the GEMV on rows, or packed (bf16 operands: which
     reads faster depends on the machine, docs/benchmarks.md; chosen only PACKED_MARGIN faster
-    than the others), or off, the backend's GEMM (not
-    for a GEMV copy in another dtype, whose half the bytes are that mode's point). Returns the
-    way chosen."""
+    than the others), or off, the backend's GEMM (where `gemm`: not for layers a decode step runs in
+    one call of the kernels, engine/model/decode_step.py, nor for a GEMV copy in another dtype,
+    whose half the bytes are that mode's point). Returns the way chosen."""
     lins = [lin for lin in lins if lin.gemv]
     if not lins:
         return "off"
     first = lins[0]
-    ways = ["rows"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * (first.plain.dtype == first.dtype)
+    ways = ["rows"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * (gemm and first.plain.dtype == first.dtype)
     xs = {(lin.in_features, lin.dtype): torch.randn(1, lin.in_features, dtype=lin.dtype) for lin in lins}
 
     def best_pass() -> float:

@@ -28,6 +28,7 @@ import torch
 
 import kernels
 from kernels.linear import Linear, choose_backend, choose_gemv
+from engine.model import decode_step
 from engine.model.model_loader import LoadedModel, default_cache_dir, stderr_progress
 from kvscope_contract import kv_groups
 from kvscope_contract.protocol import CommandError, EngineInfo, PoolConfig
@@ -122,8 +123,12 @@ def _prepare(model: torch.nn.Module, gemv_dtype: torch.dtype | None, windows: li
             rope=types[i] if types else None, window=windows[i] or 0))
         mlp_out = norm(layer.post_feedforward_layernorm) if gemma else None
     lm_head = Linear([model.lm_head], *choose_backend([model.lm_head], gemv_dtype=gemv_dtype), gemv_dtype)
-    for kind in [*zip(*[(w.qkv, w.o, w.down) + ((w.gate_up,) if w.gate_up else ()) for w in layers]), [lm_head]]:
-        choose_gemv(list(kind))  # per kind of layer: the fastest way differs by shape (kernels/linear.py)
+    # per kind of layer: the fastest way differs by shape (kernels/linear.py); the layers' kinds as GEMVs
+    # where a decode step can run them in one call (decode_step.py: 1.2-1.8x the ops, GEMMs among them)
+    one_call = kernels.cpu_build.loaded() and all(w.gate_up for w in layers)
+    for kind in zip(*[(w.qkv, w.o, w.down) + ((w.gate_up,) if w.gate_up else ()) for w in layers]):
+        choose_gemv(list(kind), gemm=not one_call)
+    choose_gemv([lm_head])
     return Prepared(layers, lm_head, _norm_weight(model.model.norm, gemma), mlp_out, _eps(model.model.norm),
                     list(dict.fromkeys(w.rope for w in layers)))
 
@@ -157,6 +162,7 @@ class ModelRunner:
             _PREPARED[self.model] = _prepare(self.model, gemv_dtype, self.windows)
         self.prepared: Prepared = _PREPARED[self.model]
         self.layers, self.lm_head = self.prepared.layers, self.prepared.lm_head
+        self.layer_rope = [self.prepared.ropes.index(w.rope) for w in self.layers]  # for decode_step
 
     def info(self) -> EngineInfo:
         copy = self.lm_head.gemv and self.loaded.gemv_dtype != self.dtype  # the GEMV's own dtype (float32+bfloat16)
@@ -216,6 +222,7 @@ class ModelRunner:
                     self.step_metas.append(key)
                 slot[layer], meta_of[layer] = s, self.step_metas.index(key)
         self.layer_cache = [self.kv_cache[s] for s in slot]
+        self.layer_kv = [t for kv in self.layer_cache for t in kv]  # K, V, K, V, ...: decode_step's caches
         self.layer_meta = meta_of
 
     # ------------------------------------------------------------------ one step
@@ -278,9 +285,26 @@ class ModelRunner:
         prep = self.prepared
         h = self.model.model.embed_tokens(input_ids)  # [T, hidden] (Gemma's module scales it by sqrt(hidden))
         ropes = self._ropes(h, positions)
-        n, d, kvh = h.shape[0], self.head_dim, self.num_kv_heads
         residual = h
         x = kernels.rms_norm(h, self.layers[0].input_norm, self.layers[0].eps)
+        if decode_step.takes(x, metas) and (args := decode_step.layer_arguments(self.layers)):
+            decode_step.run(x, residual, args, self.layer_kv, [ropes[kind] for kind in prep.ropes], self.layer_rope,
+                            metas, self.layer_meta, self.model.config.num_attention_heads)
+        else:
+            x = self._layers(x, residual, ropes, metas)
+        if not len(logits_rows):
+            return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        out = x[logits_rows]
+        if prep.final_pre is not None:  # Gemma: the last MLP's output norm
+            out = kernels.rms_norm(out, prep.final_pre, prep.eps)
+        last = residual[logits_rows] + out
+        return self.lm_head(kernels.rms_norm(last, prep.final_norm, prep.eps)).float()
+
+    def _layers(self, x: torch.Tensor, residual: torch.Tensor, ropes: dict,
+                metas: list[kernels.AttentionMetadata]) -> torch.Tensor:
+        """The decoder layers op by op on x (layer 0's input norm of `residual`), the residual
+        stream in place; returns the last layer's MLP output."""
+        n, d, kvh = x.shape[0], self.head_dim, self.num_kv_heads
         for i, (w, kv, m) in enumerate(zip(self.layers, self.layer_cache, self.layer_meta)):
             meta = metas[m]
             if i:  # the residual add of the previous layer's MLP, fused into this layer's norm
@@ -292,13 +316,7 @@ class ModelRunner:
             x = w.o(o.view(n, -1))
             kernels.add_rms_norm(x, residual, w.post_norm, w.eps, w.attn_out_norm)
             x = w.down(w.act(w.gate_up(x))) if w.gate_up else w.mlp(x)
-        if not len(logits_rows):
-            return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        out = x[logits_rows]
-        if prep.final_pre is not None:  # Gemma: the last MLP's output norm
-            out = kernels.rms_norm(out, prep.final_pre, prep.eps)
-        last = residual[logits_rows] + out
-        return self.lm_head(kernels.rms_norm(last, prep.final_norm, prep.eps)).float()
+        return x
 
 
 if __name__ == "__main__":  # `python -m engine.model.model_runner`: build the CPU kernels now (make install)

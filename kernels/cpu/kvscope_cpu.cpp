@@ -23,6 +23,8 @@
 //   gemv              out = x W^T (+ b) for a few rows of x: the weights streamed once, at the
 //                     memory's speed (decode at small batch reads every weight for one token)
 //   gemv_pack         weights laid out for gemv to read in one sequential stream
+//   decode_step       every decoder layer of a decode step of 1-4 rows (the ops above, in order) in one
+//                     parallel region: its threads start once per step and meet at barriers
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -57,6 +59,16 @@ constexpr int64_t kParallelWork = 32768;
 // torch's thread count (torch.set_num_threads), also on threads OpenMP did not start, such as
 // the engine server's
 inline int threads() { return at::get_num_threads(); }
+
+// Each kernel's loop is an orphaned `omp for`: it splits its iterations over the team of whichever
+// parallel region calls it. An op runs its kernel in a region of its own (`in_team`: threads() of
+// them when there is enough work, else this thread alone); decode_step runs every kernel of a
+// step in one region, so its threads meet at barriers instead of starting once per kernel.
+template <typename F>
+void in_team(bool parallel, F&& f) {
+#pragma omp parallel num_threads(threads()) if (parallel)
+  f();
+}
 
 // T -> float; float -> T (round to nearest even, as torch); float rounded to T and back.
 // bf16 by bit operations, NaN as c10 makes it: c10's own conversion has a branch that keeps
@@ -426,8 +438,20 @@ void decode_task(const float* qf, float sc, const T* kc, const T* vc, const int3
 }
 
 // window: keys of a query at position p are p - window + 1 .. p (0: all of 0 .. p)
+inline int64_t first_key(const int32_t* lens, int64_t b, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t(0);
+}
+
+// the elements of K the decode rows read: whether a region of its own pays
+inline int64_t decode_work(const at::Tensor& seq_lens, int64_t heads, int64_t head_dim, int64_t window) {
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  int64_t work = 0;
+  for (int64_t b = 0; b < seq_lens.size(0); ++b) work += (lens[b] - first_key(lens, b, window)) * heads * head_dim;
+  return work;
+}
+
 template <typename T>
-void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+void decode_attention_team(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale, int64_t window) {
   const int64_t B = seq_lens.size(0), H = query.size(1), D = query.size(2);
@@ -444,38 +468,31 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   T* o = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const int64_t tasks = B * KVH;
-  auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t(0); };
-  int64_t work = 0, longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    work += (lens[b] - first(b)) * H * D;
-    longest = std::max<int64_t>(longest, lens[b] - first(b));
-  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, lens[b] - first_key(lens, b, window));
   auto task_fn = D == 64 ? decode_task<T, 64 / W> : D == 128 ? decode_task<T, 128 / W>
                : D == 256 ? decode_task<T, 256 / W> : decode_task<T, 0>;
+  std::vector<float> qf(G * D), acc(G * D), s(G * longest), inv(G);  // per thread, not per task
   // dynamic: sequences differ in length, so equal halves of the task list are not equal work
-#pragma omp parallel num_threads(threads()) if (tasks > 1 && work > kParallelWork)
-  {
-    std::vector<float> qf(G * D), acc(G * D), s(G * longest), inv(G);  // per thread, not per task
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / KVH, h = task % KVH;
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);  // scaled after the dot, as SDPA does
-      }
-      task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, first(b), lens[b], bs, c_blk,
-              c_tok, G, D, s.data(), acc.data(), inv.data());
-      for (int64_t g = 0; g < G; ++g) {
-        T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
-        for (int64_t d = 0; d < D; ++d) og[d] = to<T>(acc[g * D + d]);
-      }
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / KVH, h = task % KVH;
+    for (int64_t g = 0; g < G; ++g) {
+      const T* qg = q + row_of[b] * q_row + (h * G + g) * q_head;
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);  // scaled after the dot, as SDPA does
+    }
+    task_fn(qf.data(), sc, kc + h * c_head, vc + h * c_head, tables + b * bt_row, first_key(lens, b, window),
+            lens[b], bs, c_blk, c_tok, G, D, s.data(), acc.data(), inv.data());
+    for (int64_t g = 0; g < G; ++g) {
+      T* og = o + row_of[b] * o_row + (h * G + g) * o_head;
+      for (int64_t d = 0; d < D; ++d) og[d] = to<T>(acc[g * D + d]);
     }
   }
 }
 
-void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      const at::Tensor& rows, double scale, int64_t window) {
+void check_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& rows) {
   check_cpu("query, out and the caches", {&out, &query, &k_cache, &v_cache});
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.strides() == v_cache.strides(),
               "kvscope: the caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
@@ -484,8 +501,18 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
               "kvscope: block_tables and seq_lens must be int32, rows int64");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "kvscope: query, out and the caches must share a dtype");
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      const at::Tensor& rows, double scale, int64_t window) {
+  check_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, rows);
+  const bool parallel = seq_lens.size(0) * k_cache.size(2) > 1 &&
+                        decode_work(seq_lens, query.size(1), query.size(2), window) > kParallelWork;
   dispatch(query.scalar_type(), "decode_attention", [&](auto tag) {
-    decode_attention_impl<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens, rows, scale, window);
+    in_team(parallel, [&] {
+      decode_attention_team<decltype(tag)>(out, query, k_cache, v_cache, block_tables, seq_lens, rows, scale, window);
+    });
   });
 }
 
@@ -661,14 +688,29 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     using WT = decltype(wtag);
     const int64_t T_ = x.size(0), n = x.size(1);
     const WT* w = weight.data_ptr<WT>();
-#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
-    for (int64_t t = 0; t < T_; ++t)
-      norm_row<T, WT>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, float(eps));
+    in_team(T_ * n > kParallelWork, [&] {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T_; ++t)
+        norm_row<T, WT>(x.data_ptr<T>() + t * x.stride(0), w, out.data_ptr<T>() + t * out.stride(0), n, float(eps));
+    });
   });
 }
 
 // x = pre * norm(x) first where pre is given (Gemma's norm of the attention's or MLP's output);
 // residual = residual + x (rounded to the dtype, as HF's `h = h + out`); x = w * norm(residual)
+template <typename T, typename WT>
+void add_rms_norm_team(const at::Tensor& x, const at::Tensor& residual, const WT* w, const WT* pre, float eps) {
+  const int64_t n = x.size(1);
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    T* xr = x.data_ptr<T>() + t * x.stride(0);
+    T* rr = residual.data_ptr<T>() + t * residual.stride(0);
+    if (pre) norm_row<T, WT>(xr, pre, xr, n, eps);
+    for (int64_t i = 0; i < n; ++i) rr[i] = to<T>(f32(rr[i]) + f32(xr[i]));
+    norm_row<T, WT>(rr, w, xr, n, eps);
+  }
+}
+
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps,
                   const c10::optional<at::Tensor>& pre) {
   check_cpu("x and residual", {&x, &residual});
@@ -680,18 +722,9 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   dispatch_norm(x, weight, "add_rms_norm", [&](auto tag, auto wtag) {
     using T = decltype(tag);
     using WT = decltype(wtag);
-    const int64_t T_ = x.size(0), n = x.size(1);
-    const WT* w = weight.data_ptr<WT>();
-    const WT* pw = pre ? pre->data_ptr<WT>() : nullptr;
-    const float e = float(eps);
-#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * n > kParallelWork)
-    for (int64_t t = 0; t < T_; ++t) {
-      T* xr = x.data_ptr<T>() + t * x.stride(0);
-      T* rr = residual.data_ptr<T>() + t * residual.stride(0);
-      if (pw) norm_row<T, WT>(xr, pw, xr, n, e);
-      for (int64_t i = 0; i < n; ++i) rr[i] = to<T>(f32(rr[i]) + f32(xr[i]));
-      norm_row<T, WT>(rr, w, xr, n, e);
-    }
+    in_team(x.size(0) * x.size(1) > kParallelWork, [&] {
+      add_rms_norm_team<T, WT>(x, residual, weight.data_ptr<WT>(), pre ? pre->data_ptr<WT>() : nullptr, float(eps));
+    });
   });
 }
 
@@ -702,16 +735,16 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 // rounded to the dtype as HF's module returns it; then as HF: x * cos + rotate_half(x) * sin, each
 // product and the sum rounded to the dtype.
 template <typename T, typename WT>
-void rope_store_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                     const WT* q_norm, const WT* k_norm, float eps) {
+void rope_store_team(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, const WT* q_norm, const WT* k_norm, float eps) {
   const int64_t T_ = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2), half = D / 2;
   const int64_t c_slot = k_cache.stride(1), c_head = k_cache.stride(2), bs = k_cache.size(1),
                 c_blk = k_cache.stride(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * (H + KVH) * D > kParallelWork)
+#pragma omp for schedule(static)
   for (int64_t t = 0; t < T_; ++t) {
     const T* c = cos.data_ptr<T>() + t * cos.stride(0);
     const T* s = sin.data_ptr<T>() + t * sin.stride(0);
@@ -757,8 +790,10 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   dispatch_norm(q, norm_like, "rope_store", [&](auto tag, auto wtag) {
     using T = decltype(tag);
     using WT = decltype(wtag);
-    rope_store_impl<T, WT>(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm ? q_norm->data_ptr<WT>() : nullptr,
-                           k_norm ? k_norm->data_ptr<WT>() : nullptr, float(eps));
+    in_team(q.size(0) * (q.size(1) + k.size(1)) * q.size(2) > kParallelWork, [&] {
+      rope_store_team<T, WT>(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm ? q_norm->data_ptr<WT>() : nullptr,
+                             k_norm ? k_norm->data_ptr<WT>() : nullptr, float(eps));
+    });
   });
 }
 
@@ -783,9 +818,9 @@ struct GeluTanh {
 };
 
 template <typename T, typename Act>
-void act_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
+void act_and_mul_team(const at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
-#pragma omp parallel for num_threads(threads()) schedule(static) if (T_ * I > kParallelWork)
+#pragma omp for schedule(static)
   for (int64_t t = 0; t < T_; ++t) {
     const T* g = gate_up.data_ptr<T>() + t * gate_up.stride(0);
     T* o = out.data_ptr<T>() + t * out.stride(0);
@@ -813,7 +848,9 @@ void act_and_mul(at::Tensor& out, const at::Tensor& gate_up, const char* op) {
   TORCH_CHECK(out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1) &&
                   out.scalar_type() == gate_up.scalar_type(),
               "kvscope: ", op, " wants out [T, I] for gate_up [T, 2I], one dtype");
-  dispatch(out.scalar_type(), op, [&](auto tag) { act_and_mul_impl<decltype(tag), Act>(out, gate_up); });
+  dispatch(out.scalar_type(), op, [&](auto tag) {
+    in_team(out.numel() > kParallelWork, [&] { act_and_mul_team<decltype(tag), Act>(out, gate_up); });
+  });
 }
 
 void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) { act_and_mul<Silu>(out, gate_up, "silu_and_mul"); }
@@ -919,13 +956,13 @@ void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int
 }
 
 template <typename T, typename O, int M, bool Packed>
-void gemv_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const O* bias) {
+void gemv_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const O* bias) {
   using G = Gemv<T, O>;
   using XT = typename G::XT;
   const int64_t N = w.size(0), K = w.size(1), o_row = out.stride(0);
   const O* xp = x.data_ptr<O>();
   int64_t x_row = x.stride(0);
-  std::vector<float> xf;  // x in float32, once, when the weights are widened to it
+  std::vector<float> xf;  // x in float32, once per thread, when the weights are widened to it
   if constexpr (!std::is_same_v<XT, O>) {
     xf.resize(M * K);
     for (int m = 0; m < M; ++m)
@@ -935,13 +972,13 @@ void gemv_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const 
   const XT* xk = reinterpret_cast<const XT*>(std::is_same_v<XT, O> ? static_cast<const void*>(xp) : xf.data());
   const T* wp = w.data_ptr<T>();
   O* op = out.data_ptr<O>();
-#pragma omp parallel for num_threads(threads()) schedule(static) if (N * K > kParallelWork)
+#pragma omp for schedule(static)
   for (int64_t n = 0; n < N; n += kBlock)
     gemv_block<T, O, M, Packed>(xk, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
 }
 
 template <typename T, typename O, bool Packed = false>
-void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+void gemv_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const O* b = bias ? bias->data_ptr<O>() : nullptr;
   switch (x.size(0)) {
     case 1: return gemv_rows<T, O, 1, Packed>(out, x, w, b);
@@ -967,8 +1004,8 @@ at::Tensor gemv_pack(const at::Tensor& w) {
 
 // x, out and bias in one dtype; w in it too, or bf16 under float32 x (see gemv_block); packed:
 // w as gemv_pack returns it (float32 x, or bf16 x and weights)
-void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-          bool packed) {
+void check_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                bool packed) {
   check_cpu("out, x and w", {&out, &x, &w});
   const auto xt = x.scalar_type(), wt = w.scalar_type();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4 &&
@@ -978,19 +1015,163 @@ void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::o
                   bias->numel() == w.size(0) && bias->scalar_type() == xt)),
               "kvscope: gemv wants x [M <= 4, K], w [N, K] contiguous with N a multiple of 16, out [M, N], "
               "x, out and bias in one dtype, w in it or in bfloat16 under float32");
-  using BF = c10::BFloat16;
   const int64_t K = w.size(1);
   TORCH_CHECK(!packed || ((xt == at::kFloat || wt == at::kBFloat16) && K % kPackChunk == 0),
               "kvscope: gemv takes packed weights under float32 x or bf16 x and weights, K a multiple of ", kPackChunk);
-  if (packed && xt == at::kBFloat16) return gemv_impl<BF, BF, true>(out, x, w, bias);
-  if (packed)
-    return wt == at::kFloat ? gemv_impl<float, float, true>(out, x, w, bias) : gemv_impl<BF, float, true>(out, x, w, bias);
-  if (wt == at::kFloat && K % Gemv<float>::kChunk == 0) return gemv_impl<float, float>(out, x, w, bias);
-  if (wt == at::kBFloat16 && xt == at::kFloat && K % Gemv<BF, float>::kChunk == 0)
-    return gemv_impl<BF, float>(out, x, w, bias);
-  if (wt == at::kBFloat16 && xt == at::kBFloat16 && K % Gemv<BF>::kChunk == 0) return gemv_impl<BF, BF>(out, x, w, bias);
-  TORCH_CHECK(false, "kvscope: gemv has no kernel for ", wt, " weights with K = ", K,
+  using BF = c10::BFloat16;
+  const int64_t chunk = wt == at::kFloat ? Gemv<float>::kChunk : xt == at::kFloat ? Gemv<BF, float>::kChunk
+                                                                                  : Gemv<BF>::kChunk;
+  TORCH_CHECK((wt == at::kFloat || wt == at::kBFloat16) && (packed || K % chunk == 0),
+              "kvscope: gemv has no kernel for ", wt, " weights with K = ", K,
               " (it takes float32 and bfloat16, K a multiple of ", Gemv<BF>::kChunk, ")");
+}
+
+// the kernel for check_gemv's arguments, on the calling team
+void gemv_team(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+               bool packed) {
+  using BF = c10::BFloat16;
+  const bool fp32_x = x.scalar_type() == at::kFloat, fp32_w = w.scalar_type() == at::kFloat;
+  if (packed && !fp32_x) return gemv_impl<BF, BF, true>(out, x, w, bias);
+  if (packed) return fp32_w ? gemv_impl<float, float, true>(out, x, w, bias) : gemv_impl<BF, float, true>(out, x, w, bias);
+  if (fp32_w) return gemv_impl<float, float>(out, x, w, bias);
+  return fp32_x ? gemv_impl<BF, float>(out, x, w, bias) : gemv_impl<BF, BF>(out, x, w, bias);
+}
+
+void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+          bool packed) {
+  check_gemv(out, x, w, bias, packed);
+  in_team(w.numel() > kParallelWork, [&] { gemv_team(out, x, w, bias, packed); });
+}
+
+// ---------------------------------------------------------------------------- a decode step
+// Every decoder layer of a decode step (each row one new token, M <= 4 rows) in one parallel
+// region: the same kernels as the ops above, in the same order on the same values, so the step
+// computes the same bits as the ops one by one; but its threads start once per step and meet at a
+// barrier after each kernel, where the ops start a region each, about 270 a step, and its
+// threads, asleep between two ops the host took long to issue, were woken each time (llama.cpp
+// runs its graph the same way: docs/benchmarks.md, "Why llama.cpp still decodes faster").
+//   x, residual [M, hidden]: x = layer 0's input norm of residual (the embeddings); on return x
+//     is the last layer's MLP output, residual its stream before it (as after the op loop)
+//   weights, kStepWeights per layer (None where the model has none): input norm, its pre-norm
+//     (Gemma), q|k|v, its bias, q_norm, k_norm, o, its bias, post-attention norm, the attention
+//     output's norm (Gemma), gate|up, its bias, down, its bias; packed: per layer q|k|v, o,
+//     gate|up, down in gemv_pack's layout (1) or in rows (0)
+//   caches: per layer its K cache, V cache; ropes: cos, sin per rotary embedding, layer_rope the
+//     one each layer takes; metas: slot mapping, block tables, seq lens, query rows and window per
+//     attention metadata, layer_meta the one each layer reads; scales: per layer the attention's
+//     scale and the norms' eps
+constexpr int64_t kStepWeights = 14;
+enum StepWeight { kInNorm, kInPre, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kPostNorm, kOutNorm, kGateUp,
+                  kGateUpBias, kDown, kDownBias };
+
+struct StepLayer {  // one layer's arguments, unpacked and checked before the region starts
+  std::array<c10::optional<at::Tensor>, kStepWeights> w;
+  std::array<bool, 4> packed;
+  at::Tensor q, k, v, k_cache, v_cache, cos, sin, slots, tables, seq_lens, rows;
+  double scale, eps;
+  int64_t window;
+};
+
+template <typename T, typename WT, typename Act>
+void decode_step_team(const at::Tensor& x, const at::Tensor& residual, const std::vector<StepLayer>& layers,
+                      const at::Tensor& qkv, const at::Tensor& attn, const at::Tensor& attn_rows,
+                      const at::Tensor& gate_up, const at::Tensor& act) {
+  auto ptr = [](const c10::optional<at::Tensor>& t) { return t ? t->data_ptr<WT>() : nullptr; };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const StepLayer& l = layers[i];
+    const float eps = float(l.eps);
+    if (i) add_rms_norm_team<T, WT>(x, residual, ptr(l.w[kInNorm]), ptr(l.w[kInPre]), eps);
+    gemv_team(qkv, x, *l.w[kQkv], l.w[kQkvBias], l.packed[0]);
+    rope_store_team<T, WT>(l.q, l.k, l.v, l.cos, l.sin, l.k_cache, l.v_cache, l.slots, ptr(l.w[kQNorm]),
+                           ptr(l.w[kKNorm]), eps);
+    decode_attention_team<T>(attn, l.q, l.k_cache, l.v_cache, l.tables, l.seq_lens, l.rows, l.scale, l.window);
+    gemv_team(x, attn_rows, *l.w[kO], l.w[kOBias], l.packed[1]);
+    add_rms_norm_team<T, WT>(x, residual, ptr(l.w[kPostNorm]), ptr(l.w[kOutNorm]), eps);
+    gemv_team(gate_up, x, *l.w[kGateUp], l.w[kGateUpBias], l.packed[2]);
+    act_and_mul_team<T, Act>(act, gate_up);
+    gemv_team(x, act, *l.w[kDown], l.w[kDownBias], l.packed[3]);
+  }
+}
+
+void decode_step(at::Tensor x, at::Tensor residual, const c10::List<c10::optional<at::Tensor>>& weights,
+                 const std::vector<int64_t>& packed, at::TensorList caches, at::TensorList ropes,
+                 at::TensorList metas, const std::vector<int64_t>& windows, const std::vector<int64_t>& layer_rope,
+                 const std::vector<int64_t>& layer_meta, const std::vector<double>& scales, int64_t num_heads,
+                 bool gelu) {
+  check_cpu("x and residual", {&x, &residual});
+  const int64_t L = int64_t(layer_meta.size()), M = x.size(0);
+  TORCH_CHECK(L > 0 && int64_t(weights.size()) == L * kStepWeights && int64_t(packed.size()) == 4 * L &&
+                  int64_t(caches.size()) == 2 * L && int64_t(layer_rope.size()) == L &&
+                  int64_t(scales.size()) == 2 * L && metas.size() == 4 * windows.size(),
+              "kvscope: decode_step wants per layer ", kStepWeights, " weights, 4 layouts, 2 caches, a rotary "
+              "embedding, a metadata and 2 scales; 4 tensors and a window per metadata");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type() && M >= 1 && M <= 4,
+              "kvscope: decode_step wants x and residual [M <= 4, hidden], contiguous, of one dtype");
+  std::vector<StepLayer> layers(L);
+  const at::Tensor w0 = *weights.get(kQkv);  // a copy: get() returns a temporary
+  const int64_t D = caches[0].size(-1), KVH = caches[0].size(-2), H = num_heads;
+  TORCH_CHECK(H > 0 && w0.size(0) == (H + 2 * KVH) * D, "kvscope: decode_step: q|k|v has ", w0.size(0),
+              " rows, not (", H, " + 2 x ", KVH, ") x ", D);
+  const at::Tensor qkv = x.new_empty({M, w0.size(0)}), attn = x.new_empty({M, H, D}), attn_rows = attn.view({M, H * D});
+  const at::Tensor qkv3 = qkv.view({M, H + 2 * KVH, D});
+  const at::Tensor q = qkv3.narrow(1, 0, H), k = qkv3.narrow(1, H, KVH), v = qkv3.narrow(1, H + KVH, KVH);
+  const int64_t I2 = weights.get(kGateUp)->size(0);
+  const at::Tensor gate_up = x.new_empty({M, I2}), act = x.new_empty({M, I2 / 2});
+  for (int64_t i = 0; i < L; ++i) {
+    StepLayer& l = layers[i];
+    for (int64_t j = 0; j < kStepWeights; ++j) l.w[j] = weights.get(i * kStepWeights + j);
+    for (int j = 0; j < 4; ++j) l.packed[j] = packed[4 * i + j] != 0;
+    for (int64_t j : {kInNorm, kQkv, kO, kPostNorm, kGateUp, kDown})
+      TORCH_CHECK(l.w[j].has_value(), "kvscope: decode_step: layer ", i, " lacks weight ", j);
+    TORCH_CHECK(l.w[kQkv]->sizes() == w0.sizes() && l.w[kGateUp]->size(0) == I2 &&
+                    l.w[kO]->size(0) == x.size(1) && l.w[kDown]->size(0) == x.size(1),
+                "kvscope: decode_step: layer ", i, "'s linear layers differ in shape from layer 0's");
+    check_gemv(qkv, x, *l.w[kQkv], l.w[kQkvBias], l.packed[0]);
+    check_gemv(x, attn_rows, *l.w[kO], l.w[kOBias], l.packed[1]);
+    check_gemv(gate_up, x, *l.w[kGateUp], l.w[kGateUpBias], l.packed[2]);
+    check_gemv(x, act, *l.w[kDown], l.w[kDownBias], l.packed[3]);
+    const at::Tensor& norm = *l.w[kInNorm];
+    for (int64_t j : {kInNorm, kInPre, kPostNorm, kOutNorm})
+      TORCH_CHECK(!l.w[j] || (l.w[j]->scalar_type() == norm.scalar_type() && l.w[j]->is_contiguous() &&
+                              l.w[j]->numel() == x.size(1)),
+                  "kvscope: decode_step: layer ", i, "'s norms must be [hidden], contiguous, of one dtype");
+    TORCH_CHECK(l.w[kQNorm].has_value() == l.w[kKNorm].has_value() &&
+                    (!l.w[kQNorm] || (l.w[kQNorm]->numel() == D && l.w[kKNorm]->numel() == D &&
+                                      l.w[kQNorm]->is_contiguous() && l.w[kKNorm]->is_contiguous() &&
+                                      l.w[kQNorm]->scalar_type() == norm.scalar_type() &&
+                                      l.w[kKNorm]->scalar_type() == norm.scalar_type())),
+                "kvscope: decode_step: layer ", i, " wants both q_norm and k_norm [head_dim] or neither");
+    TORCH_CHECK(layer_rope[i] >= 0 && 2 * layer_rope[i] + 1 < int64_t(ropes.size()) && layer_meta[i] >= 0 &&
+                    layer_meta[i] < int64_t(windows.size()),
+                "kvscope: decode_step: layer ", i, " names a rotary embedding or metadata not given");
+    const int64_t m = layer_meta[i];
+    l.q = q, l.k = k, l.v = v, l.k_cache = caches[2 * i], l.v_cache = caches[2 * i + 1];
+    l.cos = ropes[2 * layer_rope[i]], l.sin = ropes[2 * layer_rope[i] + 1];
+    l.slots = metas[4 * m], l.tables = metas[4 * m + 1], l.seq_lens = metas[4 * m + 2], l.rows = metas[4 * m + 3];
+    l.window = windows[m], l.scale = scales[2 * i], l.eps = scales[2 * i + 1];
+    check_cpu("the caches, cos and sin", {&l.k_cache, &l.v_cache, &l.cos, &l.sin});
+    TORCH_CHECK(l.k_cache.is_contiguous() && l.v_cache.is_contiguous() && l.k_cache.size(-1) == D &&
+                    l.k_cache.size(-2) == KVH && l.cos.size(0) == M && l.cos.size(1) == D &&
+                    l.sin.sizes() == l.cos.sizes() && l.cos.scalar_type() == x.scalar_type() &&
+                    l.sin.scalar_type() == x.scalar_type() && l.slots.scalar_type() == at::kLong &&
+                    l.slots.numel() == M && l.rows.numel() == M,
+                "kvscope: decode_step: layer ", i, ": contiguous caches [blocks, block_size, ", KVH, ", ", D,
+                "], cos/sin [M, head_dim] in x's dtype, M slots and M query rows (one token per sequence)");
+    check_decode_attention(attn, q, l.k_cache, l.v_cache, l.tables, l.seq_lens, l.rows);
+  }
+  TORCH_CHECK(D <= 512 && D % 2 == 0, "kvscope: head_dim must be even and at most 512");
+  dispatch_norm(x, *layers[0].w[kInNorm], "decode_step", [&](auto tag, auto wtag) {
+    using T = decltype(tag);
+    using WT = decltype(wtag);
+    TORCH_CHECK((!std::is_same_v<T, c10::Half>), "kvscope: decode_step takes float32 and bfloat16");
+    if constexpr (!std::is_same_v<T, c10::Half>) {
+      in_team(true, [&] {
+        if (gelu) decode_step_team<T, WT, GeluTanh>(x, residual, layers, qkv, attn, attn_rows, gate_up, act);
+        else decode_step_team<T, WT, Silu>(x, residual, layers, qkv, attn, attn_rows, gate_up, act);
+      });
+    }
+  });
 }
 
 }  // namespace
@@ -1020,6 +1201,9 @@ KVSCOPE_LIBRARY(KVSCOPE_NS, m) {
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, bool packed=False) -> ()");
   m.def("gemv_pack(Tensor w) -> Tensor");
+  m.def("decode_step(Tensor(a!) x, Tensor(b!) residual, Tensor?[] weights, int[] packed, Tensor(c!)[] caches, "
+        "Tensor[] ropes, Tensor[] metas, int[] windows, int[] layer_rope, int[] layer_meta, float[] scales, "
+        "int num_heads, bool gelu) -> ()");
 }
 
 KVSCOPE_LIBRARY_IMPL(KVSCOPE_NS, m) {
@@ -1032,4 +1216,5 @@ KVSCOPE_LIBRARY_IMPL(KVSCOPE_NS, m) {
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("gemv", &gemv);
   m.impl("gemv_pack", &gemv_pack);
+  m.impl("decode_step", &decode_step);
 }
