@@ -72,8 +72,8 @@ def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> f
         t0 = time.perf_counter()
         out = eng.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))
         times.append(time.perf_counter() - t0)
-        if new > 1:
-            tokens[name] = out
+        if new > 1:  # the token ids: the outputs' other fields differ between runs (request ids, times)
+            tokens[name] = [o.token_ids for group in out for o in group]
     return NEW / (times[0] - times[1])
 
 

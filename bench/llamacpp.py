@@ -180,6 +180,9 @@ class KVScopeRuns:
         return self.side.run(self.job(f"{n}+{new}", [self.prompts[n]], new, "tok/s"))[0]
 
     def measure(self) -> dict[str, float]:
+        # a warm-up run first, as llama-bench makes before each test: a side's first prefill after
+        # the other sides ran was 0.6-0.8x the next ones (pp 128 measured in it 0.45-0.9x llama.cpp)
+        self._seconds(PP[0], 1)
         out = {f"pp {n}": n / self._seconds(n, 1) for n in PP}
         prefill, job = self._seconds(PROMPT, 1), self._seconds(PROMPT, NEW)
         out["decode"] = (NEW - 1) / (job - prefill)

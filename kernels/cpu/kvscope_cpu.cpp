@@ -1152,7 +1152,7 @@ void decode_step(at::Tensor x, at::Tensor residual, const c10::List<c10::optiona
     l.window = windows[m], l.scale = scales[2 * i], l.eps = scales[2 * i + 1];
     check_cpu("the caches, cos and sin", {&l.k_cache, &l.v_cache, &l.cos, &l.sin});
     TORCH_CHECK(l.k_cache.is_contiguous() && l.v_cache.is_contiguous() && l.k_cache.size(-1) == D &&
-                    l.k_cache.size(-2) == KVH && l.cos.size(0) == M && l.cos.size(1) == D &&
+                    l.k_cache.size(-2) == KVH && l.v_cache.scalar_type() == x.scalar_type() && l.cos.size(0) == M && l.cos.size(1) == D &&
                     l.sin.sizes() == l.cos.sizes() && l.cos.scalar_type() == x.scalar_type() &&
                     l.sin.scalar_type() == x.scalar_type() && l.slots.scalar_type() == at::kLong &&
                     l.slots.numel() == M && l.rows.numel() == M,
