@@ -119,7 +119,8 @@ def choose_gemv(lins: list[Linear], rounds: int = 3, gemm: bool = True) -> str:
     if not lins:
         return "off"
     first = lins[0]
-    ways = ["rows"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * (gemm and first.plain.dtype == first.dtype)
+    gemm = gemm and first.plain.dtype == first.dtype
+    ways = ["rows"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * gemm
     xs = {(lin.in_features, lin.dtype): torch.randn(1, lin.in_features, dtype=lin.dtype) for lin in lins}
 
     def best_pass() -> float:
