@@ -19,7 +19,7 @@ from kernels.pointwise import (add_rms_norm_torch, gelu_tanh_and_mul_torch, rms_
                                silu_and_mul_torch)
 from kernels.store import store_kv_torch, store_kv_triton
 
-__all__ = ["AttentionMetadata", "build_attention_metadata", "store_kv", "paged_attention", "copy_blocks",
+__all__ = ["argmax", "AttentionMetadata", "build_attention_metadata", "store_kv", "paged_attention", "copy_blocks",
            "swap_blocks", "rms_norm", "add_rms_norm", "rope_store", "silu_and_mul", "gelu_tanh_and_mul",
            "store_kv_torch",
            "store_kv_triton", "paged_attention_torch", "paged_attention_triton", "paged_attention_cpu",
@@ -43,6 +43,14 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
     instead of gathering the same values back from the cache."""
     impl = paged_attention_triton if query.is_cuda else paged_attention_cpu if _native(query) else paged_attention_torch
     return impl(query, k_cache, v_cache, meta, scale, key, value)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """Each row's index of its largest logit, [rows, vocab] -> [rows], as torch's argmax(-1): the
+    C++ kernel splits the rows across the threads (torch scans a row on one)."""
+    if _native(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+        return cpu_build.ops().argmax(logits)
+    return logits.argmax(-1)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -29,12 +29,16 @@ class LayerArguments:
     gelu: bool
 
 
+def fits(layers: list) -> bool:
+    """Whether these LayerWeights can run in one decode_step once their linear layers are GEMVs:
+    the C++ kernels loaded, every MLP on one activation with a fused kernel."""
+    return cpu_build.loaded() and len({w.act for w in layers}) == 1 and all(w.gate_up is not None for w in layers)
+
+
 def layer_arguments(layers: list) -> LayerArguments | None:
-    """decode_step's arguments for these LayerWeights, None where one runs otherwise (a linear
-    layer on the backend's GEMM, an MLP without a fused activation)."""
-    acts = {w.act for w in layers}
-    if len(acts) != 1 or not all(w.gate_up is not None and w.qkv.gemv and w.o.gemv and w.gate_up.gemv and w.down.gemv
-                                 for w in layers):
+    """decode_step's arguments for these LayerWeights, None where they run otherwise (`fits` says
+    no, or a linear layer is on the backend's GEMM)."""
+    if not fits(layers) or not all(lin.gemv for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)):
         return None
     weights, packed, scales = [], [], []
     for w in layers:
@@ -42,7 +46,7 @@ def layer_arguments(layers: list) -> LayerArguments | None:
                     w.post_norm, w.attn_out_norm, w.gate_up.plain, w.gate_up.bias, w.down.plain, w.down.bias]
         packed += [int(lin.packed) for lin in (w.qkv, w.o, w.gate_up, w.down)]
         scales += [w.scaling, w.eps]
-    return LayerArguments(weights, packed, scales, acts.pop() is kernels.gelu_tanh_and_mul)
+    return LayerArguments(weights, packed, scales, layers[0].act is kernels.gelu_tanh_and_mul)
 
 
 def takes(x: torch.Tensor, metas: list[kernels.AttentionMetadata]) -> bool:

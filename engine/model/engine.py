@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+import kernels
 from kvscope_contract import protocol as p
 from kvscope_contract.kv_groups import group_layers
 from engine.config import EngineConfig
@@ -83,13 +84,13 @@ class LLMEngine(EngineCore):
         seq.generator = make_generator(seq.params, index)
 
     def _execute(self, batch: Batch):
-        """One (logits, greedy token) per completing row: the argmax of every row in one call,
-        as most rows sample greedily (batch 32 here: 0.9 ms row by row, 0.44 ms in one call)."""
+        """One (logits, greedy token) per completing row: the argmax of every row in one call, as
+        most rows sample greedily (kernels.argmax; batch 32 here: 0.9 ms row by row in torch)."""
         logits = self.runner.execute(batch)
         if logits is None:
             return None
         greedy = any(r.seq.params.temperature == 0 for r in batch.rows if r.completes)
-        return list(zip(logits, logits.argmax(-1).tolist() if greedy else [None] * len(logits)))
+        return list(zip(logits, kernels.argmax(logits).tolist() if greedy else [None] * len(logits)))
 
     def _sample(self, seq: Sequence, payload) -> int:
         logits, greedy = payload

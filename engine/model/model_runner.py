@@ -125,7 +125,7 @@ def _prepare(model: torch.nn.Module, gemv_dtype: torch.dtype | None, windows: li
     lm_head = Linear([model.lm_head], *choose_backend([model.lm_head], gemv_dtype=gemv_dtype), gemv_dtype)
     # per kind of layer: the fastest way differs by shape (kernels/linear.py); the layers' kinds as GEMVs
     # where a decode step can run them in one call (decode_step.py: 1.2-1.8x the ops, GEMMs among them)
-    one_call = kernels.cpu_build.loaded() and all(w.gate_up for w in layers)
+    one_call = decode_step.fits(layers)
     for kind in zip(*[(w.qkv, w.o, w.down) + ((w.gate_up,) if w.gate_up else ()) for w in layers]):
         choose_gemv(list(kind), gemm=not one_call)
     choose_gemv([lm_head])

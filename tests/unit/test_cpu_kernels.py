@@ -90,6 +90,26 @@ def test_cpu_decode_attention_reads_strided_queries(isa, dtype):
     close(out, naive_attention(query, fk, fv, specs, 3, 0.3), dtype)
 
 
+@pytest.mark.parametrize("head_dim", [16, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_gives_the_same_bits_on_any_number_of_threads(isa, head_dim, dtype):
+    """Fewer (sequence, KV head) pairs than threads (Gemma 3 at batch 1: one KV head, four query
+    heads) cut each pair's heads across the threads; a head's arithmetic stays its own."""
+    specs = [(600, 1)]  # enough keys for a region of its own at head_dim 16 too
+    query, kv, meta, fk, fv = make_batch(specs, 16, 1, 4, head_dim=head_dim, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            outs.append(kernels.paged_attention_cpu(query, kv[0, 0], kv[0, 1], meta, 0.3))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    close(outs[0], naive_attention(query, fk, fv, specs, 4, 0.3), dtype)
+
+
 def qkv_views(T, H, KVH, D, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(T, H + 2 * KVH, D, generator=g).to(dtype)
@@ -313,6 +333,35 @@ def test_gemv_refuses_what_it_cannot_do(isa):
         cpu_build.ops().gemv(torch.empty(1, 32), torch.randn(1, 48), torch.randn(32, 48), None, True)
     with pytest.raises(RuntimeError, match="gemv_pack wants"):
         cpu_build.ops().gemv_pack(w[:24])
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 49152, 262144 + 7])  # 49152 and 262144: SmolLM2's, Gemma 3's
+def test_argmax_equals_torchs(isa, vocab):
+    """The greedy token of each row, as torch.argmax: ties to the first (in one span and across
+    spans), NaN above all, the first of two infinities, a row of -inf its first index, rows not
+    contiguous (5 floats apart from their stride)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab + 5, generator=g)[:, 5:]
+    top = logits.max() + 1
+    at = lambda *xs: [x % vocab for x in xs]  # noqa: E731
+    logits[0, at(40000, 16384 + 3, vocab - 1)] = top  # equal winners in three spans
+    logits[1, at(16390, 7, 5)] = top  # two in one span, one in another
+    logits[2, at(vocab - 2, 9)] = float("nan")  # the first NaN wins, past a larger value
+    logits[2, at(3)] = top
+    logits[3] = float("-inf")
+    logits[4, at(vocab - 3, 11)] = float("inf")
+    expected = logits.argmax(-1).tolist()
+    assert cpu_build.ops().argmax(logits).tolist() == expected
+    assert kernels.argmax(logits).tolist() == expected
+    assert cpu_build.ops().argmax(logits[5:]).tolist() == expected[5:]  # one row: on one thread below 32k
+
+
+def test_argmax_refuses_what_it_cannot_do(isa):
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        cpu_build.ops().argmax(torch.randn(2, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        cpu_build.ops().argmax(torch.randn(8))
+    assert kernels.argmax(torch.randn(2, 8).bfloat16()).shape == (2,)  # torch's own, elsewhere
 
 
 @pytest.mark.parametrize("machine,flags,best", [

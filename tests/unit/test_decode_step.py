@@ -4,6 +4,10 @@ on Llama's and Gemma 3's layers, each dtype and both GEMV layouts; the runner ta
 steps of up to four rows and not for prefill; bad arguments are refused with a clear error."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,6 +73,23 @@ def test_greedy_decoding_in_one_call_matches_transformers(isa):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for (out,) in engine.generate(PROMPTS[:3], params):
         assert out.token_ids == hf_greedy(loaded, out.prompt_token_ids, params.max_tokens)
+
+
+def test_a_fresh_process_decodes_gemma_at_batch_1_as_transformers_does():
+    """As a user's process runs it, torch's thread count never set: the step's attention cuts the one
+    KV head's query heads across the threads, which must agree on how (torch's count, read on a worker
+    thread, once split the loop differently: wrong tokens, then a corrupted heap)."""
+    script = ("import engine\n"
+              "from engine.core.sequence import SamplingParams\n"
+              "from engine.model.model_loader import load_model\n"
+              "from tests.tiny_engine import hf_greedy, make\n"
+              "loaded = load_model('tiny-gemma3', device='cpu', dtype='float32')\n"
+              "prompt = list(range(5, 205))\n"
+              "(out,), = make(loaded).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))\n"
+              "assert out.token_ids == hf_greedy(loaded, prompt, 20), (out.token_ids, hf_greedy(loaded, prompt, 20))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_the_layers_run_as_gemvs_where_a_step_runs_in_one_call(monkeypatch):
