@@ -47,8 +47,8 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Atten
 
 def argmax(logits: Tensor) -> Tensor:
     """Each row's index of its largest logit, [rows, vocab] -> [rows], as torch's argmax(-1): the
-    C++ kernel splits the rows across the threads (torch scans a row on one)."""
-    if _native(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+    C++ kernel splits each row into spans across the threads (torch scans a row on one)."""
+    if _native(logits) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
         return cpu_build.ops().argmax(logits)
     return logits.argmax(-1)
 

@@ -362,6 +362,8 @@ def test_argmax_refuses_what_it_cannot_do(isa):
     with pytest.raises(RuntimeError, match="float32 logits"):
         cpu_build.ops().argmax(torch.randn(8))
     assert kernels.argmax(torch.randn(2, 8).bfloat16()).shape == (2,)  # torch's own, elsewhere
+    columns = torch.randn(8, 3).t()  # its vocab not contiguous: torch's own too
+    assert kernels.argmax(columns).tolist() == columns.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("machine,flags,best", [
