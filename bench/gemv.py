@@ -5,7 +5,7 @@ gate|up 576->3072, down 1536->576) and the lm_head (576->49152, ~113 MB fp32). E
 enough distinct weight copies (>= 128 MB) that every call reads its weights from memory, as a
 decode step does; a timed pass is one call on each copy, in turn. Sides are C++ kernel variants
 (kernels.cpu_build.ISAS, each its torch.ops.kvscope_<isa>.gemv; `<isa>+packed` on weights in that
-variant's gemv_pack layout), `torch` (x W^T by torch.mm) and
+variant's gemv_pack layout, `<isa>+serial` reading the rows one after another), `torch` (x W^T by torch.mm) and
 `read` (torch's sum over the same weights: what reading them costs, the GEMV's limit),
 interleaved round by round (A B, B A, ...); the report is the median GB/s per side and shape with
 its spread (min..max), and each side's ratio to the first as the median of per-round ratios.
@@ -35,6 +35,7 @@ from bench.rounds import interleave, ratios
 from bench.throughput import ISA_ENV, cpu_report, isa_environment, machine, reexec_with
 from bench.baseline import BUILD_DIR
 from kernels import cpu_build
+from kernels.linear import GEMV_LAYOUTS
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
           "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576),  # name: (N, K)
@@ -49,8 +50,10 @@ def gemv_call(side: str, ops) -> Callable:
         return lambda out, x, w: w.sum()
     if side == "torch":
         return lambda out, x, w: torch.mm(x, w.t(), out=out)
-    packed = side.endswith("+packed")
-    return lambda out, x, w: ops.gemv(out, x, w, None, packed)
+    layout = GEMV_LAYOUTS.index(side.partition("+")[2] or "rows")  # <isa>: rows, <isa>+<layout>
+    if not layout:  # (as older kernels, --baseline's, are called: their layout was a bool)
+        return lambda out, x, w: ops.gemv(out, x, w, None)
+    return lambda out, x, w: ops.gemv(out, x, w, None, layout)
 
 
 def timed_pass(call: Callable, weights: list[torch.Tensor], x: torch.Tensor, out: torch.Tensor,
@@ -94,11 +97,11 @@ def main() -> None:
     packs: dict[str, Callable] = {}  # side: its weights' layout (<isa>+packed: that variant's gemv_pack)
     for name in names:
         plain = name in ("torch", "read")
-        ops = None if plain else cpu_build.load_variant(BUILD_DIR, name.removesuffix("+packed"))
+        ops = None if plain else cpu_build.load_variant(BUILD_DIR, name.partition("+")[0])
         sides[name] = gemv_call(name, ops)
         if name.endswith("+packed"):
             packs[name] = ops.gemv_pack
-        if args.baseline and not plain and name not in packs:  # (older kernels have no packed layout)
+        if args.baseline and not plain and "+" not in name:  # (older kernels may lack a layout)
             old = getattr(torch.ops, f"kvscope_{baseline.load(name, args.baseline)}")
             sides[f"{name}@{args.baseline}"] = gemv_call(name, old)
     print(f"bench.gemv, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "

@@ -1,16 +1,18 @@
 """The GEMV's weight layout end to end: batch-1 decode with the weights as the engine lays them
-out beside the same model with the other layout, interleaved.
+out beside the same model with every GEMV in one layout, interleaved.
 
-kernels/linear.py streams bf16 weights (a bf16 copy of fp32 ones in `float32+bfloat16`, or the
-weights of `bfloat16`) in rows or packed by gemv_pack into one sequential stream, whichever
-`choose_gemv` timed faster for each kind of layer where the model loads (docs/benchmarks.md,
-"The GEMV's weight layout"). bench/gemv.py times each shape alone; this checks the choice where a
-user sees it: the 140+128 job's decode (its time less a 140-token prefill's), on two copies of the
-model, the second with each GEMV's weights in the layout the first did not choose, A B, B A, ...
-Reports tokens/s medians (min..max), the median of per-round ratios, and whether both sides
-generated the same tokens (both layouts sum in the same order, so they should).
+kernels/linear.py reads a GEMV's weights in rows, serial (the same rows one after another) or,
+for bf16 operands (a bf16 copy of fp32 weights in `float32+bfloat16`, or the weights of
+`bfloat16`), packed by gemv_pack into one sequential stream, whichever `choose_gemv` timed
+fastest for each kind of layer where the model loads (docs/benchmarks.md, "The GEMV's weight
+layout"). bench/gemv.py times each shape alone; this checks the choice where a user sees it: the
+140+128 job's decode (its time less a 140-token prefill's), on two copies of the model, the
+second with each GEMV of the first in `--layout`, A B, B A, ... Reports tokens/s medians
+(min..max), the median of per-round ratios, and whether both sides generated the same tokens
+(every layout sums in the same order, so they should).
 
-    python -m bench.gemv_layout [--models smollm2,gemma3] [--dtypes bfloat16,float32+bfloat16] [--rounds 5]
+    python -m bench.gemv_layout [--models smollm2,gemma3] [--dtypes bfloat16,float32+bfloat16]
+                                [--layout rows|serial|packed] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -26,14 +28,9 @@ from engine.core.sequence import SamplingParams
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import load_model
 from engine.model.model_runner import load_cpu_kernels
-from kernels.linear import Linear, gemv_way, relayout, set_gemv
+from kernels.linear import GEMV_LAYOUTS, Linear, gemv_way, set_gemv
 
 PROMPT, NEW = 140, 128
-
-
-def other_layout(lin: Linear) -> None:
-    """Switch one Linear's GEMV operand to the layout the engine did not choose for it."""
-    relayout(lin, not lin.packed)
 
 
 def engine(spec: str, dtype: str) -> tuple[LLMEngine, list[int]]:
@@ -48,13 +45,11 @@ def linears(eng: LLMEngine) -> list[Linear]:
     return [lin for lin in lins if lin is not None]
 
 
-def mirror(chosen: list[Linear], other: list[Linear]) -> None:
+def mirror(chosen: list[Linear], other: list[Linear], layout: str) -> None:
     """Give `other` (the same model's Linears loaded again, whose own choice may differ) each of
-    `chosen`'s GEMVs in the other layout; one `chosen` leaves to the GEMM stays there."""
+    `chosen`'s GEMVs in `layout`; one `chosen` leaves to the GEMM stays there."""
     for a, b in zip(chosen, other, strict=True):
-        set_gemv(b, gemv_way(a))
-        if b.gemv:
-            other_layout(b)
+        set_gemv(b, "off" if gemv_way(a) == "off" else layout)
 
 
 def layouts(eng: LLMEngine) -> str:
@@ -77,10 +72,12 @@ def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> f
     return NEW / (times[0] - times[1])
 
 
-def compare(spec: str, dtype: str, rounds: int) -> str:
+def compare(spec: str, dtype: str, layout: str, rounds: int) -> str:
+    if layout == "packed" and dtype == "float32":
+        return f"{spec} {dtype}: no packed layout (it is one of bf16 operands)"
     chosen, prompt = engine(spec, dtype)
     other, _ = engine(spec, dtype)
-    mirror(linears(chosen), linears(other))
+    mirror(linears(chosen), linears(other), layout)
     ours, theirs = layouts(chosen), layouts(other)
     tokens: dict = {}
     sides = {f"{ours} (chosen)": lambda: decode_rate(chosen, prompt, tokens, "chosen"),
@@ -97,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--dtypes", default="bfloat16,float32+bfloat16")
+    ap.add_argument("--layout", default="rows", choices=GEMV_LAYOUTS, help="the other side's GEMVs'")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     if not load_cpu_kernels():
@@ -104,7 +102,7 @@ def main() -> None:
     print(f"bench.gemv_layout, {machine()}, {torch.get_num_threads()} threads\n{cpu_report()}", flush=True)
     for spec in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            print(compare(spec, dtype, args.rounds), flush=True)
+            print(compare(spec, dtype, args.layout, args.rounds), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,16 @@ At one to a few rows (decode at small batch) a linear layer is a stream of its w
 C++ `kvscope.gemv` streams them faster than either on most CPUs measured (docs/benchmarks.md).
 It can stream a bf16 copy of fp32 weights (`gemv_dtype`): half the bytes, fp32 arithmetic on
 weights rounded to bf16; the GEMMs keep the fp32 weights, so prefill and larger batches stay
-exact fp32 (engine/model/model_loader.py decides where that is the default). bf16 operands come
-in two layouts that give the same sums in the same order: rows as they are, or packed by
-`gemv_pack` into one sequential stream.
+exact fp32 (engine/model/model_loader.py decides where that is the default). The GEMV reads its
+operand in one of three layouts (GEMV_LAYOUTS), which give the same sums in the same order: rows
+as they are, several side by side; serial, the same rows one after another; or packed by
+`gemv_pack` into one sequential stream (bf16 operands).
 
 Which way streams fastest depends on the machine and the shape (packed was 1.3-1.8x the rows on
-one of this project's CPUs and 0.7-0.9x on another; the GEMV against oneDNN flipped between loads
-when timed on one matrix in cache), so `choose_gemv` times the ways where the model is loaded,
-per kind of layer, calling every layer's weights in turn as a decode step does.
+one of this project's CPUs and 0.7-0.9x on another, where serial was 1.1-1.6x; the GEMV against
+oneDNN flipped between loads when timed on one matrix in cache), so `choose_gemv` times the ways
+where the model is loaded, per kind of layer, calling every layer's weights in turn as a decode
+step does.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from kernels import cpu_build
 
 PACK_ROWS = 32  # oneDNN's layout hint: the decode batch; the same layout was best up to 2,048 rows
 GEMV_ROWS = 4  # kvscope.gemv takes up to this many rows
+# kvscope.gemv's layout argument, by index (GemvLayout in kernels/cpu/kvscope_cpu.cpp)
+GEMV_LAYOUTS = ("rows", "packed", "serial")
 # packed is chosen only this much faster than the other ways: it is a copy, and SmolLM2's small
 # kinds (a pass of ~1 ms) timed within a few % of the rows, flipping between loads (bench.gemv_layout)
 PACKED_MARGIN = 1.05
@@ -50,8 +54,8 @@ class Linear:
     def __init__(self, layers: list[torch.nn.Linear], backend: str = "torch", gemv: bool = False,
                  gemv_dtype: torch.dtype | None = None):
         """backend: 'torch' or 'onednn' (packed weights); gemv: kvscope.gemv for up to GEMV_ROWS rows,
-        on a copy of the weights in `gemv_dtype` (none in their own dtype), in rows until
-        choose_gemv packs it."""
+        on a copy of the weights in `gemv_dtype` (none in their own dtype), read in rows until
+        choose_gemv chooses its layout."""
         weights = [layer.weight.detach() for layer in layers]
         biases = [layer.bias for layer in layers]
         self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
@@ -59,7 +63,7 @@ class Linear:
         # the GEMV's operand, kept beside oneDNN's packed copy
         self.plain = None if not gemv else self.weight.to(gemv_dtype or self.weight.dtype)
         self.rows = self.plain if self.plain is self.weight else None  # the weight itself: rows for no copy
-        self.packed = False
+        self.layout = 0  # the GEMV operand's, an index into GEMV_LAYOUTS
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         self.out_features = self.weight.shape[0]
@@ -70,19 +74,21 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.gemv and x.shape[0] <= GEMV_ROWS:
             out = x.new_empty(x.shape[0], self.out_features)
-            cpu_build.ops().gemv(out, x, self.plain, self.bias, self.packed)
+            cpu_build.ops().gemv(out, x, self.plain, self.bias, self.layout)
             return out
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def relayout(lin: Linear, packed: bool) -> None:
-    """Lay a Linear's GEMV operand out packed (gemv_pack) or in rows; no value changes."""
-    if lin.packed != packed:
+def relayout(lin: Linear, layout: str) -> None:
+    """Have a Linear's GEMV read its operand in `layout` (GEMV_LAYOUTS), packing it (gemv_pack)
+    or unpacking it as that needs; no value changes."""
+    packed = layout == "packed"
+    if (GEMV_LAYOUTS[lin.layout] == "packed") != packed:
         lin.plain = cpu_build.ops().gemv_pack(lin.plain) if packed else \
             lin.rows if lin.rows is not None else unpack(lin.plain)
-        lin.packed = packed
+    lin.layout = GEMV_LAYOUTS.index(layout)
 
 
 def unpack(packed: Tensor) -> Tensor:
@@ -93,15 +99,15 @@ def unpack(packed: Tensor) -> Tensor:
 
 
 def set_gemv(lin: Linear, way: str) -> None:
-    """Run `lin`'s few-row calls as `way`: the GEMV on its operand in rows or packed, or off (the
-    backend's GEMM); off leaves the operand in rows, which for weights streamed in their own
+    """Run `lin`'s few-row calls as `way`: the GEMV on its operand in one of GEMV_LAYOUTS, or off
+    (the backend's GEMM); off leaves the operand in rows, which for weights streamed in their own
     dtype is the weight itself, no copy."""
     lin.gemv = way != "off"
-    relayout(lin, way == "packed")
+    relayout(lin, "rows" if way == "off" else way)
 
 
 def gemv_way(lin: Linear) -> str:
-    return "packed" if lin.packed else "rows" if lin.gemv else "off"
+    return GEMV_LAYOUTS[lin.layout] if lin.gemv else "off"
 
 
 @torch.inference_mode()
@@ -110,17 +116,18 @@ def choose_gemv(lins: list[Linear], rounds: int = 3, gemm: bool = True) -> str:
     streams their weights fastest on this machine, from memory or the cache as a decode step
     finds them: timed as a step calls them, one after another, each way in turn (rotated each
     round), the best of two passes after a warm one (weights just laid out are partly in
-    cache), the median over rounds. The ways: the GEMV on rows, or packed (bf16 operands: which
-    reads faster depends on the machine, docs/benchmarks.md; chosen only PACKED_MARGIN faster
-    than the others), or off, the backend's GEMM (where `gemm`: not for layers a decode step runs in
-    one call of the kernels, engine/model/decode_step.py, nor for a GEMV copy in another dtype,
-    whose half the bytes are that mode's point). Returns the way chosen."""
+    cache), the median over rounds. The ways: the GEMV on rows, serial, or packed (bf16 operands:
+    which reads faster depends on the machine, docs/benchmarks.md; packed, a copy, is chosen only
+    PACKED_MARGIN faster than the others), or off, the backend's GEMM (where `gemm`: not for
+    layers a decode step runs in one call of the kernels, engine/model/decode_step.py, nor for a
+    GEMV copy in another dtype, whose half the bytes are that mode's point). Returns the way
+    chosen."""
     lins = [lin for lin in lins if lin.gemv]
     if not lins:
         return "off"
     first = lins[0]
     gemm = gemm and first.plain.dtype == first.dtype
-    ways = ["rows"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * gemm
+    ways = ["rows", "serial"] + ["packed"] * (first.plain.dtype == torch.bfloat16) + ["off"] * gemm
     xs = {(lin.in_features, lin.dtype): torch.randn(1, lin.in_features, dtype=lin.dtype) for lin in lins}
 
     def best_pass() -> float:

@@ -24,7 +24,7 @@ from kernels.linear import GEMV_ROWS
 class LayerArguments:
     """The layers' part of decode_step's arguments, in its order (kernels/cpu/kvscope_cpu.cpp)."""
     weights: list[torch.Tensor | None]  # 14 per layer
-    packed: list[int]                   # per layer: q|k|v, o, gate|up, down in gemv_pack's layout
+    layouts: list[int]                  # per layer: q|k|v's, o's, gate|up's, down's (GEMV_LAYOUTS)
     scales: list[float]                 # per layer: the attention's scale, the norms' eps
     gelu: bool
 
@@ -40,13 +40,13 @@ def layer_arguments(layers: list) -> LayerArguments | None:
     no, or a linear layer is on the backend's GEMM)."""
     if not fits(layers) or not all(lin.gemv for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)):
         return None
-    weights, packed, scales = [], [], []
+    weights, layouts, scales = [], [], []
     for w in layers:
         weights += [w.input_norm, w.input_pre, w.qkv.plain, w.qkv.bias, w.q_norm, w.k_norm, w.o.plain, w.o.bias,
                     w.post_norm, w.attn_out_norm, w.gate_up.plain, w.gate_up.bias, w.down.plain, w.down.bias]
-        packed += [int(lin.packed) for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        layouts += [lin.layout for lin in (w.qkv, w.o, w.gate_up, w.down)]
         scales += [w.scaling, w.eps]
-    return LayerArguments(weights, packed, scales, layers[0].act is kernels.gelu_tanh_and_mul)
+    return LayerArguments(weights, layouts, scales, layers[0].act is kernels.gelu_tanh_and_mul)
 
 
 def takes(x: torch.Tensor, metas: list[kernels.AttentionMetadata]) -> bool:
@@ -61,6 +61,6 @@ def run(x: torch.Tensor, residual: torch.Tensor, layers: LayerArguments, caches:
     """Every layer on x (layer 0's input norm of the residual stream), in place: x becomes the
     last layer's MLP output, residual the stream before it. caches: each layer's K and V cache."""
     rows = [(m.slot_mapping, d.block_tables, d.seq_lens, d.rows) for m in metas for d in (m.decode_rows,)]
-    cpu_build.ops().decode_step(x, residual, layers.weights, layers.packed, caches, [t for cs in ropes for t in cs],
+    cpu_build.ops().decode_step(x, residual, layers.weights, layers.layouts, caches, [t for cs in ropes for t in cs],
                                 [t for r in rows for t in r], [m.window for m in metas], layer_rope, layer_meta,
                                 layers.scales, num_heads, layers.gelu)

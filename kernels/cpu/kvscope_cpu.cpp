@@ -22,7 +22,8 @@
 //   gelu_tanh_and_mul out = gelu_tanh(gate) * up (Gemma)
 //   gemv              out = x W^T (+ b) for a few rows of x: the weights streamed once, at the
 //                     memory's speed (decode at small batch reads every weight for one token)
-//   gemv_pack         weights laid out for gemv to read in one sequential stream
+//   gemv_pack         weights laid out for gemv to read in one sequential stream (its packed
+//                     layout; rows and serial read them as they are)
 //   argmax            each row's index of its largest logit (greedy sampling), the row split
 //                     across the threads
 //   decode_step       every decoder layer of a decode step of 1-4 rows (the ops above, in order) in one
@@ -916,6 +917,15 @@ template <typename T> constexpr int rows_at_once(int) { return 8; }
 #else
 template <typename T> constexpr int rows_at_once(int M) { return M == 1 && std::is_same_v<T, float> ? kBlock : 8; }
 #endif
+// how gemv reads its weights: rows (rows_at_once side by side, the next rows prefetched), packed
+// (gemv_pack's layout, one stream), or serial: at one row of x the weight rows as they are, one
+// after another, one sequential stream that the hardware prefetcher follows unasked, with the
+// same sums in the same order as rows (AMD EPYC, 2 threads, bench/gemv.py: 1.1-1.4x rows at fp32,
+// 1.2-1.6x at bf16, as fast as packed without its copy; a software prefetch slowed it 0.8-0.95x);
+// at more rows of x, rows (x's 2-4 rows of a long K, 16-32 KB, no longer stay in L1 when every
+// weight row re-reads them: 0.5-0.7x). Which is fastest depends on the CPU and the shape: kernels/
+// linear.py's choose_gemv times them where a model loads
+enum GemvLayout : int64_t { kRows = 0, kPacked = 1, kSerial = 2 };
 
 // weights of T; x, bias and out of O (T, or float32 with bf16 weights: fp32 arithmetic on weights
 // stored in half the bytes). Packed: w in gemv_pack's layout, read in one sequential stream.
@@ -925,11 +935,13 @@ inline const T* packed_at(const T* r, int64_t k, int j, int R) {
   return r + (k / kPackChunk) * kPackChunk * R + j * kPackChunk + k % kPackChunk;
 }
 
-template <typename T, typename O, int M, bool Packed>
+template <typename T, typename O, int M, GemvLayout Layout>
 void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int64_t K, const O* bias, O* out,
                 int64_t o_row) {
   using G = Gemv<T, O>;
-  constexpr int R = Packed ? kPackedRows : rows_at_once<T>(M);
+  constexpr bool Packed = Layout == kPacked;
+  constexpr bool Serial = Layout == kSerial;  // (M == 1: gemv_impl)
+  constexpr int R = Packed ? kPackedRows : Serial ? 1 : rows_at_once<T>(M);
   vf part[M][kBlock];
   for (int i = 0; i < kBlock; i += R) {
     const T* r = w + i * K;
@@ -941,11 +953,11 @@ void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int
       for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
       for (int j = 0; j < R; ++j) {
         // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them).
-        // Packed, one stream: the hardware follows it at one row; at 2-4 rows the next block's
+        // Serial or packed, one stream: the hardware follows it at one row; packed at 2-4 rows, the next block's
         // same place is asked for too (0.66-0.96x without it, bench/gemv.py)
         if constexpr (Packed) {
           if constexpr (M > 1) __builtin_prefetch(reinterpret_cast<const char*>(packed_at(r, k, j, R) + kBlock * K));
-        } else if constexpr (R < kBlock) {
+        } else if constexpr (R < kBlock && !Serial) {
           __builtin_prefetch(reinterpret_cast<const char*>(r + j * K + k + kAhead * K));
         }
         const typename G::X wv = G::load_w(Packed ? packed_at(r, k, j, R) : r + j * K + k);
@@ -965,7 +977,7 @@ void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int
   }
 }
 
-template <typename T, typename O, int M, bool Packed>
+template <typename T, typename O, int M, GemvLayout Layout>
 void gemv_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const O* bias) {
   using G = Gemv<T, O>;
   using XT = typename G::XT;
@@ -984,21 +996,22 @@ void gemv_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, 
   O* op = out.data_ptr<O>();
 #pragma omp for schedule(static)
   for (int64_t n = 0; n < N; n += kBlock)
-    gemv_block<T, O, M, Packed>(xk, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
+    gemv_block<T, O, M, Layout>(xk, x_row, wp + n * K, K, bias ? bias + n : nullptr, op + n, o_row);
 }
 
-template <typename T, typename O, bool Packed = false>
+template <typename T, typename O, GemvLayout Layout>
 void gemv_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const O* b = bias ? bias->data_ptr<O>() : nullptr;
+  constexpr GemvLayout Many = Layout == kSerial ? kRows : Layout;  // serial is a way of one row of x
   switch (x.size(0)) {
-    case 1: return gemv_rows<T, O, 1, Packed>(out, x, w, b);
-    case 2: return gemv_rows<T, O, 2, Packed>(out, x, w, b);
-    case 3: return gemv_rows<T, O, 3, Packed>(out, x, w, b);
-    default: return gemv_rows<T, O, 4, Packed>(out, x, w, b);
+    case 1: return gemv_rows<T, O, 1, Layout>(out, x, w, b);
+    case 2: return gemv_rows<T, O, 2, Many>(out, x, w, b);
+    case 3: return gemv_rows<T, O, 3, Many>(out, x, w, b);
+    default: return gemv_rows<T, O, 4, Many>(out, x, w, b);
   }
 }
 
-// w [N, K] laid out for gemv(..., packed=True): per block of 16 output rows, per group of
+// w [N, K] laid out for gemv(..., layout=kPacked): per block of 16 output rows, per group of
 // kPackedRows, the chunks of kPackChunk elements of K in order, each chunk's rows side by side. The
 // kernel then reads the weights in one sequential stream, which the hardware prefetcher follows at
 // full speed (bf16 on AVX2, 2 threads, bench/gemv.py: 1.3-1.7x the row-major layout, whose rows of
@@ -1012,11 +1025,14 @@ at::Tensor gemv_pack(const at::Tensor& w) {
   return w.view({N / kBlock, kBlock / kPackedRows, kPackedRows, K / C, C}).permute({0, 1, 3, 2, 4}).contiguous().view({N, K});
 }
 
-// x, out and bias in one dtype; w in it too, or bf16 under float32 x (see gemv_block); packed:
-// w as gemv_pack returns it (float32 x, or bf16 x and weights)
+// x, out and bias in one dtype; w in it too, or bf16 under float32 x (see gemv_block); layout a
+// GemvLayout, kPacked with w as gemv_pack returns it (float32 x, or bf16 x and weights)
 void check_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                bool packed) {
+                int64_t layout) {
   check_cpu("out, x and w", {&out, &x, &w});
+  TORCH_CHECK(layout == kRows || layout == kPacked || layout == kSerial,
+              "kvscope: gemv's layout is 0 (rows), 1 (packed) or 2 (serial), not ", layout);
+  const bool packed = layout == kPacked;
   const auto xt = x.scalar_type(), wt = w.scalar_type();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4 &&
                   x.size(1) == w.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0) &&
@@ -1037,20 +1053,26 @@ void check_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
 }
 
 // the kernel for check_gemv's arguments, on the calling team
-void gemv_team(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-               bool packed) {
+template <GemvLayout Layout>
+void gemv_of_dtypes(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                    const c10::optional<at::Tensor>& bias) {
   using BF = c10::BFloat16;
-  const bool fp32_x = x.scalar_type() == at::kFloat, fp32_w = w.scalar_type() == at::kFloat;
-  if (packed && !fp32_x) return gemv_impl<BF, BF, true>(out, x, w, bias);
-  if (packed) return fp32_w ? gemv_impl<float, float, true>(out, x, w, bias) : gemv_impl<BF, float, true>(out, x, w, bias);
-  if (fp32_w) return gemv_impl<float, float>(out, x, w, bias);
-  return fp32_x ? gemv_impl<BF, float>(out, x, w, bias) : gemv_impl<BF, BF>(out, x, w, bias);
+  if (w.scalar_type() == at::kFloat) return gemv_impl<float, float, Layout>(out, x, w, bias);
+  return x.scalar_type() == at::kFloat ? gemv_impl<BF, float, Layout>(out, x, w, bias)
+                                       : gemv_impl<BF, BF, Layout>(out, x, w, bias);
+}
+
+void gemv_team(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+               int64_t layout) {
+  if (layout == kPacked) return gemv_of_dtypes<kPacked>(out, x, w, bias);
+  if (layout == kSerial) return gemv_of_dtypes<kSerial>(out, x, w, bias);
+  return gemv_of_dtypes<kRows>(out, x, w, bias);
 }
 
 void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-          bool packed) {
-  check_gemv(out, x, w, bias, packed);
-  in_team(w.numel() > kParallelWork, [&] { gemv_team(out, x, w, bias, packed); });
+          int64_t layout) {
+  check_gemv(out, x, w, bias, layout);
+  in_team(w.numel() > kParallelWork, [&] { gemv_team(out, x, w, bias, layout); });
 }
 
 // ---------------------------------------------------------------------------- argmax
@@ -1133,8 +1155,8 @@ at::Tensor argmax(const at::Tensor& logits) {
 //     is the last layer's MLP output, residual its stream before it (as after the op loop)
 //   weights, kStepWeights per layer (None where the model has none): input norm, its pre-norm
 //     (Gemma), q|k|v, its bias, q_norm, k_norm, o, its bias, post-attention norm, the attention
-//     output's norm (Gemma), gate|up, its bias, down, its bias; packed: per layer q|k|v, o,
-//     gate|up, down in gemv_pack's layout (1) or in rows (0)
+//     output's norm (Gemma), gate|up, its bias, down, its bias; layouts: per layer q|k|v's, o's,
+//     gate|up's and down's GemvLayout
 //   caches: per layer its K cache, V cache; ropes: cos, sin per rotary embedding, layer_rope the
 //     one each layer takes; metas: slot mapping, block tables, seq lens, query rows and window per
 //     attention metadata, layer_meta the one each layer reads; scales: per layer the attention's
@@ -1145,7 +1167,7 @@ enum StepWeight { kInNorm, kInPre, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, k
 
 struct StepLayer {  // one layer's arguments, unpacked and checked before the region starts
   std::array<c10::optional<at::Tensor>, kStepWeights> w;
-  std::array<bool, 4> packed;
+  std::array<int64_t, 4> layouts;
   at::Tensor q, k, v, k_cache, v_cache, cos, sin, slots, tables, seq_lens, rows;
   double scale, eps;
   int64_t window;
@@ -1160,26 +1182,26 @@ void decode_step_team(const at::Tensor& x, const at::Tensor& residual, const std
     const StepLayer& l = layers[i];
     const float eps = float(l.eps);
     if (i) add_rms_norm_team<T, WT>(x, residual, ptr(l.w[kInNorm]), ptr(l.w[kInPre]), eps);
-    gemv_team(qkv, x, *l.w[kQkv], l.w[kQkvBias], l.packed[0]);
+    gemv_team(qkv, x, *l.w[kQkv], l.w[kQkvBias], l.layouts[0]);
     rope_store_team<T, WT>(l.q, l.k, l.v, l.cos, l.sin, l.k_cache, l.v_cache, l.slots, ptr(l.w[kQNorm]),
                            ptr(l.w[kKNorm]), eps);
     decode_attention_team<T>(attn, l.q, l.k_cache, l.v_cache, l.tables, l.seq_lens, l.rows, l.scale, l.window);
-    gemv_team(x, attn_rows, *l.w[kO], l.w[kOBias], l.packed[1]);
+    gemv_team(x, attn_rows, *l.w[kO], l.w[kOBias], l.layouts[1]);
     add_rms_norm_team<T, WT>(x, residual, ptr(l.w[kPostNorm]), ptr(l.w[kOutNorm]), eps);
-    gemv_team(gate_up, x, *l.w[kGateUp], l.w[kGateUpBias], l.packed[2]);
+    gemv_team(gate_up, x, *l.w[kGateUp], l.w[kGateUpBias], l.layouts[2]);
     act_and_mul_team<T, Act>(act, gate_up);
-    gemv_team(x, act, *l.w[kDown], l.w[kDownBias], l.packed[3]);
+    gemv_team(x, act, *l.w[kDown], l.w[kDownBias], l.layouts[3]);
   }
 }
 
 void decode_step(at::Tensor x, at::Tensor residual, const c10::List<c10::optional<at::Tensor>>& weights,
-                 const std::vector<int64_t>& packed, at::TensorList caches, at::TensorList ropes,
+                 const std::vector<int64_t>& layouts, at::TensorList caches, at::TensorList ropes,
                  at::TensorList metas, const std::vector<int64_t>& windows, const std::vector<int64_t>& layer_rope,
                  const std::vector<int64_t>& layer_meta, const std::vector<double>& scales, int64_t num_heads,
                  bool gelu) {
   check_cpu("x and residual", {&x, &residual});
   const int64_t L = int64_t(layer_meta.size()), M = x.size(0);
-  TORCH_CHECK(L > 0 && int64_t(weights.size()) == L * kStepWeights && int64_t(packed.size()) == 4 * L &&
+  TORCH_CHECK(L > 0 && int64_t(weights.size()) == L * kStepWeights && int64_t(layouts.size()) == 4 * L &&
                   int64_t(caches.size()) == 2 * L && int64_t(layer_rope.size()) == L &&
                   int64_t(scales.size()) == 2 * L && metas.size() == 4 * windows.size(),
               "kvscope: decode_step wants per layer ", kStepWeights, " weights, 4 layouts, 2 caches, a rotary "
@@ -1200,16 +1222,16 @@ void decode_step(at::Tensor x, at::Tensor residual, const c10::List<c10::optiona
   for (int64_t i = 0; i < L; ++i) {
     StepLayer& l = layers[i];
     for (int64_t j = 0; j < kStepWeights; ++j) l.w[j] = weights.get(i * kStepWeights + j);
-    for (int j = 0; j < 4; ++j) l.packed[j] = packed[4 * i + j] != 0;
+    for (int j = 0; j < 4; ++j) l.layouts[j] = layouts[4 * i + j];
     for (int64_t j : {kInNorm, kQkv, kO, kPostNorm, kGateUp, kDown})
       TORCH_CHECK(l.w[j].has_value(), "kvscope: decode_step: layer ", i, " lacks weight ", j);
     TORCH_CHECK(l.w[kQkv]->sizes() == w0.sizes() && l.w[kGateUp]->size(0) == I2 &&
                     l.w[kO]->size(0) == x.size(1) && l.w[kDown]->size(0) == x.size(1),
                 "kvscope: decode_step: layer ", i, "'s linear layers differ in shape from layer 0's");
-    check_gemv(qkv, x, *l.w[kQkv], l.w[kQkvBias], l.packed[0]);
-    check_gemv(x, attn_rows, *l.w[kO], l.w[kOBias], l.packed[1]);
-    check_gemv(gate_up, x, *l.w[kGateUp], l.w[kGateUpBias], l.packed[2]);
-    check_gemv(x, act, *l.w[kDown], l.w[kDownBias], l.packed[3]);
+    check_gemv(qkv, x, *l.w[kQkv], l.w[kQkvBias], l.layouts[0]);
+    check_gemv(x, attn_rows, *l.w[kO], l.w[kOBias], l.layouts[1]);
+    check_gemv(gate_up, x, *l.w[kGateUp], l.w[kGateUpBias], l.layouts[2]);
+    check_gemv(x, act, *l.w[kDown], l.w[kDownBias], l.layouts[3]);
     const at::Tensor& norm = *l.w[kInNorm];
     for (int64_t j : {kInNorm, kInPre, kPostNorm, kOutNorm})
       TORCH_CHECK(!l.w[j] || (l.w[j]->scalar_type() == norm.scalar_type() && l.w[j]->is_contiguous() &&
@@ -1278,10 +1300,10 @@ KVSCOPE_LIBRARY(KVSCOPE_NS, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, Tensor? pre=None) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
-  m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, bool packed=False) -> ()");
+  m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias, int layout=0) -> ()");
   m.def("gemv_pack(Tensor w) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
-  m.def("decode_step(Tensor(a!) x, Tensor(b!) residual, Tensor?[] weights, int[] packed, Tensor(c!)[] caches, "
+  m.def("decode_step(Tensor(a!) x, Tensor(b!) residual, Tensor?[] weights, int[] layouts, Tensor(c!)[] caches, "
         "Tensor[] ropes, Tensor[] metas, int[] windows, int[] layer_rope, int[] layer_meta, float[] scales, "
         "int num_heads, bool gelu) -> ()");
 }

@@ -248,21 +248,25 @@ def test_linear_backend_is_checked_and_falls_back(monkeypatch):
 @pytest.mark.parametrize("dtype,gemv_dtype",
                          [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)],
                          ids=["fp32", "bf16", "fp32+bf16"])
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("layout", linear.GEMV_LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, packed, rows, bias):
+def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, layout, rows, bias):
     """kvscope.gemv (few rows, weights streamed once) = F.linear, through Linear as the engine calls it,
-    from either layout of the weights; on a bf16 copy of them, = F.linear on those rounded weights
-    in fp32 arithmetic."""
+    in every layout, which all give the bits of rows (the same sums in the same order); on a bf16
+    copy of the weights, = F.linear on those rounded weights in fp32 arithmetic."""
     torch.manual_seed(rows)
     layers = [torch.nn.Linear(576, 960, bias=bias).to(dtype), torch.nn.Linear(576, 64, bias=bias).to(dtype)]
     x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576]  # rows strided, as the engine's views are
     streamed = lambda w: w.to(gemv_dtype or dtype).double()
     with torch.inference_mode():
         lin = linear.Linear(layers, "torch", gemv=True, gemv_dtype=gemv_dtype)
-        linear.relayout(lin, packed)
+        in_rows, operand = lin(x), lin.plain.clone()
+        linear.relayout(lin, layout)
         out = lin(x)
+        assert torch.equal(out, in_rows)
+        linear.relayout(lin, "rows")  # and back, the operand as it was
+        assert torch.equal(lin.plain, operand) and torch.equal(lin(x), in_rows)
         expected = torch.cat([torch.nn.functional.linear(x.double(), streamed(layer.weight),
                                                          None if layer.bias is None else layer.bias.double())
                               for layer in layers], dim=1)
@@ -272,10 +276,11 @@ def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, packed, rows, bias
 
 
 @pytest.mark.parametrize("dtype,gemv_dtype,fast", [
-    (torch.bfloat16, None, "rows"), (torch.bfloat16, None, "packed"), (torch.bfloat16, None, "off"),
-    (torch.float32, None, "rows"), (torch.float32, None, "off"),
-    (torch.float32, torch.bfloat16, "rows"), (torch.float32, torch.bfloat16, "packed"),
-    (torch.float32, torch.bfloat16, "off")], ids=lambda v: str(v).removeprefix("torch."))
+    (torch.bfloat16, None, "rows"), (torch.bfloat16, None, "serial"), (torch.bfloat16, None, "packed"),
+    (torch.bfloat16, None, "off"), (torch.float32, None, "rows"), (torch.float32, None, "serial"),
+    (torch.float32, None, "off"), (torch.float32, torch.bfloat16, "rows"), (torch.float32, torch.bfloat16, "serial"),
+    (torch.float32, torch.bfloat16, "packed"), (torch.float32, torch.bfloat16, "off")],
+    ids=lambda v: str(v).removeprefix("torch."))
 def test_each_kind_of_layer_runs_its_few_rows_the_fastest_way(isa, monkeypatch, dtype, gemv_dtype, fast):
     """choose_gemv times the ways of a kind of layer (here every way but `fast` is made 2 ms a
     call slower) and leaves the whole kind in the fastest; the layouts give the same outputs, the
@@ -296,7 +301,7 @@ def test_each_kind_of_layer_runs_its_few_rows_the_fastest_way(isa, monkeypatch, 
         monkeypatch.setattr(linear.Linear, "__call__", timed)
         chosen = linear.choose_gemv(lins)
         monkeypatch.undo()
-        assert chosen == fast or (gemv_dtype and fast == "off" and chosen in ("rows", "packed"))
+        assert chosen == fast or (gemv_dtype and fast == "off" and chosen in linear.GEMV_LAYOUTS)
         assert [linear.gemv_way(lin) for lin in lins] == [chosen] * 3
         after = [lin(x) for lin, x in zip(lins, xs)]
     for a, b in zip(after, before):
@@ -310,7 +315,7 @@ def test_packed_is_chosen_only_when_clearly_faster(isa, monkeypatch, packed_cost
     """Packed is a copy, and within a few % of the rows the two flip between loads: it must be
     PACKED_MARGIN faster (a clock that each call advances by its way's cost, so no timing)."""
     lins = [linear.Linear([torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)], "torch", gemv=True)]
-    cost, now = {"rows": 1.0, "packed": packed_cost, "off": 2.0}, [0.0]
+    cost, now = {"rows": 1.0, "serial": 1.0, "packed": packed_cost, "off": 2.0}, [0.0]
     monkeypatch.setattr(linear, "perf_counter", lambda: now[0])
     step = lambda lin, x: now.__setitem__(0, now[0] + cost[linear.gemv_way(lin)])  # noqa: E731
     monkeypatch.setattr(linear.Linear, "__call__", step)
@@ -328,9 +333,11 @@ def test_gemv_refuses_what_it_cannot_do(isa):
     with pytest.raises(RuntimeError, match="bfloat16 under float32"):  # bf16 x with fp32 weights: no
         cpu_build.ops().gemv(torch.empty(1, 32).bfloat16(), torch.randn(1, 64).bfloat16(), w, None)
     with pytest.raises(RuntimeError, match="packed weights under float32 x or bf16 x and weights"):
-        cpu_build.ops().gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None, True)
+        cpu_build.ops().gemv(torch.empty(1, 32).half(), torch.randn(1, 64).half(), w.half(), None, 1)
     with pytest.raises(RuntimeError, match="K a multiple of 32"):
-        cpu_build.ops().gemv(torch.empty(1, 32), torch.randn(1, 48), torch.randn(32, 48), None, True)
+        cpu_build.ops().gemv(torch.empty(1, 32), torch.randn(1, 48), torch.randn(32, 48), None, 1)
+    with pytest.raises(RuntimeError, match="layout is 0 .rows., 1 .packed. or 2 .serial., not 3"):
+        cpu_build.ops().gemv(torch.empty(1, 32), torch.randn(1, 64), w, None, 3)
     with pytest.raises(RuntimeError, match="gemv_pack wants"):
         cpu_build.ops().gemv_pack(w[:24])
 

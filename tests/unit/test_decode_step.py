@@ -44,7 +44,7 @@ def both_paths(runner, monkeypatch) -> dict[str, int]:
 
 @pytest.mark.parametrize("spec", ["tiny", "tiny-gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float32+bfloat16"])
-@pytest.mark.parametrize("layout", ["rows", "packed"])
+@pytest.mark.parametrize("layout", linear.GEMV_LAYOUTS)
 def test_a_decode_step_in_one_call_computes_the_bits_of_the_ops(isa, monkeypatch, spec, dtype, layout):
     """Four prompts decoding together (Gemma's window of 32 passed by the long one), then one alone:
     each decode step run both ways gives the same logits, bit for bit."""
