@@ -920,11 +920,11 @@ template <typename T> constexpr int rows_at_once(int M) { return M == 1 && std::
 // how gemv reads its weights: rows (rows_at_once side by side, the next rows prefetched), packed
 // (gemv_pack's layout, one stream), or serial: at one row of x the weight rows as they are, one
 // after another, one sequential stream that the hardware prefetcher follows unasked, with the
-// same sums in the same order as rows (AMD EPYC, 2 threads, bench/gemv.py: 1.1-1.4x rows at fp32,
-// 1.2-1.6x at bf16, as fast as packed without its copy; a software prefetch slowed it 0.8-0.95x);
-// at more rows of x, rows (x's 2-4 rows of a long K, 16-32 KB, no longer stay in L1 when every
-// weight row re-reads them: 0.5-0.7x). Which is fastest depends on the CPU and the shape: kernels/
-// linear.py's choose_gemv times them where a model loads
+// same sums in the same order as rows (AMD EPYC, 2 threads, bench/gemv.py: 0.92-1.13x the rows at
+// fp32 by shape, 1.04-2.04x at bf16, as fast as packed without its copy; a software prefetch 16
+// rows ahead slowed it to 0.80-0.98x); at more rows of x, rows (x's 2-4 rows of a long K, 16-32
+// KB, no longer stay in L1 when every weight row re-reads them: 0.47-0.8x). Which is fastest
+// depends on the CPU and the shape: kernels/linear.py's choose_gemv times them where a model loads
 enum GemvLayout : int64_t { kRows = 0, kPacked = 1, kSerial = 2 };
 
 // weights of T; x, bias and out of O (T, or float32 with bf16 weights: fp32 arithmetic on weights
@@ -953,8 +953,8 @@ void gemv_block(const typename Gemv<T, O>::XT* x, int64_t x_row, const T* w, int
       for (int m = 0; m < M; ++m) xs[m] = G::load_x(x + m * x_row + k);
       for (int j = 0; j < R; ++j) {
         // a few streams: ask for the next block ahead; 16 streams fetch enough (a prefetch slowed them).
-        // Serial or packed, one stream: the hardware follows it at one row; packed at 2-4 rows, the next block's
-        // same place is asked for too (0.66-0.96x without it, bench/gemv.py)
+        // Serial or packed, one stream: the hardware follows it at one row; packed at 2-4 rows,
+        // the next block's same place is asked for too (0.66-0.96x without it, bench/gemv.py)
         if constexpr (Packed) {
           if constexpr (M > 1) __builtin_prefetch(reinterpret_cast<const char*>(packed_at(r, k, j, R) + kBlock * K));
         } else if constexpr (R < kBlock && !Serial) {
@@ -1052,7 +1052,6 @@ void check_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
               " (it takes float32 and bfloat16, K a multiple of ", Gemv<BF>::kChunk, ")");
 }
 
-// the kernel for check_gemv's arguments, on the calling team
 template <GemvLayout Layout>
 void gemv_of_dtypes(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                     const c10::optional<at::Tensor>& bias) {
@@ -1062,6 +1061,7 @@ void gemv_of_dtypes(const at::Tensor& out, const at::Tensor& x, const at::Tensor
                                        : gemv_impl<BF, BF, Layout>(out, x, w, bias);
 }
 
+// the kernel for check_gemv's arguments, on the calling team
 void gemv_team(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                int64_t layout) {
   if (layout == kPacked) return gemv_of_dtypes<kPacked>(out, x, w, bias);
