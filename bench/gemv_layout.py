@@ -4,8 +4,8 @@ out beside the same model with every GEMV in one layout, interleaved.
 kernels/linear.py reads a GEMV's weights in rows, serial (the same rows one after another) or,
 for bf16 operands (a bf16 copy of fp32 weights in `float32+bfloat16`, or the weights of
 `bfloat16`), packed by gemv_pack into one sequential stream, whichever `choose_gemv` timed
-fastest for each kind of layer where the model loads (docs/benchmarks.md, "The GEMV's weight
-layout"). bench/gemv.py times each shape alone; this checks the choice where a user sees it: the
+fastest for each kind of layer where the model loads (docs/benchmarks.md, "The GEMV's way,
+chosen per machine"). bench/gemv.py times each shape alone; this checks the choice where a user sees it: the
 140+128 job's decode (its time less a 140-token prefill's), on two copies of the model, the
 second with each GEMV of the first in `--layout`, A B, B A, ... Reports tokens/s medians
 (min..max), the median of per-round ratios, and whether both sides generated the same tokens
@@ -73,8 +73,6 @@ def decode_rate(eng: LLMEngine, prompt: list[int], tokens: dict, name: str) -> f
 
 
 def compare(spec: str, dtype: str, layout: str, rounds: int) -> str:
-    if layout == "packed" and dtype == "float32":
-        return f"{spec} {dtype}: no packed layout (it is one of bf16 operands)"
     chosen, prompt = engine(spec, dtype)
     other, _ = engine(spec, dtype)
     mirror(linears(chosen), linears(other), layout)
