@@ -5,7 +5,6 @@ cannot build them (no g++, not Linux), which `kernels.cpu_build.supported` names
 from __future__ import annotations
 
 import platform
-import time
 
 import pytest
 import torch
@@ -282,22 +281,23 @@ def test_gemv_equals_the_torch_linear(isa, dtype, gemv_dtype, layout, rows, bias
     (torch.float32, torch.bfloat16, "packed"), (torch.float32, torch.bfloat16, "off")],
     ids=lambda v: str(v).removeprefix("torch."))
 def test_each_kind_of_layer_runs_its_few_rows_the_fastest_way(isa, monkeypatch, dtype, gemv_dtype, fast):
-    """choose_gemv times the ways of a kind of layer (here every way but `fast` is made 2 ms a
-    call slower) and leaves the whole kind in the fastest; the layouts give the same outputs, the
-    GEMM the same within rounding; weights streamed in their own dtype are not copied unless
-    packed; a bf16 copy of fp32 weights is streamed whatever the timing says (it is that mode)."""
+    """choose_gemv times the ways of a kind of layer (here on a clock that each real call advances
+    by 1, or 2 for every way but `fast`: a sleep on the wall clock flaked on a loaded machine) and
+    leaves the whole kind in the fastest; the layouts give the same outputs, the GEMM the same
+    within rounding; weights streamed in their own dtype are not copied unless packed; a bf16
+    copy of fp32 weights is streamed whatever the timing says (it is that mode)."""
     torch.manual_seed(0)
     lins = [linear.Linear([torch.nn.Linear(k, n, bias=False).to(dtype)], "torch", gemv=True, gemv_dtype=gemv_dtype)
             for n, k in [(96, 64), (48, 128), (96, 64)]]
     xs = [torch.randn(1, lin.in_features, dtype=dtype) for lin in lins]
     with torch.inference_mode():
         before = [lin(x) for lin, x in zip(lins, xs)]
-        call = linear.Linear.__call__
+        call, now = linear.Linear.__call__, [0.0]
 
         def timed(lin, x):
-            if linear.gemv_way(lin) != fast:
-                time.sleep(0.002)
+            now[0] += 1.0 if linear.gemv_way(lin) == fast else 2.0
             return call(lin, x)
+        monkeypatch.setattr(linear, "perf_counter", lambda: now[0])
         monkeypatch.setattr(linear.Linear, "__call__", timed)
         chosen = linear.choose_gemv(lins)
         monkeypatch.undo()
