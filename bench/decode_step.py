@@ -14,7 +14,6 @@ tokens.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
@@ -22,11 +21,10 @@ from collections.abc import Iterator
 
 import torch
 
-from bench.gemv_layout import decode_rate, engine
+from bench.gemv_layout import decode_bench_parser, decode_rate, engine, require_kernels
 from bench.rounds import interleave, ratios, spread
 from bench.throughput import cpu_report, machine, memory_read_bandwidth, weight_bytes
 from engine.model import decode_step
-from engine.model.model_runner import load_cpu_kernels
 
 HEAD = ("| model, dtype | one call, tok/s | op by op, tok/s | one call / op by op | weights read, one call | "
         "same tokens |\n|---|---|---|---|---|---|")
@@ -43,7 +41,7 @@ def op_by_op() -> Iterator[None]:
         decode_step.takes = takes
 
 
-def compare(spec: str, dtype: str, rounds: int, read_gbs: float) -> str:
+def compare(spec: str, dtype: str, rounds: int, read_gbs: float, huge_gbs: float) -> str:
     """One table row: the model in `dtype` decoding both ways, `rounds` rounds after a warm one."""
     eng, prompt = engine(spec, dtype)
     tokens: dict = {}
@@ -58,24 +56,21 @@ def compare(spec: str, dtype: str, rounds: int, read_gbs: float) -> str:
     gbs = statistics.median(res["one call"]) * weight_bytes(eng.loaded.model, eng.loaded.gemv_dtype) / 1e9
     return (f"| {spec}, {dtype} | {spread(res['one call'])} | {spread(res['op by op'])} | "
             f"**{spread(ratios(res['op by op'], res['one call']), '.2f').replace(' (', 'x** (', 1)} | {gbs:.1f} GB/s, "
-            f"{gbs / read_gbs:.0%} of the plain read | {tokens['one call'] == tokens['op by op']} |")
+            f"{gbs / read_gbs:.0%} of the plain read ({gbs / huge_gbs:.0%} on 2 MB pages) | "
+            f"{tokens['one call'] == tokens['op by op']} |")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2,gemma3")
-    ap.add_argument("--dtypes", default="float32,bfloat16,float32+bfloat16")
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    if not load_cpu_kernels():
-        raise SystemExit("the C++ CPU kernels did not load: decode_step is theirs")
-    read_gbs = memory_read_bandwidth()
+    args = decode_bench_parser(__doc__, "float32,bfloat16,float32+bfloat16").parse_args()
+    require_kernels()
+    read_gbs, huge_gbs = memory_read_bandwidth(), memory_read_bandwidth(huge_pages=True)
     print(f"bench.decode_step, {time.strftime('%Y-%m-%d %H:%M')}, {machine()} (the machine may be shared), "
           f"{torch.get_num_threads()} threads\n{cpu_report()}\nplain read (torch sum over 1 GiB, best of 5): "
-          f"{read_gbs:.1f} GB/s\n\n{HEAD}", flush=True)
+          f"{read_gbs:.1f} GB/s; on 2 MB pages, as the engine keeps the weights: {huge_gbs:.1f} GB/s\n\n{HEAD}",
+          flush=True)
     for spec in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            print(compare(spec, dtype, args.rounds, read_gbs), flush=True)
+            print(compare(spec, dtype, args.rounds, read_gbs, huge_gbs), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 SmolLM2-135M's decode step at batch 1..4 is four GEMVs per layer (q|k|v 576->960, o 576->576,
 gate|up 576->3072, down 1536->576) and the lm_head (576->49152, ~113 MB fp32). Each shape gets
 enough distinct weight copies (>= 128 MB) that every call reads its weights from memory, as a
-decode step does; a timed pass is one call on each copy, in turn. Sides are C++ kernel variants
+decode step does, in 2 MB pages as the engine keeps them (kernels/huge_pages.py); a timed pass is
+one call on each copy, in turn. Sides are C++ kernel variants
 (kernels.cpu_build.ISAS, each its torch.ops.kvscope_<isa>.gemv; `<isa>+packed` on weights in that
 variant's gemv_pack layout, `<isa>+serial` reading the rows one after another), `torch` (x W^T by torch.mm) and
 `read` (torch's sum over the same weights: what reading them costs, the GEMV's limit),
@@ -35,6 +36,7 @@ from bench.rounds import interleave, ratios
 from bench.throughput import ISA_ENV, cpu_report, isa_environment, machine, reexec_with
 from bench.baseline import BUILD_DIR
 from kernels import cpu_build
+from kernels.huge_pages import huge_page_copies
 from kernels.linear import GEMV_LAYOUTS
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
@@ -115,8 +117,8 @@ def main() -> None:
           + "  " + " ".join(f"{s + ' / ' + first:>14}" for s in sides if s != first), flush=True)
     for label, (n, k) in shapes.items():
         copies = max(1, -(-COPY_BYTES // (n * k * dtype.itemsize)))
-        weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
-        laid_out = {s: weights if s not in packs else [packs[s](w) for w in weights] for s in sides}
+        weights = huge_page_copies([torch.randn(n, k).to(dtype) for _ in range(copies)])  # as the engine has them
+        laid_out = {s: weights if s not in packs else huge_page_copies([packs[s](w) for w in weights]) for s in sides}
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k).to(x_dtype)
             out = torch.empty(rows, n, dtype=x_dtype)

@@ -28,7 +28,7 @@ from engine.core.sequence import SamplingParams
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import load_model
 from engine.model.model_runner import load_cpu_kernels
-from kernels.linear import GEMV_LAYOUTS, Linear, gemv_way, set_gemv
+from kernels.linear import GEMV_LAYOUTS, Linear, gemv_way, into_huge_pages, set_gemv
 
 PROMPT, NEW = 140, 128
 
@@ -47,9 +47,11 @@ def linears(eng: LLMEngine) -> list[Linear]:
 
 def mirror(chosen: list[Linear], other: list[Linear], layout: str) -> None:
     """Give `other` (the same model's Linears loaded again, whose own choice may differ) each of
-    `chosen`'s GEMVs in `layout`; one `chosen` leaves to the GEMM stays there."""
+    `chosen`'s GEMVs in `layout`; one `chosen` leaves to the GEMM stays there. Both read from 2 MB
+    pages, as the engine keeps its GEMVs' operands (a new layout is a new copy)."""
     for a, b in zip(chosen, other, strict=True):
         set_gemv(b, "off" if gemv_way(a) == "off" else layout)
+    into_huge_pages(other)
 
 
 def layouts(eng: LLMEngine) -> str:
@@ -88,15 +90,26 @@ def compare(spec: str, dtype: str, layout: str, rounds: int) -> str:
             + f"; chosen / other {spread(ratios(b, a), '.2f')}x; same tokens: {tokens['chosen'] == tokens['other']}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def decode_bench_parser(doc: str, dtypes: str) -> argparse.ArgumentParser:
+    """The arguments of the benches that decode the bundled models on two sides (this one,
+    bench.decode_step, bench.huge_pages)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,gemma3")
-    ap.add_argument("--dtypes", default="bfloat16,float32+bfloat16")
-    ap.add_argument("--layout", default="rows", choices=GEMV_LAYOUTS, help="the other side's GEMVs'")
+    ap.add_argument("--dtypes", default=dtypes)
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    return ap
+
+
+def require_kernels() -> None:
     if not load_cpu_kernels():
-        raise SystemExit("the C++ CPU kernels did not load: the GEMV is theirs")
+        raise SystemExit("the C++ CPU kernels did not load: what this bench measures is theirs")
+
+
+def main() -> None:
+    ap = decode_bench_parser(__doc__, "bfloat16,float32+bfloat16")
+    ap.add_argument("--layout", default="rows", choices=GEMV_LAYOUTS, help="the other side's GEMVs'")
+    args = ap.parse_args()
+    require_kernels()
     print(f"bench.gemv_layout, {machine()}, {torch.get_num_threads()} threads\n{cpu_report()}", flush=True)
     for spec in args.models.split(","):
         for dtype in args.dtypes.split(","):

@@ -56,6 +56,7 @@ from engine.model.engine import LLMEngine
 from engine.model.model_loader import BUNDLED, default_cache_dir, load_model
 from engine.core.sequence import SamplingParams
 from kernels import cpu_build
+from kernels.huge_pages import huge_page_copies
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
@@ -293,9 +294,11 @@ def cpu_report() -> str:
             f"{torch.backends.cpu.get_cpu_capability()}" + (f"; emulating with {emulated}" if emulated else ""))
 
 
-def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s: the best of `repeats` sums over a `gib` GiB float32 tensor on every thread."""
+def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5, huge_pages: bool = False) -> float:
+    """GB/s: the best of `repeats` sums over a `gib` GiB float32 tensor on every thread, in torch's
+    own memory or (`huge_pages`) in 2 MB pages, as the engine keeps the weights a decode step reads."""
     x = torch.ones(int(gib * 2**30) // 4)
+    x = huge_page_copies([x])[0] if huge_pages else x
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

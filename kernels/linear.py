@@ -20,10 +20,11 @@ Which way streams fastest depends on the machine and the shape (packed was 1.3-1
 one of this project's CPUs and 0.7-0.9x on another, where serial was 1.1-1.6x; the GEMV against
 oneDNN flipped between loads when timed on one matrix in cache), so `choose_gemv` times the ways
 where the model is loaded, per kind of layer, calling every layer's weights in turn as a decode
-step does.
+step does; then `into_huge_pages` moves the operands, each in its chosen layout, into 2 MB pages.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from time import perf_counter
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import cpu_build
+from kernels.huge_pages import huge_page_copies, return_freed_memory
 
 PACK_ROWS = 32  # oneDNN's layout hint: the decode batch; the same layout was best up to 2,048 rows
 GEMV_ROWS = 4  # kvscope.gemv takes up to this many rows
@@ -104,6 +106,23 @@ def set_gemv(lin: Linear, way: str) -> None:
     dtype is the weight itself, no copy."""
     lin.gemv = way != "off"
     relayout(lin, "rows" if way == "off" else way)
+
+
+def into_huge_pages(lins: list[Linear], params: Iterable[torch.nn.Parameter] = ()) -> None:
+    """Move the GEMV operands of `lins`, as choose_gemv left them, into one mapping of 2 MB pages
+    (kernels/huge_pages.py: fewer TLB misses as a decode step streams them). What held the same
+    tensor takes the copy too, so no second copy stays: the Linear's GEMM weight and rows, and
+    any of `params` (the model's, a tied embedding among them) on the same memory."""
+    lins, old = [lin for lin in lins if lin.gemv], None
+    by_memory = {(p.data_ptr(), p.shape, p.dtype): p for p in params}
+    for lin, new in zip(lins, huge_page_copies([lin.plain for lin in lins])):
+        old, lin.plain = lin.plain, new
+        lin.rows = new if lin.rows is old else lin.rows
+        lin.weight = new if lin.weight is old else lin.weight
+        if (param := by_memory.get((old.data_ptr(), old.shape, old.dtype))) is not None:
+            param.data = new
+    del old  # the last copy replaced: freed before the heap goes back
+    return_freed_memory()
 
 
 def gemv_way(lin: Linear) -> str:

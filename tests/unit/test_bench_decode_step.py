@@ -18,9 +18,11 @@ def test_both_sides_decode_the_same_tokens_and_the_runner_is_left_as_found(monke
     monkeypatch.setattr(decode_step, "takes", lambda *a: bool(takes(*a)) and not calls.__setitem__(
         "one call", calls["one call"] + 1))
     before = decode_step.takes
-    row = compare("tiny", "float32", rounds=1, read_gbs=10.0)
+    row = compare("tiny", "float32", rounds=1, read_gbs=10.0, huge_gbs=20.0)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == "tiny, float32" and cells[-1] == "True", row
+    gbs = float(cells[4].split(" GB/s")[0])
+    assert f"{gbs / 10:.0%} of the plain read ({gbs / 20:.0%} on 2 MB pages)" in cells[4], row
     assert calls["one call"] == 2 * 128  # the warm-up and the round's one-call side, 128 decode steps each
     assert decode_step.takes is before
     with op_by_op():
