@@ -27,7 +27,7 @@ from bench.throughput import cpu_report, machine, make_engine
 from engine.core.sequence import SamplingParams
 from engine.model.engine import LLMEngine
 from engine.model.model_loader import load_model
-from engine.model.model_runner import load_cpu_kernels
+from engine.model.model_runner import load_cpu_kernels, step_linears
 from kernels.linear import GEMV_LAYOUTS, Linear, gemv_way, into_huge_pages, set_gemv
 
 PROMPT, NEW = 140, 128
@@ -40,9 +40,7 @@ def engine(spec: str, dtype: str) -> tuple[LLMEngine, list[int]]:
 
 
 def linears(eng: LLMEngine) -> list[Linear]:
-    runner = eng.runner
-    lins = [lin for w in runner.layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [runner.lm_head]
-    return [lin for lin in lins if lin is not None]
+    return step_linears(eng.runner.layers, eng.runner.lm_head)
 
 
 def mirror(chosen: list[Linear], other: list[Linear], layout: str) -> None:

@@ -18,7 +18,7 @@ import torch
 from bench.gemv_layout import decode_bench_parser, decode_rate, engine, layouts, linears, require_kernels
 from bench.rounds import interleave, ratios, spread
 from bench.throughput import cpu_report, machine, memory_read_bandwidth
-from kernels.linear import Linear, gemv_way, set_gemv
+from kernels.linear import Linear, gemv_way, replace_operand, set_gemv
 
 
 def ordinary_pages(chosen: list[Linear], other: list[Linear]) -> None:
@@ -27,8 +27,7 @@ def ordinary_pages(chosen: list[Linear], other: list[Linear]) -> None:
     for a, b in zip(chosen, other, strict=True):
         set_gemv(b, gemv_way(a))
         if b.gemv:
-            old, b.plain = b.plain, b.plain.clone()
-            b.rows = b.plain if b.rows is old else b.rows
+            replace_operand(b, b.plain.clone())
 
 
 def compare(spec: str, dtype: str, rounds: int) -> str:

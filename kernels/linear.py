@@ -108,6 +108,15 @@ def set_gemv(lin: Linear, way: str) -> None:
     relayout(lin, "rows" if way == "off" else way)
 
 
+def replace_operand(lin: Linear, new: Tensor) -> Tensor:
+    """Have `lin`'s GEMV read `new` (the same values, elsewhere in memory) in place of its operand,
+    and its rows and GEMM weight too where they were that operand; returns the operand replaced."""
+    old, lin.plain = lin.plain, new
+    lin.rows = new if lin.rows is old else lin.rows
+    lin.weight = new if lin.weight is old else lin.weight
+    return old
+
+
 def into_huge_pages(lins: list[Linear], params: Iterable[torch.nn.Parameter] = ()) -> None:
     """Move the GEMV operands of `lins`, as choose_gemv left them, into one mapping of 2 MB pages
     (kernels/huge_pages.py: fewer TLB misses as a decode step streams them). What held the same
@@ -116,9 +125,7 @@ def into_huge_pages(lins: list[Linear], params: Iterable[torch.nn.Parameter] = (
     lins, old = [lin for lin in lins if lin.gemv], None
     by_memory = {(p.data_ptr(), p.shape, p.dtype): p for p in params}
     for lin, new in zip(lins, huge_page_copies([lin.plain for lin in lins])):
-        old, lin.plain = lin.plain, new
-        lin.rows = new if lin.rows is old else lin.rows
-        lin.weight = new if lin.weight is old else lin.weight
+        old = replace_operand(lin, new)
         if (param := by_memory.get((old.data_ptr(), old.shape, old.dtype))) is not None:
             param.data = new
     del old  # the last copy replaced: freed before the heap goes back

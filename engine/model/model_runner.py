@@ -131,10 +131,14 @@ def _prepare(model: torch.nn.Module, gemv_dtype: torch.dtype | None, windows: li
     choose_gemv([lm_head])
     # the operands a decode step streams, each way chosen, into 2 MB pages: 1.01-1.23x the decode
     # (kernels/huge_pages.py)
-    into_huge_pages([lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down) if lin] + [lm_head],
-                    model.parameters())
+    into_huge_pages(step_linears(layers, lm_head), model.parameters())
     return Prepared(layers, lm_head, _norm_weight(model.model.norm, gemma), mlp_out, _eps(model.model.norm),
                     list(dict.fromkeys(w.rope for w in layers)))
+
+
+def step_linears(layers: list[LayerWeights], lm_head: Linear) -> list[Linear]:
+    """Every Linear of a step, layer by layer (q|k|v, o, gate|up, down), then the lm_head."""
+    return [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down) if lin] + [lm_head]
 
 
 def _eps(norm: torch.nn.Module) -> float:
